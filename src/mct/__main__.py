@@ -1,0 +1,3 @@
+from mct.cli import main
+
+raise SystemExit(main())

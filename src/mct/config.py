@@ -1,0 +1,347 @@
+"""Configuration: keyword-only dataclasses, one per TOML section.
+
+Every user mistake raises ``ValueError`` naming the key, the value and what is
+allowed. ``EngineConfig.from_dict`` accepts the same nested dict shape as the TOML
+file; ``apply_overrides`` applies ``section.key=value`` strings typed by the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, key: str = "memory.budget") -> int:
+    """'24GiB' / '512MB' / 1024 -> bytes. Raises ValueError naming ``key``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"{key} must be positive, got {text!r}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{key} must be a positive size like '2GiB', '512MiB' or '1.5GB', got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{key} = {value!r} is not allowed: {allowed}")
+
+
+def _check_range(key: str, value: float, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        _fail(key, value, f"must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and value > hi:
+        _fail(key, value, f"must be <= {hi}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide d_model."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 128
+    """Context length in tokens (bytes)."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte tokenizer."""
+    dropout: float = 0.0
+    """Dropout probability on attention, MLP and embeddings, in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+            _check_range(f"model.{k}", getattr(self, k), 1)
+        if self.d_model % self.n_head:
+            _fail("model.d_model", self.d_model, f"must be divisible by model.n_head = {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("model.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""
+    """Text file, directory of text files, or uint16 .bin of tokens; '' = the Python stdlib sources."""
+    micro_batch_size: int = 16
+    """Sequences per rank per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    val_fraction: float = 0.1
+    """Fraction of files held out for validation (split by file, never by window)."""
+
+    def __post_init__(self) -> None:
+        _check_range("data.micro_batch_size", self.micro_batch_size, 1)
+        _check_range("data.grad_accum", self.grad_accum, 1)
+        if not 0.0 < self.val_fraction < 1.0:
+            _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    lr: float = 3e-3
+    """Peak learning rate (linear warmup, then cosine decay to lr/10)."""
+    warmup_steps: int = 30
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms, biases, embeddings' norms)."""
+    grad_clip: float = 1.0
+    """Global L2 gradient-norm clip; 0 disables clipping."""
+    eval_every: int = 50
+    """Validation every N steps (and at the last step); 0 disables."""
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation."""
+    log_every: int = 10
+    """Write a metrics line every N steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps; 0 disables."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into the run directory."""
+
+    def __post_init__(self) -> None:
+        _check_range("train.steps", self.steps, 1)
+        _check_range("train.lr", self.lr, 0.0, lo_open=True)
+        _check_range("train.warmup_steps", self.warmup_steps, 0)
+        _check_range("train.weight_decay", self.weight_decay, 0.0)
+        _check_range("train.grad_clip", self.grad_clip, 0.0)
+        for k in ("eval_every", "eval_batches", "checkpoint_every"):
+            _check_range(f"train.{k}", getattr(self, k), 0)
+        _check_range("train.log_every", self.log_every, 1)
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    mode: str = "fp32"
+    """'fp32', 'bf16' or 'fp16': dtype of working parameters and compute."""
+    reduce_dtype: str = "fp32"
+    """Dtype in which gradients are reduced across ranks: 'fp32' or 'param' (the working dtype)."""
+    initial_scale_power: int = 16
+    """fp16: initial loss scale is 2**initial_scale_power."""
+    growth_interval: int = 1000
+    """fp16: double the scale after this many consecutive clean steps."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale is halved (refilled on growth)."""
+    min_scale: float = 1.0
+    """fp16: the scale never goes below this; an overflow here with hysteresis used up stops training."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fp32", "bf16", "fp16"):
+            _fail("precision.mode", self.mode, "choose 'fp32', 'bf16' or 'fp16'")
+        if self.reduce_dtype not in ("fp32", "param"):
+            _fail("precision.reduce_dtype", self.reduce_dtype, "choose 'fp32' or 'param'")
+        _check_range("precision.initial_scale_power", self.initial_scale_power, 0, 64)
+        _check_range("precision.growth_interval", self.growth_interval, 1)
+        _check_range("precision.hysteresis", self.hysteresis, 1)
+        _check_range("precision.min_scale", self.min_scale, 0.0, lo_open=True)
+
+
+POLICIES = ("none", "all", "every_k", "sqrt", "selective", "auto")
+
+
+@dataclass(kw_only=True)
+class CheckpointingConfig:
+    policy: str = "none"
+    """Which blocks recompute in backward: none, all, every_k, sqrt, selective, auto."""
+    k: int = 2
+    """every_k: checkpoint every k-th block (1 = all)."""
+    blocks: list[str] = field(default_factory=list)
+    """Module class names that are blocks; [] = children of the longest nn.ModuleList."""
+    verify: bool = False
+    """First step: compare every recomputed block output with the forward one, by value."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            _fail("checkpointing.policy", self.policy, f"choose one of {', '.join(POLICIES)}")
+        _check_range("checkpointing.k", self.k, 1)
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    stage: int | str = 0
+    """0 (data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters) sharded, or 'auto'."""
+    bucket_mb: float = 25.0
+    """Largest single gradient/parameter collective, in MiB."""
+    prefetch: bool = True
+    """Stage 3: all-gather the next block's parameters while this one computes."""
+    persistent_numel: int = 0
+    """Stage 3: units with at most this many elements stay gathered (0 = shard everything)."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3, "auto") or isinstance(self.stage, bool):
+            _fail("zero.stage", self.stage, "choose 0, 1, 2, 3 or 'auto'")
+        _check_range("zero.bucket_mb", self.bucket_mb, 0.0, lo_open=True)
+        _check_range("zero.persistent_numel", self.persistent_numel, 0)
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    budget: str = ""
+    """Per-rank memory budget, e.g. '2GiB'; '' = none."""
+    enforce: bool = False
+    """Raise MemoryBudgetExceeded as soon as live bytes pass the budget."""
+    track: bool = True
+    """Count live tensor bytes by category and stage (CPU: exact; CUDA: torch.cuda stats)."""
+
+    def __post_init__(self) -> None:
+        if self.budget:
+            parse_bytes(self.budget)
+        if self.enforce and not self.budget:
+            _fail("memory.enforce", self.enforce, "needs memory.budget, e.g. budget = '2GiB'")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return parse_bytes(self.budget) if self.budget else None
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    backend: str = "auto"
+    """'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            _fail("distributed.backend", self.backend, "choose 'auto', 'gloo' or 'nccl'")
+        _check_range("distributed.timeout_s", self.timeout_s, 0.0, lo_open=True)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+    "precision": PrecisionConfig, "checkpointing": CheckpointingConfig,
+    "zero": ZeroConfig, "memory": MemoryConfig, "distributed": DistributedConfig,
+}
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    seed: int = 1337
+    """Seeds model init, data order and dropout; recorded in metadata.json."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "EngineConfig":
+        """Build from the nested dict shape of the TOML file. Raises ValueError on
+        unknown sections or keys, wrong types, and out-of-range values."""
+        d = dict(d or {})
+        kwargs: dict[str, Any] = {}
+        if "seed" in d:
+            kwargs["seed"] = _coerce("seed", d.pop("seed"), int)
+        for name, sub in d.items():
+            if name not in _SECTIONS:
+                allowed = ", ".join(["seed", *_SECTIONS])
+                raise ValueError(f"unknown config section {name!r}; allowed: {allowed}")
+            if not isinstance(sub, dict):
+                raise ValueError(f"config section [{name}] must be a table, got {sub!r}")
+            kwargs[name] = _build_section(name, _SECTIONS[name], sub)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build_section(name: str, klass: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(klass)
+    fields = {f.name for f in dataclasses.fields(klass)}
+    out = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"unknown config key {name}.{key}; allowed in [{name}]: {', '.join(sorted(fields))}")
+        out[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return klass(**out)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the annotation ``typ``; ints are accepted for floats."""
+    options = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    for t in options:
+        origin = typing.get_origin(t)
+        if origin is list:
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return list(value)
+            continue
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (str, bool) and type(value) is t:
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}")
+
+
+def _parse_text(key: str, text: str, typ: Any) -> Any:
+    """Type a --set string by the field's annotation."""
+    options = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    for t in options:
+        if t is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+        elif typing.get_origin(t) is list:
+            return [s.strip() for s in text.split(",") if s.strip()]
+        elif t in (int, float):
+            try:
+                return t(text)
+            except ValueError:
+                continue
+        elif t is str:
+            return text
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+    raise ValueError(f"{key} = {text!r} has the wrong type: expected {names}")
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings to a config dict, typing each by its field."""
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r} must look like section.key=value, e.g. zero.stage=2")
+        path, text = item.split("=", 1)
+        path = path.strip()
+        if path == "seed":
+            d["seed"] = _parse_text("seed", text, int)
+            continue
+        if path.count(".") != 1:
+            raise ValueError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
+        section, key = path.split(".")
+        if section not in _SECTIONS:
+            raise ValueError(f"--set {item!r}: unknown section {section!r}; allowed: {', '.join(_SECTIONS)}")
+        hints = typing.get_type_hints(_SECTIONS[section])
+        if key not in hints:
+            raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
+        d.setdefault(section, {})[key] = _parse_text(path, text.strip(), hints[key])
+    return d
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
+    """TOML file (optional) + overrides -> validated EngineConfig."""
+    d: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--config {str(p)!r}: no such file")
+        try:
+            d = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {str(p)!r} is not valid TOML: {e}") from None
+    return EngineConfig.from_dict(apply_overrides(d, overrides or []))

@@ -1,0 +1,95 @@
+"""DistContext: who this process is in the data-parallel group.
+
+Built from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) or
+from an already-initialized default process group. gloo on CPU, nccl on CUDA, always
+with a timeout so a missing rank fails instead of hanging. No module-level state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def current(cls, device: torch.device | None = None) -> "DistContext":
+        """The context of the default process group if one is initialized, else a
+        single process on ``device`` (CUDA if available, else CPU)."""
+        if dist.is_available() and dist.is_initialized():
+            backend = dist.get_backend()
+            if device is None:
+                device = _default_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
+            return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+                       device=device, backend=backend)
+        return cls(device=device or _default_device("none", 0))
+
+
+def _default_device(backend: str, local_rank: int) -> torch.device:
+    if backend in ("nccl", "none") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer (set by torchrun)") from None
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
+    """Initialize the default process group from torchrun's environment when
+    WORLD_SIZE > 1; otherwise return a single-process context. Idempotent."""
+    if dist.is_initialized():
+        return DistContext.current()
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK must be in [0, {world}), got {rank}")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("distributed.backend = 'nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
+    if world == 1:
+        return DistContext(device=_default_device(backend, 0))
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ValueError(f"WORLD_SIZE={world} but {var} is not set: launch with torchrun or `mct train --nproc N`")
+    device = _default_device(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def teardown() -> None:
+    """Destroy the default process group if this process created one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
