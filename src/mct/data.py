@@ -1,0 +1,361 @@
+"""Data pipeline: byte tokenizer, corpus loading, file-level split, per-rank sampler.
+
+Corpus sources (``data.path``):
+
+- ``""``: the Python standard library's own ``.py`` sources on this machine (found via
+  ``sysconfig``; ``site-packages``, ``test``/``tests``, ``idlelib`` and ``lib2to3`` are
+  left out). Files are taken in sorted relative-path order until the next would pass
+  8 MiB, so loading takes about a second at most (sizes come from stat, so only the files
+  kept are read) and nothing is downloaded. The corpus differs between Python versions;
+  the fingerprint records which one a run used.
+- a text file: cut into contiguous documents of at most ``doc_bytes`` (64 KiB) each,
+  at least two, sizes equal to within one byte.
+- a directory: every UTF-8 file without NUL bytes under it (recursive, sorted, hidden
+  names skipped) is one document. A directory holding a single text file is cut like a file.
+- a ``.bin``: uint16 little-endian tokens (memory-mapped), cut into documents like a file.
+
+Each document goes to validation when ``sha256(seed, name)`` maps below ``val_fraction``
+(stable across processes and Python runs), with at least one document on each side.
+Train and validation are separate token arrays, so no training window can contain
+validation text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from mct.config import EngineConfig
+
+DOC_BYTES = 64 * 1024
+"""Size cap of one document when a single file or a .bin is split (bytes or tokens)."""
+STDLIB_CAP_BYTES = 8 * 1024 * 1024
+"""The default corpus stops before this many bytes of stdlib sources."""
+_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
+                                   "idlelib", "lib2to3", "__pycache__"})
+_TRAIN_STREAM, _VAL_STREAM = 0, 1  # separate seed streams: eval never shifts training data
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255, lossless for any text."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> uint8 array of its UTF-8 bytes."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+    def decode(self, ids: Any) -> str:
+        """Sequence/array/tensor of ids in [0, 256) -> text; invalid UTF-8 becomes U+FFFD.
+        Raises ValueError for ids outside [0, 256)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError(f"byte ids must be in [0, 256), got min {arr.min()} max {arr.max()}; "
+                             "ids from a .bin corpus need that corpus's own tokenizer to decode")
+        return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Corpus:
+    """Tokens split by document. ``train``/``val``: 1-D uint8 (text) or uint16 (.bin)
+    arrays, documents concatenated in sorted order. ``*_files``: document names
+    (relative paths, or ``name#index`` for pieces of one file). ``fingerprint``: sha256
+    over names, sizes, split and content. ``min_vocab_size``: largest token id + 1."""
+
+    train: np.ndarray
+    val: np.ndarray
+    train_files: list[str]
+    val_files: list[str]
+    fingerprint: str
+    source: str
+    min_vocab_size: int
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if any token id is >= ``vocab_size``."""
+        if self.min_vocab_size > vocab_size:
+            raise ValueError(f"corpus {self.source!r} has token ids up to {self.min_vocab_size - 1}, "
+                             f"but model.vocab_size = {vocab_size}; set model.vocab_size >= "
+                             f"{self.min_vocab_size}")
+
+    def metadata(self) -> dict[str, Any]:
+        """A JSON-ready summary for run metadata."""
+        return {"source": self.source, "fingerprint": self.fingerprint,
+                "train_tokens": int(self.train.size), "val_tokens": int(self.val.size),
+                "train_files": len(self.train_files), "val_files": len(self.val_files),
+                "dtype": str(self.train.dtype), "min_vocab_size": self.min_vocab_size}
+
+
+def _read_bytes(path: Path) -> bytes:
+    """One place for file reads, so an unreadable file becomes a ValueError."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
+                         "fix its permissions or remove it from the corpus") from None
+
+
+def _is_text(data: bytes) -> bool:
+    if b"\x00" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _walk_sorted(root: Path, skip_dir) -> list[Path]:
+    """Files under ``root`` in sorted relative-path order, pruning dirs where skip_dir(name)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not skip_dir(d)]
+        found += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _stdlib_documents() -> tuple[list[tuple[str, np.ndarray]], str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ValueError(f"data.path = '' uses the Python standard library sources, but {str(root)!r} "
+                         "is not a directory here; set data.path to a text file or directory")
+    files = _walk_sorted(root, lambda d: d in _STDLIB_EXCLUDED_DIRS or d.startswith("."))
+    docs, total = [], 0
+    for f in (f for f in files if f.suffix == ".py"):
+        size = f.stat().st_size
+        if total + size > STDLIB_CAP_BYTES:
+            break
+        data = _read_bytes(f)
+        if data and _is_text(data):
+            docs.append((f.relative_to(root).as_posix(), np.frombuffer(data, dtype=np.uint8)))
+            total += len(data)
+    return docs, f"python-stdlib:{root}"
+
+
+def _chunk(name: str, tokens: np.ndarray, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+    """Cut one token stream into >= 2 contiguous documents of at most ``doc_bytes``."""
+    n_docs = max(2, math.ceil(tokens.size / doc_bytes))
+    if tokens.size < n_docs:
+        raise ValueError(f"data.path {name!r} has only {tokens.size} tokens; it cannot be split into "
+                         "train and validation documents; use a larger corpus")
+    bounds = [i * tokens.size // n_docs for i in range(n_docs + 1)]
+    width = len(str(n_docs - 1))
+    return [(f"{name}#{i:0{width}d}", tokens[bounds[i]:bounds[i + 1]]) for i in range(n_docs)]
+
+
+def _bin_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise ValueError(f"data.path = {str(path)!r} is {size} bytes; a .bin must hold uint16 "
+                         "little-endian tokens (a non-zero, even number of bytes); re-export it")
+    try:
+        tokens = np.memmap(path, dtype="<u2", mode="r")
+    except OSError as e:
+        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
+                         "fix its permissions") from None
+    return _chunk(path.name, tokens, doc_bytes)
+
+
+def _text_file_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+    data = _read_bytes(path)
+    if not data:
+        raise ValueError(f"data.path = {str(path)!r} is an empty file; point it at a file with text")
+    if not _is_text(data):
+        raise ValueError(f"data.path = {str(path)!r} is not UTF-8 text (or holds NUL bytes); "
+                         "convert it to UTF-8, or pre-tokenize it into a uint16 .bin")
+    return _chunk(path.name, np.frombuffer(data, dtype=np.uint8), doc_bytes)
+
+
+def _dir_documents(root: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+    docs = []
+    for f in _walk_sorted(root, lambda d: d.startswith(".") or d == "__pycache__"):
+        data = _read_bytes(f)
+        if data and _is_text(data):
+            docs.append((f.relative_to(root).as_posix(), np.frombuffer(data, dtype=np.uint8)))
+    if not docs:
+        raise ValueError(f"data.path = {str(root)!r} holds no non-empty UTF-8 text files; "
+                         "add text files, or point data.path at a file or a .bin")
+    return _chunk(*docs[0], doc_bytes) if len(docs) == 1 else docs
+
+
+def split_hash(seed: int, name: str) -> float:
+    """Stable uniform number in [0, 1) for (seed, document name); sha256-based."""
+    digest = hashlib.sha256(f"{seed}\x00{name}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _assign(names: list[str], seed: int, val_fraction: float) -> list[bool]:
+    """True = validation. Forces one document onto each side (the nearest by hash)."""
+    assert len(names) >= 2, "callers guarantee at least two documents"
+    h = [split_hash(seed, n) for n in names]
+    is_val = [x < val_fraction for x in h]
+    if not any(is_val):
+        is_val[min(range(len(h)), key=h.__getitem__)] = True
+    if all(is_val):
+        is_val[max(range(len(h)), key=h.__getitem__)] = False
+    return is_val
+
+
+def _concat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
+
+
+def _fingerprint(docs: list[tuple[str, np.ndarray]], is_val: list[bool], dtype: np.dtype) -> str:
+    h = hashlib.sha256(str(dtype).encode())
+    for (name, toks), v in zip(docs, is_val):
+        h.update(f"{name}\x00{toks.size}\x00{'val' if v else 'train'}\n".encode("utf-8"))
+        h.update(np.ascontiguousarray(toks).data)  # ~10 ms for 8 MB: content is hashed too
+    return h.hexdigest()
+
+
+def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
+                doc_bytes: int = DOC_BYTES) -> Corpus:
+    """Load ``path`` (see the module docstring; ``""`` = stdlib sources) and split it by
+    document. Returns a Corpus; reads files, mutates nothing. Raises ValueError for a
+    blank or missing path, unreadable or empty files, a directory without text files, a
+    .bin of odd length, ``val_fraction`` outside (0, 1), or a split shorter than
+    ``seq_len + 1`` tokens."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction = {val_fraction!r} must be in (0, 1), e.g. 0.1")
+    if seq_len < 1:
+        raise ValueError(f"model.seq_len = {seq_len!r} must be >= 1")
+    if doc_bytes < 1:
+        raise ValueError(f"doc_bytes = {doc_bytes!r} must be >= 1")
+    if path == "":
+        docs, source = _stdlib_documents()
+    else:
+        if not path.strip():
+            raise ValueError(f"data.path = {path!r} is blank; use '' for the stdlib corpus, or a "
+                             "text file, directory or .bin")
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise ValueError(f"data.path = {path!r} does not exist; point it at a text file, a "
+                             "directory of text files or a uint16 .bin (or '' for the stdlib corpus)")
+        if p.is_dir():
+            docs = _dir_documents(p, doc_bytes)
+        elif p.suffix == ".bin":
+            docs = _bin_documents(p, doc_bytes)
+        else:
+            docs = _text_file_documents(p, doc_bytes)
+        source = str(p)
+    dtype = np.dtype(np.uint16 if docs[0][1].dtype.itemsize == 2 else np.uint8)
+    is_val = _assign([n for n, _ in docs], seed, val_fraction)
+    train = _concat([t for (_, t), v in zip(docs, is_val) if not v], dtype)
+    val = _concat([t for (_, t), v in zip(docs, is_val) if v], dtype)
+    for split, arr in (("train", train), ("validation", val)):
+        if arr.size < seq_len + 1:
+            raise ValueError(f"the {split} split of {source!r} has {arr.size} tokens, fewer than one "
+                             f"window of model.seq_len + 1 = {seq_len + 1}; use a larger corpus, "
+                             "reduce model.seq_len, or change data.val_fraction")
+    max_id = max(int(train.max()), int(val.max()))
+    return Corpus(train=train, val=val,
+                  train_files=[n for (n, _), v in zip(docs, is_val) if not v],
+                  val_files=[n for (n, _), v in zip(docs, is_val) if v],
+                  fingerprint=_fingerprint(docs, is_val, dtype), source=source,
+                  min_vocab_size=max_id + 1)
+
+
+def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value >= hi):
+        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+class BatchSampler:
+    """Stateless, seeded windows: every call is a pure function of its arguments.
+
+    A training step draws ``world_size * grad_accum * micro_batch_size`` distinct window
+    offsets from a generator seeded by (seed, step); rank r, micro-batch m takes slice
+    ``(r * grad_accum + m) * B ... + B``. So any process can rebuild any rank's batch, a
+    run resumes at any step, and no two ranks or micro-batches share a window in a step.
+    Validation draws from ``corpus.val`` on its own seed stream (seed, i).
+    """
+
+    def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, grad_accum: int,
+                 world_size: int, seed: int) -> None:
+        """Raises ValueError for non-positive sizes or a train split too small for one
+        step's distinct windows."""
+        _check_int("model.seq_len", seq_len, 1)
+        _check_int("data.micro_batch_size", micro_batch_size, 1)
+        _check_int("data.grad_accum", grad_accum, 1)
+        _check_int("world_size", world_size, 1)
+        self.corpus, self.seq_len, self.seed = corpus, seq_len, seed
+        self.micro_batch_size, self.grad_accum, self.world_size = micro_batch_size, grad_accum, world_size
+        self._seed_key = seed % 2**64  # SeedSequence needs a non-negative entropy word
+        self.windows_per_step = world_size * grad_accum * micro_batch_size
+        n_train, n_val = self._positions(corpus.train), self._positions(corpus.val)
+        if n_train < self.windows_per_step:
+            raise ValueError(
+                f"the train split has {corpus.train.size} tokens: {max(n_train, 0)} windows of "
+                f"model.seq_len + 1 = {seq_len + 1}, but one step needs {self.windows_per_step} distinct "
+                "windows (world_size x data.grad_accum x data.micro_batch_size); use a larger corpus "
+                "or smaller batches")
+        if n_val < 1:
+            raise ValueError(f"the validation split has {corpus.val.size} tokens, fewer than "
+                             f"model.seq_len + 1 = {seq_len + 1}; reduce model.seq_len or use more data")
+
+    def _positions(self, tokens: np.ndarray) -> int:
+        return tokens.size - self.seq_len  # valid start offsets: window is seq_len + 1 long
+
+    def step_offsets(self, step: int) -> np.ndarray:
+        """All window offsets of ``step``, shape [world_size, grad_accum, micro_batch_size]."""
+        _check_int("step", step, 0)
+        rng = np.random.default_rng([self._seed_key, _TRAIN_STREAM, step])
+        flat = rng.choice(self._positions(self.corpus.train), size=self.windows_per_step,
+                          replace=False)
+        return flat.reshape(self.world_size, self.grad_accum, self.micro_batch_size)
+
+    def val_offsets(self, i: int) -> np.ndarray:
+        """Window offsets of validation batch ``i`` for all ranks, shape [world_size, B].
+        Distinct when the split has enough windows, else drawn with replacement."""
+        _check_int("validation batch index", i, 0)
+        rng = np.random.default_rng([self._seed_key, _VAL_STREAM, i])
+        n, k = self._positions(self.corpus.val), self.world_size * self.micro_batch_size
+        return rng.choice(n, size=k, replace=k > n).reshape(self.world_size, self.micro_batch_size)
+
+    def _windows(self, tokens: np.ndarray, offsets: np.ndarray,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = offsets[:, None] + np.arange(self.seq_len + 1)
+        chunk = torch.from_numpy(tokens[idx].astype(np.int64))
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        return x.contiguous().to(device), y.contiguous().to(device)
+
+    def batch(self, step: int, micro: int, rank: int,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, targets), int64 [B, T] each, targets = inputs shifted by one."""
+        _check_int("micro", micro, 0, self.grad_accum)
+        _check_int("rank", rank, 0, self.world_size)
+        return self._windows(self.corpus.train, self.step_offsets(step)[rank, micro], device)
+
+    def micro_batches(self, step: int, rank: int,
+                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``grad_accum`` micro-batches of ``rank`` at ``step``, in order."""
+        _check_int("rank", rank, 0, self.world_size)
+        offsets = self.step_offsets(step)[rank]
+        return [self._windows(self.corpus.train, o, device) for o in offsets]
+
+    def val_batch(self, i: int, rank: int = 0,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch ``i`` of ``rank``: fixed for a seed, from the val split only."""
+        _check_int("rank", rank, 0, self.world_size)
+        return self._windows(self.corpus.val, self.val_offsets(i)[rank], device)
+
+
+def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
+    """Corpus and sampler from a config; checks token ids against model.vocab_size."""
+    corpus = load_corpus(cfg.data.path, seed=cfg.seed, val_fraction=cfg.data.val_fraction,
+                         seq_len=cfg.model.seq_len)
+    corpus.check_vocab(cfg.model.vocab_size)
+    sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,
+                           grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed)
+    return corpus, sampler
