@@ -144,6 +144,13 @@ def test_single_text_file_is_split_into_contiguous_documents(tmp_path):
     assert c.val.tobytes() == val_bytes
 
 
+def test_directory_with_one_text_file_is_cut_into_documents(tmp_path):
+    (tmp_path / "only.txt").write_text("abcdefghij" * 100)
+    c = load_corpus(str(tmp_path), seed=1, val_fraction=0.5, seq_len=8, doc_bytes=100)
+    assert sorted(c.train_files + c.val_files) == [f"only.txt#{i}" for i in range(10)]
+    assert c.train_files and c.val_files
+
+
 # --- sampler -------------------------------------------------------------------------
 
 @pytest.fixture
@@ -158,9 +165,9 @@ def test_batches_are_int64_and_targets_are_inputs_shifted_by_one(corpus):
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
     torch.testing.assert_close(x[:, 1:], y[:, :-1])
     offsets = s.step_offsets(0)[1, 1]
-    for row, o in zip(x, offsets):
+    for row, target, o in zip(x, y, offsets):
         assert row.numpy().tolist() == corpus.train[o:o + 16].tolist()
-        assert y[list(offsets).index(o), -1].item() == corpus.train[o + 16]
+        assert target.numpy().tolist() == corpus.train[o + 1:o + 17].tolist()
 
 
 def test_same_step_micro_rank_gives_identical_batch_from_a_fresh_sampler(corpus):

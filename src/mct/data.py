@@ -139,11 +139,15 @@ def _stdlib_documents() -> tuple[list[tuple[str, np.ndarray]], str]:
         if data and _is_text(data):
             docs.append((f.relative_to(root).as_posix(), np.frombuffer(data, dtype=np.uint8)))
             total += len(data)
+    if not docs:
+        raise ValueError(f"data.path = '' found no Python sources under {str(root)!r}; "
+                         "set data.path to a text file or directory")
     return docs, f"python-stdlib:{root}"
 
 
 def _chunk(name: str, tokens: np.ndarray, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
-    """Cut one token stream into >= 2 contiguous documents of at most ``doc_bytes``."""
+    """Cut one token stream into >= 2 contiguous documents of at most ``doc_bytes``
+    tokens each, sizes equal to within one."""
     n_docs = max(2, math.ceil(tokens.size / doc_bytes))
     if tokens.size < n_docs:
         raise ValueError(f"data.path {name!r} has only {tokens.size} tokens; it cannot be split into "
@@ -185,7 +189,7 @@ def _dir_documents(root: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
     if not docs:
         raise ValueError(f"data.path = {str(root)!r} holds no non-empty UTF-8 text files; "
                          "add text files, or point data.path at a file or a .bin")
-    return _chunk(*docs[0], doc_bytes) if len(docs) == 1 else docs
+    return docs
 
 
 def split_hash(seed: int, name: str) -> float:
@@ -248,6 +252,8 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
         else:
             docs = _text_file_documents(p, doc_bytes)
         source = str(p)
+    if len(docs) == 1:  # a lone file still needs a document on each side of the split
+        docs = _chunk(*docs[0], doc_bytes)
     dtype = np.dtype(np.uint16 if docs[0][1].dtype.itemsize == 2 else np.uint8)
     is_val = _assign([n for n, _ in docs], seed, val_fraction)
     train = _concat([t for (_, t), v in zip(docs, is_val) if not v], dtype)
