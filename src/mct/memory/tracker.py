@@ -1,0 +1,419 @@
+"""Live tensor bytes by category, and the peak of each stage of a training step.
+
+On CPU the tracker is a small ``TorchDispatchMode``: it sees the outputs of every
+ATen op run inside ``stage()``/``category()``, counts each new untyped storage once
+by ``nbytes()``, and subtracts it when the storage object is freed (a weakref
+callback). Views share their base's storage and in-place ops return an input, so
+neither adds bytes. Counts are exact and deterministic: the same program yields the
+same bytes on every run.
+
+Why not torch's ``MemTracker`` (``torch.distributed._tools``)? It is built around
+module and optimizer hooks (per-module fw/bw snapshots), monkey-patches
+``UntypedStorage.resize_`` globally, rounds to the CUDA allocator's block size and
+lives in a private namespace whose API changes between releases. The engine needs
+less and needs it stable: a handful of categories it assigns itself (params, grads,
+optimizer state), a peak per named stage, a budget that fails at the allocation that
+crosses it, and a disabled mode that costs nothing. ~150 lines of dispatch-level
+bookkeeping give exactly that with no private torch internals beyond an op's schema.
+
+Known limitation: only storages that reach Python as op outputs are seen. Kernel
+workspaces and temporaries freed inside one op, allocator caching, rounding and
+fragmentation are invisible, so CPU numbers are a lower bound on what the process
+really holds. That is why CUDA uses ``torch.cuda`` statistics instead: there
+"activations" is everything allocated that was not registered under a category.
+Byte updates are not locked: frees that happen concurrently on another thread while
+this one allocates could race (CPU autograd runs backward on the calling thread).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+
+# What an op's return does to memory, from its schema's alias annotation.
+_VIEW, _MUTATE, _ALLOC = 0, 1, 2
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def format_bytes(n: int) -> str:
+    """Bytes -> '512 B', '1.50 KiB', '2.00 MiB', '3.25 GiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """Live bytes passed the budget.
+
+    Attributes: ``stage`` (innermost active stage, or '(no stage)'), ``live`` (bytes by
+    category plus 'total' at the moment of the crossing), ``budget`` (bytes) and
+    ``suggestion`` (what to change; '' when none was given).
+    """
+
+    def __init__(self, stage: str, live: dict[str, int], budget: int, suggestion: str = "") -> None:
+        self.stage, self.live, self.budget, self.suggestion = stage, dict(live), budget, suggestion
+        parts = ", ".join(f"{c} {format_bytes(live.get(c, 0))}" for c in CATEGORIES)
+        msg = (f"memory budget exceeded in stage '{stage}': live {format_bytes(live['total'])} "
+               f"> budget {format_bytes(budget)} ({budget} bytes); by category: {parts}")
+        super().__init__(msg + (f". Suggestion: {suggestion}" if suggestion else ""))
+
+    def __reduce__(self):  # multi-rank tests send exceptions between processes
+        return (type(self), (self.stage, self.live, self.budget, self.suggestion))
+
+
+class _Record:
+    """One tracked storage: its counted bytes, category and the weakref that frees it."""
+
+    __slots__ = ("nbytes", "category", "ref")
+
+    def __init__(self, nbytes: int, category: str, ref: weakref.ref) -> None:
+        self.nbytes, self.category, self.ref = nbytes, category, ref
+
+
+def _on_storage_freed(tracker_ref: weakref.ref, key: int, ref: weakref.ref,
+                      _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+    # Runs inside the storage's deallocation, possibly at interpreter shutdown when
+    # module globals are gone: touch nothing but the arguments.
+    if _finalizing():
+        return
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._forget(key, ref)
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """Untyped storages behind ``t`` (inner tensors of wrapper subclasses included).
+
+    Tensors without a storage (sparse, some functional wrappers) give none.
+    """
+    if type(t) not in _PLAIN_TENSOR_TYPES and is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = (getattr(t, a) for a in attrs)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+    try:
+        return [t.untyped_storage()]
+    except Exception:  # sparse/nested layouts raise a variety of types: no storage to count
+        return []
+
+
+class _CountingMode(TorchDispatchMode):
+    """Forwards every op, then hands its outputs to the tracker."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracker._on_op(func, out)
+        return out
+
+
+class MemoryTracker:
+    """Counts live tensor bytes by category (``CATEGORIES``) and the peak per stage.
+
+    ``device``: 'cpu' (exact, dispatch-level) or 'cuda[:i]' (``torch.cuda`` stats).
+    ``enabled=False`` gives a no-op with the same API: no dispatch mode, all counts 0.
+    ``budget_bytes``: raise ``MemoryBudgetExceeded`` as soon as total live bytes pass it
+    (CPU: at the allocation; CUDA: at register/refresh and at stage exit).
+    ``suggestion``: called when the budget is exceeded; its text joins the message.
+    Raises ValueError on an unsupported device or a non-positive budget.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True,
+                 budget_bytes: int | None = None, suggestion: Callable[[], str] | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"MemoryTracker device must be 'cpu' or 'cuda', got {str(self.device)!r}; "
+                             "track another device with enabled=False")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive or None, got {budget_bytes!r}")
+        self.enabled = enabled
+        self.budget_bytes = budget_bytes
+        self.suggestion = suggestion
+        self._cuda = self.device.type == "cuda"
+        self._records: dict[int, _Record] = {}   # id(storage) -> record; ids stay valid while alive
+        self._bytes = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._peak = 0                          # max total since reset_peaks()
+        self._peaks: dict[str, dict[str, int]] = {}
+        self._stage_stack: list[str] = []
+        self._category_stack: list[str] = []
+        self._watermark = 0                     # lowest peak among global + active stages
+        self._depth = 0                         # nesting of stage()/category(): the mode's owner
+        self._mode: _CountingMode | None = None
+        self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
+        self._self_ref = weakref.ref(self)
+
+    # -- public API ---------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, category: str) -> None:
+        """Count ``tensor``'s storage under ``category`` from now on.
+
+        Adds the storage if untracked, moves it if tracked under another category.
+        Storages on another device type, or with symbolic size, are skipped.
+        Raises ValueError on an unknown category, MemoryBudgetExceeded if adding it
+        crosses the budget (it stays registered).
+        """
+        _check_category(category)
+        if not self.enabled:
+            return
+        for st in _storages(tensor):
+            rec = self._records.get(id(st))
+            if rec is None:
+                self._add_storage(st, category)
+            elif rec.category != category:
+                self._bytes[rec.category] -= rec.nbytes
+                self._bytes[category] += rec.nbytes
+                rec.category = category
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s storage (no-op if untracked). Never raises."""
+        if not self.enabled:
+            return
+        for st in _storages(tensor):
+            rec = self._records.pop(id(st), None)
+            if rec is not None:
+                self._bytes[rec.category] -= rec.nbytes
+                self._total -= rec.nbytes
+
+    def refresh(self, tensor: torch.Tensor) -> None:
+        """Re-read the size of ``tensor``'s tracked storage after ``untyped_storage().resize_``.
+
+        Untracked storages are ignored. Raises MemoryBudgetExceeded if growth crosses
+        the budget.
+        """
+        if not self.enabled:
+            return
+        for st in _storages(tensor):
+            rec = self._records.get(id(st))
+            if rec is not None:
+                self._set_nbytes(rec, st.nbytes())
+
+    @contextmanager
+    def stage(self, name: str, category: str = "activations") -> Iterator[None]:
+        """Record the peak of total live bytes while inside, under ``name``.
+
+        New storages default to ``category``. Re-entering a name keeps the max until
+        ``reset_peaks()``; nested stages' peaks count toward every enclosing stage.
+        Raises ValueError on an unknown category.
+        """
+        _check_category(category)
+        if not self.enabled:
+            self._peaks.setdefault(name, dict.fromkeys(CATEGORIES + ("total",), 0))
+            yield
+            return
+        if self._cuda:
+            self._fold_cuda_peak()  # reset below would lose the enclosing stages' peak
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._stage_stack.append(name)
+        self._raise_peak(name, self._snapshot())
+        ok = False
+        try:
+            with self.category(category):
+                yield
+            ok = True
+        finally:
+            if self._cuda:
+                self._fold_cuda_peak()
+            self._stage_stack.pop()
+            self._watermark = self._lowest_peak()
+        if ok and self._cuda:
+            self._check_budget(self._snapshot())
+
+    @contextmanager
+    def category(self, name: str) -> Iterator[None]:
+        """New storages made inside count under ``name`` (nestable; innermost wins).
+
+        On CPU this also turns counting on, so it can be used outside any stage
+        (e.g. around ``optimizer.step()``). Raises ValueError on an unknown category.
+        """
+        _check_category(name)
+        if not self.enabled:
+            yield
+            return
+        self._category_stack.append(name)
+        self._enter_mode()
+        try:
+            yield
+        finally:
+            self._exit_mode()
+            self._category_stack.pop()
+
+    def live(self) -> dict[str, int]:
+        """Current bytes per category plus 'total' (a new dict)."""
+        if not self.enabled:
+            return dict.fromkeys(CATEGORIES + ("total",), 0)
+        return self._snapshot()
+
+    def peaks(self) -> dict[str, dict[str, int]]:
+        """{stage: {'total': bytes, <category>: bytes at that peak}} since reset_peaks()."""
+        if self._cuda and self.enabled and self._stage_stack:
+            self._fold_cuda_peak()
+        return {name: dict(snap) for name, snap in self._peaks.items()}
+
+    def peak_total(self) -> int:
+        """Max total live bytes since reset_peaks() (0 when disabled)."""
+        if self._cuda and self.enabled:
+            self._fold_cuda_peak()
+        return self._peak
+
+    def reset_peaks(self) -> None:
+        """Start a new step: forget stage peaks; all peaks restart from current live bytes."""
+        self._peaks = {}
+        if not self.enabled:
+            return
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        snap = self._snapshot()
+        self._peak = snap["total"]
+        for name in self._stage_stack:
+            self._peaks[name] = snap
+        self._watermark = self._lowest_peak()
+
+    # -- dispatch-mode side (CPU) -------------------------------------------------
+
+    def _enter_mode(self) -> None:
+        self._depth += 1
+        if self._depth == 1 and not self._cuda:
+            self._mode = _CountingMode(self)
+            self._mode.__enter__()
+
+    def _exit_mode(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def _on_op(self, func, out) -> None:
+        kinds = self._op_kinds.get(func)
+        if kinds is None:
+            kinds = self._op_kinds[func] = _return_kinds(func)
+        if len(kinds) == 1:
+            if kinds[0] != _VIEW:
+                self._visit(out, kinds[0])
+        elif isinstance(out, (tuple, list)) and len(out) == len(kinds):
+            for o, kind in zip(out, kinds):
+                if kind != _VIEW:
+                    self._visit(o, kind)
+
+    def _visit(self, out, kind: int) -> None:
+        if isinstance(out, torch.Tensor):
+            for st in _storages(out):
+                rec = self._records.get(id(st))
+                if rec is None:
+                    if kind == _ALLOC:
+                        self._add_storage(st, self._category_stack[-1])
+                elif kind == _MUTATE:  # aten.resize_ / out= may grow a tracked storage
+                    self._set_nbytes(rec, st.nbytes())
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                self._visit(o, kind)
+
+    # -- bookkeeping --------------------------------------------------------------
+
+    def _add_storage(self, st: torch.UntypedStorage, category: str) -> None:
+        # Meta and fake tensors have meta storages: nothing is allocated.
+        if st.device.type != self.device.type:
+            return
+        n = st.nbytes()
+        if type(n) is not int:  # symbolic sizes (tracing) are not bytes
+            return
+        key = id(st)
+        self._records[key] = _Record(n, category, weakref.ref(st, partial(_on_storage_freed, self._self_ref, key)))
+        self._bytes[category] += n
+        self._total += n
+        self._after_growth()
+
+    def _set_nbytes(self, rec: _Record, n: int) -> None:
+        delta = n - rec.nbytes
+        if delta:
+            rec.nbytes = n
+            self._bytes[rec.category] += delta
+            self._total += delta
+            if delta > 0:
+                self._after_growth()
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        rec = self._records.get(key)
+        if rec is not None and rec.ref is ref:
+            del self._records[key]
+            self._bytes[rec.category] -= rec.nbytes
+            self._total -= rec.nbytes
+
+    def _after_growth(self) -> None:
+        if self._cuda:
+            self._check_budget(self._snapshot())
+            return
+        if self._total > self._watermark:
+            snap = self._snapshot()
+            self._peak = max(self._peak, snap["total"])
+            for name in self._stage_stack:
+                self._raise_peak(name, snap)
+            self._watermark = self._lowest_peak()
+        if self.budget_bytes is not None and self._total > self.budget_bytes:
+            self._check_budget(self._snapshot())
+
+    def _raise_peak(self, name: str, snap: dict[str, int]) -> None:
+        old = self._peaks.get(name)
+        if old is None or snap["total"] > old["total"]:
+            self._peaks[name] = snap  # snapshots are never mutated, so sharing is safe
+        self._peak = max(self._peak, snap["total"])
+
+    def _lowest_peak(self) -> int:
+        return min([self._peak] + [self._peaks[n]["total"] for n in self._stage_stack])
+
+    def _check_budget(self, snap: dict[str, int]) -> None:
+        if self.budget_bytes is None or snap["total"] <= self.budget_bytes:
+            return
+        stage = self._stage_stack[-1] if self._stage_stack else "(no stage)"
+        hint = self.suggestion() if self.suggestion is not None else ""
+        raise MemoryBudgetExceeded(stage, snap, self.budget_bytes, hint)
+
+    def _snapshot(self, allocated: int | None = None) -> dict[str, int]:
+        """Bytes by category plus 'total'. CUDA: unregistered allocated bytes are activations."""
+        snap = dict(self._bytes)
+        if self._cuda:
+            if allocated is None:
+                allocated = torch.cuda.memory_allocated(self.device)
+            snap["activations"] += max(0, allocated - self._total)
+        snap["total"] = sum(snap[c] for c in CATEGORIES)
+        return snap
+
+    def _fold_cuda_peak(self) -> None:
+        # max_memory_allocated covers the time since the last reset, which is at most
+        # the start of the innermost stage: credit it to every active stage.
+        snap = self._snapshot(torch.cuda.max_memory_allocated(self.device))
+        for name in self._stage_stack:
+            self._raise_peak(name, snap)
+        self._peak = max(self._peak, snap["total"])
+
+
+def _check_category(category: str) -> None:
+    if category not in CATEGORIES:
+        raise ValueError(f"unknown memory category {category!r}; use one of {CATEGORIES}")
+
+
+def _return_kinds(func) -> tuple[int, ...]:
+    """Per return of ``func``: a view of an input, a mutated input, or fresh memory."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:  # not an ATen overload: assume its outputs are new
+        return (_ALLOC,)
+    if schema.name in ("aten::lift_fresh",):
+        # torch.tensor(...) allocates outside dispatch, then lifts the fresh tensor
+        # through this aliasing op: it is the first time the storage is seen.
+        return (_ALLOC,)
+    kinds = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        kinds.append(_ALLOC if info is None else _MUTATE if info.is_write else _VIEW)
+    return tuple(kinds) or (_VIEW,)
