@@ -1,0 +1,111 @@
+"""apply_checkpointing: turn a plain nn.Module into one that recomputes chosen blocks.
+
+Parameters are untouched (no wrapper module, names unchanged): each chosen block gets an
+instance-level ``forward`` that opens/continues/closes a checkpoint region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, ContextManager
+
+import torch.nn as nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+
+from mct.checkpointing.blocks import find_blocks
+from mct.checkpointing.policies import context_fn_for, plan_regions
+from mct.checkpointing.region import Region
+from mct.config import CheckpointingConfig
+
+
+class CheckpointState:
+    """What ``apply_checkpointing`` did to a model, its metrics, and how to undo it.
+
+    Per-step counters (``recompute_calls``, ``recomputed_blocks``, ``recompute_time_s``)
+    grow during backward and are zeroed by ``reset_step``. ``verified`` turns True once
+    every region has been replayed and matched its forward by value (only when
+    ``cfg.verify``); from then on verification costs nothing.
+    """
+
+    def __init__(self, policy: str, verify: bool,
+                 recompute_context: Callable[[], ContextManager] | None) -> None:
+        self.policy = policy
+        self.verify = verify
+        self.verified = False
+        self.regions: list[Region] = []
+        self.recompute_calls = 0
+        self.recomputed_blocks = 0
+        self.recompute_time_s = 0.0
+        self._recompute_context = recompute_context
+        # The private generator gained an ``early_stop`` parameter in newer torch.
+        params = inspect.signature(_checkpoint_without_reentrant_generator).parameters
+        self._generator_takes_early_stop = "early_stop" in params
+
+    @property
+    def checkpointed_blocks(self) -> list[str]:
+        """Qualified names of the blocks inside a checkpoint region."""
+        return [name for r in self.regions for name, _ in r.blocks]
+
+    def recompute_context(self) -> ContextManager:
+        """Context the replay of a region runs in (e.g. a memory tracker's category)."""
+        return self._recompute_context() if self._recompute_context else contextlib.nullcontext()
+
+    def metrics(self) -> dict[str, Any]:
+        """``policy``, ``checkpointed_blocks`` (count), ``regions``, and for the current step:
+        ``recompute_calls`` (regions replayed), ``recomputed_blocks`` (block forwards rerun),
+        ``recompute_time_s`` (host wall time of replays inside backward; CUDA kernels are
+        asynchronous, so on GPU this is launch time unless the caller synchronizes)."""
+        return {"policy": self.policy, "checkpointed_blocks": len(self.checkpointed_blocks),
+                "regions": len(self.regions), "recompute_calls": self.recompute_calls,
+                "recomputed_blocks": self.recomputed_blocks,
+                "recompute_time_s": self.recompute_time_s, "verified": self.verified}
+
+    def reset_step(self) -> None:
+        """Zero the per-step counters; call at the start of each optimizer step."""
+        self.recompute_calls = 0
+        self.recomputed_blocks = 0
+        self.recompute_time_s = 0.0
+
+    def remove(self) -> None:
+        """Restore every patched block's ``forward``; the model is as before ``apply``."""
+        for region in self.regions:
+            region.remove()
+        self.regions = []
+
+    def _on_region_verified(self) -> None:
+        self.verified = all(r.verified for r in self.regions)
+
+
+def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
+                        recompute_context: Callable[[], ContextManager] | None = None,
+                        ) -> CheckpointState:
+    """Patch the blocks chosen by ``cfg.policy`` so backward recomputes them.
+
+    Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.
+    ``recompute_context`` is entered around every replay (the engine passes its memory
+    tracker's ``activations`` category). Returns the ``CheckpointState``; mutates only
+    the blocks' instance ``forward`` attribute. Raises ValueError for policy 'auto', no
+    detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with k larger
+    than the block count, or a model already checkpointed.
+    """
+    state = CheckpointState(cfg.policy, cfg.verify, recompute_context)
+    if cfg.policy in ("none", "auto"):
+        plan_regions(cfg.policy, 0, cfg.k)  # 'auto' raises, 'none' patches nothing
+        return state
+    blocks = find_blocks(model, cfg.blocks)
+    if not blocks:
+        raise ValueError(
+            f"checkpointing.policy = {cfg.policy!r} found no blocks in {type(model).__name__}: "
+            "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
+    context_fn = context_fn_for(cfg.policy)
+    for indices in plan_regions(cfg.policy, len(blocks), cfg.k):
+        region = Region([blocks[i] for i in indices], state, context_fn)
+        state.regions.append(region)
+    try:
+        for region in state.regions:
+            region.install()
+    except BaseException:
+        state.remove()
+        raise
+    return state

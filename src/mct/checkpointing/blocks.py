@@ -1,0 +1,63 @@
+"""Which modules are blocks: the unit that checkpointing keeps or recomputes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """Return the model's blocks as ``(qualified_name, module)`` in ``named_modules`` order.
+
+    With ``class_names`` empty: the children of the longest ``nn.ModuleList`` (ties go
+    to the first one met). Otherwise: every module whose class name is listed; a match
+    nested inside another match is skipped (blocks do not nest). Returns ``[]`` when no
+    ModuleList exists. Raises ValueError for a class name the model does not contain,
+    listing the class names it does contain. Mutates nothing.
+    """
+    if class_names:
+        return _blocks_by_class(model, class_names)
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    if best is None:
+        return []
+    prefix = f"{best[0]}." if best[0] else ""
+    return [(f"{prefix}{i}", child) for i, child in enumerate(best[1])]
+
+
+def _blocks_by_class(model: nn.Module, class_names: list[str]) -> list[tuple[str, nn.Module]]:
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = [c for c in class_names if c not in present]
+    if unknown:
+        raise ValueError(
+            f"checkpointing.blocks = {class_names!r}: {unknown!r} not found in the model; "
+            f"its module class names are: {', '.join(sorted(present))}")
+    wanted = set(class_names)
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in wanted:
+            continue
+        # A listed class inside another listed block would nest regions; the outer one wins.
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return found
+
+
+def primary(output: Any) -> Any:
+    """The value a block passes on to the next one: a tensor itself, the first item of a
+    tuple/list, the first value of a dict (recursively), as Hugging Face layers return."""
+    while isinstance(output, (tuple, list, dict)) and len(output) > 0:
+        output = next(iter(output.values())) if isinstance(output, dict) else output[0]
+    return output
+
+
+def first_tensor(tree: Any) -> torch.Tensor | None:
+    """First tensor among the leaves of nested args/kwargs, or None."""
+    leaves, _ = torch.utils._pytree.tree_flatten(tree)
+    return next((x for x in leaves if isinstance(x, torch.Tensor)), None)
