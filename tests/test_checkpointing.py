@@ -196,6 +196,19 @@ def test_forward_pre_hooks_fire_again_in_sqrt_recompute():
     assert state.metrics()["recompute_calls"] == 2  # ceil(sqrt(4)) = 2 blocks per region
 
 
+def test_state_reports_recomputing_to_hooks_and_kwarg_chained_input_works():
+    torch.manual_seed(3)
+    model = HFModel().train()
+    state = apply_checkpointing(model, CheckpointingConfig(policy="sqrt"))
+    seen = []
+    model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(state.recomputing))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    for layer in model.layers:  # chained input passed by keyword
+        x = layer(hidden_states=x, attention_mask=None)[0]
+    x.sum().backward()
+    assert seen == [False, True] and not state.recomputing
+
+
 def test_no_grad_forward_is_not_checkpointed():
     model, state = _gpt("all")
     with torch.no_grad():

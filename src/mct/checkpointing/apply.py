@@ -47,6 +47,11 @@ class CheckpointState:
         """Qualified names of the blocks inside a checkpoint region."""
         return [name for r in self.regions for name, _ in r.blocks]
 
+    @property
+    def recomputing(self) -> bool:
+        """True while backward replays a region (a forward pre-hook can read this)."""
+        return any(r._replaying is not None for r in self.regions)
+
     def recompute_context(self) -> ContextManager:
         """Context the replay of a region runs in (e.g. a memory tracker's category)."""
         return self._recompute_context() if self._recompute_context else contextlib.nullcontext()
