@@ -352,3 +352,35 @@ def test_cuda_stage_peak_covers_allocations_and_splits_registered_bytes():
     assert peak["activations"] >= 256 * 256 * F32
     assert peak["total"] == sum(peak[c] for c in CATEGORIES)
     assert _get_current_dispatch_mode() is None
+
+
+def test_fake_tensors_allocate_nothing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = MemoryTracker()
+    with FakeTensorMode():
+        with tracker.stage("forward"):
+            x = torch.randn(4, 8)
+            y = (x @ x.t()).relu()
+    assert tracker.live()["total"] == 0 and y.shape == (4, 4)
+
+
+def test_jagged_nested_tensor_counts_new_values_not_shared_offsets():
+    nt = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+    tracker = MemoryTracker()
+    with tracker.stage("forward"):
+        doubled = nt * 2       # new values (5 fp32); the int64 offsets are the input's
+    assert tracker.live() == _zeros(activations=5 * F32)
+    del doubled
+
+
+def test_tracked_tensors_alive_at_interpreter_exit_free_silently():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom mct.memory import MemoryTracker\n"
+            "t = MemoryTracker()\nx = torch.randn(8)\n"
+            "with t.stage('forward'):\n    y = [x * 2 for _ in range(3)]\n"
+            "t.register(x, 'params')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Exception" not in proc.stderr, proc.stderr

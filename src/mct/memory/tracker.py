@@ -35,6 +35,7 @@ from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
@@ -114,7 +115,7 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._on_op(func, out)
+        self.tracker._on_op(func, out, (args, kwargs))
         return out
 
 
@@ -294,21 +295,28 @@ class MemoryTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
-    def _on_op(self, func, out) -> None:
+    def _on_op(self, func, out, inputs: tuple) -> None:
         kinds = self._op_kinds.get(func)
         if kinds is None:
             kinds = self._op_kinds[func] = _return_kinds(func)
         if len(kinds) == 1:
             if kinds[0] != _VIEW:
-                self._visit(out, kinds[0])
+                self._visit(out, kinds[0], inputs)
         elif isinstance(out, (tuple, list)) and len(out) == len(kinds):
             for o, kind in zip(out, kinds):
                 if kind != _VIEW:
-                    self._visit(o, kind)
+                    self._visit(o, kind, inputs)
 
-    def _visit(self, out, kind: int) -> None:
+    def _visit(self, out, kind: int, inputs: tuple) -> None:
         if isinstance(out, torch.Tensor):
-            for st in _storages(out):
+            sts = _storages(out)
+            if type(out) not in _PLAIN_TENSOR_TYPES and kind == _ALLOC:
+                # A wrapper subclass (e.g. a jagged nested tensor) may reuse an input's
+                # inner tensor, such as its offsets: that is not a new allocation.
+                seen = {id(s) for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)
+                        for s in _storages(x)}
+                sts = [s for s in sts if id(s) not in seen]
+            for st in sts:
                 rec = self._records.get(id(st))
                 if rec is None:
                     if kind == _ALLOC:
@@ -317,7 +325,7 @@ class MemoryTracker:
                     self._set_nbytes(rec, st.nbytes())
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self._visit(o, kind)
+                self._visit(o, kind, inputs)
 
     # -- bookkeeping --------------------------------------------------------------
 
