@@ -125,7 +125,7 @@ class MemoryTracker:
     ``device``: 'cpu' (exact, dispatch-level) or 'cuda[:i]' (``torch.cuda`` stats).
     ``enabled=False`` gives a no-op with the same API: no dispatch mode, all counts 0.
     ``budget_bytes``: raise ``MemoryBudgetExceeded`` as soon as total live bytes pass it
-    (CPU: at the allocation; CUDA: at register/refresh and at stage exit).
+    (CPU: at the allocation; CUDA: at register/refresh, and by its peak at stage exit).
     ``suggestion``: called when the budget is exceeded; its text joins the message.
     Raises ValueError on an unsupported device or a non-positive budget.
     """
@@ -154,6 +154,8 @@ class MemoryTracker:
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
+        if self._cuda and enabled:
+            self.reset_peaks()  # the device's peak counter predates this tracker
 
     # -- public API ---------------------------------------------------------------
 
@@ -218,25 +220,24 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._stage_stack.append(name)
         self._raise_peak(name, self._snapshot())
-        ok = False
         try:
             with self.category(category):
                 yield
-            ok = True
+            if self._cuda:  # no per-allocation hook on CUDA: judge the stage by its peak
+                self._check_budget(self._fold_cuda_peak())
         finally:
             if self._cuda:
                 self._fold_cuda_peak()
             self._stage_stack.pop()
             self._watermark = self._lowest_peak()
-        if ok and self._cuda:
-            self._check_budget(self._snapshot())
 
     @contextmanager
     def category(self, name: str) -> Iterator[None]:
         """New storages made inside count under ``name`` (nestable; innermost wins).
 
         On CPU this also turns counting on, so it can be used outside any stage
-        (e.g. around ``optimizer.step()``). Raises ValueError on an unknown category.
+        (e.g. around ``optimizer.step()``). On CUDA it changes nothing: unregistered
+        bytes are all "activations". Raises ValueError on an unknown category.
         """
         _check_category(name)
         if not self.enabled:
@@ -397,13 +398,14 @@ class MemoryTracker:
         snap["total"] = sum(snap[c] for c in CATEGORIES)
         return snap
 
-    def _fold_cuda_peak(self) -> None:
+    def _fold_cuda_peak(self) -> dict[str, int]:
         # max_memory_allocated covers the time since the last reset, which is at most
         # the start of the innermost stage: credit it to every active stage.
         snap = self._snapshot(torch.cuda.max_memory_allocated(self.device))
         for name in self._stage_stack:
             self._raise_peak(name, snap)
         self._peak = max(self._peak, snap["total"])
+        return snap
 
 
 def _check_category(category: str) -> None:
