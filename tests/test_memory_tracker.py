@@ -352,3 +352,85 @@ def test_cuda_stage_peak_covers_allocations_and_splits_registered_bytes():
     assert peak["activations"] >= 256 * 256 * F32
     assert peak["total"] == sum(peak[c] for c in CATEGORIES)
     assert _get_current_dispatch_mode() is None
+
+
+def test_fake_tensors_allocate_nothing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = MemoryTracker()
+    with FakeTensorMode():
+        with tracker.stage("forward"):
+            x = torch.randn(4, 8)
+            y = (x @ x.t()).relu()
+    assert tracker.live()["total"] == 0 and y.shape == (4, 4)
+
+
+def test_jagged_nested_tensor_counts_new_values_not_shared_offsets():
+    nt = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+    tracker = MemoryTracker()
+    with tracker.stage("forward"):
+        doubled = nt * 2       # new values (5 fp32); the int64 offsets are the input's
+    assert tracker.live() == _zeros(activations=5 * F32)
+    del doubled
+
+
+def test_tracked_tensors_alive_at_interpreter_exit_free_silently():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom mct.memory import MemoryTracker\n"
+            "t = MemoryTracker()\nx = torch.randn(8)\n"
+            "with t.stage('forward'):\n    y = [x * 2 for _ in range(3)]\n"
+            "t.register(x, 'params')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Exception" not in proc.stderr, proc.stderr
+
+
+class _FakeCudaStats:
+    """Stands in for torch.cuda's allocator counters so the CUDA bookkeeping runs on CPU."""
+
+    def __init__(self) -> None:
+        self.allocated = self.max = 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.max = max(self.max, self.allocated)
+
+    def reset(self, device=None) -> None:
+        self.max = self.allocated
+
+
+def test_cuda_path_peaks_from_allocator_stats_across_nested_stages(monkeypatch):
+    stats = _FakeCudaStats()
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset)
+    stats.alloc(1000)                       # before the tracker: not a peak of its steps
+    stats.alloc(-1000)
+    tracker = MemoryTracker("cuda")
+    stats.alloc(100)
+    with tracker.stage("step"):
+        assert _get_current_dispatch_mode() is None
+        stats.alloc(500)                    # 600: the outer stage's own peak
+        stats.alloc(-500)
+        with tracker.stage("forward"):      # resets the device counter: 600 must survive
+            stats.alloc(200)                # 300
+            stats.alloc(-200)
+    peaks = tracker.peaks()
+    assert peaks["step"] == _zeros(activations=600)
+    assert peaks["forward"] == _zeros(activations=300)
+    assert tracker.peak_total() == 600 and tracker.live() == _zeros(activations=100)
+    tracker.reset_peaks()
+    assert tracker.peaks() == {} and tracker.peak_total() == 100
+
+
+def test_cuda_path_budget_is_checked_at_stage_exit(monkeypatch):
+    stats = _FakeCudaStats()
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset)
+    tracker = MemoryTracker("cuda", budget_bytes=1000)
+    with pytest.raises(MemoryBudgetExceeded, match="'forward'"):
+        with tracker.stage("forward"):
+            stats.alloc(1500)
+            stats.alloc(-1500)          # freed before exit: the peak still counts

@@ -35,6 +35,7 @@ from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
@@ -114,7 +115,7 @@ class _CountingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._on_op(func, out)
+        self.tracker._on_op(func, out, (args, kwargs))
         return out
 
 
@@ -124,7 +125,7 @@ class MemoryTracker:
     ``device``: 'cpu' (exact, dispatch-level) or 'cuda[:i]' (``torch.cuda`` stats).
     ``enabled=False`` gives a no-op with the same API: no dispatch mode, all counts 0.
     ``budget_bytes``: raise ``MemoryBudgetExceeded`` as soon as total live bytes pass it
-    (CPU: at the allocation; CUDA: at register/refresh and at stage exit).
+    (CPU: at the allocation; CUDA: at register/refresh, and by its peak at stage exit).
     ``suggestion``: called when the budget is exceeded; its text joins the message.
     Raises ValueError on an unsupported device or a non-positive budget.
     """
@@ -153,6 +154,8 @@ class MemoryTracker:
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
+        if self._cuda and enabled:
+            self.reset_peaks()  # the device's peak counter predates this tracker
 
     # -- public API ---------------------------------------------------------------
 
@@ -217,25 +220,24 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._stage_stack.append(name)
         self._raise_peak(name, self._snapshot())
-        ok = False
         try:
             with self.category(category):
                 yield
-            ok = True
+            if self._cuda:  # no per-allocation hook on CUDA: judge the stage by its peak
+                self._check_budget(self._fold_cuda_peak())
         finally:
             if self._cuda:
                 self._fold_cuda_peak()
             self._stage_stack.pop()
             self._watermark = self._lowest_peak()
-        if ok and self._cuda:
-            self._check_budget(self._snapshot())
 
     @contextmanager
     def category(self, name: str) -> Iterator[None]:
         """New storages made inside count under ``name`` (nestable; innermost wins).
 
         On CPU this also turns counting on, so it can be used outside any stage
-        (e.g. around ``optimizer.step()``). Raises ValueError on an unknown category.
+        (e.g. around ``optimizer.step()``). On CUDA it changes nothing: unregistered
+        bytes are all "activations". Raises ValueError on an unknown category.
         """
         _check_category(name)
         if not self.enabled:
@@ -294,21 +296,28 @@ class MemoryTracker:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
-    def _on_op(self, func, out) -> None:
+    def _on_op(self, func, out, inputs: tuple) -> None:
         kinds = self._op_kinds.get(func)
         if kinds is None:
             kinds = self._op_kinds[func] = _return_kinds(func)
         if len(kinds) == 1:
             if kinds[0] != _VIEW:
-                self._visit(out, kinds[0])
+                self._visit(out, kinds[0], inputs)
         elif isinstance(out, (tuple, list)) and len(out) == len(kinds):
             for o, kind in zip(out, kinds):
                 if kind != _VIEW:
-                    self._visit(o, kind)
+                    self._visit(o, kind, inputs)
 
-    def _visit(self, out, kind: int) -> None:
+    def _visit(self, out, kind: int, inputs: tuple) -> None:
         if isinstance(out, torch.Tensor):
-            for st in _storages(out):
+            sts = _storages(out)
+            if type(out) not in _PLAIN_TENSOR_TYPES and kind == _ALLOC:
+                # A wrapper subclass (e.g. a jagged nested tensor) may reuse an input's
+                # inner tensor, such as its offsets: that is not a new allocation.
+                seen = {id(s) for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)
+                        for s in _storages(x)}
+                sts = [s for s in sts if id(s) not in seen]
+            for st in sts:
                 rec = self._records.get(id(st))
                 if rec is None:
                     if kind == _ALLOC:
@@ -317,7 +326,7 @@ class MemoryTracker:
                     self._set_nbytes(rec, st.nbytes())
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self._visit(o, kind)
+                self._visit(o, kind, inputs)
 
     # -- bookkeeping --------------------------------------------------------------
 
@@ -389,13 +398,14 @@ class MemoryTracker:
         snap["total"] = sum(snap[c] for c in CATEGORIES)
         return snap
 
-    def _fold_cuda_peak(self) -> None:
+    def _fold_cuda_peak(self) -> dict[str, int]:
         # max_memory_allocated covers the time since the last reset, which is at most
         # the start of the innermost stage: credit it to every active stage.
         snap = self._snapshot(torch.cuda.max_memory_allocated(self.device))
         for name in self._stage_stack:
             self._raise_peak(name, snap)
         self._peak = max(self._peak, snap["total"])
+        return snap
 
 
 def _check_category(category: str) -> None:
