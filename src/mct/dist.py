@@ -93,3 +93,13 @@ def teardown() -> None:
     """Destroy the default process group if this process created one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_from_main(obj):
+    """Rank 0's ``obj`` on every rank (identity without a process group); used to agree
+    on values such as the run directory before any collective-heavy work."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

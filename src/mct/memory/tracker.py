@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
 
 # What an op's return does to memory, from its schema's alias annotation.
 _VIEW, _MUTATE, _ALLOC = 0, 1, 2

@@ -1,0 +1,135 @@
+"""Command line: mct train | verify | report (also ``python -m mct``).
+
+User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
+``--nproc N`` re-launches this command under torchrun with N local workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mct.config import load_config
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable), e.g. --set zero.stage=2")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes (launched with torchrun)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mct", description="memory-constrained trainer for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the configured GPT on the configured corpus")
+    _common(t)
+    t.add_argument("--run-dir", help="where metrics.jsonl and metadata.json go (default runs/<timestamp>)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v = sub.add_parser("verify", help="compare the configured engine with the fp32 reference")
+    _common(v)
+    v.add_argument("--steps", type=int, default=10, help="steps to compare (default 10)")
+    r = sub.add_parser("report", help="summarize a run directory")
+    r.add_argument("run_dir")
+    return parser
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "mct", *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = load_config(args.config, args.set)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and not _under_torchrun():
+        run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
+    from mct.dist import broadcast_from_main, init_distributed, teardown
+    from mct.trainer import TrainingStopped, summary_table, train
+    ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+    try:
+        run_dir = broadcast_from_main(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = train(cfg, run_dir, ctx, progress=not args.no_progress)
+        if ctx.is_main:
+            print(summary_table(summary))
+        return 0
+    except TrainingStopped as e:
+        print(f"mct: training stopped: {e}", file=sys.stderr)
+        return 3
+    finally:
+        teardown()
+
+
+def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = load_config(args.config, args.set)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.nproc > 1 and not _under_torchrun():
+        return _launch(_strip_nproc(argv), args.nproc)
+    from mct.dist import init_distributed, teardown
+    from mct.verify import run_verify
+    ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+    try:
+        report = run_verify(cfg, args.steps, ctx)
+        if report is not None:
+            print(report.table())
+        passed = report.passed if report is not None else True
+        from mct.dist import broadcast_from_main
+        return 0 if broadcast_from_main(passed) else 1
+    finally:
+        teardown()
+
+
+def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
+    path = Path(args.run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{args.run_dir!r} has no metrics.jsonl: pass a run directory made by `mct train`")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} is empty: the run logged no step")
+    from mct.metrics import fmt_bytes
+    print(f"{'step':>6} {'loss':>8} {'val_loss':>9} {'tokens/s':>10} {'peak':>11}")
+    for r in rows:
+        val = f"{r['val_loss']:.4f}" if "val_loss" in r else ""
+        print(f"{r['step']:>6} {r['loss']:>8.4f} {val:>9} {r['tokens_per_s']:>10.0f} {fmt_bytes(r['peak_bytes']):>11}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    handler = {"train": cmd_train, "verify": cmd_verify, "report": cmd_report}[args.command]
+    try:
+        return handler(args, argv)
+    except ValueError as e:
+        print(f"mct: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

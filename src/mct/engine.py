@@ -1,0 +1,281 @@
+"""Engine: applies checkpointing -> precision -> ZeRO to a model, in that order, and
+runs one optimizer step at a time.
+
+    engine = Engine(model, optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3),
+                    config=EngineConfig.from_dict({"zero": {"stage": 3}}))
+    out = engine.train_step(batch_or_list_of_micro_batches, loss_fn)
+
+Gradients are the mean over micro-batches and ranks (as DDP's). The engine uses the
+default process group when one is initialized and runs as a single process otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from mct.checkpointing import apply_checkpointing, find_blocks
+from mct.config import EngineConfig
+from mct.dist import DistContext
+from mct.memory.tracker import MemoryTracker
+from mct.precision import LossScaler, PrecisionPolicy
+from mct.zero.comm import Comm, check_ranks_agree
+from mct.zero.sharded import ShardedModel
+from mct.zero.stage3 import Stage3Lifecycle
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+# Optimizers whose update of an element depends on other elements of the same
+# tensor: on flat shards they would compute something else than on the parameters.
+NON_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "Shampoo", "Lamb", "LAMB", "LARS", "Lion8bit")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss over micro-batches and ranks (unscaled)."""
+    skipped: bool
+    """Non-finite gradients somewhere: no update was applied; do not advance the schedule."""
+    grad_norm: float
+    """Global L2 norm of the averaged, unscaled gradient, before clipping."""
+    loss_scale: float | None
+    """fp16: the loss scale used for this step; None otherwise."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Per-step timings (s), communication, memory peaks (bytes) by stage and category."""
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer: OptimizerFactory | None = None,
+                 config: EngineConfig | None = None, *, param_groups: list[dict[str, Any]] | None = None,
+                 tracker: MemoryTracker | None = None, ctx: DistContext | None = None) -> None:
+        """``optimizer`` is called with param groups (``param_groups`` if given, else one
+        group of all trainable parameters), once to learn the groups' hyperparameters
+        and again over the flat fp32 master shards. Raises ValueError for configs the
+        engine cannot honour and when ranks hold different models."""
+        self.config = cfg = config or EngineConfig()
+        if cfg.zero.stage == "auto":
+            raise ValueError("zero.stage = 'auto' needs the planner: set a number 0-3 (mct plan recommends one)")
+        self.ctx = ctx or DistContext.current()
+        self.device = self.ctx.device
+        self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track,
+                                                budget_bytes=cfg.memory.budget_bytes if cfg.memory.enforce else None)
+        self.policy = PrecisionPolicy.from_config(cfg.precision)
+        self.scaler = LossScaler.from_config(cfg.precision)
+        self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
+        self.model = model.to(self.device)
+        optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
+
+        # 1. checkpointing (a model transformation; parameter names do not change)
+        blocks = find_blocks(model, cfg.checkpointing.blocks)
+        self.ckpt = apply_checkpointing(model, cfg.checkpointing,
+                                        recompute_context=lambda: self.tracker.category("activations"))
+        # 2. precision: frozen parameters are cast here; trainable ones live in flat units
+        groups, hyper = self._discover_groups(optimizer, param_groups)
+        self._check_ranks_agree()
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(self.policy.param_dtype)
+        # 3. ZeRO: flat units, shards, hooks
+        self.stage = int(cfg.zero.stage)
+        self.sharded = ShardedModel(model, groups, blocks, stage=self.stage, comm=self.comm,
+                                    param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
+                                    device=self.device, persistent_numel=cfg.zero.persistent_numel,
+                                    tracker=self.tracker)
+        self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
+                                       cfg.zero.prefetch) if self.stage == 3 else None)
+        self.optimizer = optimizer([
+            {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)
+                                     if g == gi]}
+            for gi in range(len(groups))])
+        self._buffers_to_device()
+        self.steps_done = 0
+
+    # ---- construction helpers ----
+    def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
+        user_groups = param_groups or [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        probe = optimizer(user_groups)
+        name = type(probe).__name__
+        if name in NON_ELEMENTWISE:
+            raise ValueError(f"optimizer {name} is not elementwise: its update of one element depends on others, "
+                             f"so it cannot run on flat ZeRO shards. Use SGD, Adam, AdamW, Adagrad, RMSprop, ...")
+        groups = [list(g["params"]) for g in probe.param_groups]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
+        seen = {id(p) for g in groups for p in g}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p in seen:
+            if p not in names:
+                raise ValueError("the optimizer factory returned an optimizer over tensors that are not "
+                                 "parameters of the model: build it from the `groups` argument it is given")
+        for n, p in self.model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                raise ValueError(f"parameter {n!r} requires grad but is in no optimizer param group: "
+                                 f"add it to a group or set requires_grad=False")
+        del probe
+        return groups, hyper
+
+    def _check_ranks_agree(self) -> None:
+        items = [(n, f"{tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}")
+                 for n, p in self.model.named_parameters()]
+        items.append(("config", repr(sorted((k, repr(v)) for k, v in self.config.to_dict().items()
+                                            if k not in ("train", "data")))))
+        check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
+
+    def _buffers_to_device(self) -> None:
+        for b in self.model.buffers():
+            self.tracker.register(b, "params")
+
+    # ---- the step ----
+    def train_step(self, batch: Any, loss_fn: LossFn) -> StepResult:
+        """One optimizer step over this rank's micro-batch (or list of micro-batches)."""
+        micro = batch if isinstance(batch, list) else [batch]
+        if not micro:
+            raise ValueError("train_step got an empty list of micro-batches")
+        self.tracker.reset_peaks()
+        self.comm.reset_stats()
+        if self.ckpt is not None:
+            self.ckpt.reset_step()
+        times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro):
+            mb = self._to_device(mb)
+            t0 = time.perf_counter()
+            with self.tracker.stage("forward", "activations"), self._phase("forward"):
+                with self.policy.autocast(self.device.type):
+                    loss = loss_fn(self.model, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
+            loss_sum += loss.detach().double()
+            t1 = time.perf_counter()
+            with self.tracker.stage("backward", "other"), self._phase("backward"):
+                self.sharded.begin_backward()
+                self.scaler.scale_loss(loss.float() / len(micro)).backward()
+                self.sharded.end_backward(last_micro=i == len(micro) - 1)
+            times["forward"] += t1 - t0
+            times["backward"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        with self.tracker.stage("optimizer", "other"):
+            result = self._optimizer_step(loss_sum / len(micro))
+        if self.stage3 is not None:
+            self.stage3.end_step()
+        times["step"] = time.perf_counter() - t2
+        result.metrics = self._step_metrics(times)
+        return result
+
+    @contextlib.contextmanager
+    def _phase(self, phase: str):
+        if self.stage3 is not None and self.stage3.phase != phase:
+            self.stage3.begin(phase)
+        yield
+
+    def _optimizer_step(self, local_loss: torch.Tensor) -> StepResult:
+        """Unscale + average, check for overflow and clip on the shards, then step the
+        master shards and publish them to the working parameters. Nothing is
+        modified when any rank saw a non-finite gradient (or when the scaler raises)."""
+        shards = self.sharded.grad_shards()
+        scale = self.scaler.scale
+        if shards:
+            torch._foreach_mul_(shards, 1.0 / self._grad_divisor())
+        sums = torch.stack([self.sharded.local_sq_norm().double(), local_loss])
+        self.comm.all_reduce_(sums)  # one collective for the norm and the loss
+        grad_norm = float(sums[0].sqrt())
+        loss = float(sums[1]) / self.comm.world
+        found_inf = not torch.isfinite(sums[0]).item()
+        loss_scale = scale if self.scaler.enabled else None
+        self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
+        if not found_inf:
+            clip = self.config.train.grad_clip
+            if clip > 0 and shards:
+                torch._foreach_mul_(shards, min(1.0, clip / (grad_norm + 1e-6)))
+            for m, g in zip(self.sharded.masters(), shards):
+                m.grad = g
+            self.optimizer.step()
+            for m in self.sharded.masters():
+                m.grad = None
+            self.sharded.publish()
+            self.steps_done += 1
+            self._register_optimizer_state()
+        self.sharded.zero_grad()
+        return StepResult(loss=loss, skipped=found_inf, grad_norm=grad_norm, loss_scale=loss_scale)
+
+    def _grad_divisor(self) -> float:
+        """Reduced gradients are sums over ranks of scaled gradients: divide by both."""
+        return self.comm.world * self.scaler.scale
+
+    def _register_optimizer_state(self) -> None:
+        if self.steps_done == 1:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        self.tracker.register(v, "optimizer")
+
+    def _step_metrics(self, times: dict[str, float]) -> dict[str, Any]:
+        m: dict[str, Any] = {f"time_{k}_s": v for k, v in times.items()}
+        m["time_comm_s"] = self.comm.stats.time_s
+        m["comm_bytes"] = self.comm.stats.bytes
+        m["comm_calls"] = self.comm.stats.calls
+        m["peak_bytes"] = self.tracker.peak_total()
+        m["peaks"] = self.tracker.peaks()
+        m["live"] = self.tracker.live()
+        m.update(self.scaler.metrics())
+        if self.ckpt is not None:
+            m.update({f"ckpt_{k}": v for k, v in self.ckpt.metrics().items()})
+        if self.stage3 is not None:
+            m["zero3_gathers"] = self.stage3.gathers
+        return m
+
+    def _to_device(self, batch: Any) -> Any:
+        return tree_map(lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+    # ---- evaluation and state ----
+    @torch.no_grad()
+    def eval_loss(self, batch: Any, loss_fn: LossFn) -> float:
+        """Mean loss over ranks of ``batch`` in eval mode: no grad, no state change,
+        no scaler update, and the RNG streams are left exactly as they were."""
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), self.tracker.stage("eval", "activations"):
+                with self._phase("eval"), self.policy.autocast(self.device.type):
+                    loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
+                if self.stage3 is not None:
+                    self.stage3.end_step()
+        finally:
+            self.model.train(was_training)
+        self.comm.all_reduce_(loss)
+        return float(loss) / self.comm.world
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 copy of every parameter, names as ``model.named_parameters()``.
+        Collective under ZeRO: every rank must call it."""
+        trainable = self.sharded.full_state()
+        return {n: (trainable[n] if n in trainable else p.detach().float().clone())
+                for n, p in self.model.named_parameters()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set every trainable parameter (master and working copies) from fp32 tensors."""
+        self.sharded.load_full_state(state)
+
+    def save(self, path: str) -> None:
+        from mct.ckpt import save_engine
+        save_engine(self, path)
+
+    def load(self, path: str) -> None:
+        from mct.ckpt import load_engine
+        load_engine(self, path)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Persistent per-rank bytes of model state by category (optimizer included)."""
+        out = self.sharded.bytes_by_category()
+        out["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                               for v in s.values() if isinstance(v, torch.Tensor))
+        return out

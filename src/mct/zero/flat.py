@@ -1,0 +1,159 @@
+"""FlatParamUnit: one unit's parameters of one optimizer group, packed flat.
+
+Buffers (S = shard_numel, P = padded_numel = world * S):
+  working      [P] param dtype. The module's parameters are views into it, so names
+               and shapes seen by the user never change. Stage 3 frees its storage
+               between uses (``release``) and all-gathers it back (``gather``).
+  master       [S] fp32, this rank's slice: what the optimizer updates. When the
+               working dtype is fp32 and the buffer is persistent (stages 0-2), the
+               master is a view of the working buffer's own slice (no second copy).
+  grad_full    [P] reduce dtype: parameter gradients are added into it by
+               post-accumulate-grad hooks (stages 0/1: persistent; 2/3: per backward).
+  grad_shard   [S] fp32: the reduced, accumulated gradient of this rank's slice.
+At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mct.zero.comm import Comm, Pending
+from mct.zero.partition import FlatLayout
+
+
+class FlatParamUnit:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
+                 shard_rank: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 persistent: bool, full_grads: bool, device: torch.device) -> None:
+        self.name = name
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.layout = layout
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.persistent = persistent
+        lo, hi = layout.shard_range(shard_rank)
+        working = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(self.params, layout.offsets, layout.numels()):
+                working[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = working[off:off + n].view(p.shape)
+        self.working = working
+        if persistent and param_dtype == torch.float32:
+            self.master = working[lo:hi]
+        else:
+            self.master = working[lo:hi].detach().float().clone()
+        self.master_is_view = self.master.data_ptr() == working[lo:].data_ptr() and param_dtype == torch.float32
+        # Stages 0/1 keep a full gradient buffer across micro-batches (reduced once,
+        # after the last); stages 2/3 allocate it per backward and free it once reduced.
+        self.full_grads = full_grads
+        self.grad_full: torch.Tensor | None = (
+            torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device) if full_grads else None)
+        if layout.world == 1 and full_grads and reduce_dtype == torch.float32:
+            self.grad_shard = self.grad_full  # stage 0, fp32: the all-reduced buffer is the shard
+        else:
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        self.gathered = True
+        self.pending_gather: Pending | None = None
+        self.pending_reduce: Pending | None = None
+        self.grads_seen = 0
+        self.reduced_this_backward = False
+        self.numel_bytes = working.untyped_storage().nbytes()
+
+    # ---- parameter storage (stage 3) ----
+    def release(self) -> None:
+        """Free the working buffer's storage; parameter views stay, with no data."""
+        self.wait_gather()
+        if self.gathered and not self.persistent:
+            self.working.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self, comm: Comm, async_op: bool = False) -> None:
+        """All-gather every rank's master slice (cast to the working dtype) into the
+        working buffer. With ``async_op`` the caller must ``wait_gather`` before use."""
+        if self.gathered or self.pending_gather is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        self.working.untyped_storage().resize_(self.numel_bytes)
+        src = self.master.to(self.param_dtype)
+        # Writing into the buffer must not look like an in-place change of the
+        # parameters to autograd: tensors saved in forward are views of this storage.
+        with torch.autograd._unsafe_preserve_version_counter(self.working):
+            self.pending_gather = comm.all_gather(src, self.working, async_op=True) or None
+        if not async_op:
+            self.wait_gather()
+        elif self.pending_gather is None:
+            self.gathered = True
+
+    def wait_gather(self) -> None:
+        if self.pending_gather is not None:
+            with torch.autograd._unsafe_preserve_version_counter(self.working):
+                self.pending_gather.wait()
+            self.pending_gather = None
+        if self.working.untyped_storage().nbytes() == self.numel_bytes:
+            self.gathered = True
+
+    def publish_master(self, comm: Comm) -> None:
+        """After the optimizer step: make the working parameters equal the master
+        (stage 0: local cast; stages 1/2: all-gather of every rank's slice)."""
+        if not self.persistent:
+            return  # stage 3 gathers on demand from the master shards
+        with torch.no_grad():
+            if comm.world == 1 or self.layout.world == 1:
+                if not self.master_is_view:
+                    self.working.copy_(self.master)
+            else:
+                src = self.master.to(self.param_dtype) if not self.master_is_view else self.master.clone()
+                comm.all_gather(src, self.working)
+
+    # ---- gradients ----
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into the flat gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+        off, n = self.layout.offsets[index], self.layout.numels()[index]
+        self.grad_full[off:off + n].add_(grad.reshape(-1))
+        self.grads_seen += 1
+
+    def reduce(self, comm: Comm, async_op: bool) -> None:
+        """Sum grad_full over ranks into grad_shard (added to what is there), then
+        zero (stages 0/1) or free (stages 2/3) grad_full. Stage 0 (layout world 1)
+        all-reduces the whole buffer instead."""
+        self.reduced_this_backward = True
+        full = self.grad_full
+        if full is None:
+            return
+        if self.layout.world == 1 and self.full_grads:
+            comm.all_reduce_(full)
+            if self.grad_shard is not full:
+                self.grad_shard.add_(full)
+                full.zero_()
+            return
+        out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device)
+
+        def accumulate() -> None:
+            self.grad_shard.add_(out)
+            if self.full_grads:
+                full.zero_()
+        if not self.full_grads:
+            self.grad_full = None  # freed when the collective is done with it
+        self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate)
+
+    def wait_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            self.pending_reduce.wait()
+            self.pending_reduce = None
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        if self.grad_full is not None:
+            self.grad_full.zero_()
+
+    def new_backward(self) -> None:
+        self.grads_seen = 0
+        self.reduced_this_backward = False
+
+    @property
+    def n_trainable(self) -> int:
+        return len(self.params)

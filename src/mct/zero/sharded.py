@@ -1,0 +1,190 @@
+"""ShardedModel: the model's trainable parameters as flat units, for every ZeRO stage.
+
+Stage 0: replicated (layout world 1); gradients all-reduced after the last micro-batch.
+Stage 1: master + optimizer state sharded; full gradients reduce-scattered after the
+         last micro-batch; updated slices all-gathered into the working parameters.
+Stage 2: as 1, but each unit's gradient is reduce-scattered as soon as backward has
+         produced all of it (post-accumulate-grad hooks), then the full gradient is freed.
+Stage 3: as 2, and working parameters are freed between uses (see stage3.py).
+Frozen parameters and buffers are left as they are: replicated, never sharded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from mct.zero.comm import Comm
+from mct.zero.flat import FlatParamUnit
+from mct.zero.partition import build_layout
+
+
+def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[int, str]:
+    """param id -> unit name: the block owning it, or 'root' for parameters outside
+    every block or shared by several units (a tied weight must stay gathered for
+    every use, so it lives in the unit that is gathered for the whole step)."""
+    owner: dict[int, set[str]] = {}
+    for bname, block in blocks:
+        for p in block.parameters():
+            owner.setdefault(id(p), set()).add(bname)
+    for name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            in_block = any(name == b or name.startswith(b + ".") for b, _ in blocks)
+            if not in_block:
+                owner.setdefault(id(p), set()).add("root")
+    return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
+
+
+class ShardedModel:
+    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], blocks: list[tuple[str, nn.Module]],
+                 *, stage: int, comm: Comm, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 device: torch.device, persistent_numel: int, tracker: Any) -> None:
+        self.stage, self.comm, self.tracker = stage, comm, tracker
+        names = {id(p): n for n, p in model.named_parameters()}
+        unit_of = assign_units(model, blocks)
+        shard_world = 1 if stage == 0 else comm.world
+        shard_rank = 0 if stage == 0 else comm.rank
+        order = ["root"] + [b for b, _ in blocks]
+        self.units: list[FlatParamUnit] = []
+        self.group_of_unit: list[int] = []
+        for uname in order:
+            for gi, params in enumerate(groups):
+                mine = [(names[id(p)], p) for p in params if unit_of.get(id(p), "root") == uname]
+                if not mine:
+                    continue
+                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world)
+                persistent = stage < 3 or layout.padded_numel <= persistent_numel
+                unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
+                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                     persistent=persistent, full_grads=stage < 2, device=device)
+                self.units.append(unit)
+                self.group_of_unit.append(gi)
+        self.units_by_block: dict[str, list[FlatParamUnit]] = {}
+        for u in self.units:
+            self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)
+        self._register_memory()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
+                       for u in self.units for i, p in enumerate(u.params)]
+
+    def _register_memory(self) -> None:
+        for u in self.units:
+            self.tracker.register(u.working, "params")
+            if not u.master_is_view:
+                # fp32 at stage 3: the master shard is the only persistent copy of the weights
+                cat = "params" if u.param_dtype == torch.float32 else "master"
+                self.tracker.register(u.master, cat)
+            self.tracker.register(u.grad_shard, "grads")
+            if u.grad_full is not None:
+                self.tracker.register(u.grad_full, "grads")
+
+    def _grad_hook(self, unit: FlatParamUnit, index: int):
+        def hook(p: torch.Tensor) -> None:
+            unit.accumulate_grad(index, p.grad)
+            p.grad = None
+            if unit.grads_seen == 1 and unit.grad_full is not None and not unit.full_grads:
+                self.tracker.register(unit.grad_full, "grads")
+            if self.stage >= 2 and unit.grads_seen == unit.n_trainable:
+                self._unit_backward_done(unit)
+        return hook
+
+    def _unit_backward_done(self, unit: FlatParamUnit) -> None:
+        unit.reduce(self.comm, async_op=True)
+        if self.stage == 3 and not unit.name.startswith("root/"):
+            unit.release()
+            self.tracker.refresh(unit.working)
+
+    # ---- step boundaries ----
+    def begin_backward(self) -> None:
+        for u in self.units:
+            u.new_backward()
+
+    def end_backward(self, last_micro: bool) -> None:
+        """Finish this backward's reductions. Stages 0/1 reduce only after the last
+        micro-batch; units whose gradients did not all arrive (unused parameters)
+        are reduced here too, their missing gradients counting as zero."""
+        if self.stage >= 2:
+            for u in self.units:
+                if not u.reduced_this_backward:
+                    self._unit_backward_done(u)
+        elif last_micro:
+            for u in self.units:
+                u.reduce(self.comm, async_op=True)
+        for u in self.units:
+            u.wait_reduce()
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units]
+
+    def masters(self) -> list[torch.Tensor]:
+        return [u.master for u in self.units]
+
+    def local_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient slices, accumulated in fp64 so that
+        the global norm (and so the clipping factor) does not depend on how the
+        gradient is cut into shards. At stage 0 every rank holds the whole
+        (identical) gradient, so only rank 0 contributes."""
+        shards = self.grad_shards()
+        if not shards or (self.stage == 0 and self.comm.rank != 0):
+            return torch.zeros((), dtype=torch.float64, device=self._device())
+        return sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in shards)
+
+    def _device(self) -> torch.device:
+        return self.units[0].master.device if self.units else torch.device("cpu")
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.zero_grad()
+
+    def publish(self) -> None:
+        for u in self.units:
+            u.publish_master(self.comm)
+
+    # ---- full (unsharded) fp32 state ----
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter in fp32, all-gathered from the master slices.
+        Collective: every rank must call it."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=u.master.device)
+            self.comm.all_gather(u.master.contiguous(), full) if u.layout.world > 1 else full.copy_(u.master)
+            for name, shape, off in zip(u.names, u.layout.shapes, u.layout.offsets):
+                out[name] = full[off:off + math.prod(shape)].view(shape).clone()
+        return out
+
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the master slices (and working parameters) from full fp32 tensors."""
+        with torch.no_grad():
+            for u in self.units:
+                lo, hi = u.layout.shard_range(self.comm.rank if u.layout.world > 1 else 0)
+                full = torch.zeros(u.layout.padded_numel, dtype=torch.float32, device=u.master.device)
+                for name, shape, off in zip(u.names, u.layout.shapes, u.layout.offsets):
+                    if name not in state:
+                        raise ValueError(f"state dict has no entry for parameter {name!r}")
+                    if tuple(state[name].shape) != tuple(shape):
+                        raise ValueError(f"parameter {name!r}: checkpoint shape {tuple(state[name].shape)} "
+                                         f"!= model shape {tuple(shape)}")
+                    full[off:off + math.prod(shape)].copy_(state[name].reshape(-1))
+                u.master.copy_(full[lo:hi])
+        self.publish()
+
+    def bytes_by_category(self) -> dict[str, int]:
+        """Model-state bytes this rank holds persistently (not counting transients)."""
+        out = {"params": 0, "master": 0, "grads": 0}
+        for u in self.units:
+            if u.persistent:
+                out["params"] += u.working.numel() * u.working.element_size()
+            if not u.master_is_view:
+                key = "params" if u.param_dtype == torch.float32 else "master"
+                out[key] += u.master.numel() * 4
+            out["grads"] += u.grad_shard.numel() * 4
+            if u.full_grads and u.grad_full is not u.grad_shard:
+                out["grads"] += u.grad_full.numel() * u.grad_full.element_size()
+        return out
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

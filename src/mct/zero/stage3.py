@@ -1,0 +1,104 @@
+"""ZeRO-3 parameter lifecycle: gather a block's parameters just before it runs, free
+them right after, gather again for its backward (and recompute), free once its
+gradients are reduced.
+
+Phases, set by the engine: "forward" (training forward), "backward" (backward,
+including recomputation of checkpointed blocks), "eval" (no-grad forward), "idle".
+  forward pre-hook   gather this block (wait for its prefetch), prefetch the next one
+  forward post-hook  forward/eval: free it; forward: hook its outputs, so that the
+                     gradient reaching them gathers it again (and prefetches the
+                     previous block) before its backward runs. backward: nothing,
+                     the block stays gathered until its gradients are reduced.
+The root unit (parameters outside blocks, tied weights) is gathered for the whole
+forward + backward of a step and freed at its end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from mct.zero.comm import Comm
+from mct.zero.flat import FlatParamUnit
+
+
+class Stage3Lifecycle:
+    def __init__(self, blocks: list[tuple[str, nn.Module]], units_by_block: dict[str, list[FlatParamUnit]],
+                 comm: Comm, tracker, prefetch: bool) -> None:
+        self.comm, self.tracker, self.prefetch = comm, tracker, prefetch
+        self.order = [name for name, _ in blocks if name in units_by_block]
+        self.units = units_by_block
+        self.phase = "idle"
+        self.gathers = 0
+        self._handles = []
+        for name, block in blocks:
+            if name in units_by_block:
+                self._handles.append(block.register_forward_pre_hook(self._pre_forward(name), with_kwargs=True))
+                self._handles.append(block.register_forward_hook(self._post_forward(name), with_kwargs=True))
+        for units in units_by_block.values():
+            for u in units:
+                u.release()
+                tracker.refresh(u.working)
+
+    # ---- gather / release ----
+    def gather(self, name: str, async_op: bool = False) -> None:
+        for u in self.units.get(name, []):
+            if not u.gathered and u.pending_gather is None:
+                self.gathers += 1
+            u.gather(self.comm, async_op=async_op)
+            self.tracker.refresh(u.working)
+
+    def release(self, name: str) -> None:
+        for u in self.units.get(name, []):
+            u.release()
+            self.tracker.refresh(u.working)
+
+    def _neighbour(self, name: str, delta: int) -> str | None:
+        i = self.order.index(name) + delta
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def _prefetch(self, name: str, delta: int) -> None:
+        nxt = self._neighbour(name, delta) if self.prefetch else None
+        if nxt is not None:
+            self.gather(nxt, async_op=True)
+
+    # ---- hooks ----
+    def _pre_forward(self, name: str):
+        def hook(module, args, kwargs):
+            self.gather(name)
+            if self.phase == "forward":
+                self._prefetch(name, +1)
+        return hook
+
+    def _post_forward(self, name: str):
+        def hook(module, args, kwargs, output):
+            if self.phase in ("forward", "eval"):
+                self.release(name)
+            if self.phase == "forward":
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in tensors:
+                    t.register_hook(self._pre_backward(name))
+        return hook
+
+    def _pre_backward(self, name: str):
+        def hook(grad):
+            self.gather(name)
+            self._prefetch(name, -1)
+        return hook
+
+    # ---- step boundaries ----
+    def begin(self, phase: str) -> None:
+        self.phase = phase
+        self.gather("root")
+
+    def end_step(self) -> None:
+        """After the step: every non-persistent unit's storage is freed."""
+        self.phase = "idle"
+        for name in ["root", *self.order]:
+            self.release(name)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
