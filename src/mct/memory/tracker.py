@@ -220,6 +220,9 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._stage_stack.append(name)
         self._raise_peak(name, self._snapshot())
+        # The new stage's peak starts at today's live bytes, likely below the global
+        # peak: lower the watermark, or growth inside this stage would go unrecorded.
+        self._watermark = self._lowest_peak()
         try:
             with self.category(category):
                 yield
