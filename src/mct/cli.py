@@ -1,4 +1,4 @@
-"""Command line: mct train | verify | report (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="compare the configured engine with the fp32 reference")
     _common(v)
     v.add_argument("--steps", type=int, default=10, help="steps to compare (default 10)")
+    pl = sub.add_parser("plan", help="predict per-rank peak memory of every configuration; pick one for a budget")
+    pl.add_argument("--config", help="TOML config file")
+    pl.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config key (repeatable), e.g. --set model.n_layer=32")
+    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference GPT)")
+    pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r = sub.add_parser("report", help="summarize a run directory")
     r.add_argument("run_dir")
     return parser
@@ -69,6 +77,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 and not _under_torchrun():
+        from mct.memory.plan import resolve_auto
+        resolve_auto(cfg, args.nproc)  # an impossible budget fails here, in one line, before any launch
         run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
     from mct.dist import broadcast_from_main, init_distributed, teardown
@@ -107,6 +117,12 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         teardown()
 
 
+def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.memory.plan import cmd_plan as plan
+    cfg = load_config(args.config, args.set)
+    return plan(cfg, world=args.world_size, budget=args.budget, factory=args.model, as_json=args.json)
+
+
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     path = Path(args.run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -125,7 +141,7 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "verify": cmd_verify, "report": cmd_report}[args.command]
+    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}[args.command]
     try:
         return handler(args, argv)
     except ValueError as e:

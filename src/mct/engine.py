@@ -23,7 +23,9 @@ from torch.utils._pytree import tree_map
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext
-from mct.memory.tracker import MemoryTracker
+from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
+                               optimizer_step_bytes)
+from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.precision import LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
@@ -60,12 +62,18 @@ class Engine:
         and again over the flat fp32 master shards. Raises ValueError for configs the
         engine cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
-        if cfg.zero.stage == "auto":
-            raise ValueError("zero.stage = 'auto' needs the planner: set a number 0-3 (mct plan recommends one)")
+        for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
+            if value == "auto":
+                raise ValueError(f"{key} = 'auto' must be resolved before the engine is built: `mct train` does "
+                                 f"it; from Python call mct.memory.plan.resolve_auto(config, world_size), which "
+                                 f"returns the config with the planner's choice (it needs memory.budget)")
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
-        self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track,
-                                                budget_bytes=cfg.memory.budget_bytes if cfg.memory.enforce else None)
+        enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
+        self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
+                                                suggestion=default_suggestion(cfg) if enforce else None)
+        if enforce and self.device.type == "cuda":
+            apply_cuda_budget(self.device, enforce)
         self.policy = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
@@ -97,6 +105,8 @@ class Engine:
             for gi in range(len(groups))])
         self._buffers_to_device()
         self.steps_done = 0
+        self._stage_name = "idle"
+        self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
     def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
@@ -128,16 +138,34 @@ class Engine:
                                             if k not in ("train", "data")))))
         check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
 
+    def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
+        first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, self.sharded.masters())
+        publish = max((u.master.numel() * self.policy.param_dtype.itemsize for u in self.sharded.units
+                       if u.persistent and u.layout.world > 1), default=0)
+        return StepReserve(first, later, publish)
+
     def _buffers_to_device(self) -> None:
         for b in self.model.buffers():
             self.tracker.register(b, "params")
 
     # ---- the step ----
     def train_step(self, batch: Any, loss_fn: LossFn) -> StepResult:
-        """One optimizer step over this rank's micro-batch (or list of micro-batches)."""
+        """One optimizer step over this rank's micro-batch (or list of micro-batches).
+        Raises MemoryBudgetExceeded (memory.enforce) before the optimizer modifies any
+        master or optimizer state; gradients of the failed step are dropped."""
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
+        try:
+            with cuda_oom_as_budget_error(self.tracker, lambda: self._stage_name):
+                return self._train_step(micro, loss_fn)
+        except MemoryBudgetExceeded:
+            self.sharded.zero_grad()
+            if self.stage3 is not None:
+                self.stage3.end_step()
+            raise
+
+    def _train_step(self, micro: list, loss_fn: LossFn) -> StepResult:
         self.tracker.reset_peaks()
         self.comm.reset_stats()
         if self.ckpt is not None:
@@ -148,6 +176,7 @@ class Engine:
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             t0 = time.perf_counter()
+            self._stage_name = "forward"
             with self.tracker.stage("forward", "activations"), self._phase("forward"):
                 with self.policy.autocast(self.device.type):
                     loss = loss_fn(self.model, mb)
@@ -155,6 +184,7 @@ class Engine:
                 raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
             loss_sum += loss.detach().double()
             t1 = time.perf_counter()
+            self._stage_name = "backward"
             with self.tracker.stage("backward", "other"), self._phase("backward"):
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
@@ -162,8 +192,13 @@ class Engine:
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
         t2 = time.perf_counter()
+        self._stage_name = "optimizer"
+        start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
         with self.tracker.stage("optimizer", "other"):
             result = self._optimizer_step(loss_sum / len(micro))
+        if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
+            self.reserve.observe(self.tracker.peaks().get("optimizer", {}).get("total", 0), start)
+        self._stage_name = "idle"
         if self.stage3 is not None:
             self.stage3.end_step()
         times["step"] = time.perf_counter() - t2
@@ -190,6 +225,8 @@ class Engine:
         loss = float(sums[1]) / self.comm.world
         found_inf = not torch.isfinite(sums[0]).item()
         loss_scale = scale if self.scaler.enabled else None
+        if self.reserve is not None and not found_inf:  # fail here, before anything is modified
+            self.tracker.require_headroom(self.reserve.need(first_step=not self.optimizer.state))
         self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
         if not found_inf:
             clip = self.config.train.grad_clip

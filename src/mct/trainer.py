@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from mct.config import EngineConfig
 from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
+from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.precision import LossScaleFloorError
@@ -76,6 +78,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
           progress: bool = True) -> TrainSummary:
     ctx = ctx or DistContext.current()
     run_dir = Path(run_dir)
+    cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
     model = build_model(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg,
@@ -83,9 +86,10 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
     if ctx.is_main:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
-                       device=str(ctx.device), extra=_metadata_extra(corpus, model, engine))
+                       device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     try:
-        summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress)
+        summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress,
+                        predicted=choice["predicted_peak_bytes"] if choice else None)
     finally:
         writer.close()
     export_weights(engine, run_dir / "model.safetensors", ctx)
@@ -113,7 +117,7 @@ def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> d
 
 
 def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: MetricsWriter,
-          ctx: DistContext, run_dir: Path, progress: bool) -> TrainSummary:
+          ctx: DistContext, run_dir: Path, progress: bool, predicted: int | None = None) -> TrainSummary:
     tcfg = cfg.train
     tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * ctx.world_size
     bar = None
@@ -125,6 +129,7 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
     loss = float("nan")
     t_start = time.perf_counter()
     peaks: dict = {}
+    warned = False
     for step in range(tcfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(opt_step, tcfg)
@@ -161,6 +166,13 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
             record.update(m)
             record.update(flatten_peaks(peaks))
             record["memory"] = peaks
+            if predicted is not None:
+                record["predicted_peak_bytes"] = predicted
+                warning = peak_check(out.metrics["peak_bytes"], predicted)
+                if warning and step > 0 and not warned:  # step 0 has no optimizer state yet
+                    warned = True
+                    record["peak_warning"] = warning
+                    print(f"mct: warning (rank {ctx.rank}): {warning}", file=sys.stderr)
             record["errors"] = {"skipped_steps": skipped, "consecutive_skips": consecutive_skips,
                                 "nonfinite_loss": int(not math.isfinite(loss))}
             writer.log(record)

@@ -24,13 +24,13 @@ def plan_regions(policy: str, n_blocks: int, k: int) -> list[list[int]]:
 
     Accepts a policy name from ``CheckpointingConfig``, the block count and ``k``.
     Returns one list of consecutive block indices per region (``[]`` for ``none``).
-    Raises ValueError for ``auto`` (not yet available) and for ``every_k`` with
+    Raises ValueError for an unresolved ``auto`` (the planner resolves it first) and for ``every_k`` with
     ``k`` larger than the block count.
     """
     if policy == "auto":
         raise ValueError(
-            "checkpointing.policy = 'auto' is not yet available: it needs the memory "
-            "planner; choose none/all/every_k/sqrt/selective")
+            "checkpointing.policy = 'auto' must be resolved by the memory planner before "
+            "checkpointing is applied (mct.memory.plan.resolve_auto; `mct train` does it)")
     if policy == "none":
         return []
     if policy in ("all", "selective"):

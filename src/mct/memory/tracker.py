@@ -127,11 +127,14 @@ class MemoryTracker:
     ``budget_bytes``: raise ``MemoryBudgetExceeded`` as soon as total live bytes pass it
     (CPU: at the allocation; CUDA: at register/refresh, and by its peak at stage exit).
     ``suggestion``: called when the budget is exceeded; its text joins the message.
+    ``count_fake``: also count meta storages (FakeTensors of ``FakeTensorMode``): the
+    planner measures a step on fake tensors this way, allocating nothing.
     Raises ValueError on an unsupported device or a non-positive budget.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True,
-                 budget_bytes: int | None = None, suggestion: Callable[[], str] | None = None) -> None:
+                 budget_bytes: int | None = None, suggestion: Callable[[], str] | None = None,
+                 count_fake: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"MemoryTracker device must be 'cpu' or 'cuda', got {str(self.device)!r}; "
@@ -141,6 +144,7 @@ class MemoryTracker:
         self.enabled = enabled
         self.budget_bytes = budget_bytes
         self.suggestion = suggestion
+        self.count_fake = count_fake
         self._cuda = self.device.type == "cuda"
         self._records: dict[int, _Record] = {}   # id(storage) -> record; ids stay valid while alive
         self._bytes = dict.fromkeys(CATEGORIES, 0)
@@ -202,6 +206,16 @@ class MemoryTracker:
             if rec is not None:
                 self._set_nbytes(rec, st.nbytes())
 
+    def require_headroom(self, nbytes: int) -> None:
+        """Raise MemoryBudgetExceeded now if live bytes plus ``nbytes`` would pass the
+        budget: a step about to allocate that much checks before it modifies anything.
+        The exception's 'total' is the projected bytes. No-op without a budget."""
+        if not self.enabled or self.budget_bytes is None:
+            return
+        snap = self._snapshot()
+        if snap["total"] + nbytes > self.budget_bytes:
+            self._check_budget({**snap, "total": snap["total"] + nbytes})
+
     @contextmanager
     def stage(self, name: str, category: str = "activations") -> Iterator[None]:
         """Record the peak of total live bytes while inside, under ``name``.
@@ -220,6 +234,9 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._stage_stack.append(name)
         self._raise_peak(name, self._snapshot())
+        # The new stage's peak starts at today's live bytes, likely below the global
+        # peak: lower the watermark, or growth inside this stage would go unrecorded.
+        self._watermark = self._lowest_peak()
         try:
             with self.category(category):
                 yield
@@ -332,7 +349,7 @@ class MemoryTracker:
 
     def _add_storage(self, st: torch.UntypedStorage, category: str) -> None:
         # Meta and fake tensors have meta storages: nothing is allocated.
-        if st.device.type != self.device.type:
+        if st.device.type != self.device.type and not (self.count_fake and st.device.type == "meta"):
             return
         n = st.nbytes()
         if type(n) is not int:  # symbolic sizes (tracing) are not bytes

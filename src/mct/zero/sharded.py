@@ -91,6 +91,12 @@ class ShardedModel:
         return hook
 
     def _unit_backward_done(self, unit: FlatParamUnit) -> None:
+        # A pending reduce-scatter keeps its unit's full gradient [P] alive until it is
+        # waited on: wait for the earlier ones first, so at most one unit's full
+        # gradient is in flight instead of every unit's until the end of backward.
+        for u in self.units:
+            if u is not unit:
+                u.wait_reduce()
         unit.reduce(self.comm, async_op=True)
         if self.stage == 3 and not unit.name.startswith("root/"):
             unit.release()
