@@ -85,9 +85,22 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra=_metadata_extra(corpus, model, engine))
     try:
-        return _loop(cfg, engine, sampler, writer, ctx, run_dir, progress)
+        summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress)
     finally:
         writer.close()
+    export_weights(engine, run_dir / "model.safetensors", ctx)
+    return summary
+
+
+def export_weights(engine: Engine, path: Path, ctx: DistContext) -> None:
+    """Consolidated fp32 weights (names as ``model.named_parameters()``), written by
+    rank 0 to a temporary file and renamed. Collective: every rank must call it."""
+    state = engine.full_state_dict()
+    if ctx.is_main:
+        from safetensors.torch import save_file
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
+        tmp.replace(path)
 
 
 def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Buffers (S = shard_numel, P = padded_numel = world * S):
                master is a view of the working buffer's own slice (no second copy).
   grad_full    [P] reduce dtype: parameter gradients are added into it by
                post-accumulate-grad hooks (stages 0/1: persistent; 2/3: per backward).
-  grad_shard   [S] fp32: the reduced, accumulated gradient of this rank's slice.
+  grad_shard   [S] fp32: the reduced, accumulated gradient of this rank's slice (fp32
+               stage 0: grad_full itself; fp32 stage 1: a view of grad_full's slice).
 At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 """
 
@@ -49,8 +50,12 @@ class FlatParamUnit:
         self.full_grads = full_grads
         self.grad_full: torch.Tensor | None = (
             torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=device) if full_grads else None)
-        if layout.world == 1 and full_grads and reduce_dtype == torch.float32:
-            self.grad_shard = self.grad_full  # stage 0, fp32: the all-reduced buffer is the shard
+        # fp32 full gradients (stages 0/1) hold the reduced slice in place: no second copy.
+        self.grad_shard_in_full = full_grads and reduce_dtype == torch.float32
+        if self.grad_shard_in_full and layout.world == 1:
+            self.grad_shard = self.grad_full  # stage 0: the all-reduced buffer is the shard
+        elif self.grad_shard_in_full:
+            self.grad_shard = self.grad_full[lo:hi]  # stage 1: this rank's slice of it
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         self.gathered = True
@@ -133,6 +138,11 @@ class FlatParamUnit:
         out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device)
 
         def accumulate() -> None:
+            if self.grad_shard_in_full:
+                # Stage 1 reduces once per step, so the slice holds no earlier reduced sum.
+                full.zero_()
+                self.grad_shard.copy_(out)
+                return
             self.grad_shard.add_(out)
             if self.full_grads:
                 full.zero_()

@@ -179,8 +179,9 @@ class ShardedModel:
             if not u.master_is_view:
                 key = "params" if u.param_dtype == torch.float32 else "master"
                 out[key] += u.master.numel() * 4
-            out["grads"] += u.grad_shard.numel() * 4
-            if u.full_grads and u.grad_full is not u.grad_shard:
+            if not u.grad_shard_in_full:
+                out["grads"] += u.grad_shard.numel() * 4
+            if u.full_grads:
                 out["grads"] += u.grad_full.numel() * u.grad_full.element_size()
         return out
 

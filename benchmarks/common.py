@@ -1,0 +1,88 @@
+"""Shared benchmark helpers: interleaved timing, summary statistics, a plain-text
+table and a JSON result file with the run's environment.
+
+Benchmarks run on shared, noisy machines: measure every variant in one process,
+round-robin per step (``interleave``), so that a burst of load hits all variants
+alike, and compare variants by ratios rather than by absolute times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def interleave(steps: dict[str, Callable[[int], None]], n_steps: int, *, warmup: int = 1,
+               before_each: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Run ``steps[name](i)`` for i in range(warmup + n_steps), every variant once per
+    i in a fixed round-robin order; ``before_each`` (e.g. a barrier) runs untimed
+    before each call. Returns {name: [seconds of each measured call]} (warm-up calls
+    dropped). Exceptions from a step propagate."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + n_steps):
+        for name, step in steps.items():
+            if before_each is not None:
+                before_each()
+            t0 = time.perf_counter()
+            step(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """median, min, max and the interquartile range of ``samples`` (seconds)."""
+    s = sorted(samples)
+    if not s:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "iqr": float("nan")}
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0], s[0], s[0]]
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0]}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """Rows of dicts -> aligned text table. ``columns``: (key, header) pairs; floats
+    are printed with 3 significant digits, None as '-'."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+    body = [[cell(r.get(k)) for k, _ in columns] for r in rows]
+    heads = [h for _, h in columns]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(heads), line(["-" * w for w in widths]), *(line(b) for b in body)])
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, CPU count, load, thread count."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+            "cpus": os.cpu_count(), "loadavg_at_end": load, "argv": sys.argv[1:],
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def write_json(name_or_path: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` plus ``environment()`` as JSON to ``name_or_path`` (a path
+    ending in .json) or to ``benchmarks/results/NAME.json``; returns the path.
+    Creates the folder; raises OSError if it cannot be written."""
+    path = Path(name_or_path) if name_or_path.endswith(".json") else RESULTS_DIR / f"{name_or_path}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**payload, "environment": environment()}, indent=2, default=str) + "\n")
+    return path

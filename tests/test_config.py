@@ -1,0 +1,81 @@
+"""Config: every kind of user mistake is a ValueError naming key, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from mct.config import EngineConfig, apply_overrides, load_config, parse_bytes
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = EngineConfig()
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("d, fragment", [
+    ({"modle": {}}, "unknown config section 'modle'"),
+    ({"model": {"n_layers": 2}}, "unknown config key model.n_layers"),
+    ({"model": {"n_layer": "4"}}, "model.n_layer = '4' has the wrong type: expected int"),
+    ({"model": {"n_layer": 2.5}}, "model.n_layer = 2.5 has the wrong type"),
+    ({"train": {"tensorboard": 1}}, "train.tensorboard = 1 has the wrong type: expected bool"),
+    ({"model": {"n_layer": 0}}, "model.n_layer = 0 is not allowed: must be >= 1"),
+    ({"model": {"d_model": 30, "n_head": 4}}, "must be divisible by model.n_head = 4"),
+    ({"model": {"dropout": 1.0}}, "model.dropout = 1.0 is not allowed: must be in [0, 1)"),
+    ({"precision": {"mode": "fp8"}}, "precision.mode = 'fp8' is not allowed: choose 'fp32', 'bf16' or 'fp16'"),
+    ({"checkpointing": {"policy": "some"}}, "checkpointing.policy = 'some' is not allowed"),
+    ({"checkpointing": {"k": 0}}, "checkpointing.k = 0 is not allowed: must be >= 1"),
+    ({"zero": {"stage": 4}}, "zero.stage = 4 is not allowed: choose 0, 1, 2, 3 or 'auto'"),
+    ({"zero": {"stage": True}}, "zero.stage = True"),
+    ({"memory": {"budget": "lots"}}, "memory.budget must be a positive size like '2GiB'"),
+    ({"memory": {"enforce": True}}, "memory.enforce = True is not allowed: needs memory.budget"),
+    ({"distributed": {"backend": "mpi"}}, "distributed.backend = 'mpi' is not allowed"),
+    ({"train": {"lr": 0}}, "train.lr = 0.0 is not allowed: must be > 0.0"),
+    ({"model": 3}, "config section [model] must be a table"),
+])
+def test_bad_config_names_key_value_and_fix(d, fragment):
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_dict(d)
+    assert fragment in str(e.value)
+
+
+def test_set_overrides_are_typed_by_field():
+    d = apply_overrides({}, ["zero.stage=2", "model.dropout=0.1", "train.tensorboard=true",
+                             "checkpointing.blocks=Block,MLP", "memory.budget=2GiB", "seed=7",
+                             "zero.stage=auto"])
+    cfg = EngineConfig.from_dict(d)
+    assert cfg.zero.stage == "auto" and cfg.model.dropout == 0.1 and cfg.train.tensorboard is True
+    assert cfg.checkpointing.blocks == ["Block", "MLP"] and cfg.seed == 7
+    assert cfg.memory.budget_bytes == 2 * 2**30
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("zero.stage", "must look like section.key=value"),
+    ("stage=2", "the key must be section.key"),
+    ("zeroo.stage=2", "unknown section 'zeroo'"),
+    ("zero.stages=2", "unknown key zero.stages"),
+    ("model.n_layer=two", "model.n_layer = 'two' has the wrong type: expected int"),
+    ("train.tensorboard=maybe", "has the wrong type: expected bool"),
+])
+def test_bad_set_override(item, fragment):
+    with pytest.raises(ValueError, match=None) as e:
+        apply_overrides({}, [item])
+    assert fragment in str(e.value)
+
+
+def test_toml_file_and_errors(tmp_path):
+    good = tmp_path / "c.toml"
+    good.write_text('seed = 3\n[zero]\nstage = 1\n[precision]\nmode = "bf16"\n')
+    cfg = load_config(good, ["zero.stage=2"])
+    assert (cfg.seed, cfg.zero.stage, cfg.precision.mode) == (3, 2, "bf16")
+    with pytest.raises(ValueError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[zero\nstage = 1\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        load_config(bad)
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("1KiB") == 1024 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(5) == 5
+    with pytest.raises(ValueError):
+        parse_bytes("-1GiB")
