@@ -24,8 +24,10 @@ plus 1e-6.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mct.zero.partition import model_state_bytes
 from tests.distributed import run_distributed
 from tests.helpers import adamw, engine_run, max_rel_diff, reference_run, sgd_momentum, tiny_config
 
@@ -53,6 +55,30 @@ def _stage3_facts(engine, out) -> dict:
     return {"held_after_step": held, "gathers": out.metrics["zero3_gathers"]}
 
 
+def _memory_after_one_step(rank: int, world: int) -> dict:
+    """(precision, stage) -> tracked live bytes by category after one AdamW step,
+    the formula's bytes and the padding allowance (padded - unpadded elements)."""
+    out = {}
+    for mode in ("fp32", "bf16"):
+        p_bytes, master_bytes = (4, 0) if mode == "fp32" else (2, 4)
+        for stage in (0, 1, 2, 3):
+            cfg = tiny_config(zero={"stage": stage}, precision={"mode": mode})
+            _, _, engine, _ = engine_run(cfg, rank, 1, adamw)
+            live = engine.tracker.live()
+            n = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+            pad = sum(u.layout.padded_numel for u in engine.sharded.units) - n
+            formula = model_state_bytes(n, world, stage, param_bytes=p_bytes, grad_bytes=4,
+                                        master_bytes=master_bytes, optim_bytes_per_param=8)
+            per_elem = {"params": p_bytes, "master": master_bytes, "grads": 4, "optimizer": 8}
+            out[(mode, stage)] = {"live": {k: live[k] for k in formula}, "formula": formula,
+                                  "padding_bytes": {k: pad * per_elem[k] for k in formula}}
+    return out
+
+
+def _two_rank_checks(rank: int, world: int) -> tuple[dict, dict]:
+    return _two_rank_matrix(rank, world), _memory_after_one_step(rank, world)
+
+
 def _two_rank_matrix(rank: int, world: int) -> dict:
     refs = _references(world) if rank == 0 else None
     out: dict = {}
@@ -72,18 +98,41 @@ def _two_rank_matrix(rank: int, world: int) -> dict:
     return out
 
 
-def test_stages_0_to_3_match_reference_on_two_ranks_sgd_and_adamw():
-    results = run_distributed(_two_rank_matrix, 2)[0]
+@pytest.fixture(scope="module")
+def two_rank_results() -> tuple[dict, dict]:
+    """One 2-rank spawn for the parity matrix and the memory measurements."""
+    return run_distributed(_two_rank_checks, 2)[0]
+
+
+def test_stages_0_to_3_match_reference_on_two_ranks_sgd_and_adamw(two_rank_results):
+    results = two_rank_results[0]
     assert len(results) == 16
     for key, r in results.items():
         stage, policy, opt = key
         if opt == "sgd":
             assert r["rank_ref"][0] <= 1e-6, (key, r)
         assert r["order_ref"][0] <= 1e-6, (key, r)
-        if stage == 3:
-            assert r["held_after_step"] == [], key
-            assert r["gathers"] > 0, key
+
+
+def test_stage3_frees_block_storage_after_the_step_and_prefetch_changes_nothing(two_rank_results):
+    results = two_rank_results[0]
+    for policy in ("none", "all"):
+        for opt in OPTIMIZERS:
+            r = results[(3, policy, opt)]
+            assert r["held_after_step"] == [], (policy, opt)
+            assert r["gathers"] > 0
     assert results[(3, "all", "sgd")]["prefetch_off_equal"]
+
+
+def test_model_state_bytes_per_rank_match_the_zero_formula(two_rank_results):
+    """Tracked live bytes after a step (params/master/grads/optimizer) against
+    Rajbhandari et al.'s per-stage formula, within 5% plus padding."""
+    measured = two_rank_results[1]
+    assert len(measured) == 8
+    for (mode, stage), m in measured.items():
+        for cat in ("params", "master", "grads", "optimizer"):
+            want = m["formula"][cat]
+            assert abs(m["live"][cat] - want) <= 0.05 * want + m["padding_bytes"][cat], (mode, stage, cat, m)
 
 
 def _fsdp2_run(rank: int, world: int, optimizer) -> dict[str, torch.Tensor]:
