@@ -139,3 +139,17 @@ def engine_vs_reference(cfg: EngineConfig, rank: int, world: int, steps: int, op
         return losses, None, None, None
     rel, name = max_rel_diff(state, ref.state_dict())
     return losses, ref_losses, rel, name
+
+
+def shared_work(rank: int, world: int, jobs: dict[Any, Any]) -> dict[Any, Any] | None:
+    """Run ``jobs`` (key -> zero-argument callable) split round-robin over the ranks
+    and gather the results on rank 0 (None elsewhere). Collective: every rank calls it
+    with the same keys. Reference runs are independent of the rank, so spreading
+    them keeps the other ranks from idling while rank 0 works alone."""
+    import torch.distributed as dist
+    mine = {k: fn() for i, (k, fn) in enumerate(jobs.items()) if i % world == rank}
+    if world == 1:
+        return mine
+    parts: list[Any] = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for p in parts for k, v in p.items()} if rank == 0 else None

@@ -19,7 +19,8 @@ SGD stays within 2.4e-7 everywhere. Against the order-matched reference the engi
 agrees exactly (0.0) at 2 ranks. With 4 ranks gloo's reduce-scatter sums in its own
 order, which neither reference reproduces; there AdamW is held to the noise floor:
 no worse than twice the distance between the two valid references, per tensor,
-plus 1e-6.
+plus 1e-6. torch's FSDP2 (``fully_shard`` per block, then the root) trains the same
+model on the same data; with SGD it lands within 1e-6 of both.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from mct.zero.partition import model_state_bytes
 from tests.distributed import run_distributed
-from tests.helpers import adamw, engine_run, max_rel_diff, reference_run, sgd_momentum, tiny_config
+from tests.helpers import adamw, engine_run, max_rel_diff, reference_run, sgd_momentum, shared_work, tiny_config
 
 STEPS = 10
 N_MICRO = 2
@@ -41,11 +42,12 @@ def _cfg(stage: int, policy: str, **zero):
                        checkpointing={"policy": policy}, memory={"track": False})
 
 
-def _references(world: int) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-    """(optimizer, order) -> reference state after STEPS steps (both orders)."""
+def _references(rank: int, world: int) -> dict[tuple[str, str], dict[str, torch.Tensor]] | None:
+    """(optimizer, order) -> reference state after STEPS steps (both orders), on rank 0."""
     cfg = _cfg(0, "none")
-    return {(o, order): reference_run(cfg, world, STEPS, opt, N_MICRO, order=order)[1]
-            for o, opt in OPTIMIZERS.items() for order in ("rank", "micro")}
+    return shared_work(rank, world, {
+        (o, order): (lambda opt=opt, order=order: reference_run(cfg, world, STEPS, opt, N_MICRO, order=order)[1])
+        for o, opt in OPTIMIZERS.items() for order in ("rank", "micro")})
 
 
 def _stage3_facts(engine, out) -> dict:
@@ -80,7 +82,7 @@ def _two_rank_checks(rank: int, world: int) -> tuple[dict, dict]:
 
 
 def _two_rank_matrix(rank: int, world: int) -> dict:
-    refs = _references(world) if rank == 0 else None
+    refs = _references(rank, world)
     out: dict = {}
     for stage in (0, 1, 2, 3):
         for policy in ("none", "all"):
@@ -160,35 +162,31 @@ def _fsdp2_run(rank: int, world: int, optimizer) -> dict[str, torch.Tensor]:
 
 
 def _four_rank_stage3(rank: int, world: int) -> dict:
-    refs = _references(world) if rank == 0 else None
+    refs = _references(rank, world)
+    fsdp = _fsdp2_run(rank, world, sgd_momentum)  # SGD: linear in the gradient, so scale bugs show
     out: dict = {}
     for o, opt in OPTIMIZERS.items():
-        fsdp = _fsdp2_run(rank, world, opt)
-        for policy in ("none", "all"):
-            _, state, engine, last = engine_run(_cfg(3, policy), rank, STEPS, opt, N_MICRO)
-            facts = _stage3_facts(engine, last)
-            if refs is None:
-                continue
-            floor = {k: max_rel_diff({k: refs[(o, "micro")][k]}, {k: refs[(o, "rank")][k]})[0]
-                     for k in state}
-            per_tensor = {k: max_rel_diff({k: state[k]}, {k: refs[(o, "rank")][k]})[0] for k in state}
-            out[(policy, o)] = {"rank_ref": max_rel_diff(state, refs[(o, "rank")]),
-                                "fsdp2": max_rel_diff(state, fsdp), "floor": floor,
-                                "per_tensor": per_tensor, **facts}
-        if refs is not None:
-            out[("fsdp2_vs_ref", o)] = max_rel_diff(fsdp, refs[(o, "rank")])
+        # checkpointing "none" runs at 2 ranks; recompute under stage 3 is the harder case
+        _, state, engine, last = engine_run(_cfg(3, "all"), rank, STEPS, opt, N_MICRO)
+        facts = _stage3_facts(engine, last)
+        if refs is None:
+            continue
+        floor = {k: max_rel_diff({k: refs[(o, "micro")][k]}, {k: refs[(o, "rank")][k]})[0] for k in state}
+        per_tensor = {k: max_rel_diff({k: state[k]}, {k: refs[(o, "rank")][k]})[0] for k in state}
+        out[o] = {"rank_ref": max_rel_diff(state, refs[(o, "rank")]), "floor": floor, "per_tensor": per_tensor,
+                  "fsdp2": max_rel_diff(state, fsdp) if o == "sgd" else None, **facts}
+    if refs is not None:
+        out["fsdp2_vs_ref"] = max_rel_diff(fsdp, refs[("sgd", "rank")])
     return out
 
 
 def test_stage3_on_four_ranks_matches_reference_and_fsdp2():
     results = run_distributed(_four_rank_stage3, 4)[0]
-    for policy in ("none", "all"):
-        sgd, adam = results[(policy, "sgd")], results[(policy, "adamw")]
-        assert sgd["rank_ref"][0] <= 1e-6, (policy, sgd["rank_ref"])
-        assert sgd["fsdp2"][0] <= 1e-6, (policy, sgd["fsdp2"])
-        for k, rel in adam["per_tensor"].items():
-            assert rel <= 2 * adam["floor"][k] + 1e-6, (policy, k, rel, adam["floor"][k])
-        for r in (sgd, adam):
-            assert r["held_after_step"] == [] and r["gathers"] > 0
-    print({k: v for k, v in results.items() if k[0] == "fsdp2_vs_ref"},
-          {k: (v["rank_ref"], v["fsdp2"]) for k, v in results.items() if k[0] != "fsdp2_vs_ref"})
+    sgd, adam = results["sgd"], results["adamw"]
+    assert sgd["rank_ref"][0] <= 1e-6, sgd["rank_ref"]
+    assert sgd["fsdp2"][0] <= 1e-6, sgd["fsdp2"]
+    assert results["fsdp2_vs_ref"][0] <= 1e-6, results["fsdp2_vs_ref"]
+    for k, rel in adam["per_tensor"].items():
+        assert rel <= 2 * adam["floor"][k] + 1e-6, (k, rel, adam["floor"][k])
+    for r in (sgd, adam):
+        assert r["held_after_step"] == [] and r["gathers"] > 0

@@ -20,7 +20,8 @@ from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss
 from tests.distributed import run_distributed
-from tests.helpers import TINY_MODEL, adamw, engine_run, max_rel_diff, reference_run, sgd_momentum, tiny_config
+from tests.helpers import (TINY_MODEL, adamw, engine_run, max_rel_diff, reference_run, sgd_momentum, shared_work,
+                           tiny_config)
 
 STEPS = 4
 N_MICRO = 2
@@ -133,8 +134,10 @@ OPTIMIZERS = {"adamw": adamw, "sgd": sgd_momentum}
 
 def _compare(rank: int, world: int, model_fn, loss_fn, stages, policy: str) -> dict:
     cfg0 = tiny_config(train={"grad_clip": 1.0}, memory={"track": False})
-    refs = ({(o, order): reference_run(cfg0, world, STEPS, opt, N_MICRO, model_fn, loss_fn, order=order)[1]
-             for o, opt in OPTIMIZERS.items() for order in ("rank", "micro")} if rank == 0 else None)
+    refs = shared_work(rank, world, {
+        (o, order): (lambda opt=opt, order=order:
+                     reference_run(cfg0, world, STEPS, opt, N_MICRO, model_fn, loss_fn, order=order)[1])
+        for o, opt in OPTIMIZERS.items() for order in ("rank", "micro")})
     out = {}
     for stage in stages:
         cfg = tiny_config(train={"grad_clip": 1.0}, zero={"stage": stage}, checkpointing={"policy": policy},
