@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -47,6 +48,73 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
     return worst, name
 
 
+def reference_run(cfg: EngineConfig, world: int, steps: int, optimizer=adamw, n_micro: int = 1,
+                  model_fn=None, loss_fn=gpt_loss, batch_fn=batches, order: str = "rank"):
+    """Train the fp32 reference on every rank's batches; returns (losses, state dict).
+
+    ``order="rank"`` is ``ReferenceTrainer``'s own reduction: each rank's micro-batch
+    gradients are summed first, then the ranks. ``order="micro"`` sums over ranks for
+    each micro-batch first, then over micro-batches: the order of ZeRO stages 2/3,
+    which reduce-scatter after every backward. Both are exact averages; they differ
+    only in floating-point rounding."""
+    if order not in ("rank", "micro"):
+        raise ValueError(f"order must be 'rank' or 'micro', got {order!r}")
+    torch.manual_seed(cfg.seed)
+    model = model_fn() if model_fn else GPT(cfg.model)
+    ref = ReferenceTrainer(model, optimizer, grad_clip=cfg.train.grad_clip, param_groups=optimizer_groups(model, 0.1))
+    losses = []
+    for step in range(steps):
+        per_rank = [batch_fn(step, r, n_micro) for r in range(world)]
+        if order == "rank":
+            losses.append(ref.step(per_rank, loss_fn).loss)
+        else:
+            losses.append(_micro_major_step(ref, per_rank, loss_fn))
+    return losses, ref.state_dict()
+
+
+def _micro_major_step(ref: ReferenceTrainer, per_rank: list[list[Any]], loss_fn) -> float:
+    """One reference step that sums rank gradients per micro-batch, then micro-batches."""
+    world, n_micro = len(per_rank), len(per_rank[0])
+    total = [torch.zeros_like(p) for p in ref.params]
+    loss_sum = 0.0
+    for m in range(n_micro):
+        summed = [torch.zeros_like(p) for p in ref.params]
+        for r in range(world):
+            for p in ref.params:
+                p.grad = None
+            loss = loss_fn(ref.model, per_rank[r][m])
+            (loss / n_micro).backward()
+            loss_sum += loss.item() / n_micro
+            for s, p in zip(summed, ref.params):
+                if p.grad is not None:
+                    s.add_(p.grad)
+        for t, s in zip(total, summed):
+            t.add_(s)
+    for t, p in zip(total, ref.params):
+        p.grad = t.div_(world)
+    norm = math.sqrt(sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2 for p in ref.params))
+    if ref.grad_clip > 0:
+        torch._foreach_mul_([p.grad for p in ref.params], min(1.0, ref.grad_clip / (norm + 1e-6)))
+    ref.optimizer.step()
+    for p in ref.params:
+        p.grad = None
+    return loss_sum / world
+
+
+def engine_run(cfg: EngineConfig, rank: int, steps: int, optimizer=adamw, n_micro: int = 1,
+               model_fn=None, loss_fn=gpt_loss, batch_fn=batches):
+    """Train the engine on this rank's batches (collective: every rank calls it).
+    Returns (losses, full fp32 state dict, engine, last StepResult)."""
+    torch.manual_seed(cfg.seed)
+    model = model_fn() if model_fn else GPT(cfg.model)
+    engine = Engine(model, optimizer, cfg, param_groups=optimizer_groups(model, 0.1))
+    losses, out = [], None
+    for step in range(steps):
+        out = engine.train_step(batch_fn(step, rank, n_micro), loss_fn)
+        losses.append(out.loss)
+    return losses, engine.full_state_dict(), engine, out
+
+
 def engine_vs_reference(cfg: EngineConfig, rank: int, world: int, steps: int, optimizer=adamw,
                         n_micro: int = 1, model_fn=None, loss_fn=gpt_loss, batch_fn=batches):
     """Train the engine (this rank) and, on rank 0, the reference over every rank's
@@ -71,3 +139,17 @@ def engine_vs_reference(cfg: EngineConfig, rank: int, world: int, steps: int, op
         return losses, None, None, None
     rel, name = max_rel_diff(state, ref.state_dict())
     return losses, ref_losses, rel, name
+
+
+def shared_work(rank: int, world: int, jobs: dict[Any, Any]) -> dict[Any, Any] | None:
+    """Run ``jobs`` (key -> zero-argument callable) split round-robin over the ranks
+    and gather the results on rank 0 (None elsewhere). Collective: every rank calls it
+    with the same keys. Reference runs are independent of the rank, so spreading
+    them keeps the other ranks from idling while rank 0 works alone."""
+    import torch.distributed as dist
+    mine = {k: fn() for i, (k, fn) in enumerate(jobs.items()) if i % world == rank}
+    if world == 1:
+        return mine
+    parts: list[Any] = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for p in parts for k, v in p.items()} if rank == 0 else None

@@ -93,13 +93,20 @@ def model_state_bytes(n_params: int, world: int, stage: int, *, param_bytes: int
 
     stage 0: everything replicated; 1: master + optimizer state sharded; 2: also
     gradients; 3: also working parameters. ``master_bytes`` is 0 when the working
-    parameters are fp32 and double as the master copy.
+    parameters are fp32 and double as the master copy. At stage 3 the engine keeps no
+    low-precision parameter shard: blocks are gathered from the fp32 master shard and
+    freed after use, so persistent ``params`` is 0 when a separate master exists (in
+    fp32 the master shard is the parameter shard and counts as ``params``). Gathered
+    blocks in flight are transients, not counted here.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage!r}")
     shard = 1 / world
+    params = n_params * param_bytes * (shard if stage >= 3 else 1)
+    if stage == 3 and master_bytes > 0:
+        params = 0.0
     return {
-        "params": n_params * param_bytes * (shard if stage >= 3 else 1),
+        "params": params,
         "grads": n_params * grad_bytes * (shard if stage >= 2 else 1),
         "master": n_params * master_bytes * (shard if stage >= 1 else 1),
         "optimizer": n_params * optim_bytes_per_param * (shard if stage >= 1 else 1),
