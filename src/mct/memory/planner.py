@@ -154,7 +154,7 @@ def model_state_bytes(units: list[Unit], stage: int, precision: str, reduce_dtyp
             out["params"] += u.shard * 4  # fp32 stage 3: the master shard is the only copy
         if stage < 2:
             out["grads"] += u.padded * rb
-        if not (stage < 2 and rb == 4 and u.padded == u.shard):  # else the shard is grad_full itself
+        if not (stage < 2 and rb == 4):  # else the reduced shard lives inside grad_full
             out["grads"] += u.shard * 4
         out["optimizer"] += u.shard * state_bytes + 4  # + the step counter, one per master
     return out
