@@ -24,7 +24,7 @@ from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.memory.tracker import MemoryTracker
-from mct.precision import LossScaler, PrecisionPolicy
+from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
@@ -162,10 +162,12 @@ class Engine:
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
         t2 = time.perf_counter()
-        with self.tracker.stage("optimizer", "other"):
-            result = self._optimizer_step(loss_sum / len(micro))
-        if self.stage3 is not None:
-            self.stage3.end_step()
+        try:
+            with self.tracker.stage("optimizer", "other"):
+                result = self._optimizer_step(loss_sum / len(micro))
+        finally:  # also after LossScaleFloorError: the engine must stay usable
+            if self.stage3 is not None:
+                self.stage3.end_step()
         times["step"] = time.perf_counter() - t2
         result.metrics = self._step_metrics(times)
         return result
@@ -190,7 +192,11 @@ class Engine:
         loss = float(sums[1]) / self.comm.world
         found_inf = not torch.isfinite(sums[0]).item()
         loss_scale = scale if self.scaler.enabled else None
-        self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
+        try:
+            self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
+        except LossScaleFloorError:
+            self.sharded.zero_grad()  # else the non-finite gradient poisons every later step
+            raise
         if not found_inf:
             clip = self.config.train.grad_clip
             if clip > 0 and shards:
