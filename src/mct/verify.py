@@ -1,11 +1,17 @@
 """``mct verify``: train the configured engine and the fp32 reference on the same
 global batches and compare, step by step and parameter by parameter.
 
-Tolerances (relative): fp32: losses and parameters within 1e-5. bf16/fp16: losses
-within 2e-2 at every step; parameters within PARAM_TOL_LOW_PRECISION after the run
-(measured as ||p - p_ref|| / ||p_ref|| per tensor, worst tensor; low-precision
-gradients move Adam's per-element steps by up to a learning rate, so parameters
-drift further than losses do).
+Tolerances (relative): fp32: losses at every step and parameters after the run within
+1e-5. bf16/fp16: losses within 2e-2 at every step, parameters within
+PARAM_TOL_LOW_PRECISION after the run. Parameters are compared as one vector:
+||p - p_ref|| / ||p_ref|| over all of them together. Per tensor the ratio means
+nothing for some tensors: the key part of each attention bias gets an exactly-zero
+gradient (softmax ignores a shift shared by all keys), so Adam's steps on it are
+normalized rounding noise and differ by O(1) between any two precisions (measured:
+0.06-0.37 relative in bf16/fp16). Measured on the tiny and default GPTs with the
+default schedule (docs/precision.md): losses <= 1.3e-3 (bf16) and 5e-5 (fp16)
+relative over 50 steps, parameters <= 6e-3; an unstable run (warmup 5) reached 4e-2.
+The report names the tensor with the largest absolute difference.
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ class VerifyReport:
             lines.append(f"{step:>5} {a:>12.6f} {b:>12.6f} {rel:>10.2e}" + ("  (skipped: overflow)" if skipped else ""))
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(f"max relative loss difference      {self.max_loss_rel:.3e} (tolerance {self.loss_tol:.0e})")
-        lines.append(f"max relative parameter difference {self.param_rel:.3e} in {self.worst_param} "
-                     f"(tolerance {self.param_tol:.0e})")
+        lines.append(f"relative parameter difference     {self.param_rel:.3e} (all parameters; largest in "
+                     f"{self.worst_param}) (tolerance {self.param_tol:.0e})")
         lines.append(f"{verdict}: precision {self.mode}")
         return "\n".join(lines)
 
@@ -98,9 +104,12 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     if ref is None:
         return None
     ref_state = ref.state_dict()
+    diff_sq, ref_sq, worst = 0.0, 0.0, -1.0
     for name, p in state.items():
-        q = ref_state[name].to(p.device)
-        rel = float((p - q).norm() / q.norm().clamp_min(1e-12))
-        if rel >= report.param_rel:
-            report.param_rel, report.worst_param = rel, name
+        q = ref_state[name].to(p.device).double()
+        d = float((p.double() - q).square().sum())
+        diff_sq, ref_sq = diff_sq + d, ref_sq + float(q.square().sum())
+        if d > worst:
+            worst, report.worst_param = d, name
+    report.param_rel = (diff_sq / max(ref_sq, 1e-24)) ** 0.5
     return report
