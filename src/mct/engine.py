@@ -170,6 +170,7 @@ class Engine:
                 self.stage3.end_step()
         times["step"] = time.perf_counter() - t2
         result.metrics = self._step_metrics(times)
+        result.metrics["loss_scale"] = result.loss_scale  # the scale used, not the scaler's next one
         return result
 
     @contextlib.contextmanager
