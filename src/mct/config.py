@@ -144,6 +144,10 @@ class PrecisionConfig:
         _check_range("precision.growth_interval", self.growth_interval, 1)
         _check_range("precision.hysteresis", self.hysteresis, 1)
         _check_range("precision.min_scale", self.min_scale, 0.0, lo_open=True)
+        if self.min_scale > 2.0**self.initial_scale_power:
+            _fail("precision.min_scale", self.min_scale,
+                  f"must be <= the initial loss scale 2**precision.initial_scale_power = "
+                  f"{2.0**self.initial_scale_power:g}: lower min_scale or raise initial_scale_power")
 
 
 POLICIES = ("none", "all", "every_k", "sqrt", "selective", "auto")

@@ -26,7 +26,7 @@ from mct.dist import DistContext
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
-from mct.precision import LossScaler, PrecisionPolicy
+from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
@@ -194,15 +194,18 @@ class Engine:
         t2 = time.perf_counter()
         self._stage_name = "optimizer"
         start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
-        with self.tracker.stage("optimizer", "other"):
-            result = self._optimizer_step(loss_sum / len(micro))
+        try:
+            with self.tracker.stage("optimizer", "other"):
+                result = self._optimizer_step(loss_sum / len(micro))
+        finally:  # also after LossScaleFloorError: the engine must stay usable
+            self._stage_name = "idle"
+            if self.stage3 is not None:
+                self.stage3.end_step()
         if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
             self.reserve.observe(self.tracker.peaks().get("optimizer", {}).get("total", 0), start)
-        self._stage_name = "idle"
-        if self.stage3 is not None:
-            self.stage3.end_step()
         times["step"] = time.perf_counter() - t2
         result.metrics = self._step_metrics(times)
+        result.metrics["loss_scale"] = result.loss_scale  # the scale used, not the scaler's next one
         return result
 
     @contextlib.contextmanager
@@ -227,7 +230,11 @@ class Engine:
         loss_scale = scale if self.scaler.enabled else None
         if self.reserve is not None and not found_inf:  # fail here, before anything is modified
             self.tracker.require_headroom(self.reserve.need(first_step=not self.optimizer.state))
-        self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
+        try:
+            self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
+        except LossScaleFloorError:
+            self.sharded.zero_grad()  # else the non-finite gradient poisons every later step
+            raise
         if not found_inf:
             clip = self.config.train.grad_clip
             if clip > 0 and shards:

@@ -16,6 +16,8 @@ Tolerances: fp32 1e-5 for all three (with several micro-batches at stages 2/3 th
 order alone moves parameters by ~1e-6); bf16/fp16: loss and gradient norm 2e-2 at
 every step, parameters PARAM_TOL_LOW_PRECISION (low-precision gradients move Adam's
 per-element steps by up to a learning rate, so parameters drift further than losses).
+Measured on the tiny and default GPTs with the default schedule (docs/precision.md):
+losses <= 1.3e-3 (bf16) and 5e-5 (fp16) relative over 50 steps, parameters <= 6e-3.
 """
 
 from __future__ import annotations
