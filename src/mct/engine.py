@@ -103,7 +103,7 @@ class Engine:
             {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)
                                      if g == gi]}
             for gi in range(len(groups))])
-        self._buffers_to_device()
+        self._register_buffers()
         self.steps_done = 0
         self._stage_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
@@ -144,7 +144,7 @@ class Engine:
                        if u.persistent and u.layout.world > 1), default=0)
         return StepReserve(first, later, publish)
 
-    def _buffers_to_device(self) -> None:
+    def _register_buffers(self) -> None:
         for b in self.model.buffers():
             self.tracker.register(b, "params")
 
