@@ -62,6 +62,12 @@ def test_metrics_and_metadata_keys(tmp_path, corpus_dir):
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
+def test_tensorboard_events_are_written_when_asked(tmp_path, corpus_dir):
+    cfg = EngineConfig.from_dict(tiny(corpus_dir, steps=2, eval_every=0, tensorboard=True))
+    train(cfg, tmp_path / "run", progress=False)
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+
+
 def test_evaluation_does_not_change_the_training_trajectory(tmp_path, corpus_dir):
     losses = []
     for eval_every in (1, 0):
