@@ -27,6 +27,7 @@ def test_save_then_load_resumes_bitwise(tmp_path, stage):
     b = _engine(zero={"stage": stage}, precision={"mode": "bf16"})
     b.load(str(tmp_path / "ck"))
     assert b.steps_done == 2
+    assert b.tracker.live()["optimizer"] == a.tracker.live()["optimizer"] > 0  # loaded state is counted
     for step in (2, 3):  # both continue identically
         la = a.train_step(batches(step, 0), gpt_loss).loss
         lb = b.train_step(batches(step, 0), gpt_loss).loss

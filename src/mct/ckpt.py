@@ -65,6 +65,8 @@ def load_engine(engine: "Engine", path: str | os.PathLike) -> None:
         for u, m in zip(engine.sharded.units, state["masters"]):
             u.master.copy_(m)
     engine.optimizer.load_state_dict(state["optimizer"])
+    engine._opt_state_tracked = False
+    engine._register_optimizer_state()
     engine.scaler.load_state_dict(state["scaler"])
     engine.steps_done = state["steps_done"]
     engine.sharded.publish()

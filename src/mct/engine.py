@@ -105,6 +105,7 @@ class Engine:
             for gi in range(len(groups))])
         self._register_buffers()
         self.steps_done = 0
+        self._opt_state_tracked = False
         self._stage_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
@@ -255,11 +256,15 @@ class Engine:
         return self.comm.world * self.scaler.scale
 
     def _register_optimizer_state(self) -> None:
-        if self.steps_done == 1:
-            for state in self.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        self.tracker.register(v, "optimizer")
+        """Count the optimizer's state tensors as "optimizer" once they exist (after the
+        first step, or after ``load`` replaced them)."""
+        if self._opt_state_tracked:
+            return
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self.tracker.register(v, "optimizer")
+        self._opt_state_tracked = bool(self.optimizer.state)
 
     def _step_metrics(self, times: dict[str, float]) -> dict[str, Any]:
         m: dict[str, Any] = {f"time_{k}_s": v for k, v in times.items()}
