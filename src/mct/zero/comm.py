@@ -18,6 +18,11 @@ import torch.distributed as dist
 from mct.dist import DistContext
 from mct.zero.partition import bucket_slices
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn on every
+# call); same signatures. Older torch has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class CommStats:
@@ -94,7 +99,7 @@ class Comm:
         for a, b in bucket_slices(S, self.world, full.element_size(), self.bucket_bytes):
             src = view if (a, b) == (0, S) else view[:, a:b].contiguous()
             keep.append(src)
-            works.append(dist.reduce_scatter_tensor(out[a:b], src.view(-1), async_op=True))
+            works.append(_reduce_scatter(out[a:b], src.view(-1), async_op=True))
         p = Pending(works, self.stats, "reduce_scatter", full.numel() * full.element_size(), then, keep)
         if not async_op:
             p.wait()
@@ -109,13 +114,13 @@ class Comm:
         S = shard.numel()
         chunks = bucket_slices(S, self.world, full.element_size(), self.bucket_bytes)
         if len(chunks) == 1:
-            works = [dist.all_gather_into_tensor(full, shard, async_op=True)]
+            works = [_all_gather(full, shard, async_op=True)]
             p = Pending(works, self.stats, "all_gather", full.numel() * full.element_size(), keep=[shard])
         else:
             view = full.view(self.world, S)
             tmps = [(a, b, torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device))
                     for a, b in chunks]
-            works = [dist.all_gather_into_tensor(t, shard[a:b].contiguous(), async_op=True) for a, b, t in tmps]
+            works = [_all_gather(t, shard[a:b].contiguous(), async_op=True) for a, b, t in tmps]
 
             def scatter_back() -> None:
                 for a, b, t in tmps:
