@@ -168,9 +168,11 @@ class FlatParamUnit:
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate)
 
     def wait_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            self.pending_reduce.wait()
-            self.pending_reduce = None
+        # Cleared first: the completion callback may raise (a budget check on the new
+        # gradient shard), and a reduce must never be waited on, or accumulated, twice.
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.wait()
 
     def _new_grad_shard(self, shard: torch.Tensor) -> None:
         self.grad_shard = shard
