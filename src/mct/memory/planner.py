@@ -136,7 +136,8 @@ def model_state_bytes(units: list[Unit], stage: int, precision: str, reduce_dtyp
                       grad_bytes: int | None = None) -> dict[str, int]:
     """Per-rank model-state bytes held during a step, by category, as
     ``Engine.model_state_bytes`` reports them after the first step (at stages 2/3 the
-    gradient shards count, though they exist only from backward to the step's end). ``units`` must be cut for world 1 at stage 0.
+    gradient shards count, though they exist only from backward to the step's end).
+    ``units`` must be cut for world 1 at stage 0.
     ``grad_bytes``: hold gradients in that many bytes per element with no separate fp32
     shard (the ZeRO paper's 16-bit gradients); None = this engine's fp32 accumulators."""
     pb = DTYPE_BYTES[precision]
