@@ -1,6 +1,7 @@
 """ZeRO stages 0-3 on awkward models (2 gloo ranks, fp32): parameter sizes not divisible
-by the world size, frozen parameters, tied weights, a block called twice, a Hugging
-Face-style model; and ranks that build different models.
+by the world size, frozen parameters, tied weights, a block called twice, a block never
+called (its unit gets no gradient), a Hugging Face-style model; and ranks that build
+different models.
 
 Metric: as in test_zero.py, SGD with momentum against the reference within 1e-6
 (per tensor, relative), AdamW against the reference that sums in the stage's own
@@ -42,11 +43,14 @@ class OddBlock(nn.Module):
 
 class OddModel(nn.Module):
     """Odd sizes, a tied head, optionally a frozen block parameter and a frozen root
-    parameter, optionally block 0 called twice in one forward."""
+    parameter, optionally block 0 called twice in one forward, optionally the last
+    block never called (its parameters get no gradient: the optimizer must still
+    see zeros, so weight decay and momentum act on them as in the reference)."""
 
-    def __init__(self, *, frozen: bool = False, tied: bool = False, twice: bool = False, d: int = 13) -> None:
+    def __init__(self, *, frozen: bool = False, tied: bool = False, twice: bool = False, unused: bool = False,
+                 d: int = 13) -> None:
         super().__init__()
-        self.twice = twice
+        self.twice, self.unused = twice, unused
         self.emb = nn.Embedding(VOCAB, d)
         self.blocks = nn.ModuleList(OddBlock(d) for _ in range(3))
         self.head = nn.Linear(d, VOCAB, bias=False)
@@ -59,6 +63,8 @@ class OddModel(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
         for i, block in enumerate(self.blocks):
+            if self.unused and i == len(self.blocks) - 1:
+                continue
             x = block(x)
             if self.twice and i == 0:
                 x = block(x)  # the same module again: its gradients sum over both uses
@@ -128,6 +134,7 @@ MODELS = {
     "frozen": lambda: OddModel(frozen=True),
     "tied": lambda: OddModel(tied=True),
     "block_twice": lambda: OddModel(twice=True),
+    "unused_block": lambda: OddModel(unused=True),
 }
 OPTIMIZERS = {"adamw": adamw, "sgd": sgd_momentum}
 

@@ -323,7 +323,10 @@ class Engine:
         load_engine(self, path)
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Persistent per-rank bytes of model state by category (optimizer included)."""
+        """Per-rank bytes of model state held during a step, by category (optimizer
+        included). At stages 2/3 this counts the fp32 gradient shards, which exist
+        only from backward to the end of the optimizer step (``tracker.live()``
+        between steps shows no gradients there); see ``ShardedModel.bytes_by_category``."""
         out = self.sharded.bytes_by_category()
         out["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                                for v in s.values() if isinstance(v, torch.Tensor))

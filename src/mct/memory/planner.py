@@ -134,8 +134,10 @@ def meta_layout(source: ModelSource, world: int) -> ModelLayout:
 def model_state_bytes(units: list[Unit], stage: int, precision: str, reduce_dtype: str = "fp32",
                       persistent_numel: int = 0, state_bytes: int = ADAM_STATE_BYTES,
                       grad_bytes: int | None = None) -> dict[str, int]:
-    """Persistent per-rank bytes by category, as ``Engine.model_state_bytes`` reports
-    them after the first step. ``units`` must be cut for world 1 at stage 0.
+    """Per-rank model-state bytes held during a step, by category, as
+    ``Engine.model_state_bytes`` reports them after the first step (at stages 2/3 the
+    gradient shards count, though they exist only from backward to the step's end).
+    ``units`` must be cut for world 1 at stage 0.
     ``grad_bytes``: hold gradients in that many bytes per element with no separate fp32
     shard (the ZeRO paper's 16-bit gradients); None = this engine's fp32 accumulators."""
     pb = DTYPE_BYTES[precision]
@@ -272,9 +274,11 @@ class Prediction:
 
 
 BREAKDOWN = ("params", "master", "grads", "optimizer", "activations", "buffers", "gathered")
-"""params/master/grads/optimizer: persistent model state; activations: saved for backward,
-recomputed, logits/loss and activation gradients; buffers: gradients in flight and the
-optimizer step's temporaries; gathered: stage-3 parameters gathered (root + blocks)."""
+"""params/master/grads/optimizer: model state held during a step; activations: saved for
+backward, recomputed, logits/loss and activation gradients; buffers: gradients in flight
+and the optimizer step's temporaries; gathered: stage-3 parameters gathered (root +
+blocks). Stages 2/3 hold no gradients in forward; in backward ``grads`` is what exists
+at the peak: the shards reduced so far and the full gradients in flight."""
 
 
 def predict(layout: ModelLayout, source: ModelSource, *, stage: int, policy: str, precision: str, batch: int,
@@ -292,11 +296,15 @@ def predict(layout: ModelLayout, source: ModelSource, *, stage: int, policy: str
         profile = profile_transients(source, layout, policy=policy, precision=precision, stage=stage,
                                      batch=batch, seq=seq, reduce_dtype=reduce_dtype, memo=memo)
     base = sum(state.values()) + root_gathered
+    # Stages 2/3 create the fp32 gradient shards in backward (the profile measures them
+    # there, with the full gradients in flight) and drop them after the optimizer step.
+    lazy = stage >= 2
     kinds: dict[str, dict[str, int]] = {}
     for name in ("forward", "backward"):
         p = profile.get(name, {})
+        grads = {"grads": p.get("grads", 0), "buffers": 0} if lazy else {"buffers": p.get("grads", 0)}
         kinds[name] = {**state, "activations": p.get("activations", 0) + p.get("other", 0),
-                       "buffers": p.get("grads", 0), "gathered": root_gathered + p.get("params", 0)}
+                       "gathered": root_gathered + p.get("params", 0), **grads}
     kinds["optimizer"] = {**state, "activations": 0, "gathered": root_gathered,
                           "buffers": optimizer_transient(units, stage, precision, device)}
     totals = {k: sum(v.values()) for k, v in kinds.items()}

@@ -5,8 +5,10 @@ The model's parameters are fake (they and the persistent state are not counted);
 what the tracker sees is exactly the step's transient memory: activations saved for
 backward (fewer under checkpointing), recomputation, logits and the fp32 loss copy,
 activation gradients, parameter gradients before the engine's hooks consume them,
-the full gradient buffers of stages 2/3 while they are reduced, and the stage-3 block
-parameters gathered in forward (current + prefetched) and backward.
+the full gradient buffers of stages 2/3 while they are reduced, the fp32 gradient
+shards of stages 2/3 (created by each unit's reduce, held to the end of the step),
+and the stage-3 block parameters gathered in forward (current + prefetched) and
+backward.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class _Schedule:
         self.seen: dict[tuple[str, int], int] = {}
         self.pending: dict[tuple[str, int], tuple] = {}
         self.seen_done: set[tuple[str, int]] = set()
+        self.shards: dict[tuple[str, int], torch.Tensor] = {}  # stages 2/3: created by the first reduce
         self.phase = "forward"
 
     def _alloc(self, numel: int, dtype: torch.dtype, category: str) -> torch.Tensor:
@@ -94,16 +97,26 @@ class _Schedule:
 
     def unit_done(self, key: tuple[str, int]) -> None:
         for k in list(self.pending):
-            self.pending.pop(k)  # the engine waits for earlier reductions first
+            self._settle(k, *self.pending.pop(k))  # the engine waits for earlier reductions first
         u = self.units[key[0]][key[1]]
-        out = self._alloc(u.shard, self.rdtype, "grads")
         full = self.full.pop(key, None)
-        if self.world > 1:
-            self.pending[key] = (full, out)  # the collective holds both until waited on
-        del out, full
         self.seen_done.add(key)
+        if full is not None:  # a unit with no gradient reduces nothing
+            out = self._alloc(u.shard, self.rdtype, "grads")
+            if self.world > 1:
+                self.pending[key] = (full, out)  # the collective holds both until waited on
+            else:
+                self._settle(key, full, out)
+            del out, full
         if self.stage == 3 and key[0] != "root":
             self.release(key[0], key[1])
+
+    def _settle(self, key: tuple[str, int], full: torch.Tensor, out: torch.Tensor) -> None:
+        """A reduction done: its output becomes the unit's fp32 gradient shard (a copy
+        when reduced in low precision), held to the end of the step."""
+        if key not in self.shards:
+            self.shards[key] = out if self.rdtype == torch.float32 else self._alloc(out.numel(), torch.float32,
+                                                                                    "grads")
 
     def end_backward(self) -> None:
         if self.stage >= 2:
@@ -114,7 +127,8 @@ class _Schedule:
         elif self.stage == 1 and self.world > 1:
             outs = [self._alloc(u.shard, self.rdtype, "grads") for us in self.units.values() for u in us]
             del outs
-        self.pending.clear()
+        for k in list(self.pending):
+            self._settle(k, *self.pending.pop(k))
 
 
 def _install(schedule: _Schedule, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:

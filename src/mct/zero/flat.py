@@ -11,10 +11,15 @@ Buffers (S = shard_numel, P = padded_numel = world * S):
                post-accumulate-grad hooks (stages 0/1: persistent; 2/3: per backward).
   grad_shard   [S] fp32: the reduced, accumulated gradient of this rank's slice (fp32
                stage 0: grad_full itself; fp32 stage 1: a view of grad_full's slice).
+               Stages 2/3 hold none between steps: the unit's first reduce of a step
+               creates it (the fp32 reduce-scatter output itself, no copy), later
+               micro-batches add into it, ``zero_grad`` after the step drops it.
 At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -26,8 +31,12 @@ from mct.zero.partition import FlatLayout
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
                  shard_rank: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 persistent: bool, full_grads: bool, device: torch.device) -> None:
+                 persistent: bool, full_grads: bool, device: torch.device,
+                 on_new_grad_shard: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``on_new_grad_shard`` is called with each gradient shard created during a
+        step (stages 2/3), e.g. to count it in a memory tracker."""
         self.name = name
+        self.on_new_grad_shard = on_new_grad_shard
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.layout = layout
@@ -56,8 +65,13 @@ class FlatParamUnit:
             self.grad_shard = self.grad_full  # stage 0: the all-reduced buffer is the shard
         elif self.grad_shard_in_full:
             self.grad_shard = self.grad_full[lo:hi]  # stage 1: this rank's slice of it
-        else:
+        elif full_grads:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        else:
+            # Stages 2/3: no gradient until backward reduces one, so forward (where the
+            # activation peak is) does not carry last step's gradient memory.
+            self.grad_shard = None
+        self.device = device
         self.gathered = True
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
@@ -143,7 +157,10 @@ class FlatParamUnit:
                 full.zero_()
                 self.grad_shard.copy_(out)
                 return
-            self.grad_shard.add_(out)
+            if self.grad_shard is None:
+                self._new_grad_shard(out if out.dtype == torch.float32 else out.float())
+            else:
+                self.grad_shard.add_(out)
             if self.full_grads:
                 full.zero_()
         if not self.full_grads:
@@ -151,12 +168,31 @@ class FlatParamUnit:
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate)
 
     def wait_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            self.pending_reduce.wait()
-            self.pending_reduce = None
+        # Cleared first: the completion callback may raise (a budget check on the new
+        # gradient shard), and a reduce must never be waited on, or accumulated, twice.
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.wait()
+
+    def _new_grad_shard(self, shard: torch.Tensor) -> None:
+        self.grad_shard = shard
+        if self.on_new_grad_shard is not None:
+            self.on_new_grad_shard(shard)
+
+    def grad_shard_or_zeros(self) -> torch.Tensor:
+        """The gradient shard; a unit that received no gradient this step (every
+        parameter unused) gets zeros, as the reference's optimizer would see."""
+        if self.grad_shard is None:
+            self._new_grad_shard(torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device))
+        return self.grad_shard
 
     def zero_grad(self) -> None:
-        self.grad_shard.zero_()
+        """After a step: zero the persistent buffers (stages 0/1), drop the gradient
+        shard (stages 2/3; its memory is freed once nothing else refers to it)."""
+        if self.full_grads:
+            self.grad_shard.zero_()
+        else:
+            self.grad_shard = None
         if self.grad_full is not None:
             self.grad_full.zero_()
 

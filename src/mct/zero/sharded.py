@@ -59,7 +59,8 @@ class ShardedModel:
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                     persistent=persistent, full_grads=stage < 2, device=device)
+                                     persistent=persistent, full_grads=stage < 2, device=device,
+                                     on_new_grad_shard=self._track_grad_shard)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
         self.units_by_block: dict[str, list[FlatParamUnit]] = {}
@@ -76,9 +77,14 @@ class ShardedModel:
                 # fp32 at stage 3: the master shard is the only persistent copy of the weights
                 cat = "params" if u.param_dtype == torch.float32 else "master"
                 self.tracker.register(u.master, cat)
-            self.tracker.register(u.grad_shard, "grads")
+            if u.grad_shard is not None:
+                self.tracker.register(u.grad_shard, "grads")
             if u.grad_full is not None:
                 self.tracker.register(u.grad_full, "grads")
+
+    def _track_grad_shard(self, shard: torch.Tensor) -> None:
+        # created inside the backward (or optimizer) stage, whose default category is "other"
+        self.tracker.register(shard, "grads")
 
     def _grad_hook(self, unit: FlatParamUnit, index: int):
         def hook(p: torch.Tensor) -> None:
@@ -122,7 +128,10 @@ class ShardedModel:
             u.wait_reduce()
 
     def grad_shards(self) -> list[torch.Tensor]:
-        return [u.grad_shard for u in self.units]
+        """Every unit's fp32 gradient shard for the optimizer step, after the last
+        ``end_backward``; at stages 2/3 a unit that got no gradient this step gets
+        zeros (allocated here, dropped by ``zero_grad``)."""
+        return [u.grad_shard_or_zeros() for u in self.units]
 
     def masters(self) -> list[torch.Tensor]:
         return [u.master for u in self.units]
@@ -177,7 +186,11 @@ class ShardedModel:
         self.publish()
 
     def bytes_by_category(self) -> dict[str, int]:
-        """Model-state bytes this rank holds persistently (not counting transients)."""
+        """Model-state bytes this rank holds during a step, by category (transients not
+        counted). At stages 2/3 the fp32 gradient shards exist only from a unit's
+        first reduce in a step until ``zero_grad`` after the optimizer step, so
+        between steps the tracker shows less; they count here, as in the ZeRO
+        formula, because they are all held at the optimizer step."""
         out = {"params": 0, "master": 0, "grads": 0}
         for u in self.units:
             if u.persistent:
@@ -186,7 +199,7 @@ class ShardedModel:
                 key = "params" if u.param_dtype == torch.float32 else "master"
                 out[key] += u.master.numel() * 4
             if not u.grad_shard_in_full:
-                out["grads"] += u.grad_shard.numel() * 4
+                out["grads"] += u.layout.shard_numel * 4
             if u.full_grads:
                 out["grads"] += u.grad_full.numel() * u.grad_full.element_size()
         return out
