@@ -98,7 +98,7 @@ class Engine:
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
                                     tracker=self.tracker)
         self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
-                                       cfg.zero.prefetch) if self.stage == 3 else None)
+                                       cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
             {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)
                                      if g == gi]}

@@ -290,12 +290,12 @@ def predict(layout: ModelLayout, source: ModelSource, *, stage: int, policy: str
     world = 1 if stage == 0 else layout.world
     units = layout.stage_world[world]
     state = model_state_bytes(units, stage, precision, reduce_dtype, persistent_numel)
-    root = sum(u.padded for u in units if u.owner == "root" and u.padded > persistent_numel)
-    root_gathered = root * DTYPE_BYTES[precision] if stage == 3 else 0
+    # stage 3 gathers the root unit, like the blocks, inside the model's forward and
+    # backward only (the profile measures it); it is freed by the optimizer step
     if profile is None:
         profile = profile_transients(source, layout, policy=policy, precision=precision, stage=stage,
                                      batch=batch, seq=seq, reduce_dtype=reduce_dtype, memo=memo)
-    base = sum(state.values()) + root_gathered
+    base = sum(state.values())
     # Stages 2/3 create the fp32 gradient shards in backward (the profile measures them
     # there, with the full gradients in flight) and drop them after the optimizer step.
     lazy = stage >= 2
@@ -304,8 +304,8 @@ def predict(layout: ModelLayout, source: ModelSource, *, stage: int, policy: str
         p = profile.get(name, {})
         grads = {"grads": p.get("grads", 0), "buffers": 0} if lazy else {"buffers": p.get("grads", 0)}
         kinds[name] = {**state, "activations": p.get("activations", 0) + p.get("other", 0),
-                       "gathered": root_gathered + p.get("params", 0), **grads}
-    kinds["optimizer"] = {**state, "activations": 0, "gathered": root_gathered,
+                       "gathered": p.get("params", 0), **grads}
+    kinds["optimizer"] = {**state, "activations": 0, "gathered": 0,
                           "buffers": optimizer_transient(units, stage, precision, device)}
     totals = {k: sum(v.values()) for k, v in kinds.items()}
     worst = max(totals, key=totals.get)

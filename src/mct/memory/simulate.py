@@ -82,6 +82,8 @@ class _Schedule:
                 self.gathered.pop((owner, j), None)
 
     def neighbour(self, owner: str, delta: int) -> str | None:
+        if owner == "root":
+            return (self.order[-1 if delta < 0 else 0]) if self.order else None
         k = self.order.index(owner) + delta
         return self.order[k] if 0 <= k < len(self.order) else None
 
@@ -108,7 +110,7 @@ class _Schedule:
             else:
                 self._settle(key, full, out)
             del out, full
-        if self.stage == 3 and key[0] != "root":
+        if self.stage == 3:
             self.release(key[0], key[1])
 
     def _settle(self, key: tuple[str, int], full: torch.Tensor, out: torch.Tensor) -> None:
@@ -138,7 +140,8 @@ def _install(schedule: _Schedule, model: nn.Module, blocks: list[tuple[str, nn.M
                 p.register_post_accumulate_grad_hook(lambda p, o=owner, i=i: schedule.on_grad(o, i, p))
     if schedule.stage != 3:
         return
-    for name, block in blocks:
+    # the model itself carries the root unit's hooks, as in zero/stage3.py
+    for name, block in [*blocks, ("root", model)]:
         def pre(module, args, name=name):
             schedule.gather(name)
             if schedule.phase == "forward":

@@ -104,7 +104,7 @@ class ShardedModel:
             if u is not unit:
                 u.wait_reduce()
         unit.reduce(self.comm, async_op=True)
-        if self.stage == 3 and not unit.name.startswith("root/"):
+        if self.stage == 3:
             unit.release()
             self.tracker.refresh(unit.working)
 

@@ -9,8 +9,12 @@ including recomputation of checkpointed blocks), "eval" (no-grad forward), "idle
                      gradient reaching them gathers it again (and prefetches the
                      previous block) before its backward runs. backward: nothing,
                      the block stays gathered until its gradients are reduced.
-The root unit (parameters outside blocks, tied weights) is gathered for the whole
-forward + backward of a step and freed at its end.
+The root unit (parameters outside blocks, and weights shared between units such as
+tied embeddings) follows the same lifecycle on the model itself: gathered when the
+model's forward starts, freed when it returns (the loss and the start of backward, where
+activation memory peaks, run without it), gathered again when the gradient reaches the
+model's outputs, and freed once its gradients are reduced. So at stage 3 parameters
+hold data only inside the model's forward and backward.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from mct.zero.flat import FlatParamUnit
 
 class Stage3Lifecycle:
     def __init__(self, blocks: list[tuple[str, nn.Module]], units_by_block: dict[str, list[FlatParamUnit]],
-                 comm: Comm, tracker, prefetch: bool) -> None:
+                 comm: Comm, tracker, prefetch: bool, root: nn.Module | None = None) -> None:
         self.comm, self.tracker, self.prefetch = comm, tracker, prefetch
         self.order = [name for name, _ in blocks if name in units_by_block]
         self.units = units_by_block
@@ -36,6 +40,9 @@ class Stage3Lifecycle:
             if name in units_by_block:
                 self._handles.append(block.register_forward_pre_hook(self._pre_forward(name), with_kwargs=True))
                 self._handles.append(block.register_forward_hook(self._post_forward(name), with_kwargs=True))
+        if root is not None and "root" in units_by_block:
+            self._handles.append(root.register_forward_pre_hook(self._pre_forward("root"), with_kwargs=True))
+            self._handles.append(root.register_forward_hook(self._post_forward("root"), with_kwargs=True))
         for units in units_by_block.values():
             for u in units:
                 u.release()
@@ -55,6 +62,8 @@ class Stage3Lifecycle:
             self.tracker.refresh(u.working)
 
     def _neighbour(self, name: str, delta: int) -> str | None:
+        if name == "root":  # backward reaches the last block first; forward has begun at the first
+            return self.order[-1 if delta < 0 else 0] if self.order else None
         i = self.order.index(name) + delta
         return self.order[i] if 0 <= i < len(self.order) else None
 
@@ -89,8 +98,12 @@ class Stage3Lifecycle:
 
     # ---- step boundaries ----
     def begin(self, phase: str) -> None:
+        """Enter a phase. Forward/eval gather the root unit up front (the model's own
+        pre-hook would too); backward gathers it only when the gradient reaches the
+        model's outputs."""
         self.phase = phase
-        self.gather("root")
+        if phase != "backward":
+            self.gather("root")
 
     def end_step(self) -> None:
         """After the step: every non-persistent unit's storage is freed."""
