@@ -17,12 +17,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
 
-import torch  # noqa: E402
-
 from mct.memory.planner import ModelSource, meta_layout, predict  # noqa: E402
 from mct.memory.tracker import format_bytes  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from tests.helpers import measured_peak, tiny_config  # noqa: E402
 
 STAGES, POLICIES, PRECISIONS = (0, 1, 2, 3), ("none", "all", "sqrt"), ("fp32", "bf16")
 
@@ -38,18 +36,7 @@ def config(stage: int, policy: str, precision: str, batch: int, layers: int):
 
 def measure(rank: int, world: int, batch: int, layers: int) -> list[int]:
     """Max tracker peak over two steps for every configuration (this rank)."""
-    from mct.engine import Engine
-    from mct.models.gpt import GPT, gpt_loss, optimizer_groups
-    from tests.helpers import adamw, batches
-    out = []
-    for stage, policy, precision in grid():
-        cfg = config(stage, policy, precision, batch, layers)
-        torch.manual_seed(0)
-        model = GPT(cfg.model)
-        engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
-        out.append(max(engine.train_step(batches(s, rank, 1, B=batch), gpt_loss).metrics["peak_bytes"]
-                       for s in range(2)))
-    return out
+    return [measured_peak(config(*c, batch, layers), rank, batch) for c in grid()]
 
 
 def deepspeed_estimate(stage: int, n_params: int, largest_layer: int, world: int) -> int | None:

@@ -16,7 +16,7 @@ from mct.memory.planner import ModelSource, Unit, meta_layout, model_state_bytes
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from tests.distributed import run_distributed
-from tests.helpers import TINY_MODEL, adamw, batches, tiny_config
+from tests.helpers import TINY_MODEL, adamw, batches, measured_peak, tiny_config
 
 B = 4
 # (stage, policy, precision): every stage, policy and precision at least once per world size
@@ -35,16 +35,7 @@ def _cfg(stage: int, policy: str, precision: str) -> EngineConfig:
 
 
 def _measured_peaks(rank: int, world: int, grid: list) -> list[int]:
-    """Max peak over two steps (the first creates the optimizer state) per configuration."""
-    out = []
-    for stage, policy, precision in grid:
-        cfg = _cfg(stage, policy, precision)
-        torch.manual_seed(0)
-        model = GPT(cfg.model)
-        engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
-        out.append(max(engine.train_step(batches(s, rank, 1, B=B), gpt_loss).metrics["peak_bytes"]
-                       for s in range(2)))
-    return out
+    return [measured_peak(_cfg(*c), rank, B) for c in grid]
 
 
 def _predicted(world: int, stage: int, policy: str, precision: str) -> int:

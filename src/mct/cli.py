@@ -103,7 +103,7 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
         return _launch(_strip_nproc(argv), args.nproc)
-    from mct.dist import init_distributed, teardown
+    from mct.dist import broadcast_from_main, init_distributed, teardown
     from mct.verify import run_verify
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
@@ -111,7 +111,6 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         if report is not None:
             print(report.table())
         passed = report.passed if report is not None else True
-        from mct.dist import broadcast_from_main
         return 0 if broadcast_from_main(passed) else 1
     finally:
         teardown()

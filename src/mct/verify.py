@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-import torch
 
 from mct.config import EngineConfig
 from mct.dist import DistContext

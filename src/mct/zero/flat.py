@@ -40,6 +40,7 @@ class FlatParamUnit:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.layout = layout
+        self._numels = layout.numels()  # read once per gradient in backward: computed once here
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.persistent = persistent
         lo, hi = layout.shard_range(shard_rank)
@@ -131,7 +132,7 @@ class FlatParamUnit:
         """Add one parameter's gradient into the flat gradient buffer."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-        off, n = self.layout.offsets[index], self.layout.numels()[index]
+        off, n = self.layout.offsets[index], self._numels[index]
         self.grad_full[off:off + n].add_(grad.reshape(-1))
         self.grads_seen += 1
 
