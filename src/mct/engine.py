@@ -314,6 +314,25 @@ class Engine:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
         self.sharded.load_full_state(state)
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's engine state (references, not copies): master shards, optimizer
+        state, loss scaler, steps done."""
+        return {"masters": [u.master.detach() for u in self.sharded.units],
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "steps_done": self.steps_done}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` of an engine with the same layout and world size."""
+        with torch.no_grad():
+            for u, m in zip(self.sharded.units, sd["masters"], strict=True):
+                u.master.copy_(m)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self._opt_state_tracked = False
+        self._register_optimizer_state()
+        self.scaler.load_state_dict(sd["scaler"])
+        self.steps_done = int(sd["steps_done"])
+        self.sharded.publish()
+
     def save(self, path: str) -> None:
         from mct.ckpt import save_engine
         save_engine(self, path)

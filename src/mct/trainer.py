@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,20 +20,17 @@ from mct.config import EngineConfig
 from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
+from mct.events import append_event
+from mct.faults import FaultPlan
 from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.precision import LossScaleFloorError
+from mct.rollback import (REASON_CODES, DivergenceDetector, RollbackController, TrainingStopped, engine_state,
+                          load_engine_state, truncate_jsonl)
 from mct.schedule import lr_at
 from mct.seeding import micro_seed, seed_everything
-
-MAX_CONSECUTIVE_SKIPS = 20
-"""Stop condition: this many skipped steps in a row means training cannot recover."""
-
-
-class TrainingStopped(RuntimeError):
-    """Training hit a stop condition; the message says why and what to do."""
-
+from mct.signals import Preempted, StopRequest
 
 def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     """(input_ids, targets, seed): seed the dropout stream, then the GPT loss."""
@@ -75,7 +73,7 @@ def evaluate(engine: Engine, sampler: BatchSampler, cfg: EngineConfig, rank: int
 
 
 def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
-          progress: bool = True) -> TrainSummary:
+          progress: bool = True, stop: StopRequest | None = None) -> TrainSummary:
     ctx = ctx or DistContext.current()
     run_dir = Path(run_dir)
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
@@ -89,7 +87,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     try:
         summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress,
-                        predicted=choice["predicted_peak_bytes"] if choice else None)
+                        predicted=choice["predicted_peak_bytes"] if choice else None, stop=stop)
     finally:
         writer.close()
     export_weights(engine, run_dir / "model.safetensors", ctx)
@@ -116,80 +114,208 @@ def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> d
             "model_state_bytes": engine.model_state_bytes()}
 
 
+@dataclass
+class LoopState:
+    """The loop's position: restored by a rollback together with the engine."""
+    step: int = 0
+    opt_step: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class Loop:
+    """What one training loop works with (one object, so the helpers stay small)."""
+    cfg: EngineConfig
+    engine: Engine
+    sampler: BatchSampler
+    writer: MetricsWriter
+    ctx: DistContext
+    run_dir: Path
+    stop: StopRequest
+    state: LoopState = field(default_factory=LoopState)
+    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
+    detector: DivergenceDetector = None  # type: ignore[assignment]
+    rollback: RollbackController = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.detector = DivergenceDetector(self.cfg.train)
+        self.rollback = RollbackController(self.cfg.train)
+
+    def capture(self) -> tuple[dict, dict]:
+        return engine_state(self.engine), {**vars(self.state), "detector": self.detector.state_dict()}
+
+
 def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: MetricsWriter,
-          ctx: DistContext, run_dir: Path, progress: bool, predicted: int | None = None) -> TrainSummary:
+          ctx: DistContext, run_dir: Path, progress: bool, predicted: int | None = None,
+          stop: StopRequest | None = None) -> TrainSummary:
+    """Steps until ``train.steps``, with the divergence feedback loop and the stop
+    signal checked after every step. Raises TrainingStopped (exit 3) or Preempted."""
     tcfg = cfg.train
+    lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest())
     tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * ctx.world_size
     bar = None
     if progress and ctx.is_main:
         from tqdm import tqdm
         bar = tqdm(total=tcfg.steps, desc="train", unit="step", dynamic_ncols=True)
-    opt_step, consecutive_skips, skipped = 0, 0, 0
     first_val = last_val = None
     loss = float("nan")
     t_start = time.perf_counter()
     peaks: dict = {}
     warned = False
-    for step in range(tcfg.steps):
+    while lp.state.step < tcfg.steps:
+        step = lp.state.step
         t0 = time.perf_counter()
-        lr = lr_at(opt_step, tcfg)
-        for g in engine.optimizer.param_groups:
-            g["lr"] = lr
-        batches = step_batches(sampler, cfg, step, ctx.rank)
-        t_data = time.perf_counter() - t0
-        try:
-            out = engine.train_step(batches, seeded_gpt_loss)
-        except LossScaleFloorError as e:
-            raise TrainingStopped(f"{e} The parameters and optimizer state are those of the last good step "
-                                  f"({opt_step}); nothing was updated by the failing step.") from None
-        loss = out.loss
-        skipped += out.skipped
-        consecutive_skips = consecutive_skips + 1 if out.skipped else 0
-        opt_step += not out.skipped
-        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise TrainingStopped(f"{consecutive_skips} consecutive steps had non-finite gradients (last loss "
-                                  f"{loss}); lower train.lr, use precision.mode='bf16', or check the data.")
-        step_time = time.perf_counter() - t0
-        record = {"step": step, "loss": loss, "lr": lr, "step_time_s": step_time,
-                  "tokens_per_s": tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
-                  "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
-                  "time_data_s": t_data}
-        last = step == tcfg.steps - 1
-        if tcfg.eval_every and (step % tcfg.eval_every == 0 or last):
-            last_val = evaluate(engine, sampler, cfg, ctx.rank)
-            first_val = last_val if first_val is None else first_val
-            record["val_loss"] = last_val
-        if step % tcfg.log_every == 0 or last or "val_loss" in record:
-            m = dict(out.metrics)
-            peaks = m.pop("peaks")
-            m.pop("live")
-            record.update(m)
-            record.update(flatten_peaks(peaks))
-            record["memory"] = peaks
-            if predicted is not None:
-                record["predicted_peak_bytes"] = predicted
-                warning = peak_check(out.metrics["peak_bytes"], predicted)
-                if warning and step > 0 and not warned:  # step 0 has no optimizer state yet
-                    warned = True
-                    record["peak_warning"] = warning
-                    print(f"mct: warning (rank {ctx.rank}): {warning}", file=sys.stderr)
-            record["errors"] = {"skipped_steps": skipped, "consecutive_skips": consecutive_skips,
-                                "nonfinite_loss": int(not math.isfinite(loss))}
-            writer.log(record)
-        if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
-            engine.save(str(run_dir / "checkpoint"))
-        if bar is not None:
-            bar.update(1)
-            post = {"loss": f"{loss:.3f}"}
-            if last_val is not None:
-                post["val"] = f"{last_val:.3f}"
-            bar.set_postfix(post)
+        out, reason, lr, t_data = _run_step(lp)
+        reason, signum = _agree(lp, reason)
+        if reason:
+            _roll_back(lp, step, reason)
+            if bar is not None:
+                bar.n = lp.state.step
+                bar.refresh()
+        else:
+            lp.rollback.passed(step)
+            loss = out.loss
+            lp.state.skipped += out.skipped
+            lp.state.opt_step += not out.skipped
+            lp.state.step += 1
+            step_time = time.perf_counter() - t0
+            record = {"step": step, "loss": loss, "lr": lr, "step_time_s": step_time,
+                      "tokens_per_s": tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
+                      "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
+                      "time_data_s": t_data, "rollbacks": lp.rollback.total}
+            last = step == tcfg.steps - 1
+            if tcfg.eval_every and (step % tcfg.eval_every == 0 or last):
+                last_val = evaluate(engine, sampler, cfg, ctx.rank)
+                first_val = last_val if first_val is None else first_val
+                record["val_loss"] = last_val
+            if step % tcfg.log_every == 0 or last or "val_loss" in record:
+                peaks = _add_step_metrics(record, out, lp, predicted, warn=step > 0 and not warned)
+                warned = warned or "peak_warning" in record
+                writer.log(record)
+            if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
+                _save_checkpoint(lp)
+            if bar is not None:
+                bar.update(1)
+                post = {"loss": f"{loss:.3f}"}
+                if last_val is not None:
+                    post["val"] = f"{last_val:.3f}"
+                bar.set_postfix(post)
+        if signum:
+            _preempt(lp, signum, bar)
     if bar is not None:
         bar.close()
+    lp.stop.cancel_watchdog()
     elapsed = time.perf_counter() - t_start
     return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=last_val, first_val_loss=first_val,
-                        tokens_per_s=tokens_per_step * tcfg.steps / elapsed, skipped_steps=skipped,
+                        tokens_per_s=tokens_per_step * tcfg.steps / elapsed, skipped_steps=lp.state.skipped,
                         peaks=peaks, run_dir=str(run_dir))
+
+
+def _run_step(lp: Loop) -> tuple[Any, str, float, float]:
+    """One training step at ``lp.state.step``, with the faults of ``MCT_FAULT``.
+    Returns (StepResult or None, divergence reason code or '', lr, data time)."""
+    step, rank, rb = lp.state.step, lp.ctx.rank, lp.rollback
+    rb.maybe_snapshot(step, lp.capture)
+    lp.faults.before_step(step, rank)
+    t0 = time.perf_counter()
+    lr = lr_at(lp.state.opt_step, lp.cfg.train) * rb.lr_scale
+    for g in lp.engine.optimizer.param_groups:
+        g["lr"] = lr
+    batches = step_batches(lp.sampler, lp.cfg, step + rb.data_offset, rank)
+    t_data = time.perf_counter() - t0
+    try:
+        out = lp.engine.train_step(batches, lp.faults.wrap_loss(seeded_gpt_loss, step, rank))
+    except LossScaleFloorError as e:
+        lp.detector.detail = str(e).split(";")[0]
+        return None, "scale_floor", lr, t_data
+    lp.faults.after_update(step, lp.engine, out.skipped)
+    return out, lp.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data
+
+
+def _agree(lp: Loop, reason: str) -> tuple[str, int]:
+    """Every rank's verdict and stop signal, MAX-reduced: all ranks act alike."""
+    flags = torch.tensor([REASON_CODES.index(reason), lp.stop.signum], dtype=torch.float64,
+                         device=lp.engine.device)
+    lp.engine.comm.all_reduce_(flags, "max")
+    agreed = REASON_CODES[int(flags[0])]
+    if agreed and agreed != reason:
+        lp.detector.detail = f"{agreed} on another rank"
+    return agreed, int(flags[1])
+
+
+def _roll_back(lp: Loop, step: int, reason: str) -> None:
+    """Restore the newest good state and apply the rollback's decision (replay, skip,
+    LR cut); log it. Raises TrainingStopped when no rollback is left."""
+    detail, run_dir, main = lp.detector.detail or reason, lp.run_dir, lp.ctx.is_main
+    try:
+        d = lp.rollback.decide(step, detail)
+    except TrainingStopped as e:
+        append_event(run_dir, step=step, kind="stop", action="exit 3", reason=detail, is_main=main)
+        raise TrainingStopped(f"{e}. {_last_good_checkpoint(run_dir)} Try: lower train.lr, "
+                              f"precision.mode = 'bf16', or look at the data of steps near {step}") from None
+    load_engine_state(lp.engine, d.restore.engine)
+    loop_sd = dict(d.restore.loop)
+    lp.detector.load_state_dict(loop_sd.pop("detector"))
+    lp.state = LoopState(**loop_sd)
+    lp.writer.flush()
+    truncate_jsonl(lp.writer.path, d.restore.step - 1)  # the history stays one clean series
+    window = f"steps {d.window[0]}-{d.window[1]}"
+    append_event(run_dir, step=step, kind="rollback", action=f"{d.action}: restore step {d.restore.step}",
+                 reason=detail, is_main=main, rollbacks=lp.rollback.total)
+    if d.action == "skip":
+        append_event(run_dir, step=step, kind="skip_window", action=f"skip the batches of {window}",
+                     reason=detail, is_main=main, data_offset=lp.rollback.data_offset)
+    if d.action == "lr_cut":
+        append_event(run_dir, step=step, kind="lr_cut", action=f"lr x {lp.rollback.lr_scale:g}",
+                     reason=detail, is_main=main)
+    if main:
+        print(f"mct: warning: {detail} at step {step}: rollback {lp.rollback.total}/"
+              f"{lp.cfg.train.max_rollbacks} ({d.action}), restored the state of step {d.restore.step}",
+              file=sys.stderr)
+
+
+def _add_step_metrics(record: dict, out: Any, lp: Loop, predicted: int | None, warn: bool) -> dict:
+    """The engine's per-step metrics and the error counters into ``record``; returns
+    the peaks by stage."""
+    m = dict(out.metrics)
+    peaks = m.pop("peaks")
+    m.pop("live")
+    record.update(m)
+    record.update(flatten_peaks(peaks))
+    record["memory"] = peaks
+    if predicted is not None:
+        record["predicted_peak_bytes"] = predicted
+        warning = peak_check(out.metrics["peak_bytes"], predicted)
+        if warning and warn:  # step 0 has no optimizer state yet
+            record["peak_warning"] = warning
+            print(f"mct: warning (rank {lp.ctx.rank}): {warning}", file=sys.stderr)
+    record["errors"] = {"skipped_steps": lp.state.skipped, "consecutive_skips": lp.detector.consecutive_skips,
+                        "nonfinite_loss": int(not math.isfinite(out.loss))}
+    return peaks
+
+
+def _save_checkpoint(lp: Loop) -> None:
+    lp.engine.save(str(lp.run_dir / "checkpoint"))
+
+
+def _last_good_checkpoint(run_dir: Path) -> str:
+    ckpt = run_dir / "checkpoint"
+    if (ckpt / "meta.json").is_file():
+        return f"The last good checkpoint is {ckpt}."
+    return "No checkpoint was written (set train.checkpoint_every)."
+
+
+def _preempt(lp: Loop, signum: int, bar: Any) -> None:
+    """Save the last completed step, log, print one line; raises Preempted."""
+    name = signal.Signals(signum).name
+    step = lp.state.step
+    if bar is not None:
+        bar.close()
+    _save_checkpoint(lp)
+    append_event(lp.run_dir, step=step, kind="signal", action=f"checkpoint step {step}, exit {128 + signum}",
+                 reason=name, is_main=lp.ctx.is_main)
+    lp.stop.cancel_watchdog()
+    raise Preempted(signum, f"stopped by {name} at step {step}; resume with mct train --resume {lp.run_dir}")
 
 
 def summary_table(s: TrainSummary) -> str:
