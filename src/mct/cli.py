@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(t)
     t.add_argument("--run-dir", help="where metrics.jsonl and metadata.json go (default runs/<timestamp>)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the worker group up to R times when a worker dies (torchrun --max-restarts)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines (one launcher each; c10d rendezvous)")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every machine (--nnodes > 1)")
+    t.add_argument("--rdzv-id", default="mct", help="job id shared by the machines of one run (--nnodes > 1)")
     v = sub.add_parser("verify", help="compare the configured engine with the fp32 reference")
     _common(v)
     v.add_argument("--steps", type=int, default=10, help="steps to compare (default 10)")
@@ -51,13 +56,14 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _launch(argv: list[str], nproc: int) -> int:
-    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mct", *argv]
-    return subprocess.run(cmd, env=env).returncode
+def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int = 1,
+            rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
+    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run;
+    returns the workers' exit code (see mct.launch)."""
+    from mct.launch import launch, torchrun_command
+    cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    return launch(cmd, nproc)
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -74,27 +80,55 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, args.set)
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc > 1 and not _under_torchrun():
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
+                             ("--max-restarts", args.max_restarts, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.memory.plan import resolve_auto
-        resolve_auto(cfg, args.nproc)  # an impossible budget fails here, in one line, before any launch
+        resolve_auto(cfg, args.nproc * args.nnodes)  # an impossible budget fails here, in one line, before any launch
         run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
+        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc,
+                       max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                       rdzv_id=args.rdzv_id)
+    return _train_worker(cfg, args)
+
+
+def _train_worker(cfg, args: argparse.Namespace) -> int:
+    """One training process (alone, or a rank under torchrun). Every way it ends is an
+    exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
+    from mct.launch import WorkerLink
+    from mct.memory.tracker import MemoryBudgetExceeded
+    from mct.signals import Preempted, StopRequest
     from mct.trainer import TrainingStopped, summary_table, train
-    ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+    link = WorkerLink.from_env()
+    stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
+    code, line, is_main = 0, "", int(os.environ.get("RANK", "0")) == 0
     try:
+        ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
         run_dir = broadcast_from_main(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = train(cfg, run_dir, ctx, progress=not args.no_progress)
+        summary = train(cfg, run_dir, ctx, progress=not args.no_progress, stop=stop)
         if ctx.is_main:
             print(summary_table(summary))
-        return 0
+    except (ValueError, MemoryBudgetExceeded) as e:
+        code, line = 2, f"mct: error: {e}"
     except TrainingStopped as e:
-        print(f"mct: training stopped: {e}", file=sys.stderr)
-        return 3
+        code, line = 3, f"mct: training stopped: {e}"
+    except Preempted as e:
+        code, line = e.exit_code, f"mct: {e}"
+    except Exception:
+        if not stop.signum:
+            raise
+        # stopping, and a peer is already gone (its collective failed): nothing left to save together
+        code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
     finally:
+        stop.uninstall()
         teardown()
+    link.finish(code, line)
+    if line and not link.active and (is_main or code == 2):
+        print(line, file=sys.stderr)
+    return code
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
@@ -102,7 +136,7 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
-        return _launch(_strip_nproc(argv), args.nproc)
+        return _launch(_strip_nproc(argv), args.nproc)  # verify: no restarts, one node
     from mct.dist import broadcast_from_main, init_distributed, teardown
     from mct.verify import run_verify
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
@@ -141,10 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}[args.command]
+    from mct.launch import WorkerLink
+    link = WorkerLink.from_env()
+    if _under_torchrun():
+        link.setup()  # die with torchrun; write to the launcher's terminal
+    code, line = 0, ""
     try:
-        return handler(args, argv)
+        code = handler(args, argv)
     except ValueError as e:
-        print(f"mct: error: {e}", file=sys.stderr)
-        return 2
+        code, line = 2, f"mct: error: {e}"
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    link.finish(code, line)  # a no-op when train's worker already reported
+    if line and not link.active:
+        print(line, file=sys.stderr)
+    return code
