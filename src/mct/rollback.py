@@ -67,12 +67,13 @@ class DivergenceDetector:
                 return self._fail("consecutive_skips", f"{self.consecutive_skips} consecutive skipped steps "
                                   f"(non-finite gradients; train.max_consecutive_skips = {t.max_consecutive_skips})")
             return ""
-        if t.loss_spike_factor and len(self.losses) >= MIN_HISTORY:
+        enough = min(MIN_HISTORY, t.loss_spike_window)
+        if t.loss_spike_factor and len(self.losses) >= enough:
             med = statistics.median(self.losses)
             if loss > t.loss_spike_factor * med:
                 return self._fail("loss_spike", f"loss spike {loss:.4g} > train.loss_spike_factor "
                                   f"{t.loss_spike_factor:g} x running median {med:.4g}")
-        if t.grad_norm_factor and len(self.norms) >= MIN_HISTORY and math.isfinite(grad_norm):
+        if t.grad_norm_factor and len(self.norms) >= enough and math.isfinite(grad_norm):
             med = statistics.median(self.norms)
             if grad_norm > t.grad_norm_factor * med:
                 return self._fail("grad_norm", f"gradient norm explosion {grad_norm:.4g} > train.grad_norm_factor "
