@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus")
     _common(t)
-    t.add_argument("--run-dir", help="where metrics.jsonl and metadata.json go (default runs/<timestamp>)")
+    t.add_argument("--run-dir", help="a new directory for the run (default runs/<timestamp>); one that holds "
+                                     "a run is refused")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
+                                                       "checkpoint, with its recorded config (--set may change "
+                                                       "steps, checkpointing, zero, logging)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", help="compare the configured engine with the fp32 reference")
     _common(v)
@@ -44,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r = sub.add_parser("report", help="summarize a run directory")
     r.add_argument("run_dir")
+    e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint")
+    e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
     return parser
 
 
@@ -72,21 +79,39 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def _train_config(args: argparse.Namespace):
+    """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
+    if not args.resume:
+        return load_config(args.config, args.set), args.run_dir
+    if args.config:
+        raise ValueError("--resume uses the run's recorded config; drop --config (change allowed keys with --set)")
+    if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+        raise ValueError(f"--resume {args.resume!r} continues that run in place; drop --run-dir {args.run_dir!r}")
+    from mct.persistence.resume import resume_config
+    world = int(os.environ.get("WORLD_SIZE", args.nproc)) if _under_torchrun() else args.nproc
+    return resume_config(args.resume, args.set, max(world, 1)), args.resume
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, args.set)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    cfg, run_dir = _train_config(args)
     if args.nproc > 1 and not _under_torchrun():
         from mct.memory.plan import resolve_auto
+        from mct.persistence.run_dir import check_new_run_dir
         resolve_auto(cfg, args.nproc)  # an impossible budget fails here, in one line, before any launch
-        run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
+        extra: list[str] = []
+        if not args.resume:
+            run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+            check_new_run_dir(run_dir)  # refused here, before any worker starts
+            extra = [] if args.run_dir else ["--run-dir", run_dir]
+        return _launch([*_strip_nproc(argv), *extra], args.nproc)
     from mct.dist import broadcast_from_main, init_distributed, teardown
     from mct.trainer import TrainingStopped, summary_table, train
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
-        run_dir = broadcast_from_main(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = train(cfg, run_dir, ctx, progress=not args.no_progress)
+        run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume))
         if ctx.is_main:
             print(summary_table(summary))
         return 0
@@ -95,6 +120,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return 3
     finally:
         teardown()
+
+
+def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.persistence.export import export
+    path, warning = export(args.source, args.out)
+    if warning:
+        print(f"mct: warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.out} from {path}")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
@@ -140,7 +174,8 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}[args.command]
+    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
+               "export": cmd_export}[args.command]
     try:
         return handler(args, argv)
     except ValueError as e:

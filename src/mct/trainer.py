@@ -1,7 +1,9 @@
-"""The training loop: schedule, evaluation, logging, stop conditions.
+"""The training loop: schedule, evaluation, logging, checkpoints, stop conditions.
 
 ``train(cfg, run_dir)`` runs in every rank's process (launched by torchrun or
-``mct train --nproc N``); rank 0 prints and writes ``metrics.jsonl``.
+``mct train --nproc N``); rank 0 prints and writes ``metrics.jsonl``. With
+``resume=True`` it continues the run in ``run_dir`` from its newest usable checkpoint
+(see ``mct.persistence``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,11 @@ from mct.engine import Engine
 from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.persistence import load_engine_state, save_checkpoint
+from mct.persistence.checkpoint import rng_state, set_rng_state
+from mct.persistence.files import read_json
+from mct.persistence.resume import record_resume, rewind_metrics
+from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, step_dir
 from mct.precision import LossScaleFloorError
 from mct.schedule import lr_at
 from mct.seeding import micro_seed, seed_everything
@@ -53,8 +60,32 @@ def build_model(cfg: EngineConfig) -> GPT:
 
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
                  device: torch.device | str = "cpu") -> list[tuple]:
-    return [(x, y, micro_seed(cfg.seed, step, m, rank))
+    """Rank ``rank``'s micro-batches of ``step`` with their dropout seeds, keyed by the
+    global micro-batch index (the same on any world size for the same global batch)."""
+    ga = cfg.data.grad_accum
+    return [(x, y, micro_seed(cfg.seed, step, rank * ga + m))
             for m, (x, y) in enumerate(sampler.micro_batches(step, rank, device))]
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step; saved in every checkpoint."""
+    step: int = 0
+    """Steps completed (skipped ones included), = the next step to run."""
+    opt_step: int = 0
+    """Optimizer updates applied: the LR schedule's position."""
+    skipped: int = 0
+    consecutive_skips: int = 0
+    first_val: float | None = None
+    last_val: float | None = None
+    rollbacks: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "LoopState":
+        return cls(**{k: d[k] for k in asdict(cls()) if k in d})
 
 
 @dataclass
@@ -75,25 +106,93 @@ def evaluate(engine: Engine, sampler: BatchSampler, cfg: EngineConfig, rank: int
 
 
 def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
-          progress: bool = True) -> TrainSummary:
+          progress: bool = True, resume: bool = False) -> TrainSummary:
+    """Train (every rank calls it). A new run refuses a ``run_dir`` that holds a run
+    (ValueError, checked by rank 0 before anything is written); ``resume`` continues the
+    run there from its newest usable checkpoint (``cfg`` from ``resume_config``)."""
     ctx = ctx or DistContext.current()
     run_dir = Path(run_dir)
+    if not resume:
+        _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
     model = build_model(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg,
                     param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx)
+    state = _resume(engine, run_dir, ctx) if resume else LoopState()
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
-    if ctx.is_main:
+    if ctx.is_main and not resume:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     try:
-        summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress,
+        summary = _loop(cfg, engine, sampler, writer, ctx, run_dir, progress, state,
                         predicted=choice["predicted_peak_bytes"] if choice else None)
     finally:
         writer.close()
     export_weights(engine, run_dir / "model.safetensors", ctx)
     return summary
+
+
+def _error_of(check, *args) -> str | None:
+    try:
+        check(*args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _agree(ctx: DistContext, error: str | None) -> None:
+    """Raise rank 0's ``error`` as ValueError on every rank (so no rank goes on alone)."""
+    from mct.dist import broadcast_from_main
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ValueError(error)
+
+
+def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> LoopState:
+    """Load the newest usable checkpoint (rank 0 picks it, warning about damaged newer
+    ones), restore the loop state (and RNG streams when the world size is unchanged),
+    rewind metrics past it and record the resume in metadata.json."""
+    from mct.dist import broadcast_from_main
+    pick: tuple[str, str | None] | str | None = None
+    if ctx.is_main:
+        try:
+            path, _, warning = newest_usable(run_dir, engine.state_dict()["units"])
+            pick = (str(path), warning)
+        except ValueError as e:
+            pick = str(e)
+    pick = broadcast_from_main(pick)
+    if isinstance(pick, str):
+        raise ValueError(pick)
+    path, warning = Path(pick[0]), pick[1]
+    if warning and ctx.is_main:
+        print(f"mct: warning: {warning}", file=sys.stderr)
+    meta = load_engine_state(engine, path, verified=True)
+    saved = read_json(path / "trainer.json")
+    state = LoopState.from_json(saved)
+    if meta["world_size"] == ctx.world_size:
+        set_rng_state(read_json(path / f"rank{ctx.rank}.json")["rng"])
+    if ctx.is_main:
+        rewind_metrics(run_dir, state.step)
+        record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
+                      checkpoint=path.name)
+    return state
+
+
+def save_run_checkpoint(engine: Engine, run_dir: Path, cfg: EngineConfig, state: LoopState,
+                        ctx: DistContext) -> None:
+    """Checkpoint the loop after ``state.step`` steps into RUN_DIR/checkpoints, then keep
+    the newest ``train.keep_checkpoints``. Collective; a complete one already there
+    (the run resumed at its last step) is kept as it is."""
+    from mct.dist import broadcast_from_main
+    path = step_dir(run_dir, state.step)
+    if broadcast_from_main((path / "meta.json").exists()):
+        return
+    trainer = {**state.to_json(), "config": cfg.to_dict(), "world_size": ctx.world_size,
+               "global_micro_batches": cfg.data.grad_accum * ctx.world_size}
+    save_checkpoint(path, engine, step=state.step, trainer=trainer, rank_state={"rng": rng_state()})
+    if ctx.is_main:
+        prune(run_dir, cfg.train.keep_checkpoints)
 
 
 def export_weights(engine: Engine, path: Path, ctx: DistContext) -> None:
@@ -117,22 +216,23 @@ def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> d
 
 
 def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: MetricsWriter,
-          ctx: DistContext, run_dir: Path, progress: bool, predicted: int | None = None) -> TrainSummary:
+          ctx: DistContext, run_dir: Path, progress: bool, state: LoopState,
+          predicted: int | None = None) -> TrainSummary:
     tcfg = cfg.train
     tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * ctx.world_size
     bar = None
     if progress and ctx.is_main:
         from tqdm import tqdm
-        bar = tqdm(total=tcfg.steps, desc="train", unit="step", dynamic_ncols=True)
-    opt_step, consecutive_skips, skipped = 0, 0, 0
-    first_val = last_val = None
+        bar = tqdm(total=tcfg.steps, initial=min(state.step, tcfg.steps), desc="train", unit="step",
+                   dynamic_ncols=True)
+    first = state.step
     loss = float("nan")
     t_start = time.perf_counter()
     peaks: dict = {}
     warned = False
-    for step in range(tcfg.steps):
+    for step in range(state.step, tcfg.steps):
         t0 = time.perf_counter()
-        lr = lr_at(opt_step, tcfg)
+        lr = lr_at(state.opt_step, tcfg)
         for g in engine.optimizer.param_groups:
             g["lr"] = lr
         batches = step_batches(sampler, cfg, step, ctx.rank)
@@ -141,14 +241,15 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
             out = engine.train_step(batches, seeded_gpt_loss)
         except LossScaleFloorError as e:
             raise TrainingStopped(f"{e} The parameters and optimizer state are those of the last good step "
-                                  f"({opt_step}); nothing was updated by the failing step.") from None
+                                  f"({state.opt_step}); nothing was updated by the failing step.") from None
         loss = out.loss
-        skipped += out.skipped
-        consecutive_skips = consecutive_skips + 1 if out.skipped else 0
-        opt_step += not out.skipped
-        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise TrainingStopped(f"{consecutive_skips} consecutive steps had non-finite gradients (last loss "
-                                  f"{loss}); lower train.lr, use precision.mode='bf16', or check the data.")
+        state.skipped += out.skipped
+        state.consecutive_skips = state.consecutive_skips + 1 if out.skipped else 0
+        state.opt_step += not out.skipped
+        state.step = step + 1
+        if state.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise TrainingStopped(f"{state.consecutive_skips} consecutive steps had non-finite gradients (last "
+                                  f"loss {loss}); lower train.lr, use precision.mode='bf16', or check the data.")
         step_time = time.perf_counter() - t0
         record = {"step": step, "loss": loss, "lr": lr, "step_time_s": step_time,
                   "tokens_per_s": tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
@@ -156,9 +257,9 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
                   "time_data_s": t_data}
         last = step == tcfg.steps - 1
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or last):
-            last_val = evaluate(engine, sampler, cfg, ctx.rank)
-            first_val = last_val if first_val is None else first_val
-            record["val_loss"] = last_val
+            state.last_val = evaluate(engine, sampler, cfg, ctx.rank)
+            state.first_val = state.last_val if state.first_val is None else state.first_val
+            record["val_loss"] = state.last_val
         if step % tcfg.log_every == 0 or last or "val_loss" in record:
             m = dict(out.metrics)
             peaks = m.pop("peaks")
@@ -173,23 +274,26 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
                     warned = True
                     record["peak_warning"] = warning
                     print(f"mct: warning (rank {ctx.rank}): {warning}", file=sys.stderr)
-            record["errors"] = {"skipped_steps": skipped, "consecutive_skips": consecutive_skips,
+            record["errors"] = {"skipped_steps": state.skipped, "consecutive_skips": state.consecutive_skips,
                                 "nonfinite_loss": int(not math.isfinite(loss))}
             writer.log(record)
-        if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
-            engine.save(str(run_dir / "checkpoint"))
+        if last or (tcfg.checkpoint_every and state.step % tcfg.checkpoint_every == 0):
+            save_run_checkpoint(engine, run_dir, cfg, state, ctx)
         if bar is not None:
             bar.update(1)
             post = {"loss": f"{loss:.3f}"}
-            if last_val is not None:
-                post["val"] = f"{last_val:.3f}"
+            if state.last_val is not None:
+                post["val"] = f"{state.last_val:.3f}"
             bar.set_postfix(post)
     if bar is not None:
         bar.close()
+    if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
+        save_run_checkpoint(engine, run_dir, cfg, state, ctx)
     elapsed = time.perf_counter() - t_start
-    return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=last_val, first_val_loss=first_val,
-                        tokens_per_s=tokens_per_step * tcfg.steps / elapsed, skipped_steps=skipped,
-                        peaks=peaks, run_dir=str(run_dir))
+    return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=state.last_val,
+                        first_val_loss=state.first_val,
+                        tokens_per_s=tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
+                        skipped_steps=state.skipped, peaks=peaks, run_dir=str(run_dir))
 
 
 def summary_table(s: TrainSummary) -> str:
