@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus")
     _common(t)
-    t.add_argument("--run-dir", help="where metrics.jsonl and metadata.json go (default runs/<timestamp>)")
+    t.add_argument("--run-dir", help="a new directory for the run (default runs/<timestamp>); one that holds "
+                                     "a run is refused")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
+                                                       "checkpoint, with its recorded config (--set may change "
+                                                       "steps, checkpointing, zero, logging)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--max-restarts", type=int, default=0,
                    help="restart the worker group up to R times when a worker dies (torchrun --max-restarts)")
@@ -49,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     r = sub.add_parser("report", help="summarize a run directory")
     r.add_argument("run_dir")
+    e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint")
+    e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
     return parser
 
 
@@ -78,23 +85,42 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def _train_config(args: argparse.Namespace):
+    """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
+    if not args.resume:
+        return load_config(args.config, args.set), args.run_dir
+    if args.config:
+        raise ValueError("--resume uses the run's recorded config; drop --config (change allowed keys with --set)")
+    if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+        raise ValueError(f"--resume {args.resume!r} continues that run in place; drop --run-dir {args.run_dir!r}")
+    from mct.persistence.resume import resume_config
+    world = int(os.environ.get("WORLD_SIZE", args.nproc)) if _under_torchrun() else args.nproc
+    return resume_config(args.resume, args.set, max(world, 1)), args.resume
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, args.set)
     for flag, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
                              ("--max-restarts", args.max_restarts, 0)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    cfg, run_dir = _train_config(args)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.memory.plan import resolve_auto
+        from mct.persistence.run_dir import check_new_run_dir
         resolve_auto(cfg, args.nproc * args.nnodes)  # an impossible budget fails here, in one line, before any launch
-        run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc,
+        extra: list[str] = []
+        if not args.resume:
+            run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+            if args.nnodes == 1:  # several machines: global rank 0 checks, once, under torchrun
+                check_new_run_dir(run_dir)  # refused here, before any worker starts
+            extra = [] if args.run_dir else ["--run-dir", run_dir]
+        return _launch([*_strip_nproc(argv), *extra], args.nproc,
                        max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                        rdzv_id=args.rdzv_id)
-    return _train_worker(cfg, args)
+    return _train_worker(cfg, run_dir, args)
 
 
-def _train_worker(cfg, args: argparse.Namespace) -> int:
+def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     """One training process (alone, or a rank under torchrun). Every way it ends is an
     exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
@@ -107,8 +133,8 @@ def _train_worker(cfg, args: argparse.Namespace) -> int:
     code, line, is_main = 0, "", int(os.environ.get("RANK", "0")) == 0
     try:
         ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
-        run_dir = broadcast_from_main(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = train(cfg, run_dir, ctx, progress=not args.no_progress, stop=stop)
+        run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume), stop=stop)
         if ctx.is_main:
             print(summary_table(summary))
     except (ValueError, MemoryBudgetExceeded) as e:
@@ -129,6 +155,15 @@ def _train_worker(cfg, args: argparse.Namespace) -> int:
     if line and not link.active and (is_main or code == 2):
         print(line, file=sys.stderr)
     return code
+
+
+def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.persistence.export import export
+    path, warning = export(args.source, args.out)
+    if warning:
+        print(f"mct: warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.out} from {path}")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
@@ -174,11 +209,12 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}[args.command]
+    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
+               "export": cmd_export}[args.command]
     from mct.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():
-        link.setup()  # die with torchrun; write to the launcher's terminal
+        link.setup()  # die with torchrun; tell the launcher this worker's pid
     code, line = 0, ""
     try:
         code = handler(args, argv)

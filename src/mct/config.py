@@ -105,7 +105,9 @@ class TrainConfig:
     log_every: int = 10
     """Write a metrics line every N steps."""
     checkpoint_every: int = 0
-    """Save a checkpoint every N steps; 0 disables."""
+    """Save a checkpoint to RUN_DIR/checkpoints every N steps (and always after the last step); 0: only the last."""
+    keep_checkpoints: int = 2
+    """Keep the newest N complete checkpoints (>= 1; the newest complete one is never deleted)."""
     tensorboard: bool = False
     """Also write TensorBoard event files into the run directory."""
     max_rollbacks: int = 3
@@ -136,6 +138,7 @@ class TrainConfig:
         for k in ("eval_every", "eval_batches", "checkpoint_every"):
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.log_every", self.log_every, 1)
+        _check_range("train.keep_checkpoints", self.keep_checkpoints, 1)
         for k in ("max_rollbacks", "snapshot_every", "loss_spike_factor", "grad_norm_factor"):
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.loss_spike_window", self.loss_spike_window, 1)
