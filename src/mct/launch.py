@@ -35,8 +35,9 @@ FORCE_KILL_AFTER_S = 55.0
 (so nothing outlives it by more than a minute); workers save within preempt_timeout_s."""
 PRIORITY = (2, 3, 143, 130)
 """Which worker exit code the launcher reports when ranks differ (first match wins)."""
-FINAL = (2, 3, 130, 143)
-"""Exit codes no restart can change: the worker stops torchrun instead of letting it restart."""
+FINAL = (2, 3)
+"""Exit codes no restart can change: the worker stops torchrun instead of letting it restart.
+(130/143 are not: torchrun itself sends SIGTERM to the survivors when it restarts a group.)"""
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -96,8 +97,8 @@ class WorkerLink:
 
     def finish(self, code: int, line: str = "") -> None:
         """Record this worker's exit code and its one-line message for the launcher. A
-        final code (user error, stop condition, signal) also stops torchrun, which
-        would otherwise restart the group (``--max-restarts``) into the same outcome."""
+        final code (user error, stop condition) also stops torchrun, which would
+        otherwise restart the group (``--max-restarts``) into the same outcome."""
         name = f"exit.{self.restart}.{self.rank}"
         if self.launch_dir is None or (self.launch_dir / name).exists():  # reported once, by the innermost
             return
