@@ -143,11 +143,13 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
         code, line = 3, f"mct: training stopped: {e}"
     except Preempted as e:
         code, line = e.exit_code, f"mct: {e}"
-    except Exception:
-        if not stop.signum:
+    except Exception as e:
+        if stop.signum:  # stopping, and a peer is already gone (its collective failed): nothing to save together
+            code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
+        elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
+            code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+        else:
             raise
-        # stopping, and a peer is already gone (its collective failed): nothing left to save together
-        code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
     finally:
         stop.uninstall()
         teardown()
@@ -155,6 +157,13 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     if line and not link.active and (is_main or code == 2):
         print(line, file=sys.stderr)
     return code
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A collective failed because another rank's process died (gloo / NCCL wording)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
 
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
