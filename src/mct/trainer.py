@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.events import append_event
-from mct.faults import FaultPlan
+from mct.feedback import Loop, agree_verdict, preempt, roll_back, run_step
 from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
@@ -33,12 +32,9 @@ from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
 from mct.persistence.resume import record_resume, rewind_metrics
 from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, step_dir
-from mct.precision import LossScaleFloorError
-from mct.rollback import (REASON_CODES, DivergenceDetector, RollbackController, TrainingStopped, engine_state,
-                          load_engine_state as restore_engine_state, truncate_jsonl)
-from mct.schedule import lr_at
+from mct.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
 from mct.seeding import micro_seed, seed_everything
-from mct.signals import Preempted, StopRequest
+from mct.signals import StopRequest
 
 
 def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
@@ -129,7 +125,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     if ctx.is_main and not resume:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
-    lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state)
+    lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
+              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss)
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
@@ -236,47 +233,6 @@ def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> d
             "model_state_bytes": engine.model_state_bytes()}
 
 
-@dataclass
-class Loop:
-    """What one training loop works with (one object, so the helpers stay small).
-
-    ``state`` is restored by a rollback together with the engine and the detector's
-    statistics; ``rollback`` (counters, data offset, LR scale) persists across rollbacks."""
-    cfg: EngineConfig
-    engine: Engine
-    sampler: BatchSampler
-    writer: MetricsWriter
-    ctx: DistContext
-    run_dir: Path
-    stop: StopRequest
-    state: LoopState = field(default_factory=LoopState)
-    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
-    detector: DivergenceDetector = field(init=False)
-    rollback: RollbackController = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.detector = DivergenceDetector(self.cfg.train)
-        self.rollback = RollbackController(self.cfg.train)
-
-    def capture(self) -> tuple[dict, dict]:
-        return engine_state(self.engine), {"state": self.state.to_json(), "detector": self.detector.state_dict()}
-
-    def restore(self, engine_sd: dict, loop_sd: dict) -> None:
-        restore_engine_state(self.engine, engine_sd)
-        self.state = LoopState.from_json(loop_sd["state"])
-        self.detector.load_state_dict(loop_sd["detector"])
-
-    def feedback_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the feedback loop."""
-        return {"rollback": self.rollback.state_dict(), "detector": self.detector.state_dict()}
-
-    def load_feedback_state(self, saved: dict[str, Any]) -> None:
-        if "rollback" in saved:
-            self.rollback.load_state_dict(saved["rollback"])
-        if "detector" in saved:
-            self.detector.load_state_dict(saved["detector"])
-
-
 def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummary:
     """Steps from ``lp.state.step`` until ``train.steps``, with the divergence feedback
     loop and the stop signal checked after every step; a checkpoint every
@@ -298,10 +254,10 @@ def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummar
     while lp.state.step < tcfg.steps:
         step = lp.state.step
         t0 = time.perf_counter()
-        out, reason, lr, t_data = _run_step(lp)
-        reason, signum = _agree_verdict(lp, reason)
+        out, reason, lr, t_data = run_step(lp)
+        reason, signum = agree_verdict(lp, reason)
         if reason:
-            _roll_back(lp, step, reason)
+            roll_back(lp, step, reason)
             if bar is not None:
                 bar.n = lp.state.step
                 bar.refresh()
@@ -337,7 +293,7 @@ def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummar
                     post["val"] = f"{state.last_val:.3f}"
                 bar.set_postfix(post)
         if signum:
-            _preempt(lp, signum, bar)
+            preempt(lp, signum, bar)
     if bar is not None:
         bar.close()
     if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
@@ -349,66 +305,6 @@ def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummar
                         first_val_loss=state.first_val,
                         tokens_per_s=tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
                         skipped_steps=state.skipped, peaks=peaks, run_dir=str(lp.run_dir))
-
-
-def _run_step(lp: Loop) -> tuple[Any, str, float, float]:
-    """One training step at ``lp.state.step``, with the faults of ``MCT_FAULT``.
-    Returns (StepResult or None, divergence reason code or '', lr, data time)."""
-    step, rank, rb = lp.state.step, lp.ctx.rank, lp.rollback
-    rb.maybe_snapshot(step, lp.capture)
-    lp.faults.before_step(step, rank)
-    t0 = time.perf_counter()
-    lr = lr_at(lp.state.opt_step, lp.cfg.train) * rb.lr_scale
-    for g in lp.engine.optimizer.param_groups:
-        g["lr"] = lr
-    batches = step_batches(lp.sampler, lp.cfg, step + rb.data_offset, rank)
-    t_data = time.perf_counter() - t0
-    try:
-        out = lp.engine.train_step(batches, lp.faults.wrap_loss(seeded_gpt_loss, step, rank))
-    except LossScaleFloorError as e:
-        lp.detector.detail = str(e).split(";")[0]
-        return None, "scale_floor", lr, t_data
-    lp.faults.after_update(step, lp.engine, out.skipped)
-    return out, lp.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data
-
-
-def _agree_verdict(lp: Loop, reason: str) -> tuple[str, int]:
-    """Every rank's verdict and stop signal, MAX-reduced: all ranks act alike."""
-    flags = torch.tensor([REASON_CODES.index(reason), lp.stop.signum], dtype=torch.float64,
-                         device=lp.engine.device)
-    lp.engine.comm.all_reduce_(flags, "max")
-    agreed = REASON_CODES[int(flags[0])]
-    if agreed and agreed != reason:
-        lp.detector.detail = f"{agreed} on another rank"
-    return agreed, int(flags[1])
-
-
-def _roll_back(lp: Loop, step: int, reason: str) -> None:
-    """Restore the newest good state and apply the rollback's decision (replay, skip,
-    LR cut); log it. Raises TrainingStopped when no rollback is left."""
-    detail, run_dir, main = lp.detector.detail or reason, lp.run_dir, lp.ctx.is_main
-    try:
-        d = lp.rollback.decide(step, detail)
-    except TrainingStopped as e:
-        append_event(run_dir, step=step, kind="stop", action="exit 3", reason=detail, is_main=main)
-        raise TrainingStopped(f"{e}. {_last_good_checkpoint(run_dir)} Try: lower train.lr, "
-                              f"precision.mode = 'bf16', or look at the data of steps near {step}") from None
-    lp.restore(d.restore.engine, d.restore.loop)
-    lp.writer.flush()
-    truncate_jsonl(lp.writer.path, d.restore.step - 1)  # the history stays one clean series
-    window = f"steps {d.window[0]}-{d.window[1]}"
-    append_event(run_dir, step=step, kind="rollback", action=f"{d.action}: restore step {d.restore.step}",
-                 reason=detail, is_main=main, rollbacks=lp.rollback.total)
-    if d.action == "skip":
-        append_event(run_dir, step=step, kind="skip_window", action=f"skip the batches of {window}",
-                     reason=detail, is_main=main, data_offset=lp.rollback.data_offset)
-    if d.action == "lr_cut":
-        append_event(run_dir, step=step, kind="lr_cut", action=f"lr x {lp.rollback.lr_scale:g}",
-                     reason=detail, is_main=main)
-    if main:
-        print(f"mct: warning: {detail} at step {step}: rollback {lp.rollback.total}/"
-              f"{lp.cfg.train.max_rollbacks} ({d.action}), restored the state of step {d.restore.step}",
-              file=sys.stderr)
 
 
 def _add_step_metrics(record: dict, out: Any, lp: Loop, predicted: int | None, warn: bool) -> dict:
@@ -435,28 +331,6 @@ def _save_checkpoint(lp: Loop) -> None:
     """The checkpoint of ``lp.state.step`` completed steps (only ever called after a
     step that passed the divergence checks, or from a restored good state)."""
     save_run_checkpoint(lp.engine, lp.run_dir, lp.cfg, lp.state, lp.ctx, extra=lp.feedback_state())
-
-
-def _last_good_checkpoint(run_dir: Path) -> str:
-    from mct.persistence.run_dir import checkpoints
-    found = checkpoints(run_dir)
-    if found:
-        return f"The last good checkpoint is {found[-1][1]} (continue with mct train --resume {run_dir})."
-    return "No checkpoint was written yet (train.checkpoint_every)."
-
-
-def _preempt(lp: Loop, signum: int, bar: Any) -> None:
-    """Save the last completed step, log, print one line; raises Preempted."""
-    name = signal.Signals(signum).name
-    step = lp.state.step
-    if bar is not None:
-        bar.close()
-    if step > 0:
-        _save_checkpoint(lp)
-    append_event(lp.run_dir, step=step, kind="signal", action=f"checkpoint step {step}, exit {128 + signum}",
-                 reason=name, is_main=lp.ctx.is_main)
-    lp.stop.cancel_watchdog()
-    raise Preempted(signum, f"stopped by {name} at step {step}; resume with mct train --resume {lp.run_dir}")
 
 
 def summary_table(s: TrainSummary) -> str:
