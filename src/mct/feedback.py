@@ -15,12 +15,14 @@ from typing import Any, Callable
 
 import torch
 
+from mct.budget_loop import BudgetLoop, record_config_change
 from mct.config import EngineConfig
 from mct.data import BatchSampler
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.events import append_event
 from mct.faults import FaultPlan
+from mct.memory.tracker import MemoryBudgetExceeded
 from mct.metrics import MetricsWriter
 from mct.precision import LossScaleFloorError
 from mct.rollback import (REASON_CODES, DivergenceDetector, RollbackController, TrainingStopped, engine_state,
@@ -49,6 +51,9 @@ class Loop:
     batches: Callable[[int, int], list]
     """(data position, rank) -> this rank's micro-batches of that step."""
     loss_fn: Callable
+    rebuild: Callable[[EngineConfig], Engine] | None = None
+    """A fresh engine (and model) for another configuration: the budget loop's fallback."""
+    budget: BudgetLoop | None = None
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
     detector: DivergenceDetector = field(init=False)
     rollback: RollbackController = field(init=False)
@@ -93,6 +98,11 @@ def run_step(lp: Loop) -> tuple[Any, str, float, float]:
     except LossScaleFloorError as e:
         lp.detector.detail = str(e).split(";")[0]
         return None, "scale_floor", lr, t_data
+    except MemoryBudgetExceeded as e:
+        if lp.budget is None:
+            raise
+        lp.detector.detail = str(e)
+        return None, "budget", lr, t_data
     lp.faults.after_update(step, lp.engine, out.skipped)
     return out, lp.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data
 
@@ -156,3 +166,29 @@ def preempt(lp: Loop, signum: int, bar: Any) -> None:
                  reason=name, is_main=lp.ctx.is_main)
     lp.stop.cancel_watchdog()
     raise Preempted(signum, f"stopped by {name} at step {step}; resume with mct train --resume {lp.run_dir}")
+
+
+def budget_fallback(lp: Loop, step: int) -> None:
+    """MemoryBudgetExceeded at ``step`` under ``auto``: checkpoint the last completed
+    step, rebuild the engine with the planner's next, more frugal configuration, load
+    the checkpoint (resharded), record the change. Raises ValueError when none is left."""
+    assert lp.budget is not None and lp.rebuild is not None
+    new_cfg, change = lp.budget.next_config(lp.cfg, lp.detector.detail)
+    from mct.persistence.checkpoint import load_engine_state
+    from mct.persistence.run_dir import step_dir
+    if lp.state.step > 0:
+        lp.save(lp)
+    lp.engine = None  # type: ignore[assignment]  # free the old engine before the new one allocates
+    engine = lp.rebuild(new_cfg)
+    if lp.state.step > 0:
+        load_engine_state(engine, step_dir(lp.run_dir, lp.state.step))
+    lp.engine, lp.cfg = engine, new_cfg
+    lp.rollback.good = lp.rollback.pending = None  # in-memory states have the old layout
+    change = {"step": step, **change}
+    to = change["to"]
+    action = f"zero.stage={to['zero.stage']} checkpointing.policy={to['checkpointing.policy']}"
+    if lp.ctx.is_main:
+        record_config_change(lp.run_dir, change)
+        print(f"mct: warning: memory budget exceeded at step {step}; continuing with {action}", file=sys.stderr)
+    append_event(lp.run_dir, step=step, kind="budget_fallback", action=action, reason=lp.detector.detail,
+                 is_main=lp.ctx.is_main)

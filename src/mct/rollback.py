@@ -34,7 +34,8 @@ from mct.config import TrainConfig
 
 MIN_HISTORY = 5
 """Good steps needed before the spike detectors judge (the median of fewer is noise)."""
-REASON_CODES = ("", "nonfinite_loss", "loss_spike", "grad_norm", "consecutive_skips", "scale_floor")
+REASON_CODES = ("", "nonfinite_loss", "loss_spike", "grad_norm", "consecutive_skips", "scale_floor", "budget")
+"""Verdicts of a step, agreed over ranks by MAX: a later one wins ('budget' is not a divergence)."""
 
 
 class TrainingStopped(RuntimeError):

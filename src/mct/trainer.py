@@ -23,7 +23,8 @@ from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.events import append_event
-from mct.feedback import Loop, agree_verdict, preempt, roll_back, run_step
+from mct.budget_loop import BudgetLoop
+from mct.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_back, run_step
 from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
@@ -115,24 +116,30 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         resume = _agree_restart(ctx, run_dir, restart)
     elif not resume:
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
+    auto_cfg = cfg
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
-    model = build_model(cfg)
-    engine = Engine(model, make_optimizer(cfg), cfg,
-                    param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx)
+
+    def rebuild(c: EngineConfig) -> Engine:
+        model = build_model(c)
+        return Engine(model, make_optimizer(c), c, param_groups=optimizer_groups(model, c.train.weight_decay),
+                      ctx=ctx)
+    engine = rebuild(cfg)
+    model = engine.model
     state, saved = _resume(engine, run_dir, ctx) if resume else (LoopState(), {})
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
     if ctx.is_main and not resume:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
-              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss)
+              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
+              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, ctx.device.type))
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
     finally:
         writer.close()
-    export_weights(engine, run_dir / "model.safetensors", ctx)
+    export_weights(lp.engine, run_dir / "model.safetensors", ctx)
     return summary
 
 
@@ -256,7 +263,9 @@ def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummar
         t0 = time.perf_counter()
         out, reason, lr, t_data = run_step(lp)
         reason, signum = agree_verdict(lp, reason)
-        if reason:
+        if reason == "budget":
+            budget_fallback(lp, step)
+        elif reason:
             roll_back(lp, step, reason)
             if bar is not None:
                 bar.n = lp.state.step
