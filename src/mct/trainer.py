@@ -28,7 +28,7 @@ from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
 from mct.persistence.resume import record_resume, rewind_metrics
-from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, step_dir
+from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
 from mct.precision import LossScaleFloorError
 from mct.schedule import lr_at
 from mct.seeding import micro_seed, seed_everything
@@ -173,6 +173,7 @@ def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> LoopState:
     if meta["world_size"] == ctx.world_size:
         set_rng_state(read_json(path / f"rank{ctx.rank}.json")["rng"])
     if ctx.is_main:
+        set_aside_newer(run_dir, state.step)
         rewind_metrics(run_dir, state.step)
         record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
                       checkpoint=path.name)
