@@ -262,22 +262,7 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
             state.first_val = state.last_val if state.first_val is None else state.first_val
             record["val_loss"] = state.last_val
         if step % tcfg.log_every == 0 or last or "val_loss" in record:
-            m = dict(out.metrics)
-            peaks = m.pop("peaks")
-            m.pop("live")
-            record.update(m)
-            record.update(flatten_peaks(peaks))
-            record["memory"] = peaks
-            if predicted is not None:
-                record["predicted_peak_bytes"] = predicted
-                warning = peak_check(out.metrics["peak_bytes"], predicted)
-                if warning and step > 0 and not warned:  # step 0 has no optimizer state yet
-                    warned = True
-                    record["peak_warning"] = warning
-                    print(f"mct: warning (rank {ctx.rank}): {warning}", file=sys.stderr)
-            record["errors"] = {"skipped_steps": state.skipped, "consecutive_skips": state.consecutive_skips,
-                                "nonfinite_loss": int(not math.isfinite(loss))}
-            writer.log(record)
+            peaks, warned = _log_step(writer, record, out, state, ctx, predicted, warned)
         if last or (tcfg.checkpoint_every and state.step % tcfg.checkpoint_every == 0):
             save_run_checkpoint(engine, run_dir, cfg, state, ctx)
         if bar is not None:
@@ -295,6 +280,29 @@ def _loop(cfg: EngineConfig, engine: Engine, sampler: BatchSampler, writer: Metr
                         first_val_loss=state.first_val,
                         tokens_per_s=tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
                         skipped_steps=state.skipped, peaks=peaks, run_dir=str(run_dir))
+
+
+def _log_step(writer: MetricsWriter, record: dict[str, Any], out: Any, state: LoopState, ctx: DistContext,
+              predicted: int | None, warned: bool) -> tuple[dict, bool]:
+    """Complete ``record`` with the step's metrics and memory, warn once when the peak
+    passes the prediction, and write it. Returns (peaks by stage, warned)."""
+    m = dict(out.metrics)
+    peaks = m.pop("peaks")
+    m.pop("live")
+    record.update(m)
+    record.update(flatten_peaks(peaks))
+    record["memory"] = peaks
+    if predicted is not None:
+        record["predicted_peak_bytes"] = predicted
+        warning = peak_check(out.metrics["peak_bytes"], predicted)
+        if warning and record["step"] > 0 and not warned:  # step 0 has no optimizer state yet
+            warned = True
+            record["peak_warning"] = warning
+            print(f"mct: warning (rank {ctx.rank}): {warning}", file=sys.stderr)
+    record["errors"] = {"skipped_steps": state.skipped, "consecutive_skips": state.consecutive_skips,
+                        "nonfinite_loss": int(not math.isfinite(record["loss"]))}
+    writer.log(record)
+    return peaks, warned
 
 
 def summary_table(s: TrainSummary) -> str:
