@@ -97,6 +97,8 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint(base, tmp_path, capf
     assert (run / "checkpoints" / "step_00000006.damaged").is_dir()
     resumes = json.loads((run / "metadata.json").read_text())["resumes"]
     assert [(r["from_step"], r["world_size"], r["zero_stage"]) for r in resumes] == [(4, 1, 0)]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["step"], e["action"]) for e in events] == [("resume", 4, "restore step_00000004")]
 
 
 def test_no_usable_checkpoint_is_one_line_exit_2(base, tmp_path, capfd):

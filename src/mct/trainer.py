@@ -176,7 +176,7 @@ def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> LoopState:
         set_aside_newer(run_dir, state.step)
         rewind_metrics(run_dir, state.step)
         record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
-                      checkpoint=path.name)
+                      checkpoint=path.name, reason=warning)
     return state
 
 
