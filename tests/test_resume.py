@@ -101,6 +101,17 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint(base, tmp_path, capf
     assert [(e["kind"], e["step"], e["action"]) for e in events] == [("resume", 4, "restore step_00000004")]
 
 
+def test_resume_of_a_finished_run_changes_nothing_and_can_extend_it(base, tmp_path):
+    run = _copy(base, tmp_path)
+    _resume(run)
+    assert (run / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+    assert _rows(run) == _rows(base)
+    _resume(run, "train.steps=8", "train.keep_checkpoints=1")
+    assert [r["step"] for r in _rows(run)] == list(range(8))
+    assert [s for s, _ in checkpoints(run)] == [8]
+    assert json.loads((step_dir(run, 8) / "trainer.json").read_text())["config"]["train"]["steps"] == 8
+
+
 def test_no_usable_checkpoint_is_one_line_exit_2(base, tmp_path, capfd):
     run = _copy(base, tmp_path)
     for _, ck in checkpoints(run):
