@@ -72,6 +72,11 @@ def _damage_wrong_step(ck: Path, old: Path) -> None:
     shutil.copy(old / "rank0.json", ck / "rank0.json")  # a rank file of another step
 
 
+def _damage_renamed(ck: Path, old: Path) -> None:
+    shutil.rmtree(ck)
+    shutil.copytree(old, ck)  # a whole checkpoint of step 4 under the name of step 6
+
+
 def _damage_wrong_shape(ck: Path, old: Path) -> None:
     info = json.loads((ck / "engine.json").read_text())
     info["units"][0]["params"][0][1][0] += 1
@@ -82,7 +87,8 @@ def _damage_wrong_shape(ck: Path, old: Path) -> None:
 
 
 @pytest.mark.parametrize("damage,why", [(_damage_truncate, "bytes"), (_damage_zero, "0 bytes"),
-                                        (_damage_wrong_step, "sha256"), (_damage_wrong_shape, "has shape")])
+                                        (_damage_wrong_step, "sha256"), (_damage_renamed, "named for step 6"),
+                                        (_damage_wrong_shape, "has shape")])
 def test_resume_falls_back_from_a_damaged_newest_checkpoint(base, tmp_path, capfd, damage, why):
     run = _copy(base, tmp_path)
     damage(step_dir(run, 6), step_dir(run, 4))
