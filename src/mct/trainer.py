@@ -177,6 +177,7 @@ def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> LoopState:
         rewind_metrics(run_dir, state.step)
         record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
                       checkpoint=path.name, reason=warning)
+    engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
     return state
 
 
