@@ -127,6 +127,19 @@ def test_no_usable_checkpoint_is_one_line_exit_2(base, tmp_path, capfd):
     assert err.startswith("mct: error: no usable checkpoint") and "\n" not in err
 
 
+def test_resume_refuses_a_changed_corpus(base, tmp_path, capfd):
+    run = _copy(base, tmp_path)
+    corpus = Path(json.loads((run / "metadata.json").read_text())["config"]["data"]["path"])
+    shutil.copytree(corpus, tmp_path / "saved")
+    try:
+        (corpus / "f00.txt").write_text("changed")
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+        assert "corpus at data.path changed" in capfd.readouterr().err
+    finally:
+        shutil.rmtree(corpus)
+        shutil.copytree(tmp_path / "saved", corpus)
+
+
 def test_resume_refuses_changes_that_make_another_run(base, capfd):
     for key in ("model.d_model=64", "seed=1", "precision.mode=bf16", "train.lr=0.1", "data.micro_batch_size=4"):
         assert main(["train", "--resume", str(base), "--set", key]) == 2

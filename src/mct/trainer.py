@@ -27,7 +27,7 @@ from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
-from mct.persistence.resume import record_resume, rewind_metrics
+from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
 from mct.precision import LossScaleFloorError
 from mct.schedule import lr_at
@@ -116,6 +116,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
+    if resume:
+        _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
     model = build_model(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg,
                     param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx)

@@ -75,6 +75,15 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
     return EngineConfig.from_dict(new)
 
 
+def check_corpus(run_dir: str | Path, fingerprint: str) -> None:
+    """Raise ValueError if the corpus now at ``data.path`` is not the one the run
+    started with (its fingerprint in metadata.json): the samples would differ."""
+    saved = (read_json(Path(run_dir) / "metadata.json").get("corpus") or {}).get("fingerprint")
+    if saved is not None and saved != fingerprint:
+        raise ValueError(f"the corpus at data.path changed since the run in {run_dir} started (fingerprint "
+                         f"{fingerprint[:12]} != {saved[:12]}); restore it, or start a new run with --run-dir")
+
+
 def rewind_metrics(run_dir: str | Path, step: int) -> int:
     """Keep only rows with ``step`` < ``step`` in every metrics*.jsonl of the run, so
     the history reads as one run; the rows removed (and torn lines) are appended to
