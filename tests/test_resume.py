@@ -213,6 +213,9 @@ def test_resume_reshards_across_world_sizes_and_stages(tmp_path, world, stage, r
     d["zero"] = {"stage": stage}
     whole = tmp_path / "whole"
     _launch(world, d, whole)
+    from mct.persistence.export import export
+    export(whole, tmp_path / "exported.safetensors")  # one process, whatever world size saved it
+    assert (tmp_path / "exported.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
     for new_world, new_stage in resumes:
         run = tmp_path / f"to{new_world}"
         shutil.copytree(whole, run)
