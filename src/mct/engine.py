@@ -341,20 +341,8 @@ class Engine:
         hyperparameters, loss scaler and ``steps_done``. Not collective at stage 0/3;
         at stages 1/2 publishing the masters all-gathers, so every rank must call it."""
         from mct.zero import state as zstate
-        if not isinstance(state, dict) or state.get("format") != self.STATE_FORMAT:
-            got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"engine state has format {got!r}, expected {self.STATE_FORMAT!r}: pass what "
-                             f"Engine.state_dict() returned")
-        for k in ("steps_done", "scaler", "param_groups", "units", "tensors", "extents"):
-            if k not in state:
-                raise ValueError(f"engine state has no {k!r} entry")
-        steps = state["steps_done"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"engine state steps_done = {steps!r} must be an integer >= 0")
         mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
-        if _jsonish(state["units"]) != _jsonish(mine):
-            raise ValueError("engine state holds a different model: its flat-unit layout (parameter names, "
-                             "shapes, groups) differs from this engine's")
+        steps = zstate.check_header(state, self.STATE_FORMAT, mine)
         hyper = zstate.check_hyper(self.optimizer, state["param_groups"])
         zstate.check_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"], state["extents"])
         LossScaler.from_config(self.config.precision).load_state_dict(state["scaler"])  # validates only
@@ -393,11 +381,3 @@ class Engine:
                                for v in s.values() if isinstance(v, torch.Tensor))
         return out
 
-
-def _jsonish(v: Any) -> Any:
-    """Tuples as lists, so a state that went through JSON compares equal to a live one."""
-    if isinstance(v, (list, tuple)):
-        return [_jsonish(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _jsonish(x) for k, x in v.items()}
-    return v

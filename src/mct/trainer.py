@@ -31,8 +31,8 @@ from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
-from mct.persistence.resume import record_resume, rewind_metrics
-from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, step_dir
+from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
+from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
 from mct.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
 from mct.seeding import micro_seed, seed_everything
 from mct.signals import StopRequest
@@ -119,6 +119,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     auto_cfg = cfg
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
+    if resume:
+        _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 
     def rebuild(c: EngineConfig) -> Engine:
         model = build_model(c)
@@ -183,25 +185,30 @@ def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> tuple[LoopState,
     if meta["world_size"] == ctx.world_size:
         set_rng_state(read_json(path / f"rank{ctx.rank}.json")["rng"])
     if ctx.is_main:
+        set_aside_newer(run_dir, state.step)
         rewind_metrics(run_dir, state.step)
         record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
-                      checkpoint=path.name)
+                      checkpoint=path.name, reason=warning)
+    engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
     return state, saved
 
 
 def _agree_restart(ctx: DistContext, run_dir: Path, restart: int) -> bool:
     """A restarted group: resume when the run has a complete checkpoint, else start
-    over in the same run dir (its metrics rows dropped). Returns whether to resume."""
+    over in the same run dir (its metrics rows dropped first: the other ranks wait in
+    the broadcast). Returns whether to resume."""
     from mct.dist import broadcast_from_main
     from mct.persistence.run_dir import checkpoints
-    has = broadcast_from_main(bool(checkpoints(run_dir)) if ctx.is_main else None)
+    has = None
     if ctx.is_main:
+        found = checkpoints(run_dir)
+        has = bool(found)
         if not has:
             rewind_metrics(run_dir, 0)
-        append_event(run_dir, step=checkpoints(run_dir)[-1][0] if has else 0, kind="restart",
+        append_event(run_dir, step=found[-1][0] if has else 0, kind="restart",
                      action="resume from the newest checkpoint" if has else "start over (no checkpoint yet)",
                      reason=f"torchrun restart {restart} after a worker died")
-    return has
+    return bool(broadcast_from_main(has))
 
 
 def save_run_checkpoint(engine: Engine, run_dir: Path, cfg: EngineConfig, state: LoopState,

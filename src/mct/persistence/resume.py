@@ -75,6 +75,15 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
     return EngineConfig.from_dict(new)
 
 
+def check_corpus(run_dir: str | Path, fingerprint: str) -> None:
+    """Raise ValueError if the corpus now at ``data.path`` is not the one the run
+    started with (its fingerprint in metadata.json): the samples would differ."""
+    saved = (read_json(Path(run_dir) / "metadata.json").get("corpus") or {}).get("fingerprint")
+    if saved is not None and saved != fingerprint:
+        raise ValueError(f"the corpus at data.path changed since the run in {run_dir} started (fingerprint "
+                         f"{fingerprint[:12]} != {saved[:12]}); restore it, or start a new run with --run-dir")
+
+
 def rewind_metrics(run_dir: str | Path, step: int) -> int:
     """Keep only rows with ``step`` < ``step`` in every metrics*.jsonl of the run, so
     the history reads as one run; the rows removed (and torn lines) are appended to
@@ -99,12 +108,17 @@ def rewind_metrics(run_dir: str | Path, step: int) -> int:
 
 
 def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_stage: int,
-                  checkpoint: str) -> None:
-    """Append to metadata.json's ``resumes`` list (FORMATS: time, from_step,
-    world_size, zero_stage; plus the checkpoint used)."""
+                  checkpoint: str, reason: str | None = None) -> None:
+    """Append to metadata.json's ``resumes`` list (time, from_step, world_size,
+    zero_stage, and the checkpoint used) and a ``resume`` event to events.jsonl
+    (``reason``: e.g. the damaged checkpoints that were skipped)."""
     path = Path(run_dir) / "metadata.json"
     meta = read_json(path)
-    meta.setdefault("resumes", []).append({
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from_step": from_step,
-        "world_size": world_size, "zero_stage": zero_stage, "checkpoint": checkpoint})
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    meta.setdefault("resumes", []).append({"time": now, "from_step": from_step, "world_size": world_size,
+                                           "zero_stage": zero_stage, "checkpoint": checkpoint})
     write_json(path, meta)
+    event = {"time": now, "step": from_step, "kind": "resume", "action": f"restore {checkpoint}",
+             "reason": reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}"}
+    with open(Path(run_dir) / "events.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")

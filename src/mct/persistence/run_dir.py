@@ -76,6 +76,26 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
+def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Before a resume from ``step``: rename complete checkpoints newer than it (they
+    failed the check) to ``step_N.damaged`` so that they are kept for inspection but
+    never picked again, and delete torn ones. Returns the renamed paths."""
+    moved = []
+    for s, p in checkpoints(run_dir, complete_only=False):
+        if s <= step:
+            continue
+        if (p / MANIFEST).exists():
+            target = p.with_name(p.name + ".damaged")
+            n = 1
+            while target.exists():
+                target, n = p.with_name(f"{p.name}.damaged{n}"), n + 1
+            p.rename(target)
+            moved.append(target)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return moved
+
+
 def check_new_run_dir(run_dir: str | Path) -> None:
     """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
     hold a run already, must not be a file, and must be creatable and writable. Creates

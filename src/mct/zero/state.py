@@ -74,6 +74,33 @@ def export_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer,
     return tensors, extents
 
 
+def _jsonish(v: Any) -> Any:
+    """Tuples as lists, so a state that went through JSON compares equal to a live one."""
+    if isinstance(v, (list, tuple)):
+        return [_jsonish(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonish(x) for k, x in v.items()}
+    return v
+
+
+def check_header(state: Any, fmt: str, units: list[dict[str, Any]]) -> int:
+    """Check an engine state's format, entries, ``steps_done`` and unit layouts against
+    ``units`` (this engine's ``unit_record``s). Returns steps_done; raises ValueError."""
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"engine state has format {got!r}, expected {fmt!r}: pass what Engine.state_dict() returned")
+    for k in ("steps_done", "scaler", "param_groups", "units", "tensors", "extents"):
+        if k not in state:
+            raise ValueError(f"engine state has no {k!r} entry")
+    steps = state["steps_done"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"engine state steps_done = {steps!r} must be an integer >= 0")
+    if _jsonish(state["units"]) != _jsonish(units):
+        raise ValueError("engine state holds a different model: its flat-unit layout (parameter names, "
+                         "shapes, groups) differs from this engine's")
+    return steps
+
+
 def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
                 tensors: dict[str, Any], extents: dict[str, Any]) -> None:
     """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
