@@ -61,6 +61,10 @@ class ModelConfig:
     """Vocabulary size; 256 for the byte tokenizer."""
     dropout: float = 0.0
     """Dropout probability on attention, MLP and embeddings, in [0, 1)."""
+    attention: str = "auto"
+    """'sdpa' (fused scaled_dot_product_attention), 'explicit' (matmuls around an fp32
+    softmax) or 'auto': explicit for bf16/fp16 on CPUs with native low-precision matrix
+    units, SDPA elsewhere (docs/precision.md has the measurements)."""
 
     def __post_init__(self) -> None:
         for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
@@ -69,6 +73,8 @@ class ModelConfig:
             _fail("model.d_model", self.d_model, f"must be divisible by model.n_head = {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)")
+        if self.attention not in ("auto", "sdpa", "explicit"):
+            _fail("model.attention", self.attention, "choose 'auto', 'sdpa' or 'explicit'")
 
 
 @dataclass(kw_only=True)
