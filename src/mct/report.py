@@ -100,13 +100,16 @@ def report_table(run: RunData) -> str:
         peak_s = fmt_bytes(peak) if isinstance(peak, int) else ""
         lines.append(f"{_cell(r.get('step'), 'd', 6)} {_cell(r.get('loss'), '.4f', 8)} "
                      f"{_cell(r.get('val_loss'), '.4f', 9)} {_cell(r.get('tokens_per_s'), '.0f', 10)} {peak_s:>11}")
-    last = run.rows[-1]
-    errors = last.get("errors") if isinstance(last.get("errors"), dict) else {}
-    nonfinite = [r.get("step") for r in run.rows if r.get("nonfinite")]
-    summary = [f"skipped steps: {errors.get('skipped_steps', last.get('skipped_steps', 0))}",
-               f"rollbacks: {last.get('rollbacks', 0)}",
-               f"resumes: {len((run.meta or {}).get('resumes') or [])}",
-               f"events: {len(run.events)}"]
+    def most(*keys: str) -> int:  # counters are cumulative: the largest value seen
+        vals = [v for r in run.rows for k in keys
+                for v in [(r.get("errors") or {}).get(k[7:]) if k.startswith("errors.") else r.get(k)]
+                if isinstance(v, int) and not isinstance(v, bool)]
+        return max(vals, default=0)
+    nonfinite = [r.get("step") for r in run.rows
+                 if r.get("nonfinite") or any(isinstance(v, float) and not math.isfinite(v) for v in r.values())]
+    skipped = max(most("errors.skipped_steps", "skipped_steps"), sum(r.get("skipped") is True for r in run.rows))
+    summary = [f"skipped steps: {skipped}", f"rollbacks: {most('rollbacks')}",
+               f"resumes: {len((run.meta or {}).get('resumes') or [])}", f"events: {len(run.events)}"]
     lines.append("; ".join(summary))
     if nonfinite:
         lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
