@@ -106,9 +106,12 @@ def _loss_panel(ax: Any, rows: list[dict], marks: dict[str, list[int]]) -> None:
         ax.axvline(s, color="#8172b3", ls="--", lw=1.2, label="rollback" if i == 0 else None)
     for i, s in enumerate(marks["resumes"]):
         ax.axvline(s, color="#55a868", ls=":", lw=1.8, label="resume" if i == 0 else None)
+    every = steps + [s for v in marks.values() for s in v]
+    pad = max(1.0, 0.02 * (max(every) - min(every)))
+    ax.set_xlim(min(every) - pad, max(every) + pad)  # nan losses do not widen the axis by themselves
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.92))  # top strip: non-finite marks
 
 
 def _throughput_panel(ax: Any, rows: list[dict]) -> None:
@@ -143,8 +146,13 @@ def _time_panel(ax: Any, rows: list[dict]) -> None:
         ax.barh(1, v, left=left, color=COLORS[name], label=f"{label}: {1e3 * v:.0f} ms")
         left += v
     comm = mean("time_comm_s")
-    ax.barh(0, comm, color=COLORS["communication"], hatch="//", label=f"communication: {1e3 * comm:.0f} ms")
-    ax.set_yticks([1, 0], ["step", "comm"])
+    if comm > 0:
+        ax.barh(0, comm, color=COLORS["communication"], hatch="//", label=f"communication: {1e3 * comm:.0f} ms")
+        ax.set_yticks([1, 0], ["step", "comm"])
+    else:
+        ax.set_yticks([1], ["step"])
+        ax.text(0.01, 0.08, "no communication (one rank)", transform=ax.transAxes, fontsize=8, color="#555555")
+    ax.set_ylim(-0.6 if comm > 0 else 0.3, 1.6)
     ax.set(xlabel="seconds per step (mean of logged steps after the first)", title="Time per stage")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     ax.grid(axis="x", alpha=0.3)
