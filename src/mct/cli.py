@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mct import __version__
-from mct.config import CLI_RECIPE, load_config
+from mct.config import CLI_RECIPE, EngineConfig, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,7 +105,7 @@ def _warn(msg: str) -> None:
         print(f"mct: warning: {msg}", file=sys.stderr)
 
 
-def _config_warnings(cfg, nproc: int) -> None:
+def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
     """Settings that are allowed but probably not what the user meant: one line each."""
     cores = os.cpu_count() or 1
     if nproc > cores and not _under_torchrun():
@@ -136,13 +136,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         existed = Path(run_dir).exists()
         try:
             summary = train(cfg, run_dir, ctx, progress=not args.no_progress)
-        except (MemoryBudgetExceeded, MemoryError) as e:
-            if ctx.is_main:
-                _discard_empty_run(Path(run_dir), existed)
-                print(f"mct: error: {_memory_message(e)}", file=sys.stderr)
-            return 2
-        except RuntimeError as e:
-            if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
+        except (MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
+            if not _is_out_of_memory(e):
                 raise
             if ctx.is_main:
                 _discard_empty_run(Path(run_dir), existed)
@@ -156,6 +151,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return 3
     finally:
         teardown()
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """An enforced budget crossed, or the host/device refusing an allocation."""
+    if type(e).__name__ == "MemoryBudgetExceeded" or isinstance(e, MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e))
 
 
 def _memory_message(e: BaseException) -> str:
