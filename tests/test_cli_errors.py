@@ -75,6 +75,8 @@ CASES: list[tuple[str, list[str], str]] = [
      "memory budget exceeded"),
     ("budget-300KiB-enforced", [*TRAIN, "--set", "memory.budget=300KiB", "--set", "memory.enforce=true"],
      "memory budget exceeded in stage 'forward'"),
+    ("model-larger-than-host-memory", [*TRAIN, "--set", "model.n_layer=2", "--set", "model.d_model=65536",
+                                       "--set", "model.n_head=8"], "more than this machine's"),
     ("backend-unknown", [*TRAIN, "--set", "distributed.backend=mpi"], "distributed.backend = 'mpi'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
     ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),

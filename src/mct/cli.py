@@ -117,10 +117,33 @@ def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
 
 
+def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
+    """On CPU, refuse a model whose parameters alone (nproc copies, at 2 or 4 bytes each:
+    a lower bound on what training needs) exceed the machine's physical memory, before
+    anything is allocated: allocating it would end in swapping or the OOM killer, not an
+    error. Raises ValueError naming the size and the fix."""
+    import torch
+    if torch.cuda.is_available() or not hasattr(os, "sysconf"):
+        return
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    from mct.models.gpt import GPT
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(cfg.model).parameters())
+    need = n * (4 if cfg.precision.mode == "fp32" else 2) * nproc
+    if need > ram:
+        raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
+                         f"{nproc} worker(s), more than this machine's {ram / 2**30:.1f} GiB of memory; shrink "
+                         f"model.n_layer/model.d_model, or run `mct plan` for the memory a configuration needs")
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
     _config_warnings(cfg, args.nproc)
     if args.nproc > 1 and not _under_torchrun():
         from mct.memory.plan import resolve_auto
