@@ -84,7 +84,7 @@ def test_nonfinite_loss_is_detected_and_replayed(tmp_path, corpus_dir, monkeypat
 
 def test_persistent_fault_replays_then_skips_then_cuts_lr_then_stops(tmp_path, corpus_dir, monkeypatch):
     cfg = tiny(corpus_dir, steps=10, max_consecutive_skips=2)
-    with pytest.raises(TrainingStopped, match=r"after 3 rollbacks .*Try: lower train.lr"):
+    with pytest.raises(TrainingStopped, match=r"after 3 rollbacks .*last good step \(6\).*Try: lower train.lr"):
         run_with_fault(monkeypatch, cfg, tmp_path / "run", "nan@6-9")
     events = read_events(tmp_path / "run")
     assert [(e["kind"], e["action"].split(":")[0]) for e in events] == [

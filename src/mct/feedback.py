@@ -125,9 +125,13 @@ def roll_back(lp: Loop, step: int, reason: str) -> None:
     try:
         d = lp.rollback.decide(step, detail)
     except TrainingStopped as e:
+        good = lp.rollback.good
+        if good is not None:  # what is left in memory is a good state, never the diverged one
+            lp.restore(good.engine, good.loop)
         append_event(run_dir, step=step, kind="stop", action="exit 3", reason=detail, is_main=main)
-        raise TrainingStopped(f"{e}. {last_good_checkpoint(run_dir)} Try: lower train.lr, "
-                              f"precision.mode = 'bf16', or look at the data of steps near {step}") from None
+        raise TrainingStopped(f"{e}; the model state is that of the last good step ({good.step if good else step}). "
+                              f"{last_good_checkpoint(run_dir)} Try: lower train.lr, precision.mode = 'bf16', "
+                              f"or look at the data of steps near {step}") from None
     lp.restore(d.restore.engine, d.restore.loop)
     lp.writer.flush()
     truncate_jsonl(lp.writer.path, d.restore.step - 1)  # the history stays one clean series

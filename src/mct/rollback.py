@@ -161,8 +161,8 @@ class RollbackController:
         rollback budget is spent or there is no good state to go back to."""
         self.pending = None
         if self.good is None:
-            raise TrainingStopped(f"{reason} at step {step} and no good state to roll back to "
-                                  f"(train.snapshot_every = 0); lower train.lr or set train.snapshot_every")
+            why = "before any step passed" if self.tcfg.snapshot_every else "with train.snapshot_every = 0"
+            raise TrainingStopped(f"{reason} at step {step}, {why}: no good state to roll back to")
         if self.total >= self.tcfg.max_rollbacks:
             raise TrainingStopped(f"{reason} at step {step}, after {self.total} rollbacks "
                                   f"(train.max_rollbacks = {self.tcfg.max_rollbacks})")
