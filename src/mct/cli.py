@@ -205,12 +205,15 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
         existed = Path(run_dir).exists()
         try:
             summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume), stop=stop)
-        except (MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
-            if not _is_out_of_memory(e):
+        except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
+            oom = _is_out_of_memory(e)
+            if not (oom or isinstance(e, ValueError)):
                 raise
-            if ctx.is_main and not args.resume:
-                _discard_empty_run(Path(run_dir), existed)
-            raise _OutOfMemory(_memory_message(e)) from None
+            if ctx.is_main and not args.resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                _discard_empty_run(Path(run_dir), existed)  # a failed new run leaves nothing behind
+            if oom:
+                raise _OutOfMemory(_memory_message(e)) from None
+            raise
         if ctx.is_main:
             print(summary_table(summary))
     except _OutOfMemory as e:
