@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
     _common(t)
-    t.add_argument("--run-dir", help="a new directory for the run (default runs/<timestamp>); one that holds "
-                                     "a run is refused")
+    t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
+                                     "(default: runs/<timestamp>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
                                                        "checkpoint, with its recorded config (--set may change "
                                                        "steps, checkpointing, zero, logging)")
