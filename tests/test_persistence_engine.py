@@ -114,7 +114,7 @@ def _load_sharded(rank: int, world: int, path: str, stage: int) -> tuple[dict, i
 
 
 @pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
-                         [(2, 3, 1, 0), (2, 1, 3, 3)])  # 1 -> 2 runs end to end in test_resume
+                         [(2, 3, 1, 0)])  # 2 -> 3 and 1 -> 2 run end to end in test_resume
 def test_load_reshards_to_any_world_size_and_stage(tmp_path, save_world, save_stage, load_world, load_stage):
     path = str(tmp_path / "ck")
     if save_world == 1:

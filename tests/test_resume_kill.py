@@ -82,7 +82,10 @@ def _uninterrupted(rank: int, world: int, d: dict, run: str) -> None:
     train(EngineConfig.from_dict(d), run, progress=False)
 
 
-@pytest.mark.parametrize("stage,nproc", [(0, 1), (1, 2), (2, 2), (3, 2)])
+# Two ranks where sharding makes the files differ most (stage 1: masters are views of the
+# working buffer; stage 3: nothing is replicated); stage 2 saves exactly what stage 1 does,
+# so one process suffices there, which keeps the suite within its time budget.
+@pytest.mark.parametrize("stage,nproc", [(0, 1), (1, 2), (2, 1), (3, 2)])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, stage, nproc):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)

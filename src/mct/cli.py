@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
     _common(t)
-    t.add_argument("--run-dir", help="a new directory for the run (default: runs/<timestamp>); one that holds "
-                                     "a run is refused")
+    t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
+                                     "(default: runs/<timestamp>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
                                                        "checkpoint, with its recorded config (--set may change "
                                                        "steps, checkpointing, zero, logging)")
@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
-    e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint", **kw)
-    e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR")
+    e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
+                       **kw)
+    e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
     e.add_argument("--out", required=True, help="the .safetensors file to write")
     return parser
 
@@ -251,15 +252,6 @@ def _peer_gone(e: Exception) -> bool:
         "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
 
 
-def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.persistence.export import export
-    path, warning = export(args.source, args.out)
-    if warning:
-        print(f"mct: warning: {warning}", file=sys.stderr)
-    print(f"wrote {args.out} from {path}")
-    return 0
-
-
 def _is_out_of_memory(e: BaseException) -> bool:
     """An enforced budget crossed, or the host/device refusing an allocation."""
     if type(e).__name__ == "MemoryBudgetExceeded" or isinstance(e, MemoryError):
@@ -284,6 +276,15 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
         return
     import shutil
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.persistence.export import export
+    path, warning = export(args.source, args.out)
+    if warning:
+        print(f"mct: warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.out} from {path}")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:

@@ -98,8 +98,8 @@ def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
 
 def check_new_run_dir(run_dir: str | Path) -> None:
     """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
-    hold a run already, must not be a file, and must be creatable and writable. Creates
-    the directory if missing; writes nothing else (a probe file is removed)."""
+    hold a run already, must not be a file, and must be creatable and writable. Leaves
+    the file system as it was (a probe directory and file are removed again)."""
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--run-dir {str(path)!r} is an existing file, not a directory; pass a new directory")
@@ -108,7 +108,8 @@ def check_new_run_dir(run_dir: str | Path) -> None:
         if held:
             raise ValueError(f"--run-dir {str(path)!r} already holds a run ({held[0]}); continue it with "
                              f"`mct train --resume {path}`, or pass a new directory")
-    try:
+    created = [p for p in [path, *path.parents] if not p.exists()]
+    try:  # a real write tells more than permission bits (root, read-only mounts); then undo it all
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".mct-probe-{uuid.uuid4().hex}"
         probe.write_bytes(b"")
@@ -116,3 +117,9 @@ def check_new_run_dir(run_dir: str | Path) -> None:
     except OSError as e:
         raise ValueError(f"--run-dir {str(path)!r} is not writable ({e.strerror or e}); pass a directory "
                          f"you can write to") from None
+    finally:
+        for p in created:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
