@@ -32,7 +32,8 @@ def tiny_run(corpus: Path, **train_keys) -> dict:
     return {"seed": 5, "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "dropout": 0.1},
             "data": {"path": str(corpus), "micro_batch_size": 2, "grad_accum": 1},
             "train": {"steps": 6, "warmup_steps": 2, "eval_every": 3, "eval_batches": 1, "log_every": 1,
-                      "checkpoint_every": 2, "keep_checkpoints": 3, **train_keys}}
+                      "checkpoint_every": 2, "keep_checkpoints": 3, "grad_clip": 1.0,  # as the CLI's recipe
+                      **train_keys}}
 
 
 def _rows(run: Path) -> list[dict]:
