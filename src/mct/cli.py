@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", help="TOML config file")
     pl.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config key (repeatable), e.g. --set model.n_layer=32")
-    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference GPT)")
+    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference "
+                    "GPT); the module may define loss_fn, example_batch, optimizer, param_groups (docs/planner.md)")
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -77,8 +78,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 and not _under_torchrun():
-        from mct.memory.plan import resolve_auto
-        resolve_auto(cfg, args.nproc)  # an impossible budget fails here, in one line, before any launch
+        from mct.planner import resolve_auto
+        from mct.trainer import planning_workload
+        # an impossible budget fails here, in one line, before any launch
+        resolve_auto(cfg, args.nproc, planning_workload(cfg))
         run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
         return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
     from mct.dist import broadcast_from_main, init_distributed, teardown
@@ -117,9 +120,45 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.memory.plan import cmd_plan as plan
+    """``mct plan``: dry-run every configuration and print the table (or JSON). Returns
+    0 when a configuration fits (or no budget was given); raises ValueError (exit 2,
+    one line) when nothing fits."""
+    from mct.config import parse_bytes
+    from mct.planner import load_workload, make_plan
     cfg = load_config(args.config, args.set)
-    return plan(cfg, world=args.world_size, budget=args.budget, factory=args.model, as_json=args.json)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
+    if args.model:
+        work = load_workload(args.model, cfg)
+    else:
+        from mct.trainer import planning_workload
+        work = planning_workload(cfg)
+    plan = make_plan(work, cfg, args.world_size, limit)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if limit is not None and plan.recommended is None:
+        raise ValueError(plan.advice)
+    return 0
+
+
+def format_plan(plan) -> str:
+    """The plan as a table: one row per configuration (steady-state peak, bytes per
+    category at that peak, the phase it is in, first-step and init peaks, fits, cost),
+    the recommended row marked '*', then the advice line."""
+    from mct.memory.tracker import CATEGORIES, format_bytes
+    cols = ["stage", "policy", "prec", "peak", *CATEGORIES, "at", "first", "init", "fits", "cost"]
+    lines = [f"model: {plan.n_params:,} parameters; {plan.world_size} rank(s); budget per rank: "
+             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
+             "  ".join(f"{c:>10}" for c in cols)]
+    for r in plan.rows:
+        mark = "*" if r is plan.recommended else ""
+        vals = [f"{r['stage']}{mark}", r["policy"], r["precision"], format_bytes(r["peak"]),
+                *(format_bytes(r["by_category"][c]) for c in CATEGORIES), r["phase"],
+                format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]), "yes" if r["fits"] else "no",
+                f"{r['cost']:.2f}"]
+        lines.append("  ".join(f"{v:>10}" for v in vals))
+    lines.append(plan.advice)
+    return "\n".join(lines)
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
@@ -65,8 +66,8 @@ class Engine:
         for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
             if value == "auto":
                 raise ValueError(f"{key} = 'auto' must be resolved before the engine is built: `mct train` does "
-                                 f"it; from Python call mct.memory.plan.resolve_auto(config, world_size), which "
-                                 f"returns the config with the planner's choice (it needs memory.budget)")
+                                 f"it; from Python call mct.planner.resolve_auto(config, world_size, workload), "
+                                 f"which returns the config with the planner's choice (it needs memory.budget)")
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
@@ -77,7 +78,11 @@ class Engine:
         self.policy = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
-        self.model = model.to(self.device)
+        # Move only what is elsewhere: ``Module.to`` re-wraps every tensor, which fake
+        # tensors (the planner's dry runs) refuse once something holds a weakref to them.
+        if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
+            model.to(self.device)
+        self.model = model
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
@@ -225,9 +230,7 @@ class Engine:
             torch._foreach_mul_(shards, 1.0 / self._grad_divisor())
         sums = torch.stack([self.sharded.local_sq_norm().double(), local_loss])
         self.comm.all_reduce_(sums)  # one collective for the norm and the loss
-        grad_norm = float(sums[0].sqrt())
-        loss = float(sums[1]) / self.comm.world
-        found_inf = not torch.isfinite(sums[0]).item()
+        grad_norm, loss, found_inf = _host_values(sums, self.comm.world)
         loss_scale = scale if self.scaler.enabled else None
         if self.reserve is not None and not found_inf:  # fail here, before anything is modified
             self.tracker.require_headroom(self.reserve.need(first_step=not self.optimizer.state))
@@ -331,3 +334,11 @@ class Engine:
         out["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                                for v in s.values() if isinstance(v, torch.Tensor))
         return out
+
+
+def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:
+    """(global grad norm, mean loss, found_inf) from the all-reduced [sq_norm, loss_sum].
+    Fake tensors (the planner's runs) hold no values: they take a clean step's path."""
+    if is_fake(sums):
+        return 0.0, 0.0, False
+    return float(sums[0].sqrt()), float(sums[1]) / world, not torch.isfinite(sums[0]).item()

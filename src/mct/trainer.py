@@ -19,9 +19,9 @@ from mct.config import EngineConfig
 from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.planner import Workload, peak_check, resolve_auto, token_batch
 from mct.precision import LossScaleFloorError
 from mct.schedule import lr_at
 from mct.seeding import micro_seed, seed_everything
@@ -51,6 +51,18 @@ def build_model(cfg: EngineConfig) -> GPT:
     return GPT(cfg.model)
 
 
+def param_groups(model: torch.nn.Module, cfg: EngineConfig) -> list[dict]:
+    """The recipe's AdamW groups: weight decay on matrices only."""
+    return optimizer_groups(model, cfg.train.weight_decay)
+
+
+def planning_workload(cfg: EngineConfig) -> Workload:
+    """What ``auto`` and ``mct plan`` plan for this recipe: the GPT of ``cfg.model``, its
+    loss on one micro-batch of token ids, the recipe's optimizer and groups."""
+    return Workload(model_fn=lambda: GPT(cfg.model), loss_fn=gpt_loss, batch=token_batch(cfg),
+                    optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt")
+
+
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
                  device: torch.device | str = "cpu") -> list[tuple]:
     return [(x, y, micro_seed(cfg.seed, step, m, rank))
@@ -78,11 +90,11 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
           progress: bool = True) -> TrainSummary:
     ctx = ctx or DistContext.current()
     run_dir = Path(run_dir)
-    cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
+    cfg, choice = resolve_auto(cfg, ctx.world_size, planning_workload(cfg))  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
     model = build_model(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg,
-                    param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx)
+                    param_groups=param_groups(model, cfg), ctx=ctx)
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
     if ctx.is_main:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
