@@ -39,8 +39,9 @@ def main() -> None:
             "data": {"micro_batch_size": args.batch}, "zero": {"stage": 3}, "precision": {"mode": "bf16"},
             "checkpointing": {"policy": policy}, "train": {"grad_clip": 1.0}})
         # the dry run is the CPU path (per-tensor AdamW, no allocator caching): a lower bound here
-        predicted = predict_peak(lambda: GPT(cfg.model), gpt_loss, (torch.zeros(args.batch, args.seq, dtype=torch.long),) * 2,
-                                 cfg, 1, lambda g: torch.optim.AdamW(g, lr=1e-4),
+        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        predicted = predict_peak(lambda: GPT(cfg.model), gpt_loss, (tokens, tokens), cfg, 1,
+                                 lambda g: torch.optim.AdamW(g, lr=1e-4),
                                  param_groups=lambda m: optimizer_groups(m, 0.1))
         torch.manual_seed(0)
         model = GPT(cfg.model)

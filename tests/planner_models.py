@@ -22,9 +22,10 @@ def hf_gpt2(n_layer: int = 2, d_model: int = 36, n_head: int = 3, dropout: float
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
     logging.set_verbosity_error()  # tiny vocabularies make it warn about the default special tokens
+    # no KV cache in training: the recompute of a checkpointed block must see what forward saw
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=d_model, n_layer=n_layer, n_head=n_head,
                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
-                     use_cache=False, attn_implementation="sdpa")  # no KV cache in training: recompute must see what forward saw
+                     use_cache=False, attn_implementation="sdpa")
     return GPT2LMHeadModel(cfg)
 
 

@@ -86,7 +86,6 @@ class Engine:
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
-        blocks = find_blocks(model, cfg.checkpointing.blocks)
         self.ckpt = apply_checkpointing(model, cfg.checkpointing,
                                         recompute_context=lambda: self.tracker.category("activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
@@ -96,13 +95,14 @@ class Engine:
             for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(self.policy.param_dtype)
-        # 3. ZeRO: flat units, shards, hooks
+        # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
+        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
         self.stage = int(cfg.zero.stage)
-        self.sharded = ShardedModel(model, groups, blocks, stage=self.stage, comm=self.comm,
+        self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
                                     param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
                                     tracker=self.tracker)
-        self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
+        self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
             {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)

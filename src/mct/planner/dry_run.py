@@ -69,6 +69,20 @@ def meta_model(model_fn: ModelFn) -> nn.Module:
     return model
 
 
+def fake_built_model(model_fn: ModelFn) -> nn.Module | None:
+    """``model_fn()`` called inside the caller's ``FakeTensorMode``: the model built as
+    the user builds it, so the constructor's own temporaries (a weight replaced by a tied
+    one, initializers) happen as in a real run. None when that fails (a constructor that
+    needs values, which fake tensors do not hold) or leaves real or meta tensors."""
+    try:
+        model = model_fn()
+    except Exception:  # noqa: BLE001 - the caller falls back to the meta device
+        return None
+    if not isinstance(model, nn.Module) or any(not is_fake(t) for t in (*model.parameters(), *model.buffers())):
+        return None
+    return model
+
+
 def materialize_fake(model: nn.Module) -> nn.Module:
     """Replace every parameter and buffer of ``model`` (in place) by a fake CPU tensor
     of the same shape, dtype and requires_grad; shared ones stay shared. Call inside a
@@ -116,9 +130,14 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
     with mode:
-        model = meta_model(model_fn)  # meta storages are not the model's: count from the fakes on
         with tracker.stage("init", "params"):
-            materialize_fake(model)
+            model = fake_built_model(model_fn)
+        if model is None:  # built on meta outside any tracker stage: meta storages are not counted
+            model = meta_model(model_fn)
+            tracker.reset_peaks()
+            with tracker.stage("init", "params"):
+                materialize_fake(model)
+        with tracker.stage("init", "params"):  # the same stage again: its peak is kept
             n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             groups = param_groups(model) if param_groups is not None else None
             engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx)
