@@ -2,10 +2,10 @@
 counted without the engine's tracker or its categories.
 
 ``LiveStorage`` is a dispatch mode that remembers each storage any op returns (a
-weakref, so it is forgotten when freed) and, after every op, sums the current size of
-all of them: storages resized in place (stage 3 frees and re-gathers parameters that
-way) count at their size at that moment. Slow (a sum per op), exact on CPU, for tiny
-models only.
+weakref: its bytes leave the count when it is freed) and checks the total after every
+op. Storages resized in place (stage 3 frees and re-gathers parameters that way, outside
+any op) are followed by wrapping ``UntypedStorage.resize_`` while the mode is active.
+Exact on CPU, for tiny models only.
 """
 
 from __future__ import annotations
@@ -23,32 +23,56 @@ from mct.engine import Engine
 class LiveStorage(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, weakref.ref] = {}
+        self.live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes]
+        self.total = 0
         self.peak = 0
+        self._resize = None
 
     def _add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
             st = t.untyped_storage()
             key = id(st)
             if key not in self.live:
-                self.live[key] = weakref.ref(st, lambda _, key=key: self.live.pop(key, None))
+                self.live[key] = [weakref.ref(st, lambda _, key=key: self._forget(key)), st.nbytes()]
+                self.total += st.nbytes()
+
+    def _forget(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.total -= entry[1]
 
     def seed(self, tensors) -> None:
         """Count tensors that existed before the mode was entered."""
         for t in tensors:
             self._add(t)
 
-    def total(self) -> int:
-        return sum(st.nbytes() for ref in list(self.live.values()) if (st := ref()) is not None)
-
     def reset_peak(self) -> None:
-        self.peak = self.total()
+        self.peak = self.total
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        counter = self
+
+        def resize_(st, n):
+            out = original(st, n)
+            entry = counter.live.get(id(st))
+            if entry is not None:
+                counter.total += st.nbytes() - entry[1]
+                entry[1] = st.nbytes()
+                counter.peak = max(counter.peak, counter.total)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             self._add(t)
-        self.peak = max(self.peak, self.total())
+        self.peak = max(self.peak, self.total)
         return out
 
 
