@@ -158,23 +158,28 @@ def test_plan_is_plain_data_with_a_recommendation():
 
 
 def test_mct_plan_plans_a_hugging_face_model_by_module_convention(capsys):
-    """The whole grid for a Hugging Face GPT-2 by `--model module:factory`; a budget
-    nothing fits: the table (JSON) is printed, then one line on stderr and exit 2."""
+    """A Hugging Face GPT-2 by `--model module:factory`; a budget nothing fits: the table
+    (JSON) is printed, then one line on stderr and exit 2."""
     assert main(["plan", "--model", "tests.planner_models:hf_gpt2", "--world-size", "2", "--json",
-                 "--set", f"data.micro_batch_size={B}", "--budget", "100KB"]) == 2
+                 "--set", f"data.micro_batch_size={B}", "--budget", "100KB", "--stages", "0,3",
+                 "--policies", "none,all"]) == 2
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["n_params"] == sum(p.numel() for p in hf_gpt2().parameters())
-    assert len(out["rows"]) == 32 and all(r["peak"] > 0 and not r["fits"] for r in out["rows"])
+    assert [(r["stage"], r["policy"], r["precision"]) for r in out["rows"]] == [
+        (s, p, q) for q in ("fp32", "bf16") for p in ("none", "all") for s in (0, 3)]
+    assert all(r["peak"] > 0 and not r["fits"] for r in out["rows"])
     assert out["recommended"] is None
     err = captured.err.strip()
     assert err.count("\n") == 0 and "nothing fits" in err and "misses by" in err
 
 
-def test_bad_model_path_is_a_one_line_error(capsys):
-    assert main(["plan", "--model", "tests.planner_models:nothing_here"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "nothing_here" in err
+def test_bad_model_path_or_grid_is_a_one_line_error(capsys):
+    for args, word in ((["--model", "tests.planner_models:nothing_here"], "nothing_here"),
+                       (["--stages", "0,4"], "'4'"), (["--policies", "some"], "'some'")):
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and word in err, err
 
 
 def test_auto_without_budget_is_a_clear_value_error():

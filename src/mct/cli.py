@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    pl.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to plan, comma-separated (default 0,1,2,3)")
+    pl.add_argument("--policies", default="none,selective,sqrt,all",
+                    help="checkpointing policies to plan (default none,selective,sqrt,all)")
+    pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan (default fp32,bf16)")
     r = sub.add_parser("report", help="summarize a run directory")
     r.add_argument("run_dir")
     return parser
@@ -134,11 +138,28 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         from mct.trainer import planning_workload
         work = planning_workload(cfg)
-    plan = make_plan(work, cfg, args.world_size, limit)
+    grid = _plan_grid(args)
+    plan = make_plan(work, cfg, args.world_size, limit, **grid)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if limit is not None and plan.recommended is None:
         raise ValueError(plan.advice)
     return 0
+
+
+def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
+    """--stages/--policies/--precisions -> make_plan's grid. Raises ValueError naming a
+    value that is not a stage, policy or precision mode."""
+    allowed = {"stages": ("0", "1", "2", "3"), "policies": ("none", "selective", "sqrt", "all", "every_k"),
+               "precisions": ("fp32", "bf16", "fp16")}
+    grid: dict[str, tuple] = {}
+    for key, ok in allowed.items():
+        values = tuple(v.strip() for v in getattr(args, key).split(",") if v.strip())
+        bad = [v for v in values if v not in ok]
+        if bad or not values:
+            raise ValueError(f"--{key} {getattr(args, key)!r}: {bad or 'nothing'} is not allowed; "
+                             f"choose from {','.join(ok)}")
+        grid[key] = tuple(int(v) for v in values) if key == "stages" else values
+    return grid
 
 
 def format_plan(plan) -> str:
