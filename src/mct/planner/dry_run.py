@@ -1,8 +1,9 @@
 """A dry run: the engine's own code on fake tensors, as rank 0 of an N-rank group.
 
-The user's model is built on the ``meta`` device, its parameters and buffers become
-``FakeTensor``s (shapes and dtypes, no storage; tied parameters stay one object), and
-``mct.Engine`` is constructed and steps twice on them under ``FakeTensorMode`` with a
+The user's model is built inside ``FakeTensorMode`` (its constructor runs as usual, on
+``FakeTensor``s: shapes and dtypes, no storage), or, when its constructor needs values,
+on the ``meta`` device with its parameters and buffers then made fake (tied ones stay one
+object). ``mct.Engine`` is constructed and steps twice on it under ``FakeTensorMode`` with a
 simulated communicator (``DistContext.simulated``: collectives are shape-checked
 no-ops, so every buffer, shard, temporary and in-flight gradient of the N-rank run is
 allocated by the same code, on paper). The engine's memory tracker counts the fake
