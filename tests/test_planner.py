@@ -25,12 +25,12 @@ from tests.storage_count import measure
 
 B = 3
 MODELS = {"hf_gpt2": hf_gpt2, "tied_frozen_reused": tied_frozen_reused}
-# A sample of models x stages 0-3 x none/all/selective x fp32/bf16 on 1-4 ranks (3: nothing
-# divides evenly); benchmarks/planner.py runs the whole grid on 1-4 ranks.
+# A sample of models x stages 0-3 x none/all/selective x fp32/bf16 on 1-3 ranks (3: nothing
+# divides evenly), kept small for the suite's time; benchmarks/planner.py runs the whole grid
+# (288 configurations, 1-4 ranks).
 SAMPLE = {1: [("hf_gpt2", 0, "none", "bf16")],
           2: [("hf_gpt2", 3, "all", "bf16"), ("tied_frozen_reused", 1, "selective", "fp32")],
-          3: [("tied_frozen_reused", 2, "all", "bf16"), ("hf_gpt2", 3, "selective", "fp32")],
-          4: [("tied_frozen_reused", 3, "none", "fp32")]}
+          3: [("tied_frozen_reused", 2, "all", "bf16")]}
 
 
 def _cfg(stage: int, policy: str, precision: str) -> EngineConfig:
