@@ -55,8 +55,8 @@ def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, whether it fits ``budget`` and its relative cost."""
     at = run.phases[run.phase]
-    return {"stage": stage, "policy": policy, "precision": precision, "world_size": world,
-            "peak": run.peak, "phase": run.phase, "by_category": {c: at.get(c, 0) for c in CATEGORIES},
+    return {"stage": stage, "policy": policy, "precision": precision, "world": world,
+            "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak,
             "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world)}
@@ -69,14 +69,14 @@ class Plan:
 
     rows: list[dict[str, Any]]
     budget: int | None
-    world_size: int
+    world: int
     n_params: int
     precision: str
     recommended: dict[str, Any] | None
     advice: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "world_size": self.world_size, "n_params": self.n_params,
+        return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
                 "precision": self.precision, "advice": self.advice, "recommended": self.recommended,
                 "rows": self.rows}
 
@@ -134,11 +134,11 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
             continue
         smaller = Workload(work.model_fn, work.loss_fn, smaller_batch(work.batch, b), work.optimizer,
                            work.param_groups, work.label)
-        if predict(smaller, base, plan.world_size).peak <= budget:
+        if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
     stage3 = with_choice(cfg, 3, low["policy"], low["precision"])
-    worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world_size]
+    worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
     while lo <= hi:
@@ -176,7 +176,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload) -> tuple[EngineC
         raise ValueError(plan.advice)
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
-              "predicted_breakdown": best["by_category"], "predicted_phases": best["phases"],
+              "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
     return with_choice(cfg, best["stage"], best["policy"]), choice
