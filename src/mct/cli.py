@@ -133,9 +133,9 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.models.gpt import GPT
+    from mct.trainer import planning_workload  # the recipe's model: the CLI never imports it directly
     with torch.device("meta"):
-        n = sum(p.numel() for p in GPT(cfg.model).parameters())
+        n = sum(p.numel() for p in planning_workload(cfg).model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * nproc
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
