@@ -83,6 +83,6 @@ def test_zero_units_are_chosen_apart_from_checkpointing_blocks():
     engine = Engine(GPT(cfg.model), adamw, cfg)
     assert sorted(engine.sharded.units_by_block) == sorted(
         ["root"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("attn", "mlp")])
-    assert engine.ckpt.checkpointed_blocks == ["blocks.0", "blocks.1"]
+    assert engine.recompute.checkpointed_blocks == ["blocks.0", "blocks.1"]
     losses, ref_losses, rel, name = engine_vs_reference(cfg, 0, 1, steps=3)
     assert rel <= 1e-6, f"{name} differs by {rel:.2e}"

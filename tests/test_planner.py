@@ -252,7 +252,7 @@ def test_budget_exceeded_in_the_optimizer_step_modifies_nothing():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(MemoryBudgetExceeded) as info:
         engine.train_step(batches(0, 0, 1, B=4), gpt_loss)
-    assert info.value.stage == "optimizer" and "mct plan" in str(info.value)
+    assert info.value.phase == "optimizer" and "mct plan" in str(info.value)
     assert not engine.optimizer.state, "the optimizer's lazy state was created"
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     engine.tracker.budget_bytes = None
@@ -262,9 +262,9 @@ def test_budget_exceeded_in_the_optimizer_step_modifies_nothing():
 
 def test_stage_peak_records_growth_below_an_earlier_global_peak():
     tracker = MemoryTracker("cpu")
-    with tracker.stage("big"):
+    with tracker.phase("big"):
         x = torch.zeros(1000)
         del x
-    with tracker.stage("small"):
+    with tracker.phase("small"):
         y = torch.zeros(100)
     assert tracker.peaks()["small"]["total"] == y.untyped_storage().nbytes()

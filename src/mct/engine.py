@@ -51,7 +51,7 @@ class StepResult:
     loss_scale: float | None
     """fp16: the loss scale used for this step; None otherwise."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """Per-step timings (s), communication, memory peaks (bytes) by stage and category."""
+    """Per-step timings (s), communication, memory peaks (bytes) by phase and category."""
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
                                                 suggestion=default_suggestion(cfg) if enforce else None)
         if enforce and self.device.type == "cuda":
             apply_cuda_budget(self.device, enforce)
-        self.policy = PrecisionPolicy.from_config(cfg.precision)
+        self.precision = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
         # Move only what is elsewhere: ``Module.to`` re-wraps every tensor, which fake
@@ -86,20 +86,20 @@ class Engine:
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
-        self.ckpt = apply_checkpointing(model, cfg.checkpointing,
-                                        recompute_context=lambda: self.tracker.category("activations"))
+        self.recompute = apply_checkpointing(model, cfg.checkpointing,
+                                             recompute_context=lambda: self.tracker.category("activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = self._discover_groups(optimizer, param_groups)
         self._check_ranks_agree()
         with torch.no_grad():
             for p in model.parameters():
                 if not p.requires_grad:
-                    p.data = p.data.to(self.policy.param_dtype)
+                    p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
         self.stage = int(cfg.zero.stage)
         self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
-                                    param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
+                                    param_dtype=self.precision.param_dtype, reduce_dtype=self.precision.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
                                     tracker=self.tracker)
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
@@ -111,7 +111,7 @@ class Engine:
         self._register_buffers()
         self.steps_done = 0
         self._opt_state_tracked = False
-        self._stage_name = "idle"
+        self._phase_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
@@ -146,7 +146,7 @@ class Engine:
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
         first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, self.sharded.masters())
-        publish = max((u.master.numel() * self.policy.param_dtype.itemsize for u in self.sharded.units
+        publish = max((u.master.numel() * self.precision.param_dtype.itemsize for u in self.sharded.units
                        if u.persistent and u.layout.world > 1), default=0)
         return StepReserve(first, later, publish)
 
@@ -163,7 +163,7 @@ class Engine:
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
         try:
-            with cuda_oom_as_budget_error(self.tracker, lambda: self._stage_name):
+            with cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name):
                 return self._train_step(micro, loss_fn)
         except MemoryBudgetExceeded:
             self.sharded.zero_grad()
@@ -174,37 +174,36 @@ class Engine:
     def _train_step(self, micro: list, loss_fn: LossFn) -> StepResult:
         self.tracker.reset_peaks()
         self.comm.reset_stats()
-        if self.ckpt is not None:
-            self.ckpt.reset_step()
+        self.recompute.reset_step()
         times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             t0 = time.perf_counter()
-            self._stage_name = "forward"
-            with self.tracker.stage("forward", "activations"), self._phase("forward"):
-                with self.policy.autocast(self.device.type):
+            self._phase_name = "forward"
+            with self.tracker.phase("forward", "activations"), self._phase("forward"):
+                with self.precision.autocast(self.device.type):
                     loss = loss_fn(self.model, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
             loss_sum += loss.detach().double()
             t1 = time.perf_counter()
-            self._stage_name = "backward"
-            with self.tracker.stage("backward", "other"), self._phase("backward"):
+            self._phase_name = "backward"
+            with self.tracker.phase("backward", "other"), self._phase("backward"):
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
         t2 = time.perf_counter()
-        self._stage_name = "optimizer"
+        self._phase_name = "optimizer"
         start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
         try:
-            with self.tracker.stage("optimizer", "other"):
+            with self.tracker.phase("optimizer", "other"):
                 result = self._optimizer_step(loss_sum / len(micro))
         finally:  # also after LossScaleFloorError: the engine must stay usable
-            self._stage_name = "idle"
+            self._phase_name = "idle"
             if self.stage3 is not None:
                 self.stage3.end_step()
         if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
@@ -278,8 +277,7 @@ class Engine:
         m["peaks"] = self.tracker.peaks()
         m["live"] = self.tracker.live()
         m.update(self.scaler.metrics())
-        if self.ckpt is not None:
-            m.update({f"ckpt_{k}": v for k, v in self.ckpt.metrics().items()})
+        m.update(self.recompute.metrics())
         if self.stage3 is not None:
             m["zero3_gathers"] = self.stage3.gathers
         return m
@@ -296,8 +294,8 @@ class Engine:
         self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self.tracker.stage("eval", "activations"):
-                with self._phase("eval"), self.policy.autocast(self.device.type):
+            with torch.random.fork_rng(devices=devices), self.tracker.phase("eval", "activations"):
+                with self._phase("eval"), self.precision.autocast(self.device.type):
                     loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
                 if self.stage3 is not None:
                     self.stage3.end_step()

@@ -214,8 +214,8 @@ def summary_table(s: TrainSummary) -> str:
     lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
-        lines.append("peak memory by stage (this rank, last logged step):")
-        lines.append("  " + f"{'stage':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
-        for stage, v in s.peaks.items():
-            lines.append("  " + f"{stage:<10}" + "".join(f"{fmt_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
+        lines.append("peak memory by phase (this rank, last logged step):")
+        lines.append("  " + f"{'phase':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
+        for phase, v in s.peaks.items():
+            lines.append("  " + f"{phase:<10}" + "".join(f"{fmt_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
     return "\n".join(lines)

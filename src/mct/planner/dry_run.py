@@ -131,14 +131,14 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
     with mode:
-        with tracker.stage("init", "params"):
+        with tracker.phase("init", "params"):
             model = fake_built_model(model_fn)
         if model is None:  # built on meta outside any tracker stage: meta storages are not counted
             model = meta_model(model_fn)
             tracker.reset_peaks()
-            with tracker.stage("init", "params"):
+            with tracker.phase("init", "params"):
                 materialize_fake(model)
-        with tracker.stage("init", "params"):  # the same stage again: its peak is kept
+        with tracker.phase("init", "params"):  # the same stage again: its peak is kept
             n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             groups = param_groups(model) if param_groups is not None else None
             engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx)
