@@ -1,7 +1,8 @@
 """Mixed precision benchmark: fp32, bf16 and fp16 through the Engine on the default GPT.
 
-Variants are a precision mode and an attention implementation (``model.attention``:
-auto, sdpa, explicit), so the bf16 attention choice is measured side by side with fp32.
+Variants are a precision mode, an attention implementation (``model.attention``: auto,
+sdpa, explicit) and the CPU matmul kernels (``precision.cpu_matmul``: auto, native, fp32),
+so each bf16 choice is measured side by side with fp32.
 For each variant: median step time and tokens/s (untracked engines, all modes measured
 round-robin, one step each per round, so load bursts hit every mode alike), model-state
 bytes (params, grads, fp32 master, optimizer state) and the activation peak from a
@@ -9,10 +10,10 @@ separate tracked engine, and the loss after N steps on the same batches. Prints 
 table with ratios against fp32 and writes ``benchmarks/results/precision.json``.
 
     PYTHONPATH=src:. python benchmarks/precision.py [--steps 12] [--micro-batch-size 8] [--threads 1]
-        [--variants fp32,bf16,bf16:sdpa,bf16:explicit,fp16]
+        [--variants fp32,bf16,bf16:explicit,bf16:auto:native,fp16]
 
-Defaults take about 4 minutes on 2 CPU cores without native bf16 (AVX2): there bf16/fp16
-matmuls are many times slower than fp32. On CPUs with AVX512-BF16/AMX they are faster.
+On CPUs without native bf16 (AVX2) torch's own bf16/fp16 matmuls are 25-40x slower than
+fp32 (the ``:native`` variants); ``precision.cpu_matmul = auto`` runs them on fp32 kernels.
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ from mct.engine import Engine
 from mct.models.gpt import optimizer_groups
 from mct.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
 
-VARIANTS = ("fp32", "bf16", "bf16:sdpa", "bf16:explicit", "fp16")
-"""'mode' or 'mode:attention'; the first is the baseline of every ratio."""
+VARIANTS = ("fp32", "bf16", "bf16:explicit", "fp16")
+"""'mode[:attention[:cpu_matmul]]'; the first is the baseline of every ratio."""
 RESULTS = Path(__file__).resolve().parent / "results" / "precision.json"
 
 
 def make_engine(variant: str, micro_batch_size: int, track: bool) -> tuple[Engine, EngineConfig]:
     """Default GPT (ModelConfig defaults) and `mct train`'s recipe (clip 1.0) in the
-    variant's precision mode and attention implementation ('mode[:attention]')."""
-    mode, _, attention = variant.partition(":")
-    cfg = EngineConfig.from_dict({"precision": {"mode": mode}, "data": {"micro_batch_size": micro_batch_size},
+    variant's precision mode, attention and CPU matmul kernels ('mode[:attention[:cpu_matmul]]')."""
+    mode, attention, cpu_matmul = (variant.split(":") + ["", ""])[:3]
+    cfg = EngineConfig.from_dict({"precision": {"mode": mode, "cpu_matmul": cpu_matmul or "auto"},
+                                  "data": {"micro_batch_size": micro_batch_size},
                                   "memory": {"track": track}, "train": {"grad_clip": 1.0},
                                   "model": {"attention": attention or "auto"}})
     model = build_model(cfg)
@@ -91,7 +93,8 @@ def memory_runs(micro_batch_size: int, variants: tuple[str, ...], steps: int = 2
 
 def cpu_features() -> dict[str, Any]:
     """What decides low-precision speed on CPU: native bf16/fp16 matrix units."""
-    from mct.models.gpt import attention_impl, cpu_has_native_low_precision
+    from mct.models.gpt import attention_impl
+    from mct.precision.cpu_matmul import cpu_has_native_low_precision
     caps = torch.backends.cpu.get_cpu_capability()
     info: dict[str, Any] = {"capability": caps}
     try:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-size", type=int, default=8, help="sequences per step (default 8)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     ap.add_argument("--out", default=str(RESULTS), help="JSON output path")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated 'mode[:attention]'; first = baseline")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated 'mode[:attention[:cpu_matmul]]'; first = baseline")
     args = ap.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if args.threads:

@@ -158,12 +158,18 @@ class PrecisionConfig:
     """fp16: overflows tolerated before the scale is halved (refilled on growth)."""
     min_scale: float = 1.0
     """fp16: the scale never goes below this; an overflow here with hysteresis used up stops training."""
+    cpu_matmul: str = "auto"
+    """bf16/fp16 matrix multiplies on a CPU: 'native' (torch's low-precision kernels), 'fp32'
+    (fp32 kernels, result rounded back: same values up to summation order), or 'auto' = 'fp32'
+    on CPUs without native bf16/fp16 units (AVX512-BF16/AMX), where 'native' is 25-40x slower."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("fp32", "bf16", "fp16"):
             _fail("precision.mode", self.mode, "choose 'fp32', 'bf16' or 'fp16'")
         if self.reduce_dtype not in ("fp32", "param"):
             _fail("precision.reduce_dtype", self.reduce_dtype, "choose 'fp32' or 'param'")
+        if self.cpu_matmul not in ("auto", "native", "fp32"):
+            _fail("precision.cpu_matmul", self.cpu_matmul, "choose 'auto', 'native' or 'fp32'")
         _check_range("precision.initial_scale_power", self.initial_scale_power, 0, 64)
         _check_range("precision.growth_interval", self.growth_interval, 1)
         _check_range("precision.hysteresis", self.hysteresis, 1)

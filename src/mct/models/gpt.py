@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mct.config import ModelConfig
+from mct.precision.cpu_matmul import cpu_has_native_low_precision
 
 
 class LayerNorm(nn.Module):
@@ -37,19 +38,6 @@ class LayerNorm(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), 1e-5)
         return y.to(x.dtype)
-
-
-def cpu_has_native_low_precision(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices natively through oneDNN
-    (AVX512-BF16/AMX; AVX512-FP16/AMX-FP16). False when torch cannot tell."""
-    try:
-        if dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if dtype == torch.float16:
-            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):  # builds without oneDNN
-        pass
-    return False
 
 
 def attention_impl(choice: str, device_type: str, dtype: torch.dtype) -> str:
