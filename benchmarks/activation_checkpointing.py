@@ -61,7 +61,7 @@ def micro_batch(cfg: EngineConfig, step: int) -> tuple[torch.Tensor, torch.Tenso
     shape = (cfg.data.micro_batch_size, cfg.model.seq_len)
     x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
     y = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
-    return x, y, micro_seed(cfg.seed, step, 0, 0)
+    return x, y, micro_seed(cfg.seed, step, 0)
 
 
 def measure_memory(n_layer: int, policy: str, steps: int) -> dict[str, Any]:

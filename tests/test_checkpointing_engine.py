@@ -40,7 +40,7 @@ def sgd(groups: list[dict]) -> torch.optim.Optimizer:
 def _micro_batches(step: int, rank: int, n_micro: int) -> list[tuple]:
     # The dropout seed travels with the micro-batch and is set inside the loss fn, so
     # every engine (whatever it did to the RNG before) draws the same masks.
-    return [(x, y, micro_seed(SEED, step, m, rank)) for m, (x, y) in enumerate(batches(step, rank, n_micro))]
+    return [(x, y, micro_seed(SEED, step, rank * n_micro + m)) for m, (x, y) in enumerate(batches(step, rank, n_micro))]
 
 
 def _train(rank: int, policy: str, *, n_layer: int = N_LAYER, n_micro: int = 1, verify: bool = False,

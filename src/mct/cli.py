@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,8 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
     _common(t)
-    t.add_argument("--run-dir", help="where metrics.jsonl and metadata.json go (default: runs/<timestamp>)")
+    t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
+                                     "(default: runs/<timestamp>)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
+                                                       "checkpoint, with its recorded config (--set may change "
+                                                       "steps, checkpointing, zero, logging)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the worker group up to R times when a worker dies (torchrun --max-restarts)")
+    t.add_argument("--nnodes", type=int, default=1, help="machines (one launcher each; c10d rendezvous)")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every machine (--nnodes > 1)")
+    t.add_argument("--rdzv-id", default="mct", help="job id shared by the machines of one run (--nnodes > 1)")
     v = sub.add_parser("verify", help="compare the configured engine with the fp32 reference", **kw)
     _common(v)
     v.add_argument("--steps", type=int, default=10, help="steps to compare")
@@ -76,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
+    e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
+                       **kw)
+    e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
+    e.add_argument("--out", required=True, help="the .safetensors file to write")
     return parser
 
 
@@ -83,13 +95,14 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _launch(argv: list[str], nproc: int) -> int:
-    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mct", *argv]
-    return subprocess.run(cmd, env=env).returncode
+def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int = 1,
+            rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
+    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run;
+    returns the workers' exit code (see mct.launch)."""
+    from mct.launch import launch, torchrun_command
+    cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    return launch(cmd, nproc)
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -143,43 +156,106 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
                          f"model.n_layer/model.d_model, or run `mct plan` for the memory a configuration needs")
 
 
+def _train_config(args: argparse.Namespace):
+    """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
+    if not args.resume:
+        return load_config(args.config, args.set, defaults=CLI_RECIPE), args.run_dir
+    if args.config:
+        raise ValueError("--resume uses the run's recorded config; drop --config (change allowed keys with --set)")
+    if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+        raise ValueError(f"--resume {args.resume!r} continues that run in place; drop --run-dir {args.run_dir!r}")
+    from mct.persistence.resume import resume_config
+    world = int(os.environ.get("WORLD_SIZE", args.nproc)) if _under_torchrun() else args.nproc
+    return resume_config(args.resume, args.set, max(world, 1)), args.resume
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
+                             ("--max-restarts", args.max_restarts, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    cfg, run_dir = _train_config(args)
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
     _config_warnings(cfg, args.nproc)
-    if args.nproc > 1 and not _under_torchrun():
+    if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
         from mct.trainer import planning_workload
+        from mct.persistence.run_dir import check_new_run_dir
         # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc, planning_workload(cfg))
-        run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-        return _launch([*_strip_nproc(argv), *([] if args.run_dir else ["--run-dir", run_dir])], args.nproc)
+        resolve_auto(cfg, args.nproc * args.nnodes, planning_workload(cfg))
+        extra: list[str] = []
+        if not args.resume:
+            run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+            if args.nnodes == 1:  # several machines: global rank 0 checks, once, under torchrun
+                check_new_run_dir(run_dir)  # refused here, before any worker starts
+            extra = [] if args.run_dir else ["--run-dir", run_dir]
+        return _launch([*_strip_nproc(argv), *extra], args.nproc,
+                       max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                       rdzv_id=args.rdzv_id)
+    return _train_worker(cfg, run_dir, args)
+
+
+def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
+    """One training process (alone, or a rank under torchrun). Every way it ends is an
+    exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
+    from mct.launch import WorkerLink
     from mct.memory.tracker import MemoryBudgetExceeded
+    from mct.signals import Preempted, StopRequest
     from mct.trainer import TrainingStopped, summary_table, train
-    ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+    link = WorkerLink.from_env()
+    stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
+    code, line, is_main, every_rank = 0, "", int(os.environ.get("RANK", "0")) == 0, True
     try:
-        run_dir = broadcast_from_main(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+        run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         existed = Path(run_dir).exists()
         try:
-            summary = train(cfg, run_dir, ctx, progress=not args.no_progress)
-        except (MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
-            if not _is_out_of_memory(e):
+            summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume), stop=stop)
+        except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
+            oom = _is_out_of_memory(e)
+            if not (oom or isinstance(e, ValueError)):
                 raise
-            if ctx.is_main:
-                _discard_empty_run(Path(run_dir), existed)
-                print(f"mct: error: {_memory_message(e)}", file=sys.stderr)
-            return 2
+            if ctx.is_main and not args.resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                _discard_empty_run(Path(run_dir), existed)  # a failed new run leaves nothing behind
+            if oom:
+                raise _OutOfMemory(_memory_message(e)) from None
+            raise
         if ctx.is_main:
             print(summary_table(summary))
-        return 0
+    except _OutOfMemory as e:
+        code, line, every_rank = 2, f"mct: error: {e}", False
+    except (ValueError, MemoryBudgetExceeded) as e:
+        code, line = 2, "mct: error: " + " ".join(str(e).split())
     except TrainingStopped as e:
-        print(f"mct: training stopped: {e}", file=sys.stderr)
-        return 3
+        code, line = 3, f"mct: training stopped: {e}"
+    except Preempted as e:
+        code, line = e.exit_code, f"mct: {e}"
+    except Exception as e:
+        if stop.signum:  # stopping, and a peer is already gone (its collective failed): nothing to save together
+            code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
+        elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
+            code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+        else:
+            raise
     finally:
+        stop.uninstall()
         teardown()
+    link.finish(code, line)
+    if line and not link.active and (is_main or (code == 2 and every_rank)):  # a user error may be one rank's
+        print(line, file=sys.stderr)
+    return code
+
+
+class _OutOfMemory(Exception):
+    """The host or device ran out of memory (or the budget was crossed): one line, exit 2."""
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A collective failed because another rank's process died (gloo / NCCL wording)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
@@ -208,12 +284,21 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.persistence.export import export
+    path, warning = export(args.source, args.out)
+    if warning:
+        print(f"mct: warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.out} from {path}")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
-        return _launch(_strip_nproc(argv), args.nproc)
+        return _launch(_strip_nproc(argv), args.nproc)  # verify: no restarts, one node
     from mct.dist import broadcast_from_main, init_distributed, teardown
     from mct.verify import run_verify
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
@@ -313,12 +398,20 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}[args.command]
+    handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
+               "export": cmd_export}[args.command]
+    from mct.launch import WorkerLink
+    link = WorkerLink.from_env()
+    if _under_torchrun():
+        link.setup()  # die with torchrun; tell the launcher this worker's pid
+    code, line = 0, ""
     try:
-        return handler(args, argv)
+        code = handler(args, argv)
     except ValueError as e:
-        message = " ".join(str(e).split())  # one line, whatever the message held
-        print(f"mct: error: {message}", file=sys.stderr)
-        return 2
+        code, line = 2, "mct: error: " + " ".join(str(e).split())  # one line, whatever the message held
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    link.finish(code, line)  # a no-op when train's worker already reported
+    if line and not link.active:
+        print(line, file=sys.stderr)
+    return code

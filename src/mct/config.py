@@ -126,9 +126,29 @@ class TrainConfig:
     log_every: int = 10
     """Write a metrics line every N steps."""
     checkpoint_every: int = 0
-    """Save a checkpoint every N steps; 0 disables."""
+    """Save a checkpoint to RUN_DIR/checkpoints every N steps (and always after the last step); 0: only the last."""
+    keep_checkpoints: int = 2
+    """Keep the newest N complete checkpoints (>= 1; the newest complete one is never deleted)."""
     tensorboard: bool = False
     """Also write TensorBoard event files into the run directory."""
+    max_rollbacks: int = 3
+    """Divergence rollbacks allowed in a run (replay, then skip the window, then cut the LR); one more
+    divergence stops training with exit code 3."""
+    snapshot_every: int = 10
+    """Keep an in-memory (CPU) copy of the newest good state every N steps, the rollback target; 0 = roll
+    back to the newest checkpoint on disk only."""
+    loss_spike_factor: float = 2.0
+    """Divergence: a loss above this factor x the median of the last loss_spike_window good steps; 0 disables."""
+    loss_spike_window: int = 20
+    """Good steps in the running median of the loss and the gradient norm (active from 5 steps on)."""
+    grad_norm_factor: float = 20.0
+    """Divergence: a gradient norm above this factor x the median of recent good steps; 0 disables."""
+    max_consecutive_skips: int = 20
+    """Divergence: this many skipped (non-finite gradient) steps in a row."""
+    lr_cut_factor: float = 0.5
+    """The third rollback of the same window multiplies the learning rate by this factor (in (0, 1])."""
+    preempt_timeout_s: float = 30.0
+    """On SIGTERM/SIGINT: seconds allowed to write the checkpoint of the last completed step before exiting."""
 
     def __post_init__(self) -> None:
         _check_range("train.steps", self.steps, 1)
@@ -139,6 +159,16 @@ class TrainConfig:
         for k in ("eval_every", "eval_batches", "checkpoint_every"):
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.log_every", self.log_every, 1)
+        _check_range("train.keep_checkpoints", self.keep_checkpoints, 1)
+        for k in ("max_rollbacks", "snapshot_every", "loss_spike_factor", "grad_norm_factor"):
+            _check_range(f"train.{k}", getattr(self, k), 0)
+        _check_range("train.loss_spike_window", self.loss_spike_window, 1)
+        _check_range("train.max_consecutive_skips", self.max_consecutive_skips, 1)
+        _check_range("train.lr_cut_factor", self.lr_cut_factor, 0.0, 1.0, lo_open=True)
+        _check_range("train.preempt_timeout_s", self.preempt_timeout_s, 0.0, lo_open=True)
+        if 0 < self.loss_spike_factor <= 1 or 0 < self.grad_norm_factor <= 1:
+            _fail("train.loss_spike_factor/grad_norm_factor", (self.loss_spike_factor, self.grad_norm_factor),
+                  "must be > 1 (a factor above the running median), or 0 to disable")
         if self.eval_every and not self.eval_batches:
             _fail("train.eval_batches", self.eval_batches,
                   f"must be >= 1 while train.eval_every = {self.eval_every}; set train.eval_every = 0 to skip evaluation")

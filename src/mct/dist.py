@@ -92,10 +92,23 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCon
     device = _default_device(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s),
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                            store=_attempt_store(world, timeout),
                             device_id=device if device.type == "cuda" else None)
     return DistContext(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store whose keys are private to this restart
+    attempt (None otherwise: the default ``env://`` set-up). torchrun reuses the agent's
+    store when it restarts a group, and a restarted rank could read the address a dead
+    rank of the previous attempt published there, then fail to connect to it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"mct/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

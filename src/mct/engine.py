@@ -317,12 +317,61 @@ class Engine:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
         self.sharded.load_full_state(state)
 
+    STATE_FORMAT = "mct.engine/1"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the engine owns that a continuation needs, for this rank:
+
+        ``format``, ``steps_done``, ``scaler`` (plain numbers), ``param_groups`` (each
+        optimizer group's hyperparameters, JSON-ready), ``units`` (each flat unit's
+        layout, independent of the world size), ``tensors`` ({key: 1-D fp32 piece or
+        scalar}: ``<unit>/master`` and ``<unit>/optim/<name>``) and ``extents`` ({key:
+        [offset, global numel]} of each 1-D piece in its unit's global flat tensor; see
+        ``mct.zero.state``). Tensors are views of live state, not copies: clone them to
+        keep a snapshot. Not collective; mutates nothing."""
+        from mct.zero import state as zstate
+        tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)
+        return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
+                "param_groups": zstate.group_hyper(self.optimizer),
+                "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)],
+                "tensors": tensors, "extents": extents}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` of an engine with the same model, optimizer set-up
+        and this rank's sharding returned (tensors may be on any device). Validates all
+        of it first and raises ValueError naming the fault with the engine untouched;
+        then sets the master shards (and working parameters), optimizer state and
+        hyperparameters, loss scaler and ``steps_done``. Not collective at stage 0/3;
+        at stages 1/2 publishing the masters all-gathers, so every rank must call it."""
+        from mct.zero import state as zstate
+        mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
+        steps = zstate.check_header(state, self.STATE_FORMAT, mine)
+        hyper = zstate.check_hyper(self.optimizer, state["param_groups"])
+        zstate.check_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"], state["extents"])
+        LossScaler.from_config(self.config.precision).load_state_dict(state["scaler"])  # validates only
+        # Everything checked: from here on only mutation.
+        for v in (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)):
+            self.tracker.unregister(v)
+        zstate.load_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"],
+                          state["extents"], hyper)
+        self._opt_state_tracked = False
+        self._register_optimizer_state()
+        self.scaler.load_state_dict(state["scaler"])
+        self.steps_done = steps
+        self.sharded.zero_grad()
+        self.sharded.publish()
+
     def save(self, path: str) -> None:
-        from mct.ckpt import save_engine
+        """Write this engine's state to the directory ``path`` (a sharded checkpoint,
+        see ``mct.persistence``). Collective: every rank must call it."""
+        from mct.persistence import save_engine
         save_engine(self, path)
 
     def load(self, path: str) -> None:
-        from mct.ckpt import load_engine
+        """Load a checkpoint written by ``save`` (any world size and ZeRO stage).
+        Raises ValueError naming the file and the fault, with the engine untouched.
+        Collective: every rank must call it."""
+        from mct.persistence import load_engine
         load_engine(self, path)
 
     def model_state_bytes(self) -> dict[str, int]:

@@ -118,7 +118,8 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
-        self._file = open(self.run_dir / name, "a", buffering=1)
+        self.path = self.run_dir / name
+        self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -130,6 +131,9 @@ class MetricsWriter:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
         self._file.close()

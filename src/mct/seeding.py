@@ -1,8 +1,10 @@
 """Seeds: one user seed, and the streams derived from it, recorded in metadata.
 
-Every micro-batch's dropout stream is seeded from (seed, step, micro, rank), so a
-run is reproducible from any step, evaluation cannot shift training randomness, and
-the reference trainer can replay exactly what each rank drew.
+Every micro-batch's dropout stream is seeded from (seed, step, global micro-batch
+index), so a run is reproducible from any step, evaluation cannot shift training
+randomness, the reference trainer can replay exactly what each rank drew, and a run
+resumed on another number of ranks draws the same dropout for the same samples (rank r's
+micro-batch m of a step is global micro-batch ``r * grad_accum + m``, on any world size).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def micro_seed(seed: int, step: int, micro: int, rank: int) -> int:
-    """The torch seed for one rank's micro-batch of one step (63-bit, stable)."""
-    h = hashlib.sha256(f"mct-dropout:{seed}:{step}:{micro}:{rank}".encode()).digest()
+def micro_seed(seed: int, step: int, index: int) -> int:
+    """The torch seed for global micro-batch ``index`` of one step (63-bit, stable)."""
+    h = hashlib.sha256(f"mct-dropout:{seed}:{step}:{index}".encode()).digest()
     return int.from_bytes(h[:8], "little") >> 1

@@ -1,0 +1,83 @@
+"""The budget feedback loop: an ``auto`` run that overruns its enforced budget at run
+time moves to the planner's next, more memory-frugal configuration.
+
+Signal: ``MemoryBudgetExceeded`` from a training step (raised before the optimizer
+modifies anything, so the state is that of the last completed step). Action: the
+trainer checkpoints that state, rebuilds the engine with the cheapest configuration of
+the same plan whose predicted peak is below the one that failed (and not tried yet),
+loads the checkpoint into it (checkpoints reshard across ZeRO stages) and goes on.
+Recorded in ``metadata.json`` (``config_changes``) and ``events.jsonl``
+(``budget_fallback``). Stop: no such configuration is left: ValueError (exit 2, one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mct.config import EngineConfig
+from mct.memory.tracker import format_bytes
+from mct.planner import Workload
+from mct.planner.plan import make_plan
+
+
+def _key(cfg: EngineConfig) -> tuple[int, str]:
+    return int(cfg.zero.stage), str(cfg.checkpointing.policy)
+
+
+@dataclass
+class BudgetLoop:
+    """The ``auto`` config as the user gave it, and the configurations already tried."""
+
+    auto_cfg: EngineConfig
+    world: int
+    work: Workload
+    """What the planner dry-runs: the run's model, loss and example batch."""
+    peak: int = 0
+    """Predicted peak of the configuration in use."""
+    tried: set[tuple[int, str]] = field(default_factory=set)
+
+    @classmethod
+    def maybe(cls, auto_cfg: EngineConfig, choice: dict[str, Any] | None, world: int,
+              work: Workload) -> "BudgetLoop | None":
+        """A loop for runs whose stage or policy was ``auto`` under an enforced budget; else None."""
+        if choice is None or not auto_cfg.memory.enforce:
+            return None
+        return cls(auto_cfg, world, work, int(choice["predicted_peak_bytes"]),
+                   {(int(choice["zero.stage"]), str(choice["checkpointing.policy"]))})
+
+    def next_config(self, current: EngineConfig, error: str) -> tuple[EngineConfig, dict[str, Any]]:
+        """The next configuration to try and the change record (FORMATS: step added by
+        the caller). Raises ValueError when nothing more frugal is left."""
+        a = self.auto_cfg
+        stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
+        policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
+        plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, stages=stages, policies=policies,
+                         precisions=(a.precision.mode,))
+        rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
+        if not rows:
+            stage, policy = _key(current)
+            raise ValueError(f"memory budget exceeded at run time with zero.stage={stage} checkpointing.policy="
+                             f"{policy}, and no configuration predicted to need less is left to try ({error.split('.')[0]}); "
+                             f"raise memory.budget, lower data.micro_batch_size or use more ranks")
+        best = min(rows, key=lambda r: (r["cost"], r["peak"], r["stage"]))
+        self.tried.add((best["stage"], best["policy"]))
+        d = current.to_dict()
+        d["zero"]["stage"], d["checkpointing"]["policy"] = best["stage"], best["policy"]
+        before, self.peak = self.peak, best["peak"]
+        stage, policy = _key(current)
+        change = {"from": {"zero.stage": stage, "checkpointing.policy": policy, "predicted_peak_bytes": before},
+                  "to": {"zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+                         "predicted_peak_bytes": best["peak"]},
+                  "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
+        return EngineConfig.from_dict(d), change
+
+
+def record_config_change(run_dir: str | Path, change: dict[str, Any]) -> None:
+    """Append ``change`` to metadata.json's ``config_changes`` (rank 0 calls it)."""
+    from mct.persistence.files import read_json, write_json
+    path = Path(run_dir) / "metadata.json"
+    meta = read_json(path)
+    meta.setdefault("config_changes", []).append(change)
+    write_json(path, meta)

@@ -1,0 +1,244 @@
+"""``mct train --nproc N``: the launcher around torchrun, and the worker's side of it.
+
+Launcher (``launch``): runs ``torch.distributed.run`` with the workers' command,
+forwards SIGTERM/SIGINT to torchrun and to every worker, and exits with the workers'
+exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143 signals), not
+torchrun's 1. Each worker leaves its exit code and its one-line message in a private
+directory (``MCT_LAUNCH_DIR``); the launcher prints that line once. torchrun's own
+Python output (its log, its failure report) goes to a log file that is shown only
+when no worker explains the failure; the workers inherit the launcher's stdout and
+stderr. torchrun dies with the launcher (``PR_SET_PDEATHSIG``), so even a SIGKILLed
+launcher leaves no training behind.
+
+Worker (``WorkerLink``): asks the kernel for SIGTERM when its parent dies (elsewhere
+than Linux: watches the parent pid), and records its pid and exit for the launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+FORCE_KILL_AFTER_S = 55.0
+"""After forwarding a signal, the launcher SIGKILLs whatever still runs after this long
+(so nothing outlives it by more than a minute); workers save within preempt_timeout_s."""
+PRIORITY = (2, 3, 143, 130)
+"""Which worker exit code the launcher reports when ranks differ (first match wins)."""
+FINAL = (2, 3)
+"""Exit codes no restart can change: the worker stops torchrun instead of letting it restart.
+(130/143 are not: torchrun itself sends SIGTERM to the survivors when it restarts a group.)"""
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux).
+    Returns False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(sig: int = signal.SIGTERM, interval_s: float = 1.0) -> threading.Thread:
+    """Fallback for ``die_with_parent``: a daemon thread sending ``sig`` to this process
+    once its parent pid changes (the parent died and the process was re-parented)."""
+    parent = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), sig)
+    t = threading.Thread(target=run, name="mct-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+# ---------------------------------------------------------------- worker side
+@dataclass
+class WorkerLink:
+    """A worker's link to its launcher; every method is a no-op without one."""
+
+    launch_dir: Path | None
+    rank: int
+    restart: int
+
+    @classmethod
+    def from_env(cls) -> "WorkerLink":
+        d = os.environ.get("MCT_LAUNCH_DIR")
+        return cls(Path(d) if d and Path(d).is_dir() else None, int(os.environ.get("RANK", "0")),
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+    @property
+    def active(self) -> bool:
+        return self.launch_dir is not None
+
+    def setup(self) -> None:
+        """Die with the parent (torchrun); record the pid for the launcher."""
+        parent = os.getppid()
+        if not die_with_parent():
+            watch_parent()
+        elif os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.active:
+            self._write(f"pid.{self.rank}", str(os.getpid()))
+
+    def finish(self, code: int, line: str = "") -> None:
+        """Record this worker's exit code and its one-line message for the launcher. A
+        final code (user error, stop condition) also stops torchrun, which would
+        otherwise restart the group (``--max-restarts``) into the same outcome."""
+        name = f"exit.{self.restart}.{self.rank}"
+        if self.launch_dir is None or (self.launch_dir / name).exists():  # reported once, by the innermost
+            return
+        self._write(name,
+                    json.dumps({"code": code, "line": line, "restart": self.restart, "rank": self.rank}))
+        if self.active and code in FINAL:
+            try:
+                os.kill(os.getppid(), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _write(self, name: str, text: str) -> None:
+        if self.launch_dir is None:
+            return
+        tmp = self.launch_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.launch_dir / name)
+
+
+# ---------------------------------------------------------------- launcher side
+def torchrun_command(argv: list[str], *, nproc: int, max_restarts: int = 0, nnodes: int = 1,
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
+    """The torchrun command line for ``mct <argv>`` in ``nproc`` workers per node.
+    One node: ``--standalone``. Several: a c10d rendezvous at ``rdzv_endpoint``."""
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                 f"--rdzv-id={rdzv_id or 'mct'}"]
+    else:
+        where = ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "-m", "mct", *argv]
+
+
+# torchrun's own Python output (its log lines, its ChildFailedError report) goes to a
+# file; the file descriptors 1 and 2 that the workers inherit stay the launcher's.
+_QUIET_TORCHRUN = ("import sys; sys.stderr = sys.stdout = open(sys.argv[1], 'w', buffering=1); "
+                   "sys.argv = ['torchrun', *sys.argv[2:]]; "
+                   "from torch.distributed.run import main; main()")
+
+
+def launch(cmd: list[str], nproc: int) -> int:
+    """Run the torchrun command ``cmd`` (from ``torchrun_command``); forward SIGTERM and
+    SIGINT; return the workers' exit code, their one line printed once to stderr."""
+    with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
+        d = Path(tmp)
+        env = dict(os.environ, MCT_LAUNCH_DIR=tmp)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+        quiet = [cmd[0], "-c", _QUIET_TORCHRUN, str(d / "torchrun.log"), *cmd[3:]]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = subprocess.Popen(quiet, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        got = _forward_signals(proc, d)
+        try:
+            rc = _wait(proc, d, got)
+        finally:
+            for sig, prev in got["previous"].items():
+                signal.signal(sig, prev)
+        return _result(d, rc, got["signum"])
+
+
+def _forward_signals(proc: subprocess.Popen, d: Path) -> dict[str, Any]:
+    got: dict[str, Any] = {"signum": 0, "at": 0.0, "previous": {}}
+
+    def handle(signum: int, frame: Any) -> None:
+        if not got["signum"]:
+            got["signum"], got["at"] = signum, time.monotonic()
+        _signal_all(proc, d, signum)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        got["previous"][sig] = signal.signal(sig, handle)
+    return got
+
+
+def _worker_pids(d: Path) -> list[int]:
+    pids = []
+    for f in d.glob("pid.*"):
+        try:
+            pids.append(int(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def _signal_all(proc: subprocess.Popen, d: Path, sig: int) -> None:
+    """``sig`` to torchrun (which stops restarting and forwards it) and to each worker."""
+    for pid in [proc.pid, *_worker_pids(d)]:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait(proc: subprocess.Popen, d: Path, got: dict[str, Any]) -> int:
+    """Wait for torchrun; once a signal was forwarded, SIGKILL everything still alive
+    after FORCE_KILL_AFTER_S."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if got["signum"] and time.monotonic() - got["at"] > FORCE_KILL_AFTER_S:
+                _signal_all(proc, d, signal.SIGKILL)
+                return proc.wait()
+
+
+def _read_exits(d: Path) -> list[dict[str, Any]]:
+    records = []
+    for f in d.glob("exit.*"):
+        try:
+            records.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return sorted(records, key=lambda r: (r["restart"], r["rank"]))
+
+
+def _result(d: Path, torchrun_rc: int, signum: int) -> int:
+    """The exit code of the launch, its one line printed here, once. A user error or a
+    stop condition in any attempt is the answer; otherwise the last attempt's codes.
+    130/143 that we did not forward mean torchrun stopped the group because a worker
+    died: torchrun's report is then the explanation."""
+    records = _read_exits(d)
+    final = [r for r in records if r["code"] in (2, 3)]
+    if records and not final:
+        last = max(r["restart"] for r in records)
+        final = [r for r in records if r["restart"] == last]
+    codes = [r["code"] for r in final]
+    code = next((c for c in PRIORITY if c in codes), max(codes, default=0))
+    if code in (130, 143) and not signum:
+        code = 0 if torchrun_rc == 0 else -1
+    if code > 0:
+        line = next((r["line"] for r in final if r["code"] == code and r["line"]), "")
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    if code == 0 and records and torchrun_rc == 0:
+        return 0
+    if signum:
+        return 128 + signum
+    log = d / "torchrun.log"
+    if torchrun_rc != 0 and log.is_file():
+        sys.stderr.write(log.read_text(errors="replace"))
+    return torchrun_rc

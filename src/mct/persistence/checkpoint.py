@@ -1,0 +1,216 @@
+"""One checkpoint directory: write it, check it, load an engine from it.
+
+    <checkpoint>/engine/__<rank>_0.distcp, engine/.metadata   DCP: masters, optimizer state,
+                                                              frozen parameters (mct.zero.state keys)
+    <checkpoint>/engine.json    rank 0: steps_done, loss scaler, optimizer hyperparameters,
+                                unit layouts, and which tensors are per-element
+    <checkpoint>/trainer.json   rank 0: the trainer's state (step, data position, counters,
+                                resolved config); absent for a bare ``Engine.save``
+    <checkpoint>/rank<r>.json   each rank: its RNG streams (torch CPU/CUDA, numpy, python)
+    <checkpoint>/meta.json      the manifest, written last: format, step, world size, ZeRO
+                                stage, precision, and size + sha256 of every file above
+
+A checkpoint is complete once ``meta.json`` exists (it is renamed into place after every
+other file is fsynced), so a crash at any moment leaves older checkpoints as they were.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mct.persistence import shards
+from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_json
+
+if TYPE_CHECKING:
+    from mct.engine import Engine
+
+FORMAT = "mct.checkpoint/1"
+MANIFEST = "meta.json"
+FROZEN = "frozen/"
+
+
+def _agree(engine: "Engine", error: str | None) -> None:
+    """Raise the same ValueError on every rank if rank 0 found ``error``."""
+    first = engine.comm.all_gather_object(error)[0]
+    if first is not None:
+        raise ValueError(first)
+
+
+# ---- RNG streams (per rank) ----
+def rng_state() -> dict[str, Any]:
+    """This process's RNG streams as JSON-ready values."""
+    np_state = np.random.get_state()
+    out = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+           "numpy": [np_state[0], np_state[1].tolist(), *[float(x) if isinstance(x, float) else int(x)
+                                                           for x in np_state[2:]]],
+           "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned (CUDA streams only where CUDA is in use)."""
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ---- save ----
+def _engine_pieces(engine: "Engine") -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]]]:
+    sd = engine.state_dict()
+    tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
+    for name, p in engine.model.named_parameters():
+        if not p.requires_grad:  # not in the engine's state (never changes), but export needs it
+            tensors[FROZEN + name] = p.detach()
+    info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
+    info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
+                           "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}
+    return info, tensors, extents
+
+
+def save_checkpoint(path: str | Path, engine: "Engine", *, step: int, trainer: dict[str, Any] | None = None,
+                    rank_state: dict[str, Any] | None = None) -> None:
+    """Write a complete checkpoint into directory ``path`` (created; a leftover without a
+    manifest is replaced; a complete one is an error). Collective: every rank calls it,
+    and returns once the manifest is in place. ``trainer`` (rank 0's, JSON-ready) and
+    ``rank_state`` (each rank's, JSON-ready) are stored as given."""
+    path = Path(path)
+    rank, comm = engine.comm.rank, engine.comm
+    error = None
+    if rank == 0:
+        if (path / MANIFEST).exists():
+            error = f"{path} already holds a complete checkpoint; save to a new directory"
+        else:
+            shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
+            path.mkdir(parents=True)
+    _agree(engine, error)
+    info, tensors, extents = _engine_pieces(engine)
+    shards.save_pieces(tensors, extents, path / "engine")
+    write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
+    mine = [path / f"rank{rank}.json", *sorted((path / "engine").glob(f"__{rank}_*"))]
+    if rank == 0:
+        write_json(path / "engine.json", info)
+        mine += [path / "engine.json", path / "engine" / ".metadata"]
+        if trainer is not None:
+            write_json(path / "trainer.json", {"step": step, **trainer})
+            mine.append(path / "trainer.json")
+    digests = comm.all_gather_object({str(f.relative_to(path)): file_digest(f) for f in mine})
+    if rank == 0:
+        fsync_dir(path / "engine")
+        write_json(path / MANIFEST, {
+            "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
+            "precision": engine.config.precision.mode, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": {k: v for d in digests for k, v in sorted(d.items())}})
+        fsync_dir(path.parent)
+    comm.barrier()
+
+
+# ---- check ----
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint. Raises ValueError naming the fault."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no {MANIFEST}): pass a directory written by "
+                         f"Engine.save or `mct train` (RUN_DIR/checkpoints/step_N)")
+    meta = read_json(path / MANIFEST)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path / MANIFEST}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                         f"expected {FORMAT!r}")
+    for k, typ in (("step", int), ("world_size", int), ("zero_stage", int), ("files", dict)):
+        if not isinstance(meta.get(k), typ):
+            raise ValueError(f"{path / MANIFEST}: no valid {k!r}")
+    return meta
+
+
+def verify_checkpoint(path: str | Path, units: list[dict[str, Any]] | None = None,
+                      step: int | None = None) -> dict[str, Any]:
+    """Check a checkpoint before anything is loaded from it: manifest, every rank's file
+    present, sizes and sha256, one step everywhere, and (given ``units``) the layout
+    against the model. Returns the manifest; raises ValueError naming the file and fault."""
+    path = Path(path)
+    meta = read_manifest(path)
+    if step is not None and meta["step"] != step:
+        raise ValueError(f"{path / MANIFEST}: holds step {meta['step']}, but the directory is named for step {step}")
+    files = meta["files"]
+    needed = ["engine.json", "engine/.metadata", *[f"rank{r}.json" for r in range(meta["world_size"])]]
+    for name in needed:
+        if name not in files:
+            raise ValueError(f"{path / MANIFEST}: lists no {name}; the checkpoint is incomplete")
+    for name, want in files.items():
+        check_digest(path / name, want)
+    for name in [n for n in files if n.endswith(".json") and n != "engine.json"]:
+        got = read_json(path / name).get("step")
+        if got != meta["step"]:
+            raise ValueError(f"{path / name}: step {got}, the manifest says {meta['step']}")
+    if units is not None:
+        check_layout(path, read_json(path / "engine.json").get("units"), units)
+    return meta
+
+
+def check_layout(path: Path, saved: Any, units: list[dict[str, Any]]) -> None:
+    """Raise ValueError naming the first parameter whose layout differs."""
+    want = {n: (shape, u["name"]) for u in units for n, shape, _ in u["params"]}
+    have = {n: (shape, u["name"]) for u in (saved or []) for n, shape, _ in u["params"]}
+    for n in want:
+        if n not in have:
+            raise ValueError(f"{path}: has no parameter {n!r}; it was saved from a different model")
+        if list(have[n][0]) != list(want[n][0]):
+            raise ValueError(f"{path}: parameter {n!r} has shape {tuple(have[n][0])} in the checkpoint, "
+                             f"{tuple(want[n][0])} in this model")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ValueError(f"{path}: holds parameters this model lacks, e.g. {extra[0]!r}")
+    if [u["params"] for u in saved] != [u["params"] for u in units] or [u["name"] for u in saved] != [
+            u["name"] for u in units]:
+        raise ValueError(f"{path}: parameters are grouped differently (checkpointing.blocks or optimizer groups)")
+
+
+# ---- load ----
+def load_engine_state(engine: "Engine", path: str | Path, *, verified: bool = False) -> dict[str, Any]:
+    """Load ``engine`` from checkpoint ``path`` (any world size and stage). Checks the
+    checkpoint first (on rank 0, unless ``verified``), then reads into fresh tensors,
+    then ``engine.load_state_dict``: any failure raises ValueError on every rank with
+    the engine untouched. Collective. Returns the manifest."""
+    path = Path(path)
+    units = engine.state_dict()["units"]
+    error = None
+    if engine.comm.rank == 0 and not verified:
+        try:
+            verify_checkpoint(path, units)
+        except ValueError as e:
+            error = str(e)
+    _agree(engine, error)
+    meta = read_manifest(path)
+    info = read_json(path / "engine.json")
+    check_layout(path, info.get("units"), units)
+    mine = engine.state_dict()
+    template, extents = {}, {}
+    for k, spec in info["tensors"].items():
+        if k.startswith(FROZEN):
+            continue
+        dtype = getattr(torch, spec["dtype"])
+        unit = k.rsplit("/optim/", 1)[0].removesuffix("/master")
+        if spec["per_element"]:
+            extents[k] = mine["extents"][f"{unit}/master"]
+            template[k] = torch.empty(mine["tensors"][f"{unit}/master"].numel(), dtype=dtype, device=engine.device)
+        else:
+            template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
+    tensors = shards.load_pieces(template, extents, path / "engine")
+    engine.load_state_dict({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
+                            "tensors": tensors, "extents": extents})
+    return meta
+

@@ -1,0 +1,125 @@
+"""A run directory: where its checkpoints are, which one to resume, what to keep, and
+whether a directory may receive a new run (no collectives; callers pick the rank).
+
+    RUN_DIR/metadata.json, metrics.jsonl, metrics.rank<r>.jsonl, model.safetensors, tb/
+    RUN_DIR/checkpoints/step_<N, 8 digits>/   (see checkpoint.py), N = steps completed
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mct.persistence.checkpoint import MANIFEST, verify_checkpoint
+
+CHECKPOINTS = "checkpoints"
+RUN_FILES = ("metadata.json", "metrics.jsonl", CHECKPOINTS, "model.safetensors")
+"""Any of these in a directory means it holds a run."""
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """``RUN_DIR/checkpoints/step_<step>`` (zero-padded so names sort by step)."""
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def checkpoints(run_dir: str | Path, complete_only: bool = True) -> list[tuple[int, Path]]:
+    """(step, path) of the run's checkpoint directories, oldest first; by default only
+    complete ones (their manifest exists)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and p.is_dir() and (not complete_only or (p / MANIFEST).is_file()):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None) -> tuple[Path, dict, str | None]:
+    """The newest complete checkpoint that passes ``verify_checkpoint`` (against
+    ``units`` when given). Returns (path, manifest, warning): the warning is one line
+    naming each newer checkpoint that was skipped and why, or None. Raises ValueError
+    (one line) when no checkpoint is usable."""
+    skipped = []
+    for step, path in reversed(checkpoints(run_dir)):
+        try:
+            meta = verify_checkpoint(path, units, step=step)
+        except ValueError as e:
+            skipped.append(f"{path.name} ({e})")
+            continue
+        warning = (f"skipped damaged checkpoint(s) {'; '.join(skipped)}; resuming from {path.name}"
+                   if skipped else None)
+        return path, meta, warning
+    if skipped:
+        raise ValueError(f"no usable checkpoint in {run_dir}: {'; '.join(skipped)}")
+    raise ValueError(f"{run_dir} has no complete checkpoint to resume from (none in {CHECKPOINTS}/); "
+                     f"start a new run with --run-dir, or set train.checkpoint_every")
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and torn ones older than
+    the newest complete one. Never deletes the newest complete checkpoint. Returns what
+    was deleted."""
+    complete = checkpoints(run_dir)
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    doomed = [p for _, p in complete[:-max(1, keep)]]
+    doomed += [p for s, p in checkpoints(run_dir, complete_only=False) if s < newest and not (p / MANIFEST).exists()]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Before a resume from ``step``: rename complete checkpoints newer than it (they
+    failed the check) to ``step_N.damaged`` so that they are kept for inspection but
+    never picked again, and delete torn ones. Returns the renamed paths."""
+    moved = []
+    for s, p in checkpoints(run_dir, complete_only=False):
+        if s <= step:
+            continue
+        if (p / MANIFEST).exists():
+            target = p.with_name(p.name + ".damaged")
+            n = 1
+            while target.exists():
+                target, n = p.with_name(f"{p.name}.damaged{n}"), n + 1
+            p.rename(target)
+            moved.append(target)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return moved
+
+
+def check_new_run_dir(run_dir: str | Path) -> None:
+    """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
+    hold a run already, must not be a file, and must be creatable and writable. Leaves
+    the file system as it was (a probe directory and file are removed again)."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--run-dir {str(path)!r} is an existing file, not a directory; pass a new directory")
+    if path.is_dir():
+        held = [n for n in RUN_FILES if (path / n).exists()]
+        if held:
+            raise ValueError(f"--run-dir {str(path)!r} already holds a run ({held[0]}); continue it with "
+                             f"`mct train --resume {path}`, or pass a new directory")
+    created = [p for p in [path, *path.parents] if not p.exists()]
+    try:  # a real write tells more than permission bits (root, read-only mounts); then undo it all
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".mct-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--run-dir {str(path)!r} is not writable ({e.strerror or e}); pass a directory "
+                         f"you can write to") from None
+    finally:
+        for p in created:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass

@@ -1,0 +1,138 @@
+"""Sharded tensors on disk through torch.distributed.checkpoint (DCP).
+
+Each 1-D piece a rank holds (see ``mct.zero.state``: an element range of a unit's
+global flat tensor) is handed to DCP as a ``DTensor`` sharded on dim 0, so DCP records
+every rank's chunk and can load any element range into any other sharding: N -> M ranks
+and stage -> stage need no conversion step. Replicated tensors (stage 0, scalars) are
+plain tensors, written once. Without a process group (one process, ``mct export``) DCP
+runs with ``no_dist=True``.
+
+Loading never unpickles arbitrary objects: tensor data is read by DCP with
+``torch.load(weights_only=True)``, and DCP's ``.metadata`` (a pickle) is read by an
+unpickler that only builds DCP's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+            ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata classes, torch dtypes and sizes; refuses anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: not DCP checkpoint metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not readable DCP metadata ({e})") from None
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every single-process call that it assumes one process: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _mesh(device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]]) -> dict[str, Any]:
+    """Pieces that cover only part of their global tensor become DTensors (Shard(0))."""
+    partial = {k for k, t in tensors.items() if k in extents and t.numel() != extents[k][1]}
+    if _distributed():  # every rank must wrap the same keys (a rank may hold all of a tiny unit)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(partial))
+        partial = {k for keys in everyone for k in keys}
+    if not partial:
+        return dict(tensors)
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = _mesh(next(iter(tensors.values())).device)
+    return {k: (DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
+                if k in partial else t) for k, t in tensors.items()}
+
+
+def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> None:
+    """Collective when a process group is up: every rank passes its pieces (the same
+    keys everywhere) and DCP writes ``__<rank>_0.distcp`` files plus ``.metadata``
+    into ``path``. Tensors are written from where they are (views are copied one at a
+    time), so the save holds at most one extra piece."""
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    wrapped = _wrap(tensors, extents)
+    with _quiet():
+        dcp.save(wrapped, storage_writer=writer, no_dist=not _distributed())
+
+
+def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> dict[str, torch.Tensor]:
+    """Fill fresh tensors shaped like ``template`` (this rank's pieces, with their
+    extents) from the checkpoint in ``path``, whatever sharding wrote it. Collective
+    when a process group is up. Raises ValueError naming ``path`` on unreadable data."""
+    SafeReader(str(path)).read_metadata()  # a clean ValueError before DCP's own wrapping
+    wrapped = _wrap(template, extents)
+    try:
+        with _quiet():
+            dcp.load(wrapped, storage_reader=SafeReader(str(path)), no_dist=not _distributed())
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
+        raise ValueError(f"{path}: cannot load the sharded state ({type(e).__name__}: {str(e)[:300]})") from None
+    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in wrapped.items()}
+
+
+def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
+    """Key -> stored tensor metadata (global size, dtype, chunks) of a DCP directory."""
+    md = SafeReader(str(path)).read_metadata()
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def load_full(path: Path, keys: dict[str, torch.Tensor]) -> None:
+    """Fill each given full-size tensor from the checkpoint, in one process (no process
+    group needed): used by export, one unit at a time."""
+    SafeReader(str(path)).read_metadata()
+    try:
+        with _quiet():
+            dcp.load(keys, storage_reader=SafeReader(str(path)), no_dist=True)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: cannot load the sharded state ({type(e).__name__}: {str(e)[:300]})") from None

@@ -1,0 +1,220 @@
+"""Flat units' fp32 state as world-size-independent 1-D pieces (no collectives, no I/O).
+
+Each unit's master and each per-element optimizer state tensor is one *global* 1-D
+tensor of ``layout.numel`` elements: the unit's flat buffer without the tail padding
+(the alignment gaps between parameters stay in, and hold zeros). Its offsets do not
+depend on the world size or the ZeRO stage, so any rank of any run can say which
+element range ``[offset, offset + n)`` of it it holds:
+
+    rank r of a sharded layout: [r * S, min((r + 1) * S, numel))   (S = shard_numel)
+    stage 0 (layout world 1):   [0, numel), the same on every rank (replicated)
+
+These are torch.chunk's ranges, which is also how a DTensor with ``Shard(0)`` splits a
+1-D tensor, so a checkpoint format can map them directly. Scalar optimizer state (Adam's
+``step``) is the same on every rank: replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mct.zero.flat import FlatParamUnit
+
+MASTER = "master"
+
+
+def extent(unit: FlatParamUnit, rank: int) -> tuple[int, int]:
+    """(offset, length) of the unpadded global range this rank's shard holds."""
+    layout = unit.layout
+    if layout.world == 1:
+        return 0, layout.numel
+    lo, hi = layout.shard_range(rank)
+    return min(lo, layout.numel), max(0, min(hi, layout.numel) - lo)
+
+
+def unit_record(unit: FlatParamUnit, group: int) -> dict[str, Any]:
+    """JSON-ready description of a unit's layout (independent of world size)."""
+    return {"name": unit.name, "group": group, "numel": unit.layout.numel,
+            "params": [[n, list(s), o] for n, s, o in zip(unit.names, unit.layout.shapes, unit.layout.offsets)]}
+
+
+def key(unit: FlatParamUnit, what: str) -> str:
+    """State key of a unit's tensor: ``<unit>/master`` or ``<unit>/optim/<state key>``."""
+    return f"{unit.name}/{what}"
+
+
+def export_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer,
+                 rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """This rank's pieces: ({key: tensor}, {key: [offset, global numel]}) for 1-D
+    pieces; scalars have no extent (replicated). Tensors are views of the live state
+    (no copies): clone them to keep a snapshot. Raises ValueError for optimizer state
+    that is neither per-element nor scalar (it could not be resharded)."""
+    tensors: dict[str, torch.Tensor] = {}
+    extents: dict[str, list[int]] = {}
+    for u in units:
+        off, n = extent(u, rank)
+        tensors[key(u, MASTER)] = u.master.detach()[:n]
+        extents[key(u, MASTER)] = [off, u.layout.numel]
+        for name, v in optimizer.state.get(u.master, {}).items():
+            k = key(u, f"optim/{name}")
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"optimizer state {name!r} of unit {u.name!r} is a {type(v).__name__}, not a "
+                                 f"tensor: only tensor state can be checkpointed; use a torch.optim optimizer")
+            if v.shape == u.master.shape:
+                tensors[k] = v.detach()[:n]
+                extents[k] = [off, u.layout.numel]
+            elif v.numel() == 1:
+                tensors[k] = v.detach()
+            else:
+                raise ValueError(f"optimizer state {name!r} of unit {u.name!r} has shape {tuple(v.shape)}: "
+                                 f"neither per-element ({tuple(u.master.shape)}) nor a scalar")
+    return tensors, extents
+
+
+def _jsonish(v: Any) -> Any:
+    """Tuples as lists, so a state that went through JSON compares equal to a live one."""
+    if isinstance(v, (list, tuple)):
+        return [_jsonish(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonish(x) for k, x in v.items()}
+    return v
+
+
+def check_header(state: Any, fmt: str, units: list[dict[str, Any]]) -> int:
+    """Check an engine state's format, entries, ``steps_done`` and unit layouts against
+    ``units`` (this engine's ``unit_record``s). Returns steps_done; raises ValueError."""
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"engine state has format {got!r}, expected {fmt!r}: pass what Engine.state_dict() returned")
+    for k in ("steps_done", "scaler", "param_groups", "units", "tensors", "extents"):
+        if k not in state:
+            raise ValueError(f"engine state has no {k!r} entry")
+    steps = state["steps_done"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"engine state steps_done = {steps!r} must be an integer >= 0")
+    if _jsonish(state["units"]) != _jsonish(units):
+        raise ValueError("engine state holds a different model: its flat-unit layout (parameter names, "
+                         "shapes, groups) differs from this engine's")
+    return steps
+
+
+def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
+                tensors: dict[str, Any], extents: dict[str, Any]) -> None:
+    """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
+    rank's pieces for ``units`` (missing or unexpected keys, wrong extent, shape, dtype,
+    non-finite masters). Reads only; mutates nothing."""
+    expected = {key(u, MASTER) for u in units}
+    optim_keys = {k for k in tensors if "/optim/" in k}
+    unknown = sorted(set(tensors) - expected - optim_keys)
+    if unknown:
+        raise ValueError(f"unexpected tensors {unknown[:3]}: the state was saved from a different model")
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"missing tensors {missing[:3]}: the state was saved from a different model")
+    names = {u.name for u in units}
+    for k in optim_keys:
+        if k.split("/optim/")[0] not in names:
+            raise ValueError(f"optimizer state {k!r} belongs to no unit of this model")
+    per_unit = {frozenset(k.split("/optim/")[1] for k in optim_keys if k.startswith(u.name + "/optim/"))
+                for u in units}
+    if len(per_unit) > 1:
+        raise ValueError(f"optimizer state differs between units ({sorted(map(sorted, per_unit))}): "
+                         f"the state is incomplete")
+    for u in units:
+        off, n = extent(u, rank)
+        want = [off, u.layout.numel]
+        for k in [key(u, MASTER)] + sorted(k for k in optim_keys if k.startswith(u.name + "/optim/")):
+            t = tensors[k]
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{k!r} is a {type(t).__name__}, not a tensor")
+            if k in extents or k.endswith(MASTER):
+                if list(extents.get(k, [])) != want:
+                    raise ValueError(f"{k!r} covers elements {extents.get(k)} (offset, total); this rank of "
+                                     f"this model needs {want}: a different model or sharding")
+                if tuple(t.shape) != (n,):
+                    raise ValueError(f"{k!r} has shape {tuple(t.shape)}, expected ({n},)")
+            elif t.numel() != 1:
+                raise ValueError(f"{k!r} has shape {tuple(t.shape)}: a replicated state must be a scalar")
+        master = tensors[key(u, MASTER)]
+        if master.dtype != torch.float32:
+            raise ValueError(f"{key(u, MASTER)!r} has dtype {master.dtype}, expected torch.float32")
+        if not bool(torch.isfinite(master).all()):
+            raise ValueError(f"{key(u, MASTER)!r} holds non-finite values")
+    for k in optim_keys:
+        if not tensors[k].is_floating_point():
+            raise ValueError(f"{k!r} has dtype {tensors[k].dtype}, expected a floating-point dtype")
+
+
+def load_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
+               tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
+               param_groups: list[dict[str, Any]]) -> None:
+    """Copy checked pieces into the masters and replace the optimizer's state (padding
+    is zero, as in a fresh unit). Call ``check_units`` first; this only mutates."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    with torch.no_grad():
+        for u in units:
+            _, n = extent(u, rank)
+            u.master.zero_()
+            u.master[:n].copy_(tensors[key(u, MASTER)])
+            prefix = key(u, "optim/")
+            mine = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+            if mine:
+                state[index[id(u.master)]] = {name: _padded(t, u.master, n, key(u, f"optim/{name}") in extents)
+                                              for name, t in mine.items()}
+    groups = [{**hyper, "params": [index[id(p)] for p in g["params"]]}
+              for hyper, g in zip(param_groups, optimizer.param_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _padded(t: torch.Tensor, master: torch.Tensor, n: int, per_element: bool) -> torch.Tensor:
+    if not per_element:
+        return t.detach().clone().reshape(()) if t.dim() else t.detach().clone()
+    out = torch.zeros(master.shape, dtype=t.dtype, device=master.device)
+    out[:n].copy_(t)
+    return out
+
+
+def group_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (JSON-ready: tuples become lists)."""
+    out = []
+    for g in optimizer.param_groups:
+        hyper = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            hyper[k] = list(v) if isinstance(v, tuple) else v
+        out.append(hyper)
+    return out
+
+
+def check_hyper(optimizer: torch.optim.Optimizer, param_groups: Any) -> list[dict[str, Any]]:
+    """Validate saved hyperparameters against the optimizer's groups; returns them with
+    lists turned back into the tuples the optimizer uses. Raises ValueError."""
+    if not isinstance(param_groups, list) or len(param_groups) != len(optimizer.param_groups):
+        got = len(param_groups) if isinstance(param_groups, list) else type(param_groups).__name__
+        raise ValueError(f"the state has {got} optimizer param groups, this engine has "
+                         f"{len(optimizer.param_groups)}: a different optimizer set-up")
+    out = []
+    for i, (saved, g) in enumerate(zip(param_groups, optimizer.param_groups)):
+        mine = {k for k in g if k != "params"}
+        if not isinstance(saved, dict) or set(saved) != mine:
+            raise ValueError(f"optimizer param group {i}: saved keys {sorted(saved) if isinstance(saved, dict) else saved} "
+                             f"!= this optimizer's {sorted(mine)}: a different optimizer")
+        out.append({k: (tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v) for k, v in saved.items()})
+    return out
+
+
+def numel_of(record: dict[str, Any]) -> int:
+    """Elements of a unit record's global tensor (for readers without an engine)."""
+    return int(record["numel"]) if record["params"] else 0
+
+
+def param_slices(record: dict[str, Any]) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, shape, start, end) of each parameter in a unit's global flat tensor."""
+    return [(n, tuple(s), o, o + math.prod(s)) for n, s, o in record["params"]]

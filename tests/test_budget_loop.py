@@ -1,0 +1,68 @@
+"""The budget loop: an `auto` run whose enforced budget is overrun at run time moves
+to the planner's next, more frugal configuration; nothing left: one ValueError."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import mct.planner.plan as plan_module
+from mct.config import EngineConfig
+from mct.events import read_events
+from mct.trainer import train
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        (d / f"f{i:02d}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
+    return d
+
+
+def config(corpus_dir: Path, policy: str, budget: str) -> EngineConfig:
+    # activations dominate (seq 64 x batch 8): predicted peaks none 10.6 MB, sqrt 5.4 MB, all 3.6 MB
+    return EngineConfig.from_dict({
+        "seed": 5, "model": {"n_layer": 4, "n_head": 2, "d_model": 32, "seq_len": 64, "dropout": 0.1},
+        "data": {"path": str(corpus_dir), "micro_batch_size": 8}, "checkpointing": {"policy": policy},
+        "memory": {"budget": budget, "enforce": True},
+        "train": {"steps": 3, "warmup_steps": 1, "eval_every": 0, "log_every": 1}})
+
+
+def underpredict(monkeypatch, factors: dict[str, float]) -> None:
+    """Make the planner optimistic about some policies, as a wrong prediction would be."""
+    real = plan_module.predict
+
+    def optimistic(work, cfg, world):
+        p = real(work, cfg, world)
+        return dataclasses.replace(p, peak=int(p.peak * factors.get(cfg.checkpointing.policy, 1.0)))
+    monkeypatch.setattr(plan_module, "predict", optimistic)
+
+
+def test_overrun_under_auto_moves_to_the_next_frugal_configuration(tmp_path, corpus_dir, monkeypatch):
+    underpredict(monkeypatch, {"none": 0.4})  # 'none' looks like 4.3 MB: chosen for a 5 MB budget, then overruns
+    train(config(corpus_dir, "auto", "5MB"), tmp_path / "auto", progress=False)
+    monkeypatch.undo()
+    train(config(corpus_dir, "all", "5MB"), tmp_path / "all", progress=False)
+    meta = json.loads((tmp_path / "auto" / "metadata.json").read_text())
+    assert meta["plan"]["checkpointing.policy"] == "none"
+    [change] = meta["config_changes"]
+    assert change["step"] == 0 and change["from"]["checkpointing.policy"] == "none"
+    assert change["to"]["checkpointing.policy"] == "all" and "budget" in change["reason"]
+    assert [(e["kind"], e["action"]) for e in read_events(tmp_path / "auto")] == [
+        ("budget_fallback", "zero.stage=0 checkpointing.policy=all")]
+    # the failed step modified nothing: the run equals one planned right from the start
+    assert (tmp_path / "auto" / "model.safetensors").read_bytes() == \
+        (tmp_path / "all" / "model.safetensors").read_bytes()
+
+
+def test_nothing_more_frugal_left_is_one_value_error(tmp_path, corpus_dir, monkeypatch):
+    underpredict(monkeypatch, {"none": 0.25, "all": 0.25, "sqrt": 0.25})  # none 2.7, sqrt 1.4, all 0.9 MB
+    with pytest.raises(ValueError, match="no configuration predicted to need less is left") as e:
+        train(config(corpus_dir, "auto", "3MB"), tmp_path / "run", progress=False)
+    assert "\n" not in str(e.value)
+    kinds = [e["kind"] for e in read_events(tmp_path / "run")]
+    assert kinds == ["budget_fallback"]  # none -> all, then nothing below all's prediction

@@ -1,0 +1,172 @@
+"""`mct train --nproc N` end to end: exit codes and one line through the launcher,
+SIGTERM/SIGINT (a checkpoint, no orphans, a resume that ends identical), a worker
+SIGKILLed and restarted, two agents with a c10d rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mct.events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 40
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MCT_FAULT", None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("launch")
+    corpus = d / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"f{i:02d}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
+    cfg = d / "tiny.toml"
+    cfg.write_text(f"""seed = 5
+[model]
+n_layer = 2
+n_head = 2
+d_model = 32
+seq_len = 16
+dropout = 0.1
+[data]
+path = "{corpus}"
+micro_batch_size = 2
+[train]
+steps = {STEPS}
+warmup_steps = 2
+eval_every = 0
+log_every = 1
+checkpoint_every = 5
+[zero]
+stage = 2
+""")
+    return cfg
+
+
+def mct(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mct", *args], env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, **kw)
+
+
+def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def clean(config, tmp_path_factory) -> bytes:
+    """Final weights of the uninterrupted 2-rank run."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(run),
+                              "--no-progress"))
+    assert rc == 0, err
+    return (run / "model.safetensors").read_bytes()
+
+
+def survivors(marker: str) -> list[int]:
+    """Pids of processes whose command line mentions ``marker`` (other than this one)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def wait_for_rows(run: Path, n: int, p: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    path = run / "metrics.jsonl"
+    while time.monotonic() < deadline and p.poll() is None:
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} metrics rows (exit {p.poll()})")
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_checkpoints_leaves_no_orphan_and_resumes_identical(config, clean, tmp_path, sig, code):
+    run = tmp_path / "run"
+    p = mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(run), "--no-progress")
+    wait_for_rows(run, 3, p)
+    p.send_signal(sig)
+    rc, out, err = finish(p)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == code, err
+    assert len(lines) == 1 and lines[0].startswith(f"mct: stopped by {sig.name} at step ") and \
+        f"mct train --resume {run}" in lines[0], err
+    step = int(lines[0].split(" at step ")[1].split(";")[0])
+    assert (run / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()
+    deadline = time.monotonic() + 60
+    while survivors(str(run)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not survivors(str(run))
+    assert [e["kind"] for e in read_events(run)] == ["signal"]
+    rc, out, err = finish(mct("train", "--resume", str(run), "--nproc", "2", "--no-progress"))
+    assert rc == 0, err
+    assert (run / "model.safetensors").read_bytes() == clean
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(STEPS))
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tmp_path):
+    run = tmp_path / "run"
+    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--max-restarts", "1",
+                              "--run-dir", str(run), "--no-progress", env=_env(MCT_FAULT="kill@12:1")))
+    assert rc == 0, err
+    assert (run / "model.safetensors").read_bytes() == clean
+    assert [(e["kind"], e["step"]) for e in read_events(run)][:1] == [("restart", 10)]  # then "resume"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(STEPS))
+
+
+@pytest.mark.parametrize("setting,fault,code,start", [
+    ("data.path=/nonexistent/corpus", "", 2, "mct: error: data.path = "),
+    ("memory.budget=200KiB", "", 2, "mct: error: memory budget exceeded"),
+    ("train.max_consecutive_skips=1", "nan@3-40", 3, "mct: training stopped: "),
+])
+def test_launcher_prints_the_workers_one_line_once(config, tmp_path, setting, fault, code, start):
+    extra = ["--set", "memory.enforce=true"] if "budget" in setting else []
+    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--set", setting, *extra,
+                              "--run-dir", str(tmp_path / "run"), "--no-progress",
+                              env=_env(MCT_FAULT=fault) if fault else None))
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("mct: warning")]
+    assert rc == code, err
+    assert len(lines) == 1 and lines[0].startswith(start), err
+    assert "ChildFailedError" not in err and "torch.distributed" not in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_agents_with_a_c10d_rendezvous_share_one_run_dir(config, clean, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--config", str(config), "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+            f"127.0.0.1:{_free_port()}", "--rdzv-id", "test-c10d", "--run-dir", str(run), "--no-progress"]
+    agents = [mct(*args), mct(*args)]
+    results = [finish(a) for a in agents]
+    assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
+    assert (run / "model.safetensors").read_bytes() == clean
+    assert sorted(f.name for f in run.glob("metrics*.jsonl")) == ["metrics.jsonl", "metrics.rank1.jsonl"]
+    assert sum("run dir" in r[1] for r in results) == 1  # global rank 0 alone prints the summary
