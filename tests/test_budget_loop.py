@@ -4,15 +4,17 @@ to the planner's next, more frugal configuration; nothing left: one ValueError."
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-import mct.planner.plan as plan_module
 from mct.config import EngineConfig
 from mct.events import read_events
 from mct.trainer import train
+
+plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
 
 
 @pytest.fixture(scope="module")
