@@ -92,7 +92,7 @@ def measure_time(n_layer: int, steps: int, warmup: int) -> dict[str, dict[str, f
                 m = out.metrics
                 samples[policy].append({"step_s": elapsed, "forward_s": m["time_forward_s"],
                                         "backward_s": m["time_backward_s"],
-                                        "recompute_s": m["ckpt_recompute_time_s"]})
+                                        "recompute_s": m["recompute_time_s"]})
     out = {p: {k: statistics.median(s[k] for s in samples[p]) for k in samples[p][0]} for p in POLICIES}
     for p in POLICIES:
         # Least-disturbed step, and the median of per-round ratios to 'none' (each round

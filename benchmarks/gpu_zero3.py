@@ -16,7 +16,7 @@ import torch
 
 from mct.config import EngineConfig
 from mct.engine import Engine
-from mct.memory.plan import make_plan
+from mct.planner import predict_peak
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 
 
@@ -38,8 +38,11 @@ def main() -> None:
                       "seq_len": args.seq},
             "data": {"micro_batch_size": args.batch}, "zero": {"stage": 3}, "precision": {"mode": "bf16"},
             "checkpointing": {"policy": policy}, "train": {"grad_clip": 1.0}})
-        plan = make_plan(cfg, 1, None, stages=(3,), policies=(policy,), precisions=("bf16",), device="cuda")
-        predicted = plan.rows[0].pred.peak
+        # the dry run is the CPU path (per-tensor AdamW, no allocator caching): a lower bound here
+        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        predicted = predict_peak(lambda: GPT(cfg.model), gpt_loss, (tokens, tokens), cfg, 1,
+                                 lambda g: torch.optim.AdamW(g, lr=1e-4),
+                                 param_groups=lambda m: optimizer_groups(m, 0.1))
         torch.manual_seed(0)
         model = GPT(cfg.model)
         engine = Engine(model, lambda g: torch.optim.AdamW(g, lr=1e-4), cfg,

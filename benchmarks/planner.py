@@ -1,10 +1,12 @@
-"""Planner accuracy: predicted vs measured per-rank peak for every configuration of
-stages 0-3 x policies none/all/sqrt x fp32/bf16 x 1 and 2 ranks on the tiny GPT, beside
-DeepSpeed's published model-state estimate for stages 2 and 3 (no activations).
+"""Planner accuracy: the dry run's predicted per-rank peaks (steady-state step, first
+step, initialization) against an independent count of every live storage in a real
+run (tests/storage_count.py), on models the planner was not tuned for: a Hugging Face
+GPT-2 with dropout, a model with tied, frozen and re-used parameters and odd sizes, and
+the reference GPT; stages 0-3 x none/selective/all x fp32/bf16 on 1-4 ranks.
 
-    PYTHONPATH=src:. python benchmarks/planner.py [--micro-batch 4] [--layers 2]
+    PYTHONPATH=src:. python benchmarks/planner.py [--worlds 1 2 3 4] [--models hf_gpt2 ...]
 
-Prints a table and writes benchmarks/results/planner.json.
+Prints a table and the worst error; writes benchmarks/results/planner.json.
 """
 
 from __future__ import annotations
@@ -17,72 +19,72 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
 
-from mct.memory.planner import ModelSource, meta_layout, predict  # noqa: E402
 from mct.memory.tracker import format_bytes  # noqa: E402
+from mct.models.gpt import GPT, gpt_loss  # noqa: E402
+from mct.planner import dry_run, token_loss  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.helpers import measured_peak, tiny_config  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+from tests.planner_models import hf_gpt2, random_batch, tied_frozen_reused  # noqa: E402
+from tests.storage_count import measure  # noqa: E402
 
-STAGES, POLICIES, PRECISIONS = (0, 1, 2, 3), ("none", "all", "sqrt"), ("fp32", "bf16")
-
-
-def grid() -> list[tuple[int, str, str]]:
-    return [(s, p, q) for q in PRECISIONS for p in POLICIES for s in STAGES]
-
-
-def config(stage: int, policy: str, precision: str, batch: int, layers: int):
-    return tiny_config(zero={"stage": stage}, checkpointing={"policy": policy}, precision={"mode": precision},
-                       data={"micro_batch_size": batch}, model={"n_layer": layers})
+B = 3
+STAGES, POLICIES, PRECISIONS = (0, 1, 2, 3), ("none", "selective", "all"), ("fp32", "bf16")
+ODD_GPT = {"n_layer": 3, "n_head": 3, "d_model": 30, "seq_len": 13, "vocab_size": 101, "dropout": 0.1}
 
 
-def measure(rank: int, world: int, batch: int, layers: int) -> list[int]:
-    """Max tracker peak over two steps for every configuration (this rank)."""
-    return [measured_peak(config(*c, batch, layers), rank, batch) for c in grid()]
+def models() -> dict:
+    """name -> (model factory, loss, batch(step, rank))."""
+    gpt_cfg = tiny_config(model=ODD_GPT).model
+    return {"hf_gpt2": (hf_gpt2, token_loss, lambda s, r: random_batch(s, r, B)),
+            "tied_frozen_reused": (tied_frozen_reused, token_loss, lambda s, r: random_batch(s, r, B)),
+            "gpt_odd": (lambda: GPT(gpt_cfg), gpt_loss, lambda s, r: random_batch(s, r, B))}
 
 
-def deepspeed_estimate(stage: int, n_params: int, largest_layer: int, world: int) -> int | None:
-    """DeepSpeed's estimate_zero2/3_model_states_mem_needs (offload off, one GPU per
-    node): stage 2: 4 psi + 16 psi / N; stage 3: 4 x largest layer + 18 psi / N."""
-    if stage == 2:
-        return int(4 * n_params + 16 * n_params / world)
-    if stage == 3:
-        return int(4 * largest_layer + 18 * n_params / world)
-    return None
+def grid(names: list[str]) -> list[tuple[str, int, str, str]]:
+    return [(m, s, p, q) for m in names for q in PRECISIONS for p in POLICIES for s in STAGES]
+
+
+def config(stage: int, policy: str, precision: str):
+    return tiny_config(zero={"stage": stage}, checkpointing={"policy": policy}, precision={"mode": precision})
+
+
+def measure_all(rank: int, world: int, names: list[str]) -> list[dict]:
+    table = models()
+    return [measure(table[m][0], table[m][1], table[m][2], config(*c), rank) for m, *c in grid(names)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--models", nargs="+", default=list(models()))
     args = ap.parse_args()
     t0 = time.perf_counter()
-    measured = {1: measure(0, 1, args.micro_batch, args.layers),
-                2: run_distributed(measure, 2, args.micro_batch, args.layers, timeout=900)[0]}
-    rows, memo = [], {}
-    for world in (1, 2):
-        for (stage, policy, precision), got in zip(grid(), measured[world]):
-            cfg = config(stage, policy, precision, args.micro_batch, args.layers)
-            source = ModelSource.from_config(cfg)
-            layout = meta_layout(source, world)
-            pred = predict(layout, source, stage=stage, policy=policy, precision=precision, batch=args.micro_batch,
-                           seq=cfg.model.seq_len, memo=memo.setdefault(world, {}))
-            block = max(sum(u.numel for u in layout.units if u.owner == b) for b in layout.blocks)
-            ds = deepspeed_estimate(stage, layout.n_params, block, world)
-            rows.append({"world": world, "stage": stage, "policy": policy, "precision": precision,
-                         "predicted": pred.peak, "measured": got, "error_pct": 100 * (pred.peak - got) / got,
-                         "at": pred.stage_name, "deepspeed_model_states": ds})
-    header = f"{'ranks':>5} {'stage':>5} {'policy':>6} {'prec':>5} {'predicted':>11} {'measured':>11} " \
-             f"{'error':>7} {'at':>9} {'DeepSpeed est.':>14}"
+    table, rows = models(), []
+    for world in args.worlds:
+        got = (measure_all(0, 1, args.models) if world == 1
+               else run_distributed(measure_all, world, args.models, timeout=3600)[0])
+        for (m, *c), real in zip(grid(args.models), got):
+            fn, loss, batch = table[m]
+            run = dry_run(fn, loss, batch(0, 0), config(*c), world)
+            row = {"model": m, "world": world, "stage": c[0], "policy": c[1], "precision": c[2]}
+            for key, pred, meas in (("steady", run.peak, real["steps"][1]), ("first", run.first_step_peak,
+                                    real["steps"][0]), ("init", run.init_peak, real["init"])):
+                row[f"{key}_predicted"], row[f"{key}_measured"] = pred, meas
+                row[f"{key}_error_pct"] = 100 * (pred - meas) / meas
+            rows.append(row)
+    header = (f"{'model':>18} {'ranks':>5} {'stage':>5} {'policy':>9} {'prec':>5} {'predicted':>11} {'measured':>11} "
+              f"{'error':>7} {'first err':>9} {'init err':>8}")
     print(header)
     for r in rows:
-        ds = format_bytes(r["deepspeed_model_states"]) if r["deepspeed_model_states"] else "-"
-        print(f"{r['world']:>5} {r['stage']:>5} {r['policy']:>6} {r['precision']:>5} {format_bytes(r['predicted']):>11} "
-              f"{format_bytes(r['measured']):>11} {r['error_pct']:>6.1f}% {r['at']:>9} {ds:>14}")
-    worst = max(abs(r["error_pct"]) for r in rows)
-    print(f"worst |error| {worst:.2f}% over {len(rows)} configurations; {time.perf_counter() - t0:.0f}s")
+        print(f"{r['model']:>18} {r['world']:>5} {r['stage']:>5} {r['policy']:>9} {r['precision']:>5} "
+              f"{format_bytes(r['steady_predicted']):>11} {format_bytes(r['steady_measured']):>11} "
+              f"{r['steady_error_pct']:>6.2f}% {r['first_error_pct']:>8.2f}% {r['init_error_pct']:>7.2f}%")
+    worst = {k: max(abs(r[f"{k}_error_pct"]) for r in rows) for k in ("steady", "first", "init")}
+    print(f"worst |error| over {len(rows)} configurations: steady step {worst['steady']:.2f}%, first step "
+          f"{worst['first']:.2f}%, initialization {worst['init']:.2f}%; {time.perf_counter() - t0:.0f}s")
     out = Path(__file__).resolve().parent / "results" / "planner.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"micro_batch": args.micro_batch, "layers": args.layers, "rows": rows,
-                               "worst_error_pct": worst}, indent=2) + "\n")
+    out.write_text(json.dumps({"micro_batch": B, "rows": rows, "worst_error_pct": worst}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -137,15 +137,15 @@ class Baseline:
     def step(self, batch) -> None:
         t = self.tracker
         with fsdp_storage_tracking(t) if self.fsdp and t.enabled else contextlib.nullcontext():
-            with t.stage("forward", "activations"):
+            with t.phase("forward", "activations"):
                 loss = gpt_loss(self.model, batch)
-            with t.stage("backward", "other"):
+            with t.phase("backward", "other"):
                 loss.backward()
             params = list(self.model.parameters())
             grads = [p.grad for p in params if p.grad is not None]
             for g in grads:
                 t.register(g, "grads")
-            with t.stage("optimizer", "other"):
+            with t.phase("optimizer", "other"):
                 torch.nn.utils.clip_grad_norm_(params, CLIP)
                 self.opt.step()
                 for v in self._optimizer_state():

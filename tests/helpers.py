@@ -153,12 +153,3 @@ def shared_work(rank: int, world: int, jobs: dict[Any, Any]) -> dict[Any, Any] |
     parts: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return {k: v for p in parts for k, v in p.items()} if rank == 0 else None
-
-
-def measured_peak(cfg: EngineConfig, rank: int, batch: int) -> int:
-    """This rank's tracked peak bytes, the max over two steps (the first creates the
-    optimizer state) of a fresh tiny GPT engine built from ``cfg``."""
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
-    return max(engine.train_step(batches(s, rank, 1, B=batch), gpt_loss).metrics["peak_bytes"] for s in range(2))

@@ -4,15 +4,17 @@ to the planner's next, more frugal configuration; nothing left: one ValueError."
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-import mct.memory.plan as plan_module
 from mct.config import EngineConfig
 from mct.events import read_events
 from mct.trainer import train
+
+plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,9 @@ def underpredict(monkeypatch, factors: dict[str, float]) -> None:
     """Make the planner optimistic about some policies, as a wrong prediction would be."""
     real = plan_module.predict
 
-    def optimistic(*args, **kwargs):
-        p = real(*args, **kwargs)
-        return dataclasses.replace(p, peak=int(p.peak * factors.get(kwargs["policy"], 1.0)))
+    def optimistic(work, cfg, world):
+        p = real(work, cfg, world)
+        return dataclasses.replace(p, peak=int(p.peak * factors.get(cfg.checkpointing.policy, 1.0)))
     monkeypatch.setattr(plan_module, "predict", optimistic)
 
 

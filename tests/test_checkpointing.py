@@ -271,8 +271,8 @@ def test_recompute_context_and_metrics_reset():
     state = apply_checkpointing(model, CheckpointingConfig(policy="all"), recompute_context=category)
     _loss_and_grads(model, _batch())
     m = state.metrics()
-    assert len(entered) == m["recompute_calls"] == m["checkpointed_blocks"] == TINY.n_layer
-    assert m["policy"] == "all" and m["recompute_time_s"] > 0
+    assert len(entered) == m["recompute_calls"] == m["recompute_checkpointed_blocks"] == TINY.n_layer
+    assert m["recompute_policy"] == "all" and m["recompute_time_s"] > 0
     state.reset_step()
     assert state.metrics()["recompute_calls"] == 0 and state.recompute_time_s == 0.0
 

@@ -71,7 +71,7 @@ def _count_gathers_in_recompute(engine: Engine) -> list[str]:
 
     def counting_gather(name: str, async_op: bool = False) -> None:
         units = stage3.units.get(name, [])
-        if engine.ckpt.recomputing and any(not u.gathered and u.pending_gather is None for u in units):
+        if engine.recompute.recomputing and any(not u.gathered and u.pending_gather is None for u in units):
             seen.append(name)
         gather(name, async_op=async_op)
     stage3.gather = counting_gather
@@ -130,7 +130,7 @@ def _two_rank_runs(rank: int, world: int) -> dict:
     out[("stage3-noprefetch", "none")] = _train(rank, "none", **small, zero={"stage": 3, "prefetch": False})
     out[("stage3-noprefetch", "sqrt")] = _train(rank, "sqrt", **small, zero={"stage": 3, "prefetch": False})
     for run in out.values():  # only what the parent compares crosses the process boundary
-        run["metrics"] = {k: v for k, v in run["metrics"].items() if k in ("zero3_gathers", "ckpt_recompute_calls")}
+        run["metrics"] = {k: v for k, v in run["metrics"].items() if k in ("zero3_gathers", "recompute_calls")}
     return out
 
 
@@ -147,7 +147,7 @@ def test_every_policy_trains_bitwise_like_none_on_two_ranks_and_with_zero3():
     # micro-batches x 2 steps), and 'all' replayed 4 blocks in each of 2 micro-batches
     for runs in ranks:
         assert runs[("stage3-noprefetch", "sqrt")]["gathers_in_recompute"] == 2 * 2 * STEPS
-        assert runs[("stage3", "all")]["metrics"]["ckpt_recompute_calls"] == 2 * 4
+        assert runs[("stage3", "all")]["metrics"]["recompute_calls"] == 2 * 4
 
 
 def test_activation_peaks_per_policy_from_the_memory_tracker(one_rank):
@@ -175,15 +175,15 @@ def test_activation_peaks_per_policy_from_the_memory_tracker(one_rank):
 
 def test_engine_metrics_report_recompute_per_policy(one_rank):
     m_all, m_none = one_rank["all"]["metrics"], one_rank["none"]["metrics"]
-    assert m_all["ckpt_policy"] == "all"
-    assert m_all["ckpt_checkpointed_blocks"] == N_LAYER
-    assert m_all["ckpt_recompute_calls"] == m_all["ckpt_recomputed_blocks"] == N_LAYER
-    assert m_all["ckpt_recompute_time_s"] > 0
-    assert m_none["ckpt_checkpointed_blocks"] == 0
-    assert m_none["ckpt_recompute_calls"] == m_none["ckpt_recomputed_blocks"] == 0
-    assert m_none["ckpt_recompute_time_s"] == 0
-    assert one_rank["every_k"]["metrics"]["ckpt_checkpointed_blocks"] == N_LAYER // 2
-    assert one_rank["sqrt"]["metrics"]["ckpt_regions"] == 3  # runs of 3, 3, 2 blocks
+    assert m_all["recompute_policy"] == "all"
+    assert m_all["recompute_checkpointed_blocks"] == N_LAYER
+    assert m_all["recompute_calls"] == m_all["recomputed_blocks"] == N_LAYER
+    assert m_all["recompute_time_s"] > 0
+    assert m_none["recompute_checkpointed_blocks"] == 0
+    assert m_none["recompute_calls"] == m_none["recomputed_blocks"] == 0
+    assert m_none["recompute_time_s"] == 0
+    assert one_rank["every_k"]["metrics"]["recompute_checkpointed_blocks"] == N_LAYER // 2
+    assert one_rank["sqrt"]["metrics"]["recompute_regions"] == 3  # runs of 3, 3, 2 blocks
 
 
 class NoisyBlock(nn.Module):
@@ -220,5 +220,5 @@ def test_verify_through_engine_names_a_non_deterministic_block():
 
 def test_verify_through_engine_passes_on_gpt_with_dropout(one_rank):
     run = _train(0, "sqrt", verify=True)
-    assert run["metrics"]["ckpt_verified"] is True
+    assert run["metrics"]["recompute_verified"] is True
     _assert_same_training(run, one_rank["none"], "sqrt + verify")

@@ -74,7 +74,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("budget-1KiB-enforced", [*TRAIN, "--set", "memory.budget=1KiB", "--set", "memory.enforce=true"],
      "memory budget exceeded"),
     ("budget-300KiB-enforced", [*TRAIN, "--set", "memory.budget=300KiB", "--set", "memory.enforce=true"],
-     "memory budget exceeded in stage 'forward'"),
+     "memory budget exceeded in phase 'forward'"),
     ("model-larger-than-host-memory", [*TRAIN, "--set", "model.n_layer=2", "--set", "model.d_model=65536",
                                        "--set", "model.n_head=8"], "more than this machine's"),
     ("backend-unknown", [*TRAIN, "--set", "distributed.backend=mpi"], "distributed.backend = 'mpi'"),

@@ -224,11 +224,11 @@ def test_val_batches_come_from_val_only_and_ignore_training_draws(corpus):
 
 def test_sampler_rejects_out_of_range_rank_micro_and_step(corpus):
     s = _sampler(corpus)
-    with pytest.raises(ValueError, match="rank must be an int \\[0, 2\\), got 2"):
+    with pytest.raises(ValueError, match="rank = 2 is not allowed: must be an integer in \\[0, 2\\)"):
         s.batch(0, 0, 2)
-    with pytest.raises(ValueError, match="micro must be an int \\[0, 3\\), got 3"):
+    with pytest.raises(ValueError, match="micro = 3 is not allowed: must be an integer in \\[0, 3\\)"):
         s.batch(0, 3, 0)
-    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="step = -1 is not allowed: must be an integer >= 0"):
         s.batch(-1, 0, 0)
 
 

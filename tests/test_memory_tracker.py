@@ -66,7 +66,7 @@ def _known_ops(tracker: MemoryTracker) -> list:
     """x [4, 8] fp32 (made outside), w [8, 16]: returns live/peak at each step."""
     x, w = torch.randn(4, 8), torch.randn(8, 16)
     seen = []
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         y = x @ w                      # 4*16*4 = 256
         seen.append(tracker.live()["total"])
         z = y.relu()                   # +256
@@ -102,12 +102,12 @@ def _mlp_step(tracker: MemoryTracker) -> tuple[dict, dict, dict]:
     x = torch.randn(2, 8)
     for w in (w1, w2):
         tracker.register(w, "params")
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         h = x @ w1                     # 128
         a = h.relu()                   # 128, peak so far 256
         loss = (a @ w2).sum()          # 32 temporary + 4 -> peak 292, then the 32 is freed
     after_forward = tracker.live()
-    with tracker.stage("backward", category="grads"):
+    with tracker.phase("backward", category="grads"):
         loss.backward()
     for w in (w1, w2):
         tracker.register(w.grad, "grads")
@@ -134,7 +134,7 @@ def test_disabled_tracker_counts_nothing_and_installs_no_mode():
     tracker = MemoryTracker(enabled=False, budget_bytes=1)
     w = torch.randn(8, 8)
     tracker.register(w, "params")
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         assert _get_current_dispatch_mode() is None
         with tracker.category("grads"):
             y = w @ w
@@ -144,25 +144,25 @@ def test_disabled_tracker_counts_nothing_and_installs_no_mode():
     assert y.shape == (8, 8)
 
 
-def test_enabled_stage_installs_the_mode_only_while_inside():
+def test_enabled_phase_installs_the_mode_only_while_inside():
     tracker = MemoryTracker()
-    with tracker.stage("outer"):
-        with tracker.stage("inner"):
+    with tracker.phase("outer"):
+        with tracker.phase("inner"):
             assert _get_current_dispatch_mode() is not None
     assert _get_current_dispatch_mode() is None
 
 
-def test_budget_exceeded_names_stage_budget_and_suggestion_and_stays_consistent():
+def test_budget_exceeded_names_phase_budget_and_suggestion_and_stays_consistent():
     tracker = MemoryTracker(budget_bytes=400, suggestion=lambda: "enable activation checkpointing")
     x, w = torch.randn(4, 8), torch.randn(8, 16)
     with pytest.raises(MemoryBudgetExceeded) as info:
-        with tracker.stage("forward"):
+        with tracker.phase("forward"):
             y = x @ w          # 256: under
             z = y.relu()       # 512: over
     # the traceback's frames hold the tensor that tipped it over; drop them as a caller would
     err = info.value.with_traceback(None)
     del info
-    assert err.stage == "forward" and err.budget == 400
+    assert err.phase == "forward" and err.budget == 400
     assert err.live == _zeros(activations=512)
     assert "'forward'" in str(err) and "400 B" in str(err) and "activations 512 B" in str(err)
     assert "enable activation checkpointing" in str(err)
@@ -177,7 +177,7 @@ def test_budget_exceeded_names_stage_budget_and_suggestion_and_stays_consistent(
 def test_budget_exactly_reached_does_not_raise():
     tracker = MemoryTracker(budget_bytes=512)
     x, w = torch.randn(4, 8), torch.randn(8, 16)
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         y = x @ w
         z = y.relu()
     assert tracker.peak_total() == 512
@@ -189,7 +189,7 @@ def test_budget_exceeded_in_backward_propagates_its_type():
     a = torch.randn(10, 10, requires_grad=True)
     loss = (a * 2).sum()
     with pytest.raises(MemoryBudgetExceeded, match="'backward'"):
-        with tracker.stage("backward", category="grads"):
+        with tracker.phase("backward", category="grads"):
             loss.backward()    # the 400 B gradient crosses 300 B
     assert tracker.live() == _zeros()
 
@@ -197,7 +197,7 @@ def test_budget_exceeded_in_backward_propagates_its_type():
 def test_dtype_conversion_to_bf16_allocates_half():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         h = x.to(torch.bfloat16)
         same = h.to(torch.bfloat16)  # no-op conversion returns the same tensor
     assert tracker.live() == _zeros(activations=4 * 8 * 2)
@@ -226,16 +226,16 @@ def test_resize_to_zero_and_back_with_refresh_like_zero3_param_buffers():
 def test_register_recategorizes_a_tracked_storage():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)
-    with tracker.stage("backward", category="grads"):
+    with tracker.phase("backward", category="grads"):
         g = x * 2
     tracker.register(g, "other")
     assert tracker.live() == _zeros(other=128)
 
 
-def test_category_overrides_stage_default_and_nests():
+def test_category_overrides_phase_default_and_nests():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)
-    with tracker.stage("backward", category="grads"):
+    with tracker.phase("backward", category="grads"):
         g = x * 2                                  # 128 grads
         with tracker.category("activations"):
             r = x * 3                              # 128 activations (recompute)
@@ -246,14 +246,14 @@ def test_category_overrides_stage_default_and_nests():
     del g, r, o, g2
 
 
-def test_nested_stage_peaks_count_toward_outer_and_reentry_keeps_max():
+def test_nested_phase_peaks_count_toward_outer_and_reentry_keeps_max():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)                          # 128 B per x-shaped result
-    with tracker.stage("step"):
-        with tracker.stage("forward"):
+    with tracker.phase("step"):
+        with tracker.phase("forward"):
             a, b = x * 2, x * 3                    # 256
             del a, b
-        with tracker.stage("forward"):
+        with tracker.phase("forward"):
             c = x * 2                              # 128: lower than the first entry
         del c
     peaks = tracker.peaks()
@@ -264,12 +264,12 @@ def test_nested_stage_peaks_count_toward_outer_and_reentry_keeps_max():
 def test_reset_peaks_restarts_from_current_live_bytes():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         keep, tmp = x * 2, x * 3
     del tmp
     tracker.reset_peaks()
     assert tracker.peaks() == {} and tracker.peak_total() == 128
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         pass
     assert tracker.peaks() == {"forward": _zeros(activations=128)}
     del keep
@@ -278,12 +278,12 @@ def test_reset_peaks_restarts_from_current_live_bytes():
 def test_tracker_holds_no_strong_reference_to_storages_and_can_die_first():
     tracker = MemoryTracker()
     x = torch.randn(4, 8)
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         y = x * 2
     ref = weakref.ref(y.untyped_storage())
     del y
     assert ref() is None and tracker.live()["total"] == 0
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         z = x * 2
     del tracker
     gc.collect()
@@ -292,7 +292,7 @@ def test_tracker_holds_no_strong_reference_to_storages_and_can_die_first():
 
 def test_storageless_and_meta_tensors_are_skipped():
     tracker = MemoryTracker()
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         sparse = torch.eye(3).to_sparse()          # eye (36 B) is freed; sparse has no storage
         meta = torch.empty(1000, device="meta")
         tracker.register(meta, "params")
@@ -306,7 +306,7 @@ def test_unknown_category_and_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="'weights'"):
         tracker.register(torch.zeros(1), "weights")
     with pytest.raises(ValueError, match="'weights'"):
-        with tracker.stage("forward", category="weights"):
+        with tracker.phase("forward", category="weights"):
             pass
     with pytest.raises(ValueError, match="budget_bytes"):
         MemoryTracker(budget_bytes=0)
@@ -325,9 +325,9 @@ def test_tiny_gpt_forward_backward_is_reproducible():
         tracker = MemoryTracker()
         for p in model.parameters():
             tracker.register(p, "params")
-        with tracker.stage("forward"):
+        with tracker.phase("forward"):
             loss = gpt_loss(model, batch)
-        with tracker.stage("backward", category="grads"):
+        with tracker.phase("backward", category="grads"):
             loss.backward()
         return tracker.peaks(), tracker.live()
 
@@ -340,11 +340,11 @@ def test_tiny_gpt_forward_backward_is_reproducible():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_stage_peak_covers_allocations_and_splits_registered_bytes():
+def test_cuda_phase_peak_covers_allocations_and_splits_registered_bytes():
     tracker = MemoryTracker("cuda")
     w = torch.randn(256, 256, device="cuda")       # 256 KiB
     tracker.register(w, "params")
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         y = w @ w                                  # 256 KiB more
         del y
     peak = tracker.peaks()["forward"]
@@ -359,7 +359,7 @@ def test_fake_tensors_allocate_nothing():
 
     tracker = MemoryTracker()
     with FakeTensorMode():
-        with tracker.stage("forward"):
+        with tracker.phase("forward"):
             x = torch.randn(4, 8)
             y = (x @ x.t()).relu()
     assert tracker.live()["total"] == 0 and y.shape == (4, 4)
@@ -368,7 +368,7 @@ def test_fake_tensors_allocate_nothing():
 def test_jagged_nested_tensor_counts_new_values_not_shared_offsets():
     nt = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
     tracker = MemoryTracker()
-    with tracker.stage("forward"):
+    with tracker.phase("forward"):
         doubled = nt * 2       # new values (5 fp32); the int64 offsets are the input's
     assert tracker.live() == _zeros(activations=5 * F32)
     del doubled
@@ -380,7 +380,7 @@ def test_tracked_tensors_alive_at_interpreter_exit_free_silently():
 
     code = ("import torch\nfrom mct.memory import MemoryTracker\n"
             "t = MemoryTracker()\nx = torch.randn(8)\n"
-            "with t.stage('forward'):\n    y = [x * 2 for _ in range(3)]\n"
+            "with t.phase('forward'):\n    y = [x * 2 for _ in range(3)]\n"
             "t.register(x, 'params')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Exception" not in proc.stderr, proc.stderr
@@ -400,7 +400,7 @@ class _FakeCudaStats:
         self.max = self.allocated
 
 
-def test_cuda_path_peaks_from_allocator_stats_across_nested_stages(monkeypatch):
+def test_cuda_path_peaks_from_allocator_stats_across_nested_phases(monkeypatch):
     stats = _FakeCudaStats()
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
@@ -409,11 +409,11 @@ def test_cuda_path_peaks_from_allocator_stats_across_nested_stages(monkeypatch):
     stats.alloc(-1000)
     tracker = MemoryTracker("cuda")
     stats.alloc(100)
-    with tracker.stage("step"):
+    with tracker.phase("step"):
         assert _get_current_dispatch_mode() is None
-        stats.alloc(500)                    # 600: the outer stage's own peak
+        stats.alloc(500)                    # 600: the outer phase's own peak
         stats.alloc(-500)
-        with tracker.stage("forward"):      # resets the device counter: 600 must survive
+        with tracker.phase("forward"):      # resets the device counter: 600 must survive
             stats.alloc(200)                # 300
             stats.alloc(-200)
     peaks = tracker.peaks()
@@ -424,13 +424,13 @@ def test_cuda_path_peaks_from_allocator_stats_across_nested_stages(monkeypatch):
     assert tracker.peaks() == {} and tracker.peak_total() == 100
 
 
-def test_cuda_path_budget_is_checked_at_stage_exit(monkeypatch):
+def test_cuda_path_budget_is_checked_at_phase_exit(monkeypatch):
     stats = _FakeCudaStats()
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset)
     tracker = MemoryTracker("cuda", budget_bytes=1000)
     with pytest.raises(MemoryBudgetExceeded, match="'forward'"):
-        with tracker.stage("forward"):
+        with tracker.phase("forward"):
             stats.alloc(1500)
             stats.alloc(-1500)          # freed before exit: the peak still counts

@@ -84,3 +84,22 @@ def test_model_state_formula_bf16_stage3_keeps_only_the_master_shard():
 def test_model_state_formula_rejects_an_unknown_stage():
     with pytest.raises(ValueError, match="zero.stage must be 0, 1, 2 or 3, got 4"):
         model_state_bytes(10, 2, 4, param_bytes=4, grad_bytes=4, master_bytes=0, optim_bytes_per_param=8)
+
+
+def test_simulated_comm_runs_the_bucketing_with_shape_checked_no_op_collectives():
+    """The planner's Comm: same code as the real one (buckets, temporaries, stats), raw
+    collectives that only check shapes; a world of 4 exists only on paper."""
+    import torch
+
+    from mct.dist import DistContext
+    from mct.zero.comm import Comm
+    comm = Comm(DistContext.simulated(4), bucket_bytes=16)
+    full, out = torch.arange(12.0), torch.zeros(3)
+    comm.reduce_scatter(full, out)
+    assert out.tolist() == [0.0, 0.0, 0.0] and comm.stats.calls == 1 and comm.stats.bytes == 48
+    comm.all_gather(torch.ones(3), full)
+    assert comm.all_gather_object("x") == ["x"] * 4
+    with pytest.raises(AssertionError):  # one bucket: straight to the raw collective
+        Comm(DistContext.simulated(4), bucket_bytes=2**20).all_gather(torch.ones(3), torch.zeros(10))
+    with pytest.raises(ValueError, match="world size"):
+        DistContext.simulated(0)

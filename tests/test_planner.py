@@ -1,5 +1,6 @@
-"""Memory planner: predictions against the engine's measured peaks, the ZeRO paper's
-model-state example, `auto` resolution, `mct plan`, and the enforced budget."""
+"""Memory planner: dry runs of the engine against an independent count of live storage
+on models it was not tuned for, published model-state numbers, `auto`, `mct plan`
+(with a Hugging Face model), and the enforced budget."""
 
 from __future__ import annotations
 
@@ -7,84 +8,185 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
+import mct
 from mct.cli import main
 from mct.config import EngineConfig
 from mct.engine import Engine
-from mct.memory.plan import make_plan, resolve_auto
-from mct.memory.planner import ModelSource, Unit, meta_layout, model_state_bytes, predict, zero_paper_bytes
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.planner import dry_run, resolve_auto, token_loss
+from mct.trainer import planning_workload
 from tests.distributed import run_distributed
-from tests.helpers import TINY_MODEL, adamw, batches, measured_peak, tiny_config
+from tests.helpers import TINY_MODEL, adamw, batches, tiny_config
+from tests.planner_models import hf_gpt2, random_batch, tied_frozen_reused
+from tests.storage_count import measure
 
-B = 4
-# (stage, policy, precision): every stage, policy and precision at least once per world size
-GRID = {1: [(0, "none", "fp32"), (3, "sqrt", "bf16")],
-        2: [(1, "all", "bf16"), (2, "sqrt", "fp32"), (3, "all", "fp32"), (3, "none", "bf16")]}
-
-
-def small_gpt() -> torch.nn.Module:
-    """A `module:factory` model for the planner: the tiny GPT, one block deeper."""
-    return GPT(tiny_config(model={"n_layer": 3}).model)
+B = 3
+MODELS = {"hf_gpt2": hf_gpt2, "tied_frozen_reused": tied_frozen_reused}
+# A sample of models x stages 0-3 x none/all/selective x fp32/bf16 on 1-3 ranks (3: nothing
+# divides evenly), kept small for the suite's time; benchmarks/planner.py runs the whole grid
+# (288 configurations, 1-4 ranks).
+SAMPLE = {1: [("hf_gpt2", 0, "none", "bf16")],
+          2: [("hf_gpt2", 3, "all", "bf16"), ("tied_frozen_reused", 1, "selective", "fp32")],
+          3: [("tied_frozen_reused", 2, "all", "bf16")]}
 
 
 def _cfg(stage: int, policy: str, precision: str) -> EngineConfig:
-    return tiny_config(zero={"stage": stage}, checkpointing={"policy": policy}, precision={"mode": precision},
-                       data={"micro_batch_size": B})
+    return tiny_config(zero={"stage": stage}, checkpointing={"policy": policy}, precision={"mode": precision})
 
 
-def _measured_peaks(rank: int, world: int, grid: list) -> list[int]:
-    return [measured_peak(_cfg(*c), rank, B) for c in grid]
+def _measure_sample(rank: int, world: int, sample: list) -> list[dict]:
+    return [measure(MODELS[m], token_loss, lambda s, r: random_batch(s, r, B), _cfg(*c), rank)
+            for m, *c in sample]
 
 
-def _predicted(world: int, stage: int, policy: str, precision: str) -> int:
-    cfg = _cfg(stage, policy, precision)
-    source = ModelSource.from_config(cfg)
-    return predict(meta_layout(source, world), source, stage=stage, policy=policy, precision=precision,
-                   batch=B, seq=TINY_MODEL["seq_len"]).peak
+def test_dry_run_within_5_percent_of_independently_counted_peaks_on_held_out_models():
+    """Steady-state step, first step and initialization, per rank, against every live
+    storage counted by a dispatch mode that knows nothing of the engine's categories."""
+    for world, sample in SAMPLE.items():
+        got = _measure_sample(0, 1, sample) if world == 1 else run_distributed(_measure_sample, world, sample)[0]
+        for (m, *c), real in zip(sample, got):
+            run = dry_run(MODELS[m], token_loss, random_batch(0, 0, B), _cfg(*c), world)
+            for name, pred, meas in (("steady", run.peak, real["steps"][1]),
+                                     ("first step", run.first_step_peak, real["steps"][0]),
+                                     ("init", run.init_peak, real["init"])):
+                assert abs(pred - meas) <= 0.05 * meas, (world, m, c, name, pred, meas)
 
 
-def test_predicted_peak_within_10_percent_of_measured_on_one_and_two_ranks():
-    measured = {1: _measured_peaks(0, 1, GRID[1]), 2: run_distributed(_measured_peaks, 2, GRID[2])[0]}
-    for world, grid in GRID.items():
-        for (stage, policy, precision), got in zip(grid, measured[world]):
-            pred = _predicted(world, stage, policy, precision)
-            assert abs(pred - got) <= 0.10 * got, (world, stage, policy, precision, pred, got)
+def test_predict_peak_equals_the_engine_tracker_of_the_same_step():
+    """The dry run is the engine's own code: its steady-state peak is the tracker's."""
+    cfg = tiny_config(zero={"stage": 2}, checkpointing={"policy": "all"}, precision={"mode": "bf16"})
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    peaks = [engine.train_step(batches(s, 0, 1, B=B), gpt_loss).metrics["peak_bytes"] for s in range(2)]
+    pred = mct.predict_peak(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=B)[0], cfg, world_size=1,
+                            optimizer=adamw, param_groups=lambda m: optimizer_groups(m, 0.1))
+    assert pred == peaks[1]
 
 
-def test_zero_paper_example_model_states_within_1_percent():
-    psi, n = 7.5e9, 64
+class _Pairs(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+        self.up2, self.down2 = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down1(self.up1(x))
+        return x + self.down2(self.up2(x))
+
+
+class _Wide(nn.Module):
+    """Shapes of a large model, for dry runs only (fake tensors: nothing is allocated):
+    an embedding, then blocks of two (d -> h -> d) pairs."""
+
+    def __init__(self, vocab: int, d: int, h: int, n_blocks: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Pairs(d, h) for _ in range(n_blocks))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _model_states(model_fn, world: int, stage: int) -> tuple[dict[str, int], int]:
+    """Model-state bytes per category in the steady-state optimizer phase (its
+    temporaries are 'other'), and the parameter count, from a bf16 dry run."""
+    # one bucket per collective: model states do not depend on it, and a dry run costs per op
+    cfg = EngineConfig.from_dict({"zero": {"stage": stage, "bucket_mb": 2.0**20}, "precision": {"mode": "bf16"}})
+    loss = lambda m, x: m(x).float().square().mean()  # noqa: E731
+    run = dry_run(model_fn, loss, torch.zeros(1, 1, dtype=torch.long), cfg, world)
+    return run.phases["optimizer"], run.n_params
+
+
+def test_zero_paper_model_states_within_1_percent():
+    """Rajbhandari et al. 2020 (ZeRO), Table 1 / Figure 1: psi = 7.5B, N = 64, K = 12,
+    mixed-precision Adam: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device at stages 0-3.
+    The engine keeps its gradients in fp32 (4 bytes where the paper has 2: counted at
+    half) and, at stage 3, no 16-bit parameter shard (it gathers from the fp32 master:
+    the paper's 2 psi / N added back). Tolerance 1%, or the paper's own rounding where
+    that is coarser (it prints 1.875 GB as 1.9 GB)."""
     paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
-    # 1%, or the paper's own rounding where that is coarser (it prints 1.875 GB as 1.9 GB)
-    tolerance = {s: max(0.01 * w, 0.05e9) for s, w in paper.items()}
     for stage, want in paper.items():
-        assert abs(zero_paper_bytes(int(psi), n, stage) - want) <= tolerance[stage]
-    # The planner's own per-unit arithmetic, with the paper's 16-bit gradients: one
-    # unit per 1/32 of the model, as a 32-block model would be cut.
-    units = [Unit(f"b{i}", 0, int(psi) // 32, int(psi) // 32, int(psi) // 32 // n, 1) for i in range(32)]
-    units0 = [Unit(u.owner, 0, u.numel, u.numel, u.numel, 1) for u in units]
-    for stage, want in paper.items():
-        got = sum(model_state_bytes(units0 if stage == 0 else units, stage, "bf16", grad_bytes=2).values())
-        # stage 3: the paper also keeps a 16-bit working shard; the engine gathers from the master
-        want = want if stage < 3 else want - 2 * psi / n
-        assert abs(got - want) <= tolerance[stage], (stage, got, want)
+        states, psi = _model_states(lambda: _Wide(8, 4096, 65536, 7), 64, stage)
+        assert abs(psi - 7.5e9) < 0.005 * 7.5e9
+        got = states["params"] + states["master"] + states["optimizer"] + states["grads"] / 2
+        got += 2 * psi / 64 if stage == 3 else 0
+        assert abs(got - want) <= max(0.01 * want, 0.05e9), (stage, got, want)
 
 
-def test_module_factory_model_is_planned_like_the_reference_gpt():
-    cfg = _cfg(0, "none", "fp32")
-    by_factory = make_plan(cfg, 1, None, factory="tests.test_planner:small_gpt", stages=(0,), policies=("all",),
-                           precisions=("fp32",))
-    by_config = make_plan(tiny_config(model={"n_layer": 3}, data={"micro_batch_size": B}), 1, None, stages=(0,),
-                          policies=("all",), precisions=("fp32",))
-    assert by_factory.n_params == by_config.n_params == sum(p.numel() for p in small_gpt().parameters())
-    assert by_factory.rows[0].pred.peak == by_config.rows[0].pred.peak
+def test_deepspeed_memory_rst_zero2_and_zero3_worked_examples_within_1_percent():
+    """DeepSpeed docs/code-docs/source/memory.rst, "API To Estimate Memory Usage": t5-3b,
+    2851M params, 32M largest layer, 1 node x 8 GPUs, no offload:
+    estimate_zero2_model_states_mem_needs_all_live -> 15.93GB per GPU (4 psi + 16 psi / N);
+    estimate_zero3_model_states_mem_needs_all_live -> 6.10GB (cold estimate 6.09GB;
+    4 x largest layer + 18 psi / N); GB there is 2**30 bytes.
+    Differences from this engine, by design, added back: ZeRO-2 holds a full fp16
+    gradient (2 psi) all live, this engine reduce-scatters each unit in backward and
+    holds only fp32 shards; ZeRO-3 keeps a 16-bit parameter shard (2 psi / N) and counts
+    a gathered largest layer with its gradient (4 x largest) as model state, this
+    engine gathers from the fp32 master and counts gathered blocks as transients."""
+    model_fn = lambda: _Wide(32128, 1024, 57344, 12)  # noqa: E731  (t5-3b's size and embedding)
+    largest = 32128 * 1024
+    states2, psi = _model_states(model_fn, 8, 2)
+    assert abs(psi - 2851e6) < 0.001 * 2851e6
+    zero2 = sum(states2[c] for c in ("params", "master", "grads", "optimizer")) + 2 * psi
+    assert abs(zero2 / 2**30 - 15.93) <= 0.01 * 15.93, zero2 / 2**30
+    states3, _ = _model_states(model_fn, 8, 3)
+    zero3 = sum(states3[c] for c in ("params", "master", "grads", "optimizer")) + 2 * psi / 8 + 4 * largest
+    assert abs(zero3 / 2**30 - 6.09) <= 0.01 * 6.09, zero3 / 2**30
+
+
+def test_plan_is_plain_data_with_a_recommendation():
+    cfg = tiny_config(data={"micro_batch_size": B})
+    x = batches(0, 0, 1, B=B)[0]
+    full = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, world_size=2, stages=(0, 3), policies=("none", "all"),
+                    precisions=("fp32",))
+    assert full.recommended is None and "no budget" in full.advice
+    budget = sorted(r["peak"] for r in full.rows)[1]  # only the two smallest fit
+    plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, world_size=2, budget=budget, stages=(0, 3),
+                    policies=("none", "all"), precisions=("fp32",))
+    fitting = [r for r in plan.rows if r["peak"] <= budget]
+    assert plan.recommended in fitting and plan.recommended["cost"] == min(r["cost"] for r in fitting)
+    row = json.loads(json.dumps(plan.to_dict()))["rows"][0]  # plain data all the way down
+    assert set(row["breakdown"]) == {"params", "master", "grads", "optimizer", "activations", "other"}
+    assert row["peak"] == sum(row["breakdown"].values()) and row["phase"] in row["phases"]
+
+
+def test_mct_plan_plans_a_hugging_face_model_by_module_convention(capsys):
+    """A Hugging Face GPT-2 by `--model module:factory`; a budget nothing fits: the table
+    (JSON) is printed, then one line on stderr and exit 2."""
+    assert main(["plan", "--model", "tests.planner_models:hf_gpt2", "--world-size", "2", "--json",
+                 "--set", f"data.micro_batch_size={B}", "--budget", "100KB", "--stages", "0,3",
+                 "--policies", "none,all"]) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["n_params"] == sum(p.numel() for p in hf_gpt2().parameters())
+    assert [(r["stage"], r["policy"], r["precision"]) for r in out["rows"]] == [
+        (s, p, q) for q in ("fp32", "bf16") for p in ("none", "all") for s in (0, 3)]
+    assert all(r["peak"] > 0 and not r["fits"] for r in out["rows"])
+    assert out["recommended"] is None
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and "nothing fits" in err and "misses by" in err
+
+
+def test_bad_model_path_or_grid_is_a_one_line_error(capsys):
+    for args, word in ((["--model", "tests.planner_models:nothing_here"], "nothing_here"),
+                       (["--stages", "0,4"], "'4'"), (["--policies", "some"], "'some'")):
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and word in err, err
 
 
 def test_auto_without_budget_is_a_clear_value_error():
     cfg = tiny_config(zero={"stage": "auto"})
     with pytest.raises(ValueError, match="memory.budget"):
-        resolve_auto(cfg, 1)
+        resolve_auto(cfg, 1, planning_workload(cfg))
 
 
 def test_engine_given_auto_points_to_the_planner():
@@ -103,9 +205,12 @@ def _write_corpus(tmp_path) -> str:
 def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
     from mct.trainer import train
     (tmp_path / "data").mkdir()
-    base = {"model": dict(TINY_MODEL), "data": {"path": _write_corpus(tmp_path / "data"), "micro_batch_size": B},
+    base = {"model": dict(TINY_MODEL), "data": {"path": _write_corpus(tmp_path / "data"), "micro_batch_size": 4},
             "train": {"steps": 3, "eval_every": 0, "warmup_steps": 1, "log_every": 1}}
-    default_peak = _predicted(1, 0, "none", "fp32")
+    default = EngineConfig.from_dict(base)
+    work = planning_workload(default)
+    default_peak = dry_run(work.model_fn, work.loss_fn, work.batch, default, 1, optimizer=work.optimizer,
+                           param_groups=work.param_groups).peak
     budget = int(default_peak * 0.8)  # the default run does not fit
     cfg = EngineConfig.from_dict({**base, "zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"},
                                   "memory": {"budget": str(budget), "enforce": True}})
@@ -122,47 +227,44 @@ def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
 
 def test_impossible_budget_fails_in_one_line_with_exit_2(capsys):
     tiny = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
-    args = [a for kv in tiny for a in ("--set", kv)] + ["--set", f"data.micro_batch_size={B}"]
-    assert main(["train", *args, "--set", "zero.stage=auto", "--set", "memory.budget=20KB"]) == 2
+    args = [a for kv in tiny for a in ("--set", kv)] + ["--set", "data.micro_batch_size=4"]
+    assert main(["train", *args, "--set", "zero.stage=auto", "--set", "checkpointing.policy=all",
+                 "--set", "memory.budget=20KB"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("mct: error: nothing fits") and "misses by" in err
-    assert main(["plan", *args, "--budget", "20KB", "--json"]) == 2
-    captured = capsys.readouterr()
-    assert json.loads(captured.out)["recommended"] is None
-    assert captured.err.strip().count("\n") == 0 and "nothing fits" in captured.err
 
 
 def test_budget_exceeded_in_the_optimizer_step_modifies_nothing():
     """The first step's Adam state does not fit, forward and backward do: the step must
     fail before any master, parameter or optimizer state changes, and succeed later."""
-    probe = _cfg(0, "all", "fp32")
+    probe = tiny_config(checkpointing={"policy": "all"}, data={"micro_batch_size": 4})
     torch.manual_seed(0)
     m = GPT(probe.model)
     peaks = Engine(m, adamw, probe, param_groups=optimizer_groups(m, 0.1)).train_step(
-        batches(0, 0, 1, B=B), gpt_loss).metrics["peaks"]
+        batches(0, 0, 1, B=4), gpt_loss).metrics["peaks"]
     budget = (max(peaks["forward"]["total"], peaks["backward"]["total"]) + peaks["optimizer"]["total"]) // 2
     assert peaks["optimizer"]["total"] > budget
-    cfg = tiny_config(checkpointing={"policy": "all"}, data={"micro_batch_size": B},
+    cfg = tiny_config(checkpointing={"policy": "all"}, data={"micro_batch_size": 4},
                       memory={"budget": str(budget), "enforce": True})
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(MemoryBudgetExceeded) as info:
-        engine.train_step(batches(0, 0, 1, B=B), gpt_loss)
-    assert info.value.stage == "optimizer" and "mct plan" in str(info.value)
+        engine.train_step(batches(0, 0, 1, B=4), gpt_loss)
+    assert info.value.phase == "optimizer" and "mct plan" in str(info.value)
     assert not engine.optimizer.state, "the optimizer's lazy state was created"
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     engine.tracker.budget_bytes = None
-    assert not engine.train_step(batches(0, 0, 1, B=B), gpt_loss).skipped
+    assert not engine.train_step(batches(0, 0, 1, B=4), gpt_loss).skipped
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def test_stage_peak_records_growth_below_an_earlier_global_peak():
     tracker = MemoryTracker("cpu")
-    with tracker.stage("big"):
+    with tracker.phase("big"):
         x = torch.zeros(1000)
         del x
-    with tracker.stage("small"):
+    with tracker.phase("small"):
         y = torch.zeros(100)
     assert tracker.peaks()["small"]["total"] == y.untyped_storage().nbytes()

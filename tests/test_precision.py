@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mct.config import PrecisionConfig
-from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy, local_found_inf
+from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 
 INF, NAN = float("inf"), float("nan")
 
@@ -185,40 +185,6 @@ def test_scaler_rejects_bad_arguments_naming_the_value(kwargs, key):
         LossScaler(enabled=True, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bad", [INF, -INF, NAN])
-@pytest.mark.parametrize("where", [0, 2])
-def test_local_found_inf_finds_any_non_finite_value(dtype, bad, where):
-    tensors = [torch.randn(4, 3).to(dtype), torch.empty(0, dtype=dtype), torch.randn(7).to(dtype)]
-    tensors[where].view(-1)[where + 1] = bad
-    found = local_found_inf(tensors)
-    assert found.dtype == torch.float32 and found.dim() == 0
-    assert found.item() == 1.0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_local_found_inf_is_zero_for_finite_and_leaves_values_unchanged(dtype):
-    big = torch.finfo(dtype).max
-    tensors = [torch.tensor([big, -big, 0.0]).to(dtype), torch.randn(5, 2).to(dtype)[:, 0]]
-    before = [t.clone() for t in tensors]
-    assert local_found_inf(tensors).item() == 0.0
-    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
-
-
-def test_local_found_inf_mixed_dtypes_empty_list_and_fused_unscale():
-    fp32, fp16 = torch.tensor([2.0, 4.0]), torch.tensor([1.0, INF], dtype=torch.float16)
-    assert local_found_inf([fp32, fp16]).item() == 1.0
-    assert local_found_inf([]).item() == 0.0
-    g = torch.tensor([2.0, 4.0])
-    assert local_found_inf([g], inv_scale=0.5).item() == 0.0
-    assert g.tolist() == [1.0, 2.0]
-
-
-def test_local_found_inf_rejects_integer_tensors():
-    with pytest.raises(ValueError, match="torch.int64"):
-        local_found_inf([torch.tensor([1, 2])])
-
-
 @pytest.mark.parametrize("mode, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_policy_dtypes_per_mode(mode, dtype):
     p = PrecisionPolicy.from_config(PrecisionConfig(mode=mode))
@@ -254,16 +220,6 @@ def test_policy_rejects_unknown_mode_and_reduce_dtype():
     with pytest.raises(ValueError, match="reduce_dtype"):
         PrecisionPolicy(mode="bf16", param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16,
                         reduce_dtype=torch.float16)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_local_found_inf_on_cuda(dtype):
-    ok = [torch.randn(1000, device="cuda").to(dtype), torch.randn(3, device="cuda").to(dtype)]
-    found = local_found_inf(ok)
-    assert found.device.type == "cuda" and found.item() == 0.0
-    ok[1][2] = NAN
-    assert local_found_inf(ok).item() == 1.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,10 +11,13 @@ def __getattr__(name: str):
     if name in ("Engine", "StepResult"):
         from mct import engine
         return getattr(engine, name)
+    if name in ("predict_peak", "plan"):
+        from mct import planner
+        return getattr(planner, name)
     if name == "MemoryBudgetExceeded":
         from mct.memory.tracker import MemoryBudgetExceeded
         return MemoryBudgetExceeded
     raise AttributeError(f"module 'mct' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "EngineConfig", "MemoryBudgetExceeded", "StepResult", "__version__"]
+__all__ = ["Engine", "EngineConfig", "MemoryBudgetExceeded", "StepResult", "__version__", "plan", "predict_peak"]

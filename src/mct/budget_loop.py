@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from mct.config import EngineConfig
-from mct.memory.plan import make_plan
 from mct.memory.tracker import format_bytes
+from mct.planner import Workload
+from mct.planner.plan import make_plan
 
 
 def _key(cfg: EngineConfig) -> tuple[int, str]:
@@ -31,18 +32,19 @@ class BudgetLoop:
 
     auto_cfg: EngineConfig
     world: int
-    device: str = "cpu"
+    work: Workload
+    """What the planner dry-runs: the run's model, loss and example batch."""
     peak: int = 0
     """Predicted peak of the configuration in use."""
     tried: set[tuple[int, str]] = field(default_factory=set)
 
     @classmethod
     def maybe(cls, auto_cfg: EngineConfig, choice: dict[str, Any] | None, world: int,
-              device: str) -> "BudgetLoop | None":
+              work: Workload) -> "BudgetLoop | None":
         """A loop for runs whose stage or policy was ``auto`` under an enforced budget; else None."""
         if choice is None or not auto_cfg.memory.enforce:
             return None
-        return cls(auto_cfg, world, device, int(choice["predicted_peak_bytes"]),
+        return cls(auto_cfg, world, work, int(choice["predicted_peak_bytes"]),
                    {(int(choice["zero.stage"]), str(choice["checkpointing.policy"]))})
 
     def next_config(self, current: EngineConfig, error: str) -> tuple[EngineConfig, dict[str, Any]]:
@@ -51,23 +53,23 @@ class BudgetLoop:
         a = self.auto_cfg
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
         policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
-        plan = make_plan(a, self.world, a.memory.budget_bytes, stages=stages, policies=policies,
-                         precisions=(a.precision.mode,), device=self.device)
-        rows = [r for r in plan.rows if (r.pred.stage, r.pred.policy) not in self.tried and r.pred.peak < self.peak]
+        plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, stages=stages, policies=policies,
+                         precisions=(a.precision.mode,))
+        rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
         if not rows:
             stage, policy = _key(current)
             raise ValueError(f"memory budget exceeded at run time with zero.stage={stage} checkpointing.policy="
                              f"{policy}, and no configuration predicted to need less is left to try ({error.split('.')[0]}); "
                              f"raise memory.budget, lower data.micro_batch_size or use more ranks")
-        best = min(rows, key=lambda r: (r.cost, r.pred.peak, r.pred.stage))
-        self.tried.add((best.pred.stage, best.pred.policy))
+        best = min(rows, key=lambda r: (r["cost"], r["peak"], r["stage"]))
+        self.tried.add((best["stage"], best["policy"]))
         d = current.to_dict()
-        d["zero"]["stage"], d["checkpointing"]["policy"] = best.pred.stage, best.pred.policy
-        before, self.peak = self.peak, best.pred.peak
+        d["zero"]["stage"], d["checkpointing"]["policy"] = best["stage"], best["policy"]
+        before, self.peak = self.peak, best["peak"]
         stage, policy = _key(current)
         change = {"from": {"zero.stage": stage, "checkpointing.policy": policy, "predicted_peak_bytes": before},
-                  "to": {"zero.stage": best.pred.stage, "checkpointing.policy": best.pred.policy,
-                         "predicted_peak_bytes": best.pred.peak},
+                  "to": {"zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+                         "predicted_peak_bytes": best["peak"]},
                   "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
         return EngineConfig.from_dict(d), change
 

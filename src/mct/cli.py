@@ -72,11 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predict per-rank peak memory of every configuration; pick one for a budget",
                         **kw)
     _common(pl, nproc=False)
-    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference GPT)")
+    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference "
+                    "GPT); the module may define loss_fn, example_batch, optimizer, param_groups (docs/planner.md)")
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.add_argument("--plot", metavar="FILE.png", help="also draw the predicted peaks as stacked bars")
+    pl.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to plan, comma-separated")
+    pl.add_argument("--policies", default="none,selective,sqrt,all", help="checkpointing policies to plan")
+    pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
@@ -142,9 +146,9 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.models.gpt import GPT
+    from mct.trainer import planning_workload  # the recipe's model: the CLI never imports it directly
     with torch.device("meta"):
-        n = sum(p.numel() for p in GPT(cfg.model).parameters())
+        n = sum(p.numel() for p in planning_workload(cfg).model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * nproc
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
@@ -174,9 +178,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
-        from mct.memory.plan import resolve_auto
+        from mct.planner import resolve_auto
+        from mct.trainer import planning_workload
         from mct.persistence.run_dir import check_new_run_dir
-        resolve_auto(cfg, args.nproc * args.nnodes)  # an impossible budget fails here, in one line, before any launch
+        # an impossible budget fails here, in one line, before any launch
+        resolve_auto(cfg, args.nproc * args.nnodes, planning_workload(cfg))
         extra: list[str] = []
         if not args.resume:
             run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -307,13 +313,70 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.memory.plan import cmd_plan as plan
+    """``mct plan``: dry-run every configuration and print the table (or JSON). Returns
+    0 when a configuration fits (or no budget was given); raises ValueError (exit 2,
+    one line) when nothing fits. ``--plot FILE.png`` also draws it (``mct.plots``)."""
+    import json
+
+    from mct.config import parse_bytes
+    from mct.planner import load_workload, make_plan
     from mct.plots import check_plot_path
     cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
     if args.plot:
         check_plot_path(args.plot)  # before minutes of planning
-    return plan(cfg, world=args.world_size, budget=args.budget, factory=args.model, as_json=args.json,
-                plot=args.plot)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
+    if args.model:
+        work = load_workload(args.model, cfg)
+    else:
+        from mct.trainer import planning_workload
+        work = planning_workload(cfg)
+    grid = _plan_grid(args)
+    plan = make_plan(work, cfg, args.world_size, limit, **grid)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if args.plot:
+        from mct.plots import plot_plan
+        plot_plan(plan.to_dict(), args.plot)
+    if limit is not None and plan.recommended is None:
+        raise ValueError(plan.advice)
+    return 0
+
+
+def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
+    """--stages/--policies/--precisions -> make_plan's grid. Raises ValueError naming a
+    value that is not a stage, policy or precision mode."""
+    allowed = {"stages": ("0", "1", "2", "3"), "policies": ("none", "selective", "sqrt", "all", "every_k"),
+               "precisions": ("fp32", "bf16", "fp16")}
+    grid: dict[str, tuple] = {}
+    for key, ok in allowed.items():
+        values = tuple(v.strip() for v in getattr(args, key).split(",") if v.strip())
+        bad = [v for v in values if v not in ok]
+        if bad or not values:
+            raise ValueError(f"--{key} {getattr(args, key)!r}: {bad or 'nothing'} is not allowed; "
+                             f"choose from {','.join(ok)}")
+        grid[key] = tuple(int(v) for v in values) if key == "stages" else values
+    return grid
+
+
+def format_plan(plan) -> str:
+    """The plan as a table: one row per configuration (steady-state peak, bytes per
+    category at that peak, the phase it is in, first-step and init peaks, fits, cost),
+    the recommended row marked '*', then the advice line."""
+    from mct.memory.tracker import CATEGORIES, format_bytes
+    cols = ["stage", "policy", "prec", "peak", *CATEGORIES, "at", "first", "init", "fits", "cost"]
+    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
+             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
+             "  ".join(f"{c:>10}" for c in cols)]
+    for r in plan.rows:
+        mark = "*" if r is plan.recommended else ""
+        vals = [f"{r['stage']}{mark}", r["policy"], r["precision"], format_bytes(r["peak"]),
+                *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
+                format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]), "yes" if r["fits"] else "no",
+                f"{r['cost']:.2f}"]
+        lines.append("  ".join(f"{v:>10}" for v in vals))
+    lines.append(plan.advice)
+    return "\n".join(lines)
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:

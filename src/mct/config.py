@@ -33,6 +33,17 @@ def parse_bytes(text: str | int, key: str = "memory.budget") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """Raise ValueError unless ``value`` is an integer (not a bool; numpy integers
+    pass) in ``[lo, hi)`` (``hi`` None: no upper bound), naming ``key`` and the value.
+    The one integer validator of the project (config, data sampler, loss scaler)."""
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (
+            hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{key} = {value!r} is not allowed: must be an integer {bound}")
+
+
 def _fail(key: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{key} = {value!r} is not allowed: {allowed}")
 
@@ -229,6 +240,9 @@ class ZeroConfig:
     """Stage 3: all-gather the next block's parameters while this one computes."""
     persistent_numel: int = 0
     """Stage 3: units with at most this many elements stay gathered (0 = shard everything)."""
+    units: list[str] = field(default_factory=list)
+    """Module class names whose instances are ZeRO units (gathered, reduced, freed together);
+    [] = the same blocks as checkpointing (checkpointing.blocks)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3, "auto") or isinstance(self.stage, bool):

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mct.config import check_int
+
 if TYPE_CHECKING:
     from mct.config import EngineConfig
 
@@ -275,12 +277,6 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
                   min_vocab_size=max_id + 1)
 
 
-def _check_int(name: str, value: int, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value >= hi):
-        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-
-
 class BatchSampler:
     """Stateless, seeded windows: every call is a pure function of its arguments.
 
@@ -295,10 +291,10 @@ class BatchSampler:
                  world_size: int, seed: int) -> None:
         """Raises ValueError for non-positive sizes or a train split too small for one
         step's distinct windows."""
-        _check_int("model.seq_len", seq_len, 1)
-        _check_int("data.micro_batch_size", micro_batch_size, 1)
-        _check_int("data.grad_accum", grad_accum, 1)
-        _check_int("world_size", world_size, 1)
+        check_int("model.seq_len", seq_len, 1)
+        check_int("data.micro_batch_size", micro_batch_size, 1)
+        check_int("data.grad_accum", grad_accum, 1)
+        check_int("world_size", world_size, 1)
         self.corpus, self.seq_len, self.seed = corpus, seq_len, seed
         self.micro_batch_size, self.grad_accum, self.world_size = micro_batch_size, grad_accum, world_size
         self._seed_key = seed % 2**64  # SeedSequence needs a non-negative entropy word
@@ -319,7 +315,7 @@ class BatchSampler:
 
     def step_offsets(self, step: int) -> np.ndarray:
         """All window offsets of ``step``, shape [world_size, grad_accum, micro_batch_size]."""
-        _check_int("step", step, 0)
+        check_int("step", step, 0)
         rng = np.random.default_rng([self._seed_key, _TRAIN_STREAM, step])
         flat = rng.choice(self._positions(self.corpus.train), size=self.windows_per_step,
                           replace=False)
@@ -328,7 +324,7 @@ class BatchSampler:
     def val_offsets(self, i: int) -> np.ndarray:
         """Window offsets of validation batch ``i`` for all ranks, shape [world_size, B].
         Distinct when the split has enough windows, else drawn with replacement."""
-        _check_int("validation batch index", i, 0)
+        check_int("validation batch index", i, 0)
         rng = np.random.default_rng([self._seed_key, _VAL_STREAM, i])
         n, k = self._positions(self.corpus.val), self.world_size * self.micro_batch_size
         return rng.choice(n, size=k, replace=k > n).reshape(self.world_size, self.micro_batch_size)
@@ -343,21 +339,21 @@ class BatchSampler:
     def batch(self, step: int, micro: int, rank: int,
               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, targets), int64 [B, T] each, targets = inputs shifted by one."""
-        _check_int("micro", micro, 0, self.grad_accum)
-        _check_int("rank", rank, 0, self.world_size)
+        check_int("micro", micro, 0, self.grad_accum)
+        check_int("rank", rank, 0, self.world_size)
         return self._windows(self.corpus.train, self.step_offsets(step)[rank, micro], device)
 
     def micro_batches(self, step: int, rank: int,
                       device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``grad_accum`` micro-batches of ``rank`` at ``step``, in order."""
-        _check_int("rank", rank, 0, self.world_size)
+        check_int("rank", rank, 0, self.world_size)
         offsets = self.step_offsets(step)[rank]
         return [self._windows(self.corpus.train, o, device) for o in offsets]
 
     def val_batch(self, i: int, rank: int = 0,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Validation batch ``i`` of ``rank``: fixed for a seed, from the val split only."""
-        _check_int("rank", rank, 0, self.world_size)
+        check_int("rank", rank, 0, self.world_size)
         return self._windows(self.corpus.val, self.val_offsets(i)[rank], device)
 
 

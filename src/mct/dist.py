@@ -44,6 +44,15 @@ class DistContext:
                        device=device, backend=backend)
         return cls(device=device or _default_device("none", 0))
 
+    @classmethod
+    def simulated(cls, world_size: int, device: torch.device | str = "cpu") -> "DistContext":
+        """Rank 0 of a ``world_size``-rank group that does not exist: its ``Comm`` runs
+        the engine's collectives as shape-checked no-ops (the planner's fake runs).
+        Raises ValueError for a world size below 1."""
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        return cls(world_size=world_size, device=torch.device(device), backend="simulated")
+
 
 def _default_device(backend: str, local_rank: int) -> torch.device:
     if backend in ("nccl", "none") and torch.cuda.is_available():

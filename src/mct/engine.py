@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
@@ -50,7 +51,7 @@ class StepResult:
     loss_scale: float | None
     """fp16: the loss scale used for this step; None otherwise."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """Per-step timings (s), communication, memory peaks (bytes) by stage and category."""
+    """Per-step timings (s), communication, memory peaks (bytes) by phase and category."""
 
 
 class Engine:
@@ -65,8 +66,8 @@ class Engine:
         for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
             if value == "auto":
                 raise ValueError(f"{key} = 'auto' must be resolved before the engine is built: `mct train` does "
-                                 f"it; from Python call mct.memory.plan.resolve_auto(config, world_size), which "
-                                 f"returns the config with the planner's choice (it needs memory.budget)")
+                                 f"it; from Python call mct.planner.resolve_auto(config, world_size, workload), "
+                                 f"which returns the config with the planner's choice (it needs memory.budget)")
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
@@ -74,30 +75,34 @@ class Engine:
                                                 suggestion=default_suggestion(cfg) if enforce else None)
         if enforce and self.device.type == "cuda":
             apply_cuda_budget(self.device, enforce)
-        self.policy = PrecisionPolicy.from_config(cfg.precision)
+        self.precision = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
-        self.model = model.to(self.device)
+        # Move only what is elsewhere: ``Module.to`` re-wraps every tensor, which fake
+        # tensors (the planner's dry runs) refuse once something holds a weakref to them.
+        if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
+            model.to(self.device)
+        self.model = model
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
-        blocks = find_blocks(model, cfg.checkpointing.blocks)
-        self.ckpt = apply_checkpointing(model, cfg.checkpointing,
-                                        recompute_context=lambda: self.tracker.category("activations"))
+        self.recompute = apply_checkpointing(model, cfg.checkpointing,
+                                             recompute_context=lambda: self.tracker.category("activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = self._discover_groups(optimizer, param_groups)
         self._check_ranks_agree()
         with torch.no_grad():
             for p in model.parameters():
                 if not p.requires_grad:
-                    p.data = p.data.to(self.policy.param_dtype)
-        # 3. ZeRO: flat units, shards, hooks
+                    p.data = p.data.to(self.precision.param_dtype)
+        # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
+        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
         self.stage = int(cfg.zero.stage)
-        self.sharded = ShardedModel(model, groups, blocks, stage=self.stage, comm=self.comm,
-                                    param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
+        self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
+                                    param_dtype=self.precision.param_dtype, reduce_dtype=self.precision.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
                                     tracker=self.tracker)
-        self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
+        self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
             {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)
@@ -106,7 +111,7 @@ class Engine:
         self._register_buffers()
         self.steps_done = 0
         self._opt_state_tracked = False
-        self._stage_name = "idle"
+        self._phase_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
@@ -141,7 +146,7 @@ class Engine:
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
         first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, self.sharded.masters())
-        publish = max((u.master.numel() * self.policy.param_dtype.itemsize for u in self.sharded.units
+        publish = max((u.master.numel() * self.precision.param_dtype.itemsize for u in self.sharded.units
                        if u.persistent and u.layout.world > 1), default=0)
         return StepReserve(first, later, publish)
 
@@ -158,7 +163,7 @@ class Engine:
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
         try:
-            with cuda_oom_as_budget_error(self.tracker, lambda: self._stage_name):
+            with cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name):
                 return self._train_step(micro, loss_fn)
         except MemoryBudgetExceeded:
             self.sharded.zero_grad()
@@ -169,38 +174,37 @@ class Engine:
     def _train_step(self, micro: list, loss_fn: LossFn) -> StepResult:
         self.tracker.reset_peaks()
         self.comm.reset_stats()
-        if self.ckpt is not None:
-            self.ckpt.reset_step()
+        self.recompute.reset_step()
         times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        kernels = self.policy.kernels(self.device.type)  # one mode object, re-entered per phase
+        kernels = self.precision.kernels(self.device.type)  # one mode object, re-entered per phase
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             t0 = time.perf_counter()
-            self._stage_name = "forward"
-            with self.tracker.stage("forward", "activations"), self._phase("forward"), kernels:
-                with self.policy.autocast(self.device.type):
+            self._phase_name = "forward"
+            with self.tracker.phase("forward", "activations"), self._phase("forward"), kernels:
+                with self.precision.autocast(self.device.type):
                     loss = loss_fn(self.model, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
             loss_sum += loss.detach().double()
             t1 = time.perf_counter()
-            self._stage_name = "backward"
-            with self.tracker.stage("backward", "other"), self._phase("backward"), kernels:
+            self._phase_name = "backward"
+            with self.tracker.phase("backward", "other"), self._phase("backward"), kernels:
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
         t2 = time.perf_counter()
-        self._stage_name = "optimizer"
+        self._phase_name = "optimizer"
         start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
         try:
-            with self.tracker.stage("optimizer", "other"):
+            with self.tracker.phase("optimizer", "other"):
                 result = self._optimizer_step(loss_sum / len(micro))
         finally:  # also after LossScaleFloorError: the engine must stay usable
-            self._stage_name = "idle"
+            self._phase_name = "idle"
             if self.stage3 is not None:
                 self.stage3.end_step()
         if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
@@ -226,9 +230,7 @@ class Engine:
             torch._foreach_mul_(shards, 1.0 / self._grad_divisor())
         sums = torch.stack([self.sharded.local_sq_norm().double(), local_loss])
         self.comm.all_reduce_(sums)  # one collective for the norm and the loss
-        grad_norm = float(sums[0].sqrt())
-        loss = float(sums[1]) / self.comm.world
-        found_inf = not torch.isfinite(sums[0]).item()
+        grad_norm, loss, found_inf = _host_values(sums, self.comm.world)
         loss_scale = scale if self.scaler.enabled else None
         if self.reserve is not None and not found_inf:  # fail here, before anything is modified
             self.tracker.require_headroom(self.reserve.need(first_step=not self.optimizer.state))
@@ -276,8 +278,7 @@ class Engine:
         m["peaks"] = self.tracker.peaks()
         m["live"] = self.tracker.live()
         m.update(self.scaler.metrics())
-        if self.ckpt is not None:
-            m.update({f"ckpt_{k}": v for k, v in self.ckpt.metrics().items()})
+        m.update(self.recompute.metrics())
         if self.stage3 is not None:
             m["zero3_gathers"] = self.stage3.gathers
         return m
@@ -294,8 +295,9 @@ class Engine:
         self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self.tracker.stage("eval", "activations"):
-                with self._phase("eval"), self.policy.kernels(self.device.type), self.policy.autocast(self.device.type):
+            with torch.random.fork_rng(devices=devices), self.tracker.phase("eval", "activations"):
+                with (self._phase("eval"), self.precision.kernels(self.device.type),
+                      self.precision.autocast(self.device.type)):
                     loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
                 if self.stage3 is not None:
                     self.stage3.end_step()
@@ -382,3 +384,10 @@ class Engine:
                                for v in s.values() if isinstance(v, torch.Tensor))
         return out
 
+
+def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:
+    """(global grad norm, mean loss, found_inf) from the all-reduced [sq_norm, loss_sum].
+    Fake tensors (the planner's runs) hold no values: they take a clean step's path."""
+    if is_fake(sums):
+        return 0.0, 0.0, False
+    return float(sums[0].sqrt()), float(sums[1]) / world, not torch.isfinite(sums[0]).item()

@@ -171,7 +171,7 @@ def write_metadata(run_dir: str | Path, *, config: dict, world_size: int, backen
 
 def flatten_peaks(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
     """{'forward': {'total': 5, 'activations': 3}} -> {'peak_forward_total': 5, ...}"""
-    return {f"peak_{stage}_{cat}": v for stage, cats in peaks.items() for cat, v in cats.items()}
+    return {f"peak_{phase}_{cat}": v for phase, cats in peaks.items() for cat, v in cats.items()}
 
 
 def fmt_bytes(n: float) -> str:

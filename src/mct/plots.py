@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
-STAGES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "optimizer")
 COLORS = {"params": "#4c72b0", "master": "#8172b3", "grads": "#dd8452", "optimizer": "#55a868",
           "activations": "#c44e52", "other": "#937860", "buffers": "#937860", "gathered": "#da8bc3",
           "data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452", "recompute": "#c44e52",
@@ -136,7 +136,8 @@ def _time_panel(ax: Any, rows: list[dict]) -> None:
         vals = [_num(r.get(key)) for r in rows[1:] or rows]
         vals = [v for v in vals if math.isfinite(v)]
         return sum(vals) / len(vals) if vals else 0.0
-    recompute = mean("ckpt_recompute_time_s")
+    # runs logged before the rename carry the recompute time as ckpt_recompute_time_s
+    recompute = mean("recompute_time_s") or mean("ckpt_recompute_time_s")
     parts = {"data": mean("time_data_s"), "forward": mean("time_forward_s"),
              "backward": max(0.0, mean("time_backward_s") - recompute), "recompute": recompute,
              "step": mean("time_step_s")}
@@ -153,27 +154,27 @@ def _time_panel(ax: Any, rows: list[dict]) -> None:
         ax.set_yticks([1], ["step"])
         ax.text(0.01, 0.08, "no communication (one rank)", transform=ax.transAxes, fontsize=8, color="#555555")
     ax.set_ylim(-0.6 if comm > 0 else 0.3, 1.6)
-    ax.set(xlabel="seconds per step (mean of logged steps after the first)", title="Time per stage")
+    ax.set(xlabel="seconds per step (mean of logged steps after the first)", title="Time per phase")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     ax.grid(axis="x", alpha=0.3)
 
 
 def _memory_panel(ax: Any, rows: list[dict], budget: int | None) -> None:
     mem = next((r["memory"] for r in reversed(rows) if isinstance(r.get("memory"), dict)), {})
-    stages = [s for s in STAGES if s in mem] + [s for s in mem if s not in STAGES]
-    bottom = [0.0] * len(stages)
+    phases = [s for s in PHASES if s in mem] + [s for s in mem if s not in PHASES]
+    bottom = [0.0] * len(phases)
     for cat in CATEGORIES:
-        vals = [_num(mem[s].get(cat, 0)) / MIB for s in stages]
+        vals = [_num(mem[s].get(cat, 0)) / MIB for s in phases]
         vals = [v if math.isfinite(v) else 0.0 for v in vals]
         if any(vals):
-            ax.bar(stages, vals, bottom=bottom, color=COLORS[cat], label=cat, width=0.6)
+            ax.bar(phases, vals, bottom=bottom, color=COLORS[cat], label=cat, width=0.6)
             bottom = [b + v for b, v in zip(bottom, vals)]
     for x, top in enumerate(bottom):
         ax.text(x, top, f"{top:.1f} MiB", ha="center", va="bottom", fontsize=8)
     if budget:
         ax.axhline(budget / MIB, color="#c44e52", ls="--", lw=1.5, label=f"budget {budget / MIB:,.1f} MiB")
-    ax.set(ylabel="MiB (this rank)", title="Peak memory per stage (last logged step)")
-    if not stages:
+    ax.set(ylabel="MiB (this rank)", title="Peak memory per phase (last logged step)")
+    if not phases:
         ax.text(0.5, 0.5, "no memory recorded", ha="center", transform=ax.transAxes)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
@@ -182,7 +183,7 @@ def _memory_panel(ax: Any, rows: list[dict], budget: int | None) -> None:
 def plot_run(rows: list[dict], events: list[dict], meta: dict | None, path: str | Path,
              budget: int | None = None, title: str = "") -> Path:
     """One figure of a run: loss (skipped steps, rollbacks, resumes marked), tokens/s,
-    time per stage, peak memory per stage by category with the budget line. ``rows``:
+    time per phase, peak memory per phase by category with the budget line. ``rows``:
     decoded metrics rows with an int ``step``. Writes ``path``; returns it. Raises
     ValueError when there is nothing to draw or the file cannot be written."""
     rows = [r for r in rows if isinstance(r.get("step"), int)]

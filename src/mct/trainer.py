@@ -25,7 +25,7 @@ from mct.engine import Engine
 from mct.events import append_event
 from mct.budget_loop import BudgetLoop
 from mct.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_back, run_step
-from mct.memory.plan import peak_check, resolve_auto
+from mct.planner import Workload, peak_check, resolve_auto, token_batch
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.persistence import load_engine_state, save_checkpoint
@@ -53,6 +53,18 @@ def build_model(cfg: EngineConfig) -> GPT:
     """The GPT, initialized from ``cfg.seed`` (identical on every rank)."""
     seed_everything(cfg.seed)
     return GPT(cfg.model)
+
+
+def param_groups(model: torch.nn.Module, cfg: EngineConfig) -> list[dict]:
+    """The recipe's AdamW groups: weight decay on matrices only."""
+    return optimizer_groups(model, cfg.train.weight_decay)
+
+
+def planning_workload(cfg: EngineConfig) -> Workload:
+    """What ``auto`` and ``mct plan`` plan for this recipe: the GPT of ``cfg.model``, its
+    loss on one micro-batch of token ids, the recipe's optimizer and groups."""
+    return Workload(model_fn=lambda: GPT(cfg.model), loss_fn=gpt_loss, batch=token_batch(cfg),
+                    optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt")
 
 
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
@@ -117,14 +129,14 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     elif not resume:
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     auto_cfg = cfg
-    cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
+    cfg, choice = resolve_auto(cfg, ctx.world_size, planning_workload(cfg))  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
     if resume:
         _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 
     def rebuild(c: EngineConfig) -> Engine:
         model = build_model(c)
-        return Engine(model, make_optimizer(c), c, param_groups=optimizer_groups(model, c.train.weight_decay),
+        return Engine(model, make_optimizer(c), c, param_groups=param_groups(model, c),
                       ctx=ctx)
     engine = rebuild(cfg)
     model = engine.model
@@ -135,7 +147,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
               batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
-              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, ctx.device.type))
+              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, planning_workload(auto_cfg)))
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
@@ -359,8 +371,8 @@ def summary_table(s: TrainSummary) -> str:
     lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
-        lines.append("peak memory by stage (this rank, last logged step):")
-        lines.append("  " + f"{'stage':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
-        for stage, v in s.peaks.items():
-            lines.append("  " + f"{stage:<10}" + "".join(f"{fmt_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
+        lines.append("peak memory by phase (this rank, last logged step):")
+        lines.append("  " + f"{'phase':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
+        for phase, v in s.peaks.items():
+            lines.append("  " + f"{phase:<10}" + "".join(f"{fmt_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
     return "\n".join(lines)

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.models.gpt import optimizer_groups
 from mct.reference import ReferenceTrainer
 from mct.schedule import lr_at
-from mct.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
+from mct.trainer import build_model, make_optimizer, param_groups, seeded_gpt_loss, step_batches
 from mct.data import build_data
 
 PARAM_TOL_LOW_PRECISION = 5e-2
@@ -96,9 +95,9 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     if ctx.is_main:
         ref_model = copy.deepcopy(model)
         ref = ReferenceTrainer(ref_model, make_optimizer(cfg), grad_clip=cfg.train.grad_clip,
-                               param_groups=optimizer_groups(ref_model, cfg.train.weight_decay))
+                               param_groups=param_groups(ref_model, cfg))
     engine = Engine(model, make_optimizer(cfg), cfg, ctx=ctx,
-                    param_groups=optimizer_groups(model, cfg.train.weight_decay))
+                    param_groups=param_groups(model, cfg))
     loss_tol, param_tol = TOLERANCES[cfg.precision.mode]
     report = VerifyReport(cfg.precision.mode, loss_tol=loss_tol, param_tol=param_tol)
     opt_step = 0

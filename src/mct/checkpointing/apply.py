@@ -57,14 +57,16 @@ class CheckpointState:
         return self._recompute_context() if self._recompute_context else contextlib.nullcontext()
 
     def metrics(self) -> dict[str, Any]:
-        """``policy``, ``checkpointed_blocks`` (count), ``regions``, and for the current step:
-        ``recompute_calls`` (regions replayed), ``recomputed_blocks`` (block forwards rerun),
+        """Metric keys as the engine reports them: ``recompute_policy``,
+        ``recompute_checkpointed_blocks`` (count), ``recompute_regions``,
+        ``recompute_verified``, and for the current step: ``recompute_calls`` (regions
+        replayed), ``recomputed_blocks`` (block forwards rerun),
         ``recompute_time_s`` (host wall time of replays inside backward; CUDA kernels are
         asynchronous, so on GPU this is launch time unless the caller synchronizes)."""
-        return {"policy": self.policy, "checkpointed_blocks": len(self.checkpointed_blocks),
-                "regions": len(self.regions), "recompute_calls": self.recompute_calls,
+        return {"recompute_policy": self.policy, "recompute_checkpointed_blocks": len(self.checkpointed_blocks),
+                "recompute_regions": len(self.regions), "recompute_calls": self.recompute_calls,
                 "recomputed_blocks": self.recomputed_blocks,
-                "recompute_time_s": self.recompute_time_s, "verified": self.verified}
+                "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified}
 
     def reset_step(self) -> None:
         """Zero the per-step counters; call at the start of each optimizer step."""

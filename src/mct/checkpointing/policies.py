@@ -30,7 +30,7 @@ def plan_regions(policy: str, n_blocks: int, k: int) -> list[list[int]]:
     if policy == "auto":
         raise ValueError(
             "checkpointing.policy = 'auto' must be resolved by the memory planner before "
-            "checkpointing is applied (mct.memory.plan.resolve_auto; `mct train` does it)")
+            "checkpointing is applied (mct.planner.resolve_auto; `mct train` does it)")
     if policy == "none":
         return []
     if policy in ("all", "selective"):

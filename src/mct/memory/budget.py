@@ -48,7 +48,7 @@ def optimizer_step_bytes(factory: Callable, hyper: list[dict], groups: list[int]
             for _ in range(2):  # the first step creates the state, later ones only temporaries
                 tracker.reset_peaks()
                 start = tracker.live()["total"]
-                with tracker.stage("step", "other"):
+                with tracker.phase("step", "other"):
                     opt.step()
                 growth.append(tracker.peaks()["step"]["total"] - start)
     except Exception:  # an optimizer fake tensors cannot run: rely on measured steps
@@ -80,11 +80,11 @@ def apply_cuda_budget(device: torch.device, budget: int) -> None:
 
 
 @contextlib.contextmanager
-def cuda_oom_as_budget_error(tracker: MemoryTracker, stage: Callable[[], str]) -> Iterator[None]:
+def cuda_oom_as_budget_error(tracker: MemoryTracker, phase: Callable[[], str]) -> Iterator[None]:
     """Turn a CUDA out-of-memory error (the allocator hit the capped fraction) into
-    ``MemoryBudgetExceeded`` naming the stage, the live bytes by category and the hint."""
+    ``MemoryBudgetExceeded`` naming the phase, the live bytes by category and the hint."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
         hint = tracker.suggestion() if tracker.suggestion is not None else ""
-        raise MemoryBudgetExceeded(stage(), tracker.live(), tracker.budget_bytes or 0, hint) from e
+        raise MemoryBudgetExceeded(phase(), tracker.live(), tracker.budget_bytes or 0, hint) from e

@@ -1,7 +1,7 @@
-"""Live tensor bytes by category, and the peak of each stage of a training step.
+"""Live tensor bytes by category, and the peak of each phase of a training step.
 
 On CPU the tracker is a small ``TorchDispatchMode``: it sees the outputs of every
-ATen op run inside ``stage()``/``category()``, counts each new untyped storage once
+ATen op run inside ``phase()``/``category()``, counts each new untyped storage once
 by ``nbytes()``, and subtracts it when the storage object is freed (a weakref
 callback). Views share their base's storage and in-place ops return an input, so
 neither adds bytes. Counts are exact and deterministic: the same program yields the
@@ -12,7 +12,7 @@ module and optimizer hooks (per-module fw/bw snapshots), monkey-patches
 ``UntypedStorage.resize_`` globally, rounds to the CUDA allocator's block size and
 lives in a private namespace whose API changes between releases. The engine needs
 less and needs it stable: a handful of categories it assigns itself (params, grads,
-optimizer state), a peak per named stage, a budget that fails at the allocation that
+optimizer state), a peak per named phase, a budget that fails at the allocation that
 crosses it, and a disabled mode that costs nothing. ~150 lines of dispatch-level
 bookkeeping give exactly that with no private torch internals beyond an op's schema.
 
@@ -55,20 +55,20 @@ def format_bytes(n: int) -> str:
 class MemoryBudgetExceeded(RuntimeError):
     """Live bytes passed the budget.
 
-    Attributes: ``stage`` (innermost active stage, or '(no stage)'), ``live`` (bytes by
+    Attributes: ``phase`` (innermost active phase, or '(no phase)'), ``live`` (bytes by
     category plus 'total' at the moment of the crossing), ``budget`` (bytes) and
     ``suggestion`` (what to change; '' when none was given).
     """
 
-    def __init__(self, stage: str, live: dict[str, int], budget: int, suggestion: str = "") -> None:
-        self.stage, self.live, self.budget, self.suggestion = stage, dict(live), budget, suggestion
+    def __init__(self, phase: str, live: dict[str, int], budget: int, suggestion: str = "") -> None:
+        self.phase, self.live, self.budget, self.suggestion = phase, dict(live), budget, suggestion
         parts = ", ".join(f"{c} {format_bytes(live.get(c, 0))}" for c in CATEGORIES)
-        msg = (f"memory budget exceeded in stage '{stage}': live {format_bytes(live['total'])} "
+        msg = (f"memory budget exceeded in phase '{phase}': live {format_bytes(live['total'])} "
                f"> budget {format_bytes(budget)} ({budget} bytes); by category: {parts}")
         super().__init__(msg + (f". Suggestion: {suggestion}" if suggestion else ""))
 
     def __reduce__(self):  # multi-rank tests send exceptions between processes
-        return (type(self), (self.stage, self.live, self.budget, self.suggestion))
+        return (type(self), (self.phase, self.live, self.budget, self.suggestion))
 
 
 class _Record:
@@ -120,12 +120,12 @@ class _CountingMode(TorchDispatchMode):
 
 
 class MemoryTracker:
-    """Counts live tensor bytes by category (``CATEGORIES``) and the peak per stage.
+    """Counts live tensor bytes by category (``CATEGORIES``) and the peak per phase.
 
     ``device``: 'cpu' (exact, dispatch-level) or 'cuda[:i]' (``torch.cuda`` stats).
     ``enabled=False`` gives a no-op with the same API: no dispatch mode, all counts 0.
     ``budget_bytes``: raise ``MemoryBudgetExceeded`` as soon as total live bytes pass it
-    (CPU: at the allocation; CUDA: at register/refresh, and by its peak at stage exit).
+    (CPU: at the allocation; CUDA: at register/refresh, and by its peak at phase exit).
     ``suggestion``: called when the budget is exceeded; its text joins the message.
     ``count_fake``: also count meta storages (FakeTensors of ``FakeTensorMode``): the
     planner measures a step on fake tensors this way, allocating nothing.
@@ -151,10 +151,10 @@ class MemoryTracker:
         self._total = 0
         self._peak = 0                          # max total since reset_peaks()
         self._peaks: dict[str, dict[str, int]] = {}
-        self._stage_stack: list[str] = []
+        self._phase_stack: list[str] = []
         self._category_stack: list[str] = []
-        self._watermark = 0                     # lowest peak among global + active stages
-        self._depth = 0                         # nesting of stage()/category(): the mode's owner
+        self._watermark = 0                     # lowest peak among global + active phases
+        self._depth = 0                         # nesting of phase()/category(): the mode's owner
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
@@ -217,11 +217,11 @@ class MemoryTracker:
             self._check_budget({**snap, "total": snap["total"] + nbytes})
 
     @contextmanager
-    def stage(self, name: str, category: str = "activations") -> Iterator[None]:
+    def phase(self, name: str, category: str = "activations") -> Iterator[None]:
         """Record the peak of total live bytes while inside, under ``name``.
 
         New storages default to ``category``. Re-entering a name keeps the max until
-        ``reset_peaks()``; nested stages' peaks count toward every enclosing stage.
+        ``reset_peaks()``; nested phases' peaks count toward every enclosing phase.
         Raises ValueError on an unknown category.
         """
         _check_category(category)
@@ -230,29 +230,29 @@ class MemoryTracker:
             yield
             return
         if self._cuda:
-            self._fold_cuda_peak()  # reset below would lose the enclosing stages' peak
+            self._fold_cuda_peak()  # reset below would lose the enclosing phases' peak
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._stage_stack.append(name)
+        self._phase_stack.append(name)
         self._raise_peak(name, self._snapshot())
-        # The new stage's peak starts at today's live bytes, likely below the global
-        # peak: lower the watermark, or growth inside this stage would go unrecorded.
+        # The new phase's peak starts at today's live bytes, likely below the global
+        # peak: lower the watermark, or growth inside this phase would go unrecorded.
         self._watermark = self._lowest_peak()
         try:
             with self.category(category):
                 yield
-            if self._cuda:  # no per-allocation hook on CUDA: judge the stage by its peak
+            if self._cuda:  # no per-allocation hook on CUDA: judge the phase by its peak
                 self._check_budget(self._fold_cuda_peak())
         finally:
             if self._cuda:
                 self._fold_cuda_peak()
-            self._stage_stack.pop()
+            self._phase_stack.pop()
             self._watermark = self._lowest_peak()
 
     @contextmanager
     def category(self, name: str) -> Iterator[None]:
         """New storages made inside count under ``name`` (nestable; innermost wins).
 
-        On CPU this also turns counting on, so it can be used outside any stage
+        On CPU this also turns counting on, so it can be used outside any phase
         (e.g. around ``optimizer.step()``). On CUDA it changes nothing: unregistered
         bytes are all "activations". Raises ValueError on an unknown category.
         """
@@ -275,8 +275,8 @@ class MemoryTracker:
         return self._snapshot()
 
     def peaks(self) -> dict[str, dict[str, int]]:
-        """{stage: {'total': bytes, <category>: bytes at that peak}} since reset_peaks()."""
-        if self._cuda and self.enabled and self._stage_stack:
+        """{phase: {'total': bytes, <category>: bytes at that peak}} since reset_peaks()."""
+        if self._cuda and self.enabled and self._phase_stack:
             self._fold_cuda_peak()
         return {name: dict(snap) for name, snap in self._peaks.items()}
 
@@ -287,7 +287,7 @@ class MemoryTracker:
         return self._peak
 
     def reset_peaks(self) -> None:
-        """Start a new step: forget stage peaks; all peaks restart from current live bytes."""
+        """Start a new step: forget phase peaks; all peaks restart from current live bytes."""
         self._peaks = {}
         if not self.enabled:
             return
@@ -295,7 +295,7 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         snap = self._snapshot()
         self._peak = snap["total"]
-        for name in self._stage_stack:
+        for name in self._phase_stack:
             self._peaks[name] = snap
         self._watermark = self._lowest_peak()
 
@@ -383,7 +383,7 @@ class MemoryTracker:
         if self._total > self._watermark:
             snap = self._snapshot()
             self._peak = max(self._peak, snap["total"])
-            for name in self._stage_stack:
+            for name in self._phase_stack:
                 self._raise_peak(name, snap)
             self._watermark = self._lowest_peak()
         if self.budget_bytes is not None and self._total > self.budget_bytes:
@@ -396,14 +396,14 @@ class MemoryTracker:
         self._peak = max(self._peak, snap["total"])
 
     def _lowest_peak(self) -> int:
-        return min([self._peak] + [self._peaks[n]["total"] for n in self._stage_stack])
+        return min([self._peak] + [self._peaks[n]["total"] for n in self._phase_stack])
 
     def _check_budget(self, snap: dict[str, int]) -> None:
         if self.budget_bytes is None or snap["total"] <= self.budget_bytes:
             return
-        stage = self._stage_stack[-1] if self._stage_stack else "(no stage)"
+        phase = self._phase_stack[-1] if self._phase_stack else "(no phase)"
         hint = self.suggestion() if self.suggestion is not None else ""
-        raise MemoryBudgetExceeded(stage, snap, self.budget_bytes, hint)
+        raise MemoryBudgetExceeded(phase, snap, self.budget_bytes, hint)
 
     def _snapshot(self, allocated: int | None = None) -> dict[str, int]:
         """Bytes by category plus 'total'. CUDA: unregistered allocated bytes are activations."""
@@ -417,9 +417,9 @@ class MemoryTracker:
 
     def _fold_cuda_peak(self) -> dict[str, int]:
         # max_memory_allocated covers the time since the last reset, which is at most
-        # the start of the innermost stage: credit it to every active stage.
+        # the start of the innermost phase: credit it to every active phase.
         snap = self._snapshot(torch.cuda.max_memory_allocated(self.device))
-        for name in self._stage_stack:
+        for name in self._phase_stack:
             self._raise_peak(name, snap)
         self._peak = max(self._peak, snap["total"])
         return snap

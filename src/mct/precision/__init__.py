@@ -4,6 +4,6 @@ See docs/precision.md for the stage contract and the loss-scale state machine.
 """
 
 from mct.precision.policy import MODE_DTYPES, PrecisionPolicy
-from mct.precision.scaler import LossScaleFloorError, LossScaler, local_found_inf
+from mct.precision.scaler import LossScaleFloorError, LossScaler
 
-__all__ = ["MODE_DTYPES", "LossScaleFloorError", "LossScaler", "PrecisionPolicy", "local_found_inf"]
+__all__ = ["MODE_DTYPES", "LossScaleFloorError", "LossScaler", "PrecisionPolicy"]

@@ -70,12 +70,20 @@ class UpcastMatmul(TorchDispatchMode):
             return func(*args, **kwargs)
         dtype = args[0].dtype
         self.calls += 1
-        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t  # noqa: E731
-        out = func(*tree_map(up, args), **tree_map(up, kwargs))
+        out = func(*tree_map(lambda t: _cast(t, dtype, torch.float32), args),
+                   **tree_map(lambda t: _cast(t, dtype, torch.float32), kwargs))
         if isinstance(out, torch.Tensor):
-            return out.to(dtype)
+            return _cast(out, torch.float32, dtype)
         low = UPCAST_OPS[func]
-        return type(out)(t.to(dtype) if low is None or i in low else t for i, t in enumerate(out))
+        return type(out)(_cast(t, torch.float32, dtype) if low is None or i in low else t for i, t in enumerate(out))
+
+
+def _cast(t, src: torch.dtype, dst: torch.dtype):
+    """``t`` as ``dst`` when it is a ``src`` tensor. Inside a dispatch mode ``t.to()``
+    reaches the modes below as ``aten.to`` (an op that may alias), which a storage
+    counter such as the memory tracker does not count as new; ``_to_copy`` always
+    allocates, so every temporary here is counted."""
+    return aten._to_copy.default(t, dtype=dst) if isinstance(t, torch.Tensor) and t.dtype == src else t
 
 
 def matmul_kernels(choice: str, device_type: str, dtype: torch.dtype) -> ContextManager:

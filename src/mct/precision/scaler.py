@@ -1,18 +1,18 @@
 """Dynamic loss scaling for fp16, and the non-finite gradient check.
 
 ``LossScaler`` is a no-op object when disabled (fp32, bf16), so the engine runs one
-code path in every mode. ``local_found_inf`` is the per-rank half of the overflow
-check; the engine all-reduces its result with MAX before calling ``update``.
+code path in every mode. The overflow check is the engine's: it all-reduces the
+squared gradient norm, which is non-finite when any gradient element is.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from mct.config import PrecisionConfig
+from mct.config import PrecisionConfig, check_int
 
 # Growth stops here: far beyond any useful fp16 scale, and loss * scale stays finite in fp32.
 MAX_SCALE = 2.0**64
@@ -48,9 +48,9 @@ class LossScaler:
 
     def __init__(self, *, enabled: bool, initial_scale_power: int = 16, growth_interval: int = 1000,
                  hysteresis: int = 2, min_scale: float = 1.0) -> None:
-        _check_int("precision.initial_scale_power", initial_scale_power, 0, 64)
-        _check_int("precision.growth_interval", growth_interval, 1)
-        _check_int("precision.hysteresis", hysteresis, 1)
+        check_int("precision.initial_scale_power", initial_scale_power, 0, 65)
+        check_int("precision.growth_interval", growth_interval, 1)
+        check_int("precision.hysteresis", hysteresis, 1)
         if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) \
                 or not 0 < min_scale <= 2.0**initial_scale_power:
             raise ValueError(f"precision.min_scale = {min_scale!r} is not allowed: must be > 0 and <= the "
@@ -144,7 +144,7 @@ class LossScaler:
         if missing:
             raise ValueError(f"loss scaler state is missing keys {missing}; expected {list(_STATE_KEYS)}")
         for key in ("growth_tracker", "hysteresis_left", "overflows", "skipped_steps", "consecutive_skips"):
-            _check_int(f"loss scaler state {key}", state[key], 0)
+            check_int(f"loss scaler state {key}", state[key], 0)
         scale = state["scale"]
         if not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
             raise ValueError(f"loss scaler state scale = {scale!r} is not allowed: must be finite and > 0")
@@ -155,36 +155,3 @@ class LossScaler:
             self._scale = max(float(scale), self.min_scale)
             self._growth_tracker = min(state["growth_tracker"], self.growth_interval - 1)
             self._hysteresis_left = min(max(state["hysteresis_left"], 1), self.hysteresis)
-
-
-def local_found_inf(tensors: Sequence[torch.Tensor], inv_scale: float = 1.0) -> torch.Tensor:
-    """1.0 if any element of any tensor is inf, -inf or nan, else 0.0.
-
-    Accepts floating tensors on one device (any mix of fp32/bf16/fp16). Returns a
-    float32 0-dim tensor on that device (CPU for an empty list), ready for an all-reduce
-    with MAX. One fused kernel per dtype. Mutates: every tensor is multiplied by
-    ``inv_scale`` in place in the same pass (1.0 writes the values back unchanged), so the
-    engine may fuse its unscale here. Raises ValueError on non-float or multi-device input.
-    """
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"local_found_inf needs tensors on one device, got {sorted(map(str, devices))}")
-    device = devices.pop() if devices else torch.device("cpu")
-    found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if not t.is_floating_point():
-            raise ValueError(f"local_found_inf needs floating-point tensors, got dtype {t.dtype}")
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        # Sets found_inf to 1.0 on any non-finite value; never resets it, so groups accumulate.
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
-    return found_inf
-
-
-def _check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{key} = {value!r} is not allowed: must be an integer {bounds}")

@@ -3,13 +3,20 @@
 Every collective is timed and its bytes counted, so the engine can report
 communication time and volume per step. With one process every operation is a
 local copy or a no-op, so the same engine code runs with and without a process group.
+
+``Comm`` does the bucketing, temporaries and bookkeeping; the raw collectives it
+issues go through one small object: ``TorchCollectives`` (torch.distributed) or, for
+a context made by ``DistContext.simulated(N)``, ``SimulatedCollectives``, whose
+collectives check shapes and move no data. The planner runs the engine on fake
+tensors through the simulated ones: every buffer and temporary of an N-rank run is
+allocated exactly as in the real run, by this same code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,22 +36,73 @@ class CommStats:
     time_s: float = 0.0
     bytes: int = 0
     calls: int = 0
-    by_op: dict[str, int] = field(default_factory=dict)
 
-    def add(self, op: str, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float) -> None:
         self.time_s += seconds
         self.bytes += nbytes
         self.calls += 1
-        self.by_op[op] = self.by_op.get(op, 0) + nbytes
+
+
+class TorchCollectives:
+    """The raw collectives of torch.distributed on the default process group; each
+    returns a work handle (``async_op=True``)."""
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        return _reduce_scatter(out, inp, async_op=True)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        return _all_gather(out, inp, async_op=True)
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+
+    def all_gather_object(self, obj: Any, world: int) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class SimulatedCollectives:
+    """Collectives of an N-rank group that exists only on paper: shapes are checked,
+    no data moves (outputs keep whatever they hold; on fake tensors they hold none),
+    and every rank is taken to hold the same objects. Used by the planner."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Done:
+        assert inp.numel() == self.world * out.numel(), (inp.shape, out.shape, self.world)
+        return _Done()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Done:
+        assert out.numel() == self.world * inp.numel(), (out.shape, inp.shape, self.world)
+        return _Done()
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+        assert op in ("sum", "max"), op
+
+    def all_gather_object(self, obj: Any, world: int) -> list[Any]:
+        return [obj] * world
+
+    def barrier(self) -> None:
+        pass
 
 
 class Pending:
     """An async collective: ``wait()`` blocks until done, counts its time, then runs
     ``then`` (e.g. accumulate a reduced shard)."""
 
-    def __init__(self, works: list, stats: CommStats, op: str, nbytes: int, then=None,
+    def __init__(self, works: list, stats: CommStats, nbytes: int, then=None,
                  keep: list | None = None) -> None:
-        self._works, self._stats, self._op, self._nbytes, self._then = works, stats, op, nbytes, then
+        self._works, self._stats, self._nbytes, self._then = works, stats, nbytes, then
         self._keep = keep  # temporaries the collective reads or writes: alive until wait()
         self._t0 = time.perf_counter()
 
@@ -54,7 +112,7 @@ class Pending:
         t = time.perf_counter()
         for w in self._works:
             w.wait()
-        self._stats.add(self._op, self._nbytes, time.perf_counter() - t)
+        self._stats.add(self._nbytes, time.perf_counter() - t)
         self._works = self._keep = None
         if self._then is not None:
             self._then()
@@ -69,6 +127,7 @@ class Comm:
         self.rank = ctx.rank
         self.bucket_bytes = bucket_bytes
         self.stats = CommStats()
+        self.ops = SimulatedCollectives(self.world) if ctx.backend == "simulated" else TorchCollectives()
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
@@ -77,13 +136,14 @@ class Comm:
         """In place: t <- op over ranks of t (chunked by bucket size)."""
         if self.world == 1:
             return
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce_ op must be 'sum' or 'max', got {op!r}")
         t0 = time.perf_counter()
         flat = t.view(-1)
         step = max(1, self.bucket_bytes // t.element_size())
         for a in range(0, flat.numel(), step):
-            dist.all_reduce(flat[a:a + step], op=red)
-        self.stats.add("all_reduce", t.numel() * t.element_size(), time.perf_counter() - t0)
+            self.ops.all_reduce(flat[a:a + step], op)
+        self.stats.add(t.numel() * t.element_size(), time.perf_counter() - t0)
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = False,
                        then=None) -> Pending | None:
@@ -99,8 +159,8 @@ class Comm:
         for a, b in bucket_slices(S, self.world, full.element_size(), self.bucket_bytes):
             src = view if (a, b) == (0, S) else view[:, a:b].contiguous()
             keep.append(src)
-            works.append(_reduce_scatter(out[a:b], src.view(-1), async_op=True))
-        p = Pending(works, self.stats, "reduce_scatter", full.numel() * full.element_size(), then, keep)
+            works.append(self.ops.reduce_scatter(out[a:b], src.view(-1)))
+        p = Pending(works, self.stats, full.numel() * full.element_size(), then, keep)
         if not async_op:
             p.wait()
             return None
@@ -114,18 +174,18 @@ class Comm:
         S = shard.numel()
         chunks = bucket_slices(S, self.world, full.element_size(), self.bucket_bytes)
         if len(chunks) == 1:
-            works = [_all_gather(full, shard, async_op=True)]
-            p = Pending(works, self.stats, "all_gather", full.numel() * full.element_size(), keep=[shard])
+            works = [self.ops.all_gather(full, shard)]
+            p = Pending(works, self.stats, full.numel() * full.element_size(), keep=[shard])
         else:
             view = full.view(self.world, S)
             tmps = [(a, b, torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device))
                     for a, b in chunks]
-            works = [_all_gather(t, shard[a:b].contiguous(), async_op=True) for a, b, t in tmps]
+            works = [self.ops.all_gather(t, shard[a:b].contiguous()) for a, b, t in tmps]
 
             def scatter_back() -> None:
                 for a, b, t in tmps:
                     view[:, a:b].copy_(t.view(self.world, b - a))
-            p = Pending(works, self.stats, "all_gather", full.numel() * full.element_size(), scatter_back)
+            p = Pending(works, self.stats, full.numel() * full.element_size(), scatter_back)
         if not async_op:
             p.wait()
             return None
@@ -134,13 +194,11 @@ class Comm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world == 1:
             return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        return self.ops.all_gather_object(obj, self.world)
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            self.ops.barrier()
 
 
 def check_ranks_agree(comm: Comm, what: str, items: list[tuple[str, str]]) -> None:

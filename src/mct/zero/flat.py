@@ -50,11 +50,8 @@ class FlatParamUnit:
                 working[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = working[off:off + n].view(p.shape)
         self.working = working
-        if persistent and param_dtype == torch.float32:
-            self.master = working[lo:hi]
-        else:
-            self.master = working[lo:hi].detach().float().clone()
-        self.master_is_view = self.master.data_ptr() == working[lo:].data_ptr() and param_dtype == torch.float32
+        self.master_is_view = persistent and param_dtype == torch.float32
+        self.master = working[lo:hi] if self.master_is_view else working[lo:hi].detach().float().clone()
         # Stages 0/1 keep a full gradient buffer across micro-batches (reduced once,
         # after the last); stages 2/3 allocate it per backward and free it once reduced.
         self.full_grads = full_grads

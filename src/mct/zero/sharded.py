@@ -67,8 +67,9 @@ class ShardedModel:
         for u in self.units:
             self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)
         self._register_memory()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
-                       for u in self.units for i, p in enumerate(u.params)]
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(self._grad_hook(u, i))
 
     def _register_memory(self) -> None:
         for u in self.units:
@@ -203,8 +204,3 @@ class ShardedModel:
             if u.full_grads:
                 out["grads"] += u.grad_full.numel() * u.grad_full.element_size()
         return out
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

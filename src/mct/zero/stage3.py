@@ -35,14 +35,12 @@ class Stage3Lifecycle:
         self.units = units_by_block
         self.phase = "idle"
         self.gathers = 0
-        self._handles = []
-        for name, block in blocks:
-            if name in units_by_block:
-                self._handles.append(block.register_forward_pre_hook(self._pre_forward(name), with_kwargs=True))
-                self._handles.append(block.register_forward_hook(self._post_forward(name), with_kwargs=True))
+        hooked = [(name, block) for name, block in blocks if name in units_by_block]
         if root is not None and "root" in units_by_block:
-            self._handles.append(root.register_forward_pre_hook(self._pre_forward("root"), with_kwargs=True))
-            self._handles.append(root.register_forward_hook(self._post_forward("root"), with_kwargs=True))
+            hooked.append(("root", root))
+        for name, module in hooked:
+            module.register_forward_pre_hook(self._pre_forward(name), with_kwargs=True)
+            module.register_forward_hook(self._post_forward(name), with_kwargs=True)
         for units in units_by_block.values():
             for u in units:
                 u.release()
@@ -110,8 +108,3 @@ class Stage3Lifecycle:
         self.phase = "idle"
         for name in ["root", *self.order]:
             self.release(name)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []

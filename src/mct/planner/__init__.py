@@ -1,0 +1,59 @@
+"""The memory planner: per-rank peak bytes of any model's training step, predicted by
+running the engine's own code on fake tensors (``dry_run``), and the plan that picks
+the cheapest configuration fitting a budget (``plan``; ``mct plan``; ``auto``).
+
+It sits above the engine: it imports ``mct.engine``, never the other way round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mct.config import EngineConfig, parse_bytes
+from mct.planner.dry_run import DryRun, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run
+from mct.planner.plan import POLICIES, PRECISIONS, STAGES, Plan, make_plan, peak_check, resolve_auto, step_cost
+from mct.planner.workload import Workload, load_workload, token_batch, token_loss
+
+__all__ = ["DryRun", "Plan", "Workload", "dry_run", "load_workload", "make_plan", "peak_check", "plan",
+           "predict_peak", "resolve_auto", "step_cost", "token_batch", "token_loss"]
+
+
+def _config(config: EngineConfig | dict | None) -> EngineConfig:
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, dict):
+        return EngineConfig.from_dict(config)
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an mct.EngineConfig or its dict, got {type(config).__name__}")
+    return config
+
+
+def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
+                 world_size: int = 1, optimizer: OptimizerFactory | None = None, *,
+                 param_groups: ParamGroupsFn | None = None) -> int:
+    """Per-rank peak bytes of a steady-state training step of ``mct.Engine(model_fn(),
+    optimizer, config)`` on ``world_size`` ranks, each stepping on ``batch`` (one
+    rank's micro-batch, or a list of micro-batches) with ``loss_fn(model, batch)``.
+
+    Nothing is allocated: the model is built on the meta device and the engine runs on
+    fake tensors (``dry_run``, which also gives the first-step and initialization peaks
+    and the bytes per category and phase). ``param_groups(model)``: what you would pass
+    as the engine's ``param_groups``. Raises ValueError for a config the engine rejects,
+    'auto' values, or a factory that returns no nn.Module."""
+    return dry_run(model_fn, loss_fn, batch, _config(config), world_size, optimizer=optimizer,
+                   param_groups=param_groups).peak
+
+
+def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
+         world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
+         param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
+         precisions: tuple = PRECISIONS) -> Plan:
+    """Every ZeRO stage x checkpointing policy x precision of the grid dry-run for this
+    model on ``world_size`` ranks (other keys as in ``config``), as plain data: the rows
+    that ``mct plan`` prints and the recommendation for a per-rank ``budget`` (bytes or
+    a size like '24GiB'; default ``memory.budget``). Raises ValueError as
+    ``predict_peak``, or for a bad budget."""
+    cfg = _config(config)
+    limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
+    work = Workload(model_fn, loss_fn, batch, optimizer, param_groups)
+    return make_plan(work, cfg, world_size, limit, stages=stages, policies=policies, precisions=precisions)

@@ -1,0 +1,168 @@
+"""A dry run: the engine's own code on fake tensors, as rank 0 of an N-rank group.
+
+The user's model is built inside ``FakeTensorMode`` (its constructor runs as usual, on
+``FakeTensor``s: shapes and dtypes, no storage), or, when its constructor needs values,
+on the ``meta`` device with its parameters and buffers then made fake (tied ones stay one
+object). ``mct.Engine`` is constructed and steps twice on it under ``FakeTensorMode`` with a
+simulated communicator (``DistContext.simulated``: collectives are shape-checked
+no-ops, so every buffer, shard, temporary and in-flight gradient of the N-rank run is
+allocated by the same code, on paper). The engine's memory tracker counts the fake
+storages (``MemoryTracker(count_fake=True)``), so the prediction comes in the same
+categories and phases a real run reports.
+
+Nothing here knows how ZeRO, checkpointing or precision spend memory: that is the
+engine's business. What a dry run cannot see is what the tracker cannot see in a real
+run either (allocator caching, kernel workspaces), plus values: a fake step takes the
+path of a clean step (no overflow skip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._pytree import tree_map
+
+from mct.config import EngineConfig
+from mct.dist import DistContext
+from mct.memory.tracker import CATEGORIES, MemoryTracker
+
+ModelFn = Callable[[], nn.Module]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+ParamGroupsFn = Callable[[nn.Module], list[dict[str, Any]]]
+
+
+@dataclass
+class DryRun:
+    """Per-rank bytes of one configuration, as the engine's tracker counts them.
+
+    ``peak``: the steady-state step (the second; optimizer state exists from its start).
+    ``phases``: that step's peak per phase (forward/backward/optimizer), each a dict
+    ``{category: bytes, 'total': bytes}`` at the phase's peak. ``first_step_peak`` /
+    ``first_step_phases``: the same for the first step (it creates the optimizer state
+    inside its optimizer phase). ``init_peak`` / ``init``: building the model in its own
+    dtype and the engine's flat buffers from it (the user's model lives until the engine
+    has copied it). ``n_params``: the model's parameters, tied ones counted once.
+    """
+
+    peak: int
+    phase: str
+    phases: dict[str, dict[str, int]]
+    first_step_peak: int
+    first_step_phases: dict[str, dict[str, int]]
+    init_peak: int
+    init: dict[str, int]
+    n_params: int
+
+
+def meta_model(model_fn: ModelFn) -> nn.Module:
+    """``model_fn()`` built under ``torch.device('meta')`` (no storage). Raises
+    ValueError if ``model_fn`` gives no nn.Module."""
+    with torch.device("meta"):
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"the model factory returned {type(model).__name__}, not an nn.Module: "
+                         f"return the model (e.g. `def factory(): return MyModel(...)`)")
+    return model
+
+
+def fake_built_model(model_fn: ModelFn) -> nn.Module | None:
+    """``model_fn()`` called inside the caller's ``FakeTensorMode``: the model built as
+    the user builds it, so the constructor's own temporaries (a weight replaced by a tied
+    one, initializers) happen as in a real run. None when that fails (a constructor that
+    needs values, which fake tensors do not hold) or leaves real or meta tensors."""
+    try:
+        model = model_fn()
+    except Exception:  # noqa: BLE001 - the caller falls back to the meta device
+        return None
+    if not isinstance(model, nn.Module) or any(not is_fake(t) for t in (*model.parameters(), *model.buffers())):
+        return None
+    return model
+
+
+def materialize_fake(model: nn.Module) -> nn.Module:
+    """Replace every parameter and buffer of ``model`` (in place) by a fake CPU tensor
+    of the same shape, dtype and requires_grad; shared ones stay shared. Call inside a
+    ``FakeTensorMode`` (and a tracker category, to count them as the real model's
+    storages). Returns ``model``."""
+    fakes: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in fakes:
+                    fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                mod._parameters[name] = fakes[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                if id(b) not in fakes:
+                    fakes[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+                mod._buffers[name] = fakes[id(b)]
+    return model
+
+
+def fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
+    """``batch`` with every tensor (real, meta or fake) replaced by a fake CPU tensor of
+    the same shape and dtype. Values are not kept: a dry run needs none."""
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if is_fake(t) and t.fake_mode is mode:
+            return t
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype)
+    return tree_map(convert, batch)
+
+
+def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig, world_size: int, *,
+            optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None) -> DryRun:
+    """Build the engine for ``config`` on rank 0 of ``world_size`` simulated ranks and
+    run two training steps of ``batch`` (one micro-batch, or a list: gradient
+    accumulation) with ``loss_fn``, all on fake tensors. ``optimizer`` and
+    ``param_groups(model)`` are what ``mct.Engine`` would be given (None: its defaults).
+    Returns the tracked bytes (``DryRun``). Raises ValueError for configs the engine
+    rejects (the same messages) and for a bad factory."""
+    from mct.engine import Engine  # the engine imports the memory runtime, not the planner
+    cfg = _planning_config(config)
+    ctx = DistContext.simulated(world_size)
+    mode = FakeTensorMode()
+    tracker = MemoryTracker("cpu", count_fake=True)
+    with mode:
+        with tracker.phase("init", "params"):
+            model = fake_built_model(model_fn)
+        if model is None:  # built on meta outside any tracker stage: meta storages are not counted
+            model = meta_model(model_fn)
+            tracker.reset_peaks()
+            with tracker.phase("init", "params"):
+                materialize_fake(model)
+        with tracker.phase("init", "params"):  # the same stage again: its peak is kept
+            n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+            groups = param_groups(model) if param_groups is not None else None
+            engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx)
+            del groups
+        init = tracker.peaks()["init"]
+        data = fake_batch(batch, mode)
+        first = engine.train_step(data, loss_fn).metrics["peaks"]
+        steady = engine.train_step(data, loss_fn).metrics["peaks"]
+    phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
+    worst = max(phases, key=lambda k: phases[k]["total"])
+    first_phases = {k: v for k, v in first.items() if k in ("forward", "backward", "optimizer")}
+    return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
+                  first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
+                  init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
+                  n_params=n_params)
+
+
+def _planning_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with tracking on and no budget enforcement (a dry run measures, it
+    must not fail at the budget). Raises ValueError for an unresolved 'auto'."""
+    for key, value in (("zero.stage", config.zero.stage), ("checkpointing.policy", config.checkpointing.policy)):
+        if value == "auto":
+            raise ValueError(f"{key} = 'auto' cannot be predicted: it is the planner's choice. Use mct.plan(...) "
+                             f"(or `mct plan`) to compare every value, or set {key} to one of them")
+    d = config.to_dict()
+    d["memory"] = {**d["memory"], "track": True, "enforce": False}
+    return EngineConfig.from_dict(d)

@@ -1,0 +1,191 @@
+"""The plan: every ZeRO stage x checkpointing policy x precision, dry-run, costed, and
+the cheapest configuration that fits a per-rank budget (``mct plan``, ``auto``).
+
+Relative step cost (1.0 = stage 0, no recomputation, one rank) is a documented model,
+not a measurement (docs/planner.md):
+  compute  1 + recomputed_fraction / 3   (forward ~ 1/3 of forward + backward; 'all'
+           and 'sqrt' recompute every block's forward once, 'selective' about half)
+  comm     COMM_SHARE x volume / (2 psi), volume per rank per step in parameters:
+           2 psi at stages 0-2 (all-reduce = reduce-scatter + all-gather), 3 psi at
+           stage 3 (parameters gathered in forward and again in backward); 0 on one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mct.config import EngineConfig
+from mct.memory.tracker import CATEGORIES, format_bytes
+from mct.planner.dry_run import DryRun, dry_run
+from mct.planner.workload import Workload, batch_size, micro_batches, smaller_batch
+
+STAGES = (0, 1, 2, 3)
+POLICIES = ("none", "selective", "sqrt", "all")
+PRECISIONS = ("fp32", "bf16")
+COMM_SHARE = 0.25
+"""Assumed share of a data-parallel step spent communicating 2 psi (a mid-size cluster)."""
+RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
+
+
+def step_cost(stage: int, policy: str, world: int) -> float:
+    """Relative step cost of a configuration (see the module docstring)."""
+    compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
+    volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
+    return round(compute + COMM_SHARE * volume / 2, 4)
+
+
+def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None) -> EngineConfig:
+    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode) replaced."""
+    d = cfg.to_dict()
+    d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
+    if precision is not None:
+        d["precision"]["mode"] = precision
+    return EngineConfig.from_dict(d)
+
+
+def predict(work: Workload, cfg: EngineConfig, world: int) -> DryRun:
+    """The dry run of ``work`` under ``cfg`` on ``world`` ranks (see ``dry_run``)."""
+    return dry_run(work.model_fn, work.loss_fn, micro_batches(work.batch, cfg.data.grad_accum), cfg, world,
+                   optimizer=work.optimizer, param_groups=work.param_groups)
+
+
+def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None) -> dict[str, Any]:
+    """One plan row as plain data: the configuration, its steady-state peak with the
+    bytes per category at that peak, each phase's peak, the first-step and
+    initialization peaks, whether it fits ``budget`` and its relative cost."""
+    at = run.phases[run.phase]
+    return {"stage": stage, "policy": policy, "precision": precision, "world": world,
+            "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
+            "phases": {k: v["total"] for k, v in run.phases.items()},
+            "first_step_peak": run.first_step_peak, "init_peak": run.init_peak,
+            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world)}
+
+
+@dataclass
+class Plan:
+    """Plain data: ``rows`` (dicts, see ``row``), the ``recommended`` row (None when no
+    budget was given or nothing fits in ``precision``), and ``advice``, one line."""
+
+    rows: list[dict[str, Any]]
+    budget: int | None
+    world: int
+    n_params: int
+    precision: str
+    recommended: dict[str, Any] | None
+    advice: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
+                "precision": self.precision, "advice": self.advice, "recommended": self.recommended,
+                "rows": self.rows}
+
+
+def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
+              policies: tuple = POLICIES, precisions: tuple = PRECISIONS) -> Plan:
+    """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
+    other keys as in ``cfg``); recommend the cheapest that fits ``budget`` in
+    ``cfg``'s precision (ties: the lower peak, then the lower stage). Raises
+    ValueError for a bad world size, model factory or config."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    rows, n_params = [], 0
+    for precision in precisions:
+        for policy in policies:
+            for stage in stages:
+                run = predict(work, with_choice(cfg, stage, policy, precision), world)
+                n_params = run.n_params
+                rows.append(row(run, stage, policy, precision, world, budget))
+    mine = [r for r in rows if r["precision"] == cfg.precision.mode]
+    fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
+    best = fitting[0] if fitting and budget is not None else None
+    plan = Plan(rows, budget, world, n_params, cfg.precision.mode, best, "")
+    plan.advice = _advice(plan, work, cfg)
+    return plan
+
+
+def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
+    if plan.budget is None:
+        return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
+    if plan.recommended is not None:
+        r = plan.recommended
+        return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
+                f"precision.mode={r['precision']} (predicted peak {format_bytes(r['peak'])} per rank of "
+                f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
+    mine = [r for r in plan.rows if r["precision"] == plan.precision]
+    if not mine:
+        return f"no configuration in precision {plan.precision} was planned"
+    low = min(mine, key=lambda r: r["peak"])
+    msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
+           f"zero.stage={low['stage']} checkpointing.policy={low['policy']}, needs {format_bytes(low['peak'])} "
+           f"(misses by {format_bytes(low['peak'] - plan.budget)})")
+    return msg + _what_would_fit(plan, work, cfg, low)
+
+
+def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str, Any]) -> str:
+    """Fewer bytes per rank: a smaller micro-batch, or more ranks at stage 3."""
+    hints = []
+    B = batch_size(work.batch)
+    budget = plan.budget
+    assert budget is not None
+    base = with_choice(cfg, low["stage"], low["policy"], low["precision"])
+    for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
+        if B is None or b >= B:
+            continue
+        smaller = Workload(work.model_fn, work.loss_fn, smaller_batch(work.batch, b), work.optimizer,
+                           work.param_groups, work.label)
+        if predict(smaller, base, plan.world).peak <= budget:
+            hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
+            break
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"])
+    worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
+    lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if predict(work, stage3, worlds[mid]).peak <= budget:
+            found, hi = worlds[mid], mid - 1
+        else:
+            lo = mid + 1
+    if found is not None:
+        hints.append(f"{found} ranks at zero.stage=3")
+    if not hints:
+        return "; neither up to 4096 ranks nor a smaller micro-batch alone makes it fit: raise the budget"
+    return "; it would fit with " + " or ".join(hints)
+
+
+def resolve_auto(cfg: EngineConfig, world: int, work: Workload) -> tuple[EngineConfig, dict | None]:
+    """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
+    cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
+    keys as set). Returns (resolved config, the choice and its prediction; None when
+    nothing was 'auto'). Raises ValueError when 'auto' has no budget, or when nothing
+    fits (one line: by how much the smallest misses and what would make it fit)."""
+    auto = [k for k, v in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy))
+            if v == "auto"]
+    if not auto:
+        return cfg, None
+    budget = cfg.memory.budget_bytes
+    if budget is None:
+        raise ValueError(f"{' and '.join(auto)} = 'auto' needs a per-rank budget to plan for: set memory.budget, "
+                         f"e.g. --set memory.budget=2GiB (or choose the value yourself; `mct plan` helps)")
+    stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
+    policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
+    plan = make_plan(work, cfg, world, budget, stages=stages, policies=policies, precisions=(cfg.precision.mode,))
+    best = plan.recommended
+    if best is None:
+        raise ValueError(plan.advice)
+    choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+              "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
+              "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
+              "predicted_first_step_peak_bytes": best["first_step_peak"],
+              "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
+    return with_choice(cfg, best["stage"], best["policy"]), choice
+
+
+def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:
+    """A warning line when the measured peak exceeds the prediction by more than
+    ``tolerance``; None otherwise."""
+    if predicted > 0 and measured > predicted * (1 + tolerance):
+        return (f"measured peak {format_bytes(measured)} per rank exceeds the planner's prediction "
+                f"{format_bytes(predicted)} by {100 * (measured / predicted - 1):.1f}% (> {100 * tolerance:.0f}%)")
+    return None
