@@ -26,6 +26,7 @@ from mct.dist import DistContext
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from mct.offload import OffloadedState
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
@@ -97,6 +98,11 @@ class Engine:
                                     param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
                                     tracker=self.tracker)
+        # 3b. offload: masters, optimizer state, gradient and parameter shards leave the device
+        self.offload = (OffloadedState(self.sharded.units, cfg.offload, stage=self.stage, comm=self.comm,
+                                       device=self.device, tracker=self.tracker,
+                                       inv_divisor=lambda: 1.0 / self._grad_divisor())
+                        if cfg.offload.enabled else None)
         self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
@@ -140,7 +146,10 @@ class Engine:
         check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
-        first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, self.sharded.masters())
+        masters = self.sharded.masters()
+        if self.offload is not None:  # the step runs on one chunk at a time, in the pool's buffers
+            masters = [torch.empty(min(m.numel(), self.offload.chunk_numel)) for m in masters]
+        first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, masters)
         publish = max((u.master.numel() * self.policy.param_dtype.itemsize for u in self.sharded.units
                        if u.persistent and u.layout.world > 1), default=0)
         return StepReserve(first, later, publish)
@@ -162,6 +171,8 @@ class Engine:
                 return self._train_step(micro, loss_fn)
         except MemoryBudgetExceeded:
             self.sharded.zero_grad()
+            if self.offload is not None:
+                self.offload.end_step()
             if self.stage3 is not None:
                 self.stage3.end_step()
             raise
@@ -219,11 +230,13 @@ class Engine:
         """Unscale + average, check for overflow and clip on the shards, then step the
         master shards and publish them to the working parameters. Nothing is
         modified when any rank saw a non-finite gradient (or when the scaler raises)."""
-        shards = self.sharded.grad_shards()
+        offloaded_grads = self.offload is not None and self.offload.offload_grads
+        shards = [] if offloaded_grads else self.sharded.grad_shards()
         scale = self.scaler.scale
         if shards:
             torch._foreach_mul_(shards, 1.0 / self._grad_divisor())
-        sums = torch.stack([self.sharded.local_sq_norm().double(), local_loss])
+        local_sq = self.offload.local_sq_norm() if offloaded_grads else self.sharded.local_sq_norm()
+        sums = torch.stack([local_sq.double(), local_loss])
         self.comm.all_reduce_(sums)  # one collective for the norm and the loss
         grad_norm = float(sums[0].sqrt())
         loss = float(sums[1]) / self.comm.world
@@ -235,8 +248,15 @@ class Engine:
             self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
         except LossScaleFloorError:
             self.sharded.zero_grad()  # else the non-finite gradient poisons every later step
+            if self.offload is not None:
+                self.offload.end_step()
             raise
-        if not found_inf:
+        if not found_inf and self.offload is not None:
+            clip = self.config.train.grad_clip
+            self.offload.step(self.optimizer, self.sharded.group_of_unit,
+                              min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None)
+            self.steps_done += 1
+        elif not found_inf:
             clip = self.config.train.grad_clip
             if clip > 0 and shards:
                 torch._foreach_mul_(shards, min(1.0, clip / (grad_norm + 1e-6)))
@@ -249,6 +269,8 @@ class Engine:
             self.steps_done += 1
             self._register_optimizer_state()
         self.sharded.zero_grad()
+        if self.offload is not None:
+            self.offload.end_step()
         return StepResult(loss=loss, skipped=found_inf, grad_norm=grad_norm, loss_scale=loss_scale)
 
     def _grad_divisor(self) -> float:
@@ -279,6 +301,9 @@ class Engine:
             m.update({f"ckpt_{k}": v for k, v in self.ckpt.metrics().items()})
         if self.stage3 is not None:
             m["zero3_gathers"] = self.stage3.gathers
+        if self.offload is not None:
+            m["offloaded_bytes"] = self.tracker.offloaded()
+            m["time_offload_wait_s"], self.offload.stream.io_wait_s = self.offload.stream.io_wait_s, 0.0
         return m
 
     def _to_device(self, batch: Any) -> Any:
@@ -306,13 +331,19 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 copy of every parameter, names as ``model.named_parameters()``.
         Collective under ZeRO: every rank must call it."""
-        trainable = self.sharded.full_state()
+        with self._masters_resident(write_back=False):
+            trainable = self.sharded.full_state()
         return {n: (trainable[n] if n in trainable else p.detach().float().clone())
                 for n, p in self.model.named_parameters()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
-        self.sharded.load_full_state(state)
+        with self._masters_resident(write_back=True):
+            self.sharded.load_full_state(state)
+
+    def _masters_resident(self, write_back: bool):
+        """Offloaded masters read back for the duration (a no-op without offload)."""
+        return self.offload.masters_resident(write_back) if self.offload is not None else contextlib.nullcontext()
 
     def save(self, path: str) -> None:
         from mct.ckpt import save_engine
@@ -330,4 +361,4 @@ class Engine:
         out = self.sharded.bytes_by_category()
         out["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                                for v in s.values() if isinstance(v, torch.Tensor))
-        return out
+        return self.offload.resident_adjustment(out) if self.offload is not None else out

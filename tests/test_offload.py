@@ -1,0 +1,199 @@
+"""Offload: the disk and host tiers, the chunk pipeline, and the engine with offloaded
+state giving bit-identical results to the engine without (stages 0-3, 1-2 ranks)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from mct.config import EngineConfig
+from mct.engine import Engine
+from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.offload import ChunkStream, DiskStore, HostStore, Item
+from tests.distributed import run_distributed
+from tests.helpers import adamw, batches, sgd_momentum, tiny_config
+
+
+# ---- config ----
+@pytest.mark.parametrize("section, match", [
+    ({"offload": {"optimizer": "nvme"}}, "offload.optimizer = 'nvme'"),
+    ({"offload": {"optimizer": "none", "params": "disk"}}, "needs offload.optimizer"),
+    ({"offload": {"optimizer": "disk", "params": "disk"}, "zero": {"stage": 2}}, "set zero.stage = 3"),
+    ({"offload": {"buffers": 1}}, "offload.buffers = 1"),
+    ({"offload": {"chunk_mb": 0}}, "offload.chunk_mb = 0"),
+])
+def test_offload_config_rejects_mistakes_naming_the_key(section, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_dict(section)
+
+
+def test_offload_dir_that_does_not_exist_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        DiskStore(str(tmp_path / "missing"))
+
+
+# ---- stores and the stream ----
+@pytest.mark.parametrize("store_cls", [DiskStore, HostStore])
+def test_store_round_trips_ranges_of_records_in_any_dtype(store_cls, tmp_path):
+    store = store_cls(str(tmp_path)) if store_cls is DiskStore else store_cls()
+    a, b = torch.randn(1000), torch.randn(77).to(torch.bfloat16)
+    store.allocate("a", 1000, torch.float32)
+    store.allocate("b", 77, torch.bfloat16)
+    store.write("a", 0, a)
+    store.write("b", 0, b)
+    store.write("a", 300, a[300:400] * 2)
+    out = torch.empty(200)
+    store.read("a", 250, 450, out)
+    want = a[250:450].clone()
+    want[50:150] *= 2
+    assert torch.equal(out, want)
+    out_b = torch.empty(77, dtype=torch.bfloat16)
+    store.read("b", 0, 77, out_b)
+    assert torch.equal(out_b, b)
+    assert store.nbytes == 1000 * 4 + 77 * 2
+    if store_cls is DiskStore:
+        folder = store.dir
+        assert os.path.isdir(folder) and os.path.dirname(folder) == str(tmp_path)
+        store.close()
+        assert not os.path.exists(folder)
+
+
+def test_disk_store_short_read_of_a_truncated_file_raises(tmp_path):
+    store = DiskStore(str(tmp_path))
+    store.allocate("a", 1024, torch.float32)
+    os.truncate(store.path, 100)
+    with pytest.raises(OSError, match="short read"):
+        store.read("a", 0, 1024, torch.empty(1024))
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_chunk_stream_reads_ahead_and_writes_behind_through_reused_buffers(slots, tmp_path):
+    """Each chunk sees exactly its own data although buffers are reused, the reads
+    of later chunks run on the I/O thread, and every write lands."""
+    store = DiskStore(str(tmp_path))
+    data = torch.arange(1000, dtype=torch.float32)
+    store.allocate("x", 1000, torch.float32)
+    store.write("x", 0, data)
+    stream = ChunkStream(torch.device("cpu"), slots=slots, chunk_numel=128)
+    chunks = [(a, min(a + 128, 1000)) for a in range(0, 1000, 128)]
+    seen, threads = [], set()
+    orig = store.read
+
+    def read(*args):
+        threads.add(threading.current_thread().name)
+        orig(*args)
+    store.read = read
+
+    def compute(chunk, slot):
+        a, b = chunk
+        buf = stream.buffer(slot, "x", torch.float32, b - a)
+        seen.append(torch.equal(buf, data[a:b]))
+        buf.mul_(-1)
+        return [(Item("x", store, "x", a, b), buf)]
+    stream.run(chunks, lambda c: [Item("x", store, "x", *c)], compute)
+    assert all(seen) and len(seen) == len(chunks)
+    assert threads == {t for t in threads if t.startswith("mct-offload-io")} and threads
+    out = torch.empty(1000)
+    store.read("x", 0, 1000, out)
+    assert torch.equal(out, -data)
+    assert stream.pool_bytes() == slots * 128 * 4  # one buffer per slot, reused for every chunk
+    stream.close()
+
+
+def test_chunk_stream_surfaces_an_io_error_and_drains(tmp_path):
+    store = DiskStore(str(tmp_path))
+    store.allocate("x", 256, torch.float32)
+    stream = ChunkStream(torch.device("cpu"), slots=2, chunk_numel=64)
+
+    def bad_read(*args):
+        raise OSError("disk gone")
+    store.read = bad_read
+    with pytest.raises(OSError, match="disk gone"):
+        stream.run([(0, 64), (64, 128)], lambda c: [Item("x", store, "x", *c)], lambda c, s: [])
+    stream.close()
+
+
+# ---- the engine: offloaded == not offloaded, bit for bit ----
+def _run(cfg: EngineConfig, rank: int, steps: int, optimizer=adamw, n_micro: int = 2):
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    engine = Engine(model, optimizer, cfg, param_groups=optimizer_groups(model, 0.1))
+    outs = [engine.train_step(batches(step, rank, n_micro), gpt_loss) for step in range(steps)]
+    state = engine.full_state_dict()
+    return [(o.loss, o.grad_norm, o.skipped) for o in outs], state, engine
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
+
+
+def _compare(rank: int, world: int, stage: int, mode: str, offload: dict, optimizer, clip: float,
+             tmp: str) -> dict:
+    base = {"zero": {"stage": stage}, "precision": {"mode": mode}, "train": {"grad_clip": clip}}
+    ref_steps, ref_state, _ = _run(tiny_config(**base), rank, 3, optimizer)
+    cfg = tiny_config(**base, offload={"chunk_mb": 0.002, "dir": tmp, **offload})  # 512-element chunks
+    steps, state, engine = _run(cfg, rank, 3, optimizer)
+    return {"steps_equal": steps == ref_steps, "state_equal": _same_bits(state, ref_state),
+            "offloaded": engine.tracker.offloaded(), "live": engine.tracker.live(),
+            "bytes": engine.model_state_bytes(), "opt_state": len(engine.optimizer.state),
+            "files": os.listdir(tmp)}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("tier", ["disk", "cpu"])
+def test_offloaded_optimizer_is_bit_identical_at_stage0(mode, tier, tmp_path):
+    r = _compare(0, 1, 0, mode, {"optimizer": tier}, adamw, 1.0, str(tmp_path))
+    assert r["steps_equal"] and r["state_equal"]
+    assert r["opt_state"] == 0  # the store owns the optimizer state
+    assert r["offloaded"][tier] > 0 and r["live"]["optimizer"] == 0
+
+
+def test_fused_and_momentum_optimizers_step_identically_in_chunks(tmp_path):
+    fused = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
+    for opt in (fused, sgd_momentum):
+        r = _compare(0, 1, 0, "bf16", {"optimizer": "disk"}, opt, 0.5, str(tmp_path))
+        assert r["steps_equal"] and r["state_equal"], opt
+
+
+def _two_rank_offload(rank: int, world: int, tmp: str) -> dict:
+    out = {}
+    for stage, offload in ((1, {"optimizer": "disk"}), (2, {"optimizer": "disk"}), (3, {"optimizer": "disk"}),
+                           (3, {"optimizer": "disk", "params": "disk"}), (3, {"optimizer": "cpu", "params": "cpu"})):
+        for mode in ("fp32", "bf16"):
+            key = (stage, offload.get("params", "none"), offload["optimizer"], mode)
+            out[key] = _compare(rank, world, stage, mode, offload, adamw, 1.0, tmp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    return run_distributed(_two_rank_offload, 2, str(tmp_path_factory.mktemp("offload")), timeout=300)
+
+
+def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank):
+    for results in two_rank:
+        for key, r in results.items():
+            assert r["steps_equal"] and r["state_equal"], key
+
+
+def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_rank):
+    r = two_rank[0][(3, "disk", "disk", "bf16")]
+    assert r["offloaded"]["disk"] > 0 and r["live"]["master"] == 0 and r["live"]["optimizer"] == 0
+    assert r["bytes"]["master"] == 0 and r["bytes"]["grads"] == 0 and r["bytes"]["offload"] > 0
+    assert r["files"] == []  # every engine removed its folder
+    r = two_rank[0][(3, "none", "disk", "bf16")]
+    assert r["bytes"]["params"] > 0  # the bf16 parameter shards stay resident
+
+
+def test_verify_with_offload_passes_at_fp32_tolerance(tmp_path):
+    """``mct verify`` compares against the fp32 reference trainer: with offload at
+    stage 3 on one rank it passes at the fp32 tolerance."""
+    from mct.verify import run_verify
+    from tests.test_verify import _cfg, _write_corpus
+    cfg = _cfg(_write_corpus(tmp_path / "c.txt"), 3, "fp32")
+    cfg.offload.optimizer, cfg.offload.dir = "disk", str(tmp_path)
+    report = run_verify(cfg, 3)
+    assert report.passed, report.table()
