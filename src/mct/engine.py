@@ -341,6 +341,12 @@ class Engine:
         with self._masters_resident(write_back=True):
             self.sharded.load_full_state(state)
 
+    def close(self) -> None:
+        """Release what outlives a step: offload files and the I/O thread (also done
+        when the engine is garbage collected). The engine is unusable afterwards."""
+        if self.offload is not None:
+            self.offload.close()
+
     def _masters_resident(self, write_back: bool):
         """Offloaded masters read back for the duration (a no-op without offload)."""
         return self.offload.masters_resident(write_back) if self.offload is not None else contextlib.nullcontext()

@@ -63,11 +63,11 @@ class OffloadedState:
                  device: torch.device, tracker: Any, inv_divisor: Callable[[], float]) -> None:
         self.units, self.cfg, self.stage, self.comm = units, cfg, stage, comm
         self.device, self.tracker, self.inv_divisor = device, tracker, inv_divisor
-        self.store = make_store(cfg.optimizer, root=cfg.dir, device=device, name=f"rank{comm.rank}-state")
+        self.store = make_store(cfg.optimizer, root=cfg.dir, device=device, name=f"rank{comm.rank}")
         self.param_store: HostStore | DiskStore | None = None
         if cfg.params != "none":
             self.param_store = (self.store if cfg.params == cfg.optimizer else
-                                make_store(cfg.params, root=cfg.dir, device=device, name=f"rank{comm.rank}-params"))
+                                make_store(cfg.params, root=cfg.dir, device=device, name=f"params-rank{comm.rank}"))
         self.chunk_numel = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
         self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
                                   on_alloc=lambda t: tracker.register(t, "offload"))

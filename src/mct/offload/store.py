@@ -92,15 +92,16 @@ class DiskStore:
     tier = "disk"
 
     def __init__(self, root: str = "", *, name: str = "state") -> None:
+        """``name`` ends the folder's and names the file's name (e.g. 'rank0')."""
         if root and not os.path.isdir(root):
             raise ValueError(f"offload.dir = {root!r} is not a directory: create it or leave it '' "
                              f"for the system temporary directory")
         try:
-            self.dir = tempfile.mkdtemp(prefix="mct-offload-", dir=root or None)
+            self.dir = tempfile.mkdtemp(prefix="mct-offload-", suffix=f"-{name}", dir=root or None)
         except OSError as e:
             raise ValueError(f"offload.dir = {root!r}: cannot create a folder there ({e}); "
                              f"choose a writable directory") from None
-        self.path = os.path.join(self.dir, f"{name}.bin")
+        self.path = os.path.join(self.dir, "state.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._size = 0
         self.records: dict[str, Record] = {}
