@@ -210,3 +210,63 @@ def test_verify_with_offload_passes_at_fp32_tolerance(tmp_path):
     cfg.offload.optimizer, cfg.offload.dir = "disk", str(tmp_path)
     report = run_verify(cfg, 3)
     assert report.passed, report.table()
+
+
+# ---- no full model at initialization ----
+class _Odd(torch.nn.Module):
+    """Initialization the GPT does not exercise: a parameter computed from a random
+    factory, an initializer on a view, a buffer, a tied weight, a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.scale = torch.nn.Parameter(torch.randn(8) * 0.5 + 1.0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        for b in self.blocks:
+            torch.nn.init.normal_(b.weight[:4], std=0.3)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen = torch.nn.Parameter(torch.rand(4), requires_grad=False)
+        self.register_buffer("mask", torch.ones(8, 8).tril())
+
+
+@pytest.mark.parametrize("model_fn", [lambda: GPT(tiny_config(model={"dropout": 0.1}).model), _Odd])
+def test_meta_init_materializes_unit_by_unit_exactly_as_normal_construction(model_fn):
+    from mct.offload import record_init
+    torch.manual_seed(7)
+    ref, ref_next = model_fn(), torch.rand(5)
+    torch.manual_seed(7)
+    model, program = record_init(model_fn)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert torch.equal(torch.rand(5), ref_next)  # the generator moved as a normal construction moves it
+    for block in reversed(list(model.blocks)):  # any order, a block at a time
+        program.materialize(list(block.parameters()))
+        assert any(p.is_meta for p in model.parameters())
+    program.materialize([*model.parameters(), *model.buffers()])
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.head.weight is model.emb.weight if hasattr(model, "emb") else True
+
+
+def test_engine_built_from_meta_trains_bit_identically_and_holds_one_unit_at_a_time(tmp_path):
+    from mct.offload import record_init
+    cfg = tiny_config(zero={"stage": 3}, precision={"mode": "bf16"}, model={"n_layer": 4},
+                      offload={"optimizer": "disk", "params": "disk", "dir": str(tmp_path)})
+    ref_steps, ref_state, _ = _run(tiny_config(zero={"stage": 3}, precision={"mode": "bf16"}, model={"n_layer": 4}),
+                                   0, 2)
+    torch.manual_seed(cfg.seed)
+    model, program = record_init(lambda: GPT(cfg.model))
+    held = []
+    materialize = program.materialize
+
+    def counting(params, device="cpu"):
+        held.append(sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta))
+        materialize(params, device)
+    program.materialize = counting
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1), init_program=program)
+    steps = [engine.train_step(batches(s, 0, 2), gpt_loss) for s in range(2)]
+    assert [(o.loss, o.grad_norm, o.skipped) for o in steps] == ref_steps
+    assert _same_bits(engine.full_state_dict(), ref_state)
+    # buffers and frozen first, then (root + 4 blocks) x 2 param groups; nothing stays resident
+    assert len(held) == 1 + 5 * 2 and max(held) == 0
+    engine.close()

@@ -27,10 +27,29 @@ from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budge
                                optimizer_step_bytes)
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.offload import OffloadedState
+from mct.offload.meta_init import InitProgram
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
+
+def _probe_stand_ins(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, nn.Parameter]]:
+    """Meta parameters (a model built by ``record_init``) are shown to the optimizer
+    factory as memoryless CPU tensors of the same shapes: a factory may refuse meta
+    tensors (fused AdamW checks devices). Returns the groups and stand-in id -> param."""
+    if not any(p.device.type == "meta" for g in groups for p in g["params"]):
+        return groups, {}
+    real_of: dict[int, nn.Parameter] = {}
+    out = []
+    for g in groups:
+        params = []
+        for p in g["params"]:
+            s = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
+            real_of[id(s)] = p
+            params.append(s)
+        out.append({**g, "params": params})
+    return out, real_of
+
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -57,10 +76,14 @@ class StepResult:
 class Engine:
     def __init__(self, model: nn.Module, optimizer: OptimizerFactory | None = None,
                  config: EngineConfig | None = None, *, param_groups: list[dict[str, Any]] | None = None,
-                 tracker: MemoryTracker | None = None, ctx: DistContext | None = None) -> None:
+                 tracker: MemoryTracker | None = None, ctx: DistContext | None = None,
+                 init_program: InitProgram | None = None) -> None:
         """``optimizer`` is called with param groups (``param_groups`` if given, else one
         group of all trainable parameters), once to learn the groups' hyperparameters
-        and again over the flat fp32 master shards. Raises ValueError for configs the
+        and again over the flat fp32 master shards. ``init_program``: ``model`` was
+        built on the meta device by ``mct.offload.record_init``; each unit's parameters
+        are materialized (with the values of a normal construction) only when the unit
+        is packed, so no rank holds the whole model. Raises ValueError for configs the
         engine cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
         for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
@@ -78,7 +101,12 @@ class Engine:
         self.policy = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
-        self.model = model.to(self.device)
+        if init_program is None:
+            self.model = model.to(self.device)
+        else:  # what no unit packs (buffers, frozen parameters) is materialized now
+            init_program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)],
+                                     self.device)
+            self.model = model
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
@@ -94,15 +122,18 @@ class Engine:
                     p.data = p.data.to(self.policy.param_dtype)
         # 3. ZeRO: flat units, shards, hooks
         self.stage = int(cfg.zero.stage)
+        # (offload: masters, optimizer state, gradient and parameter shards leave the device
+        # as each unit is built, so construction holds one unit's state at a time)
+        self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
+                                       tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
+                        if cfg.offload.enabled else None)
         self.sharded = ShardedModel(model, groups, blocks, stage=self.stage, comm=self.comm,
                                     param_dtype=self.policy.param_dtype, reduce_dtype=self.policy.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
-                                    tracker=self.tracker)
-        # 3b. offload: masters, optimizer state, gradient and parameter shards leave the device
-        self.offload = (OffloadedState(self.sharded.units, cfg.offload, stage=self.stage, comm=self.comm,
-                                       device=self.device, tracker=self.tracker,
-                                       inv_divisor=lambda: 1.0 / self._grad_divisor())
-                        if cfg.offload.enabled else None)
+                                    tracker=self.tracker,
+                                    before_unit=(None if init_program is None else
+                                                 lambda params: init_program.materialize(params, self.device)),
+                                    after_unit=self._unit_built)
         self.stage3 = (Stage3Lifecycle(blocks, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
@@ -116,14 +147,21 @@ class Engine:
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
+    def _unit_built(self, unit) -> None:
+        if self.offload is not None:
+            self.offload.add_unit(unit)
+        if self.stage == 3:  # free its parameters now, not after every unit is built
+            unit.release()
+
     def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
         user_groups = param_groups or [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        user_groups, real_of = _probe_stand_ins(user_groups)
         probe = optimizer(user_groups)
         name = type(probe).__name__
         if name in NON_ELEMENTWISE:
             raise ValueError(f"optimizer {name} is not elementwise: its update of one element depends on others, "
                              f"so it cannot run on flat ZeRO shards. Use SGD, Adam, AdamW, Adagrad, RMSprop, ...")
-        groups = [list(g["params"]) for g in probe.param_groups]
+        groups = [[real_of.get(id(p), p) for p in g["params"]] for g in probe.param_groups]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
         seen = {id(p) for g in groups for p in g}
         names = {id(p): n for n, p in self.model.named_parameters()}

@@ -22,6 +22,7 @@ from mct.engine import Engine
 from mct.memory.plan import peak_check, resolve_auto
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.offload import InitProgram, record_init
 from mct.precision import LossScaleFloorError
 from mct.schedule import lr_at
 from mct.seeding import micro_seed, seed_everything
@@ -42,13 +43,27 @@ def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
 
 
 def make_optimizer(cfg: EngineConfig):
-    return lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+    """AdamW, with torch's fused kernel where every tensor it is given sits on a device
+    that has one (CPU and CUDA): one pass over memory per step, about 7x faster than
+    the default single-tensor loop on CPU (docs/stages.md, "offload")."""
+    def factory(groups: list[dict]) -> torch.optim.Optimizer:
+        params = [p for g in groups for p in g["params"]]
+        fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    return factory
 
 
 def build_model(cfg: EngineConfig) -> GPT:
     """The GPT, initialized from ``cfg.seed`` (identical on every rank)."""
     seed_everything(cfg.seed)
     return GPT(cfg.model)
+
+
+def build_model_on_meta(cfg: EngineConfig) -> tuple[GPT, InitProgram]:
+    """The GPT of ``build_model`` on the meta device, with the program that gives each
+    parameter exactly ``build_model``'s values when the engine packs its unit."""
+    seed_everything(cfg.seed)
+    return record_init(lambda: GPT(cfg.model))
 
 
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
@@ -80,9 +95,11 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     run_dir = Path(run_dir)
     cfg, choice = resolve_auto(cfg, ctx.world_size, device=ctx.device.type)  # before anything is allocated
     corpus, sampler = build_data(cfg, ctx.world_size)
-    model = build_model(cfg)
+    # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
+    model, program = (build_model_on_meta(cfg) if cfg.zero.stage == 3 or cfg.offload.enabled
+                      else (build_model(cfg), None))
     engine = Engine(model, make_optimizer(cfg), cfg,
-                    param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx)
+                    param_groups=optimizer_groups(model, cfg.train.weight_decay), ctx=ctx, init_program=program)
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
     if ctx.is_main:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,

@@ -5,11 +5,13 @@ buffers for the optimizer step (see docs/stages.md, "offload").
   store.py   where records live: HostStore (pinned on CUDA), DiskStore (one file, preadv/pwritev)
   stream.py  ChunkStream: reusable buffer pool + one background I/O thread (+ CUDA side stream)
   state.py   OffloadedState: what each unit keeps resident, the chunked optimizer step
-  init.py    building a model one unit at a time from the meta device (no full model)
+  meta_init.py  record a model's construction on the meta device; materialize it unit by unit
 """
 
+from mct.offload.meta_init import InitProgram, record_init
 from mct.offload.state import OffloadedState
 from mct.offload.store import DiskStore, HostStore, make_store
 from mct.offload.stream import ChunkStream, Item
 
-__all__ = ["ChunkStream", "DiskStore", "HostStore", "Item", "OffloadedState", "make_store"]
+__all__ = ["ChunkStream", "DiskStore", "HostStore", "InitProgram", "Item", "OffloadedState", "make_store",
+           "record_init"]

@@ -55,13 +55,14 @@ class _UnitState:
 
 
 class OffloadedState:
-    """Moves ``units``' state into the configured stores and owns it from then on.
+    """Moves each unit's state (``add_unit``) into the configured stores and owns it.
     ``inv_divisor()`` is the factor that turns reduced gradient sums into the mean
     (1 / (world * loss scale)). Raises ValueError for a bad offload.dir."""
 
-    def __init__(self, units: list[FlatParamUnit], cfg: OffloadConfig, *, stage: int, comm: Comm,
-                 device: torch.device, tracker: Any, inv_divisor: Callable[[], float]) -> None:
-        self.units, self.cfg, self.stage, self.comm = units, cfg, stage, comm
+    def __init__(self, cfg: OffloadConfig, *, stage: int, comm: Comm, device: torch.device, tracker: Any,
+                 inv_divisor: Callable[[], float]) -> None:
+        self.units: list[FlatParamUnit] = []
+        self.cfg, self.stage, self.comm = cfg, stage, comm
         self.device, self.tracker, self.inv_divisor = device, tracker, inv_divisor
         self.store = make_store(cfg.optimizer, root=cfg.dir, device=device, name=f"rank{comm.rank}")
         self.param_store: HostStore | DiskStore | None = None
@@ -72,17 +73,21 @@ class OffloadedState:
         self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
         self.offload_grads = stage >= 2
-        self.states: list[_UnitState | None] = [None] * len(units)
-        self.grad_stored = [False] * len(units)
-        self.norm_sq: list[torch.Tensor | None] = [None] * len(units)
-        self.param_shards: list[torch.Tensor | None] = [None] * len(units)
-        for i, u in enumerate(units):
-            self._take_unit(i, u)
-        self._report()
+        self.states: list[_UnitState | None] = []
+        self.grad_stored: list[bool] = []
+        self.norm_sq: list[torch.Tensor | None] = []
+        self.param_shards: list[torch.Tensor | None] = []
 
     # ---- construction ----
-    def _take_unit(self, i: int, u: FlatParamUnit) -> None:
-        S = u.layout.shard_numel
+    def add_unit(self, u: FlatParamUnit) -> None:
+        """Take over a freshly built unit: its master (and stage-3 parameter shard)
+        go to the store now, so construction holds one unit's state at a time."""
+        i, S = len(self.units), u.layout.shard_numel
+        self.units.append(u)
+        self.states.append(None)
+        self.grad_stored.append(False)
+        self.norm_sq.append(None)
+        self.param_shards.append(None)
         if not u.persistent:
             if self.param_store is None:
                 shard = u.master.to(u.param_dtype, copy=True)
@@ -100,6 +105,7 @@ class OffloadedState:
         if self.offload_grads:
             self.store.allocate(f"u{i}.grad", S, torch.float32)
             u.on_new_grad_shard = self._grad_sink(i, u, u.on_new_grad_shard)
+        self._report()
 
     def _gather_source(self, i: int, u: FlatParamUnit) -> Callable[[], torch.Tensor]:
         def source() -> torch.Tensor:
