@@ -341,7 +341,9 @@ class Engine:
             m["zero3_gathers"] = self.stage3.gathers
         if self.offload is not None:
             m["offloaded_bytes"] = self.tracker.offloaded()
-            m["time_offload_wait_s"], self.offload.stream.io_wait_s = self.offload.stream.io_wait_s, 0.0
+            stream = self.offload.stream
+            m["time_offload_wait_s"], m["time_offload_io_s"] = stream.io_wait_s, stream.io_busy_s
+            stream.io_wait_s = stream.io_busy_s = 0.0
         return m
 
     def _to_device(self, batch: Any) -> Any:

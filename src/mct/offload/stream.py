@@ -62,6 +62,8 @@ class ChunkStream:
         self._pending: collections.deque[Future] = collections.deque()
         self.io_wait_s = 0.0
         """Seconds the calling thread waited for reads (I/O the compute did not hide)."""
+        self.io_busy_s = 0.0
+        """Seconds the I/O thread spent on reads and writes (written by that thread only)."""
 
     # ---- buffers ----
     def buffer(self, slot: int, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -140,12 +142,15 @@ class ChunkStream:
         return fut
 
     def _in_device(self, fn):
-        if not self._cuda:
-            return fn
-
         def run(*args):
-            with torch.cuda.device(self.device):
-                return fn(*args)
+            t0 = time.perf_counter()
+            try:
+                if not self._cuda:
+                    return fn(*args)
+                with torch.cuda.device(self.device):
+                    return fn(*args)
+            finally:
+                self.io_busy_s += time.perf_counter() - t0
         return run
 
     @staticmethod
