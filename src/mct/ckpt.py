@@ -29,8 +29,12 @@ def save_engine(engine: "Engine", path: str | os.PathLike) -> None:
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     rank = engine.comm.rank
-    state = {"masters": [u.master.detach().clone() for u in engine.sharded.units],
-             "optimizer": engine.optimizer.state_dict(),
+    with engine._masters_resident(write_back=False):  # offloaded masters are read back
+        masters = [u.master.detach().clone() for u in engine.sharded.units]
+    offload = engine.offload
+    state = {"masters": masters,
+             "optimizer": (offload.optimizer_state_dict(engine.optimizer) if offload is not None
+                           else engine.optimizer.state_dict()),
              "scaler": engine.scaler.state_dict(),
              "steps_done": engine.steps_done}
     tmp = d / f"rank{rank}.pt.tmp"
@@ -61,12 +65,15 @@ def load_engine(engine: "Engine", path: str | os.PathLike) -> None:
     if not f.is_file():
         raise ValueError(f"checkpoint {str(d)!r} has no shard for rank {engine.comm.rank} ({f.name})")
     state = torch.load(f, map_location=engine.device, weights_only=True)
-    with torch.no_grad():
+    with torch.no_grad(), engine._masters_resident(write_back=True):
         for u, m in zip(engine.sharded.units, state["masters"]):
             u.master.copy_(m)
-    engine.optimizer.load_state_dict(state["optimizer"])
-    engine._opt_state_tracked = False
-    engine._register_optimizer_state()
+        engine.sharded.publish()  # while offloaded masters are resident
+    if engine.offload is not None:
+        engine.offload.load_optimizer_state_dict(engine.optimizer, state["optimizer"])
+    else:
+        engine.optimizer.load_state_dict(state["optimizer"])
+        engine._opt_state_tracked = False
+        engine._register_optimizer_state()
     engine.scaler.load_state_dict(state["scaler"])
     engine.steps_done = state["steps_done"]
-    engine.sharded.publish()

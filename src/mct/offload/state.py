@@ -306,6 +306,56 @@ class OffloadedState:
                 u.master.untyped_storage().resize_(0)
                 self.tracker.refresh(u.master)
 
+    # ---- optimizer state in torch's format (checkpoints) ----
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What ``optimizer.state_dict()`` returns in an engine without offload: state
+        tensors of full shard size (read from the store) under each master's index, so
+        checkpoints move freely between offloaded and resident engines."""
+        self.stream.drain()
+        sd = optimizer.state_dict()
+        index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        for i, u in enumerate(self.units):
+            st = self.states[i]
+            if st is None:
+                continue
+            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.scalars.items()}
+            for k, dt in st.elementwise.items():
+                entry[k] = torch.empty(u.layout.shard_numel, dtype=dt, device=self.device)
+                self._fetch(self.store, f"u{i}.{k}", entry[k])
+            sd["state"][index[id(u.master)]] = entry
+        return sd
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        """The inverse of ``optimizer_state_dict``: hyperparameters go to ``optimizer``,
+        state tensors of the shard's size to the store, the rest stays resident.
+        Raises ValueError for a state tensor of the wrong size or dtype."""
+        optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
+        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, u in enumerate(self.units):
+            n = next(k for k, p in enumerate(masters) if p is u.master)
+            entry, S = sd["state"].get(n, sd["state"].get(str(n))), u.layout.shard_numel
+            if entry is None:
+                self.states[i] = None
+                continue
+            group = next(g for g in optimizer.param_groups if any(p is u.master for p in g["params"]))
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            elementwise = {k: v.dtype for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+            for k, dt in elementwise.items():
+                if entry[k].numel() != S:
+                    raise ValueError(f"optimizer state {k!r} of unit {u.name} has {entry[k].numel()} elements; "
+                                     f"this engine's shard has {S}: the checkpoint is of another layout")
+                key = f"u{i}.{k}"
+                if key not in self.store.records:
+                    self.store.allocate(key, S, dt)
+                elif self.store.records[key].dtype != dt:
+                    raise ValueError(f"optimizer state {k!r} of unit {u.name} is {dt}, the store holds "
+                                     f"{self.store.records[key].dtype}")
+                _put(self.store, key, entry[k])
+            scalars = {k: (v.to(self.device) if on_device else v.clone()) if isinstance(v, torch.Tensor) else v
+                       for k, v in entry.items() if k not in elementwise}
+            self.states[i] = _UnitState(elementwise, scalars)
+        self._report()
+
     def resident_adjustment(self, by_category: dict[str, int]) -> dict[str, int]:
         """``ShardedModel.bytes_by_category`` counts masters and stage-2/3 gradient
         shards as resident: move them out, count parameter shards and the pool."""
