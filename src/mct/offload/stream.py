@@ -91,6 +91,8 @@ class ChunkStream:
         return self._submit(self._read_job, slot, list(zip(items, bufs)))
 
     def _read_job(self, slot: int, pairs: list[tuple[Item, torch.Tensor]]) -> Any:
+        if self._cuda:
+            self._side.synchronize()  # this slot's staging buffers may still feed an earlier copy
         for it, buf in pairs:
             if not self._cuda:
                 it.store.read(it.key, it.lo, it.hi, buf)
