@@ -325,3 +325,32 @@ def test_cuda_offload_tiers_are_bit_identical_with_pinned_buffers_and_a_side_str
     if tier == "cpu":
         assert engine.offload.store._tensors and all(t.is_pinned() for t in engine.offload.store._tensors.values())
     engine.close()
+
+
+# ---- mct train ----
+def test_mct_train_with_disk_offload_ends_with_the_same_weights_and_losses(tmp_path):
+    """The whole loop (meta construction, evaluation at stage 3, checkpoint, export):
+    offloading changes no bit of the final weights or of any logged loss."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mct.trainer import train
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"f{i}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 30)
+    base = {"seed": 5, "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16},
+            "data": {"path": str(corpus), "micro_batch_size": 2, "grad_accum": 2}, "zero": {"stage": 3},
+            "precision": {"mode": "bf16"},
+            "train": {"steps": 3, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2}}
+    runs = {}
+    for name, extra in (("none", {}), ("disk", {"offload": {"optimizer": "disk", "params": "disk",
+                                                             "dir": str(tmp_path)}})):
+        train(EngineConfig.from_dict({**base, **extra}), tmp_path / name, progress=False)
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([(r["loss"], r.get("val_loss"), r["grad_norm"]) for r in rows],
+                      load_file(str(tmp_path / name / "model.safetensors")), rows[-1])
+    assert runs["disk"][0] == runs["none"][0]
+    assert _same_bits(runs["disk"][1], runs["none"][1])
+    assert runs["disk"][2]["offloaded_bytes"]["disk"] > 0

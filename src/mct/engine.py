@@ -101,12 +101,7 @@ class Engine:
         self.policy = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
-        if init_program is None:
-            self.model = model.to(self.device)
-        else:  # what no unit packs (buffers, frozen parameters) is materialized now
-            init_program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)],
-                                     self.device)
-            self.model = model
+        self.model = self._place(model, init_program)
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
@@ -122,8 +117,7 @@ class Engine:
                     p.data = p.data.to(self.policy.param_dtype)
         # 3. ZeRO: flat units, shards, hooks
         self.stage = int(cfg.zero.stage)
-        # (offload: masters, optimizer state, gradient and parameter shards leave the device
-        # as each unit is built, so construction holds one unit's state at a time)
+        # (offload takes each unit's masters, state and shards as it is built)
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
                                        tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
                         if cfg.offload.enabled else None)
@@ -147,6 +141,14 @@ class Engine:
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
+    def _place(self, model: nn.Module, init_program: InitProgram | None) -> nn.Module:
+        if init_program is None:
+            return model.to(self.device)
+        # built on meta: what no unit packs (buffers, frozen parameters) is materialized now
+        init_program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)],
+                                 self.device)
+        return model
+
     def _unit_built(self, unit) -> None:
         if self.offload is not None:
             self.offload.add_unit(unit)

@@ -46,7 +46,7 @@ ALIGN = 64
 boundaries of every CPU kernel (bit-identity does not rely on it, but costs nothing)."""
 
 
-class _UnitState:
+class UnitState:
     """Which optimizer state a unit has: names of elementwise tensors (with dtype) and
     the per-tensor scalars (e.g. Adam's step), resident."""
 
@@ -73,7 +73,7 @@ class OffloadedState:
         self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
         self.offload_grads = stage >= 2
-        self.states: list[_UnitState | None] = []
+        self.states: list[UnitState | None] = []
         self.grad_stored: list[bool] = []
         self.norm_sq: list[torch.Tensor | None] = []
         self.param_shards: list[torch.Tensor | None] = []
@@ -95,33 +95,33 @@ class OffloadedState:
                 self.tracker.register(shard, "params")
             else:
                 self.param_store.allocate(f"u{i}.param", S, u.param_dtype)
-                _put(self.param_store, f"u{i}.param", u.master.to(u.param_dtype))
+                put_record(self.param_store, f"u{i}.param", u.master.to(u.param_dtype))
             u.gather_source = self._gather_source(i, u)
         if not u.master_is_view:
             self.store.allocate(f"u{i}.master", S, torch.float32)
-            _put(self.store, f"u{i}.master", u.master)
+            put_record(self.store, f"u{i}.master", u.master)
             u.master.untyped_storage().resize_(0)
             self.tracker.refresh(u.master)
         if self.offload_grads:
             self.store.allocate(f"u{i}.grad", S, torch.float32)
             u.on_new_grad_shard = self._grad_sink(i, u, u.on_new_grad_shard)
-        self._report()
+        self.report_offloaded()
 
     def _gather_source(self, i: int, u: FlatParamUnit) -> Callable[[], torch.Tensor]:
         def source() -> torch.Tensor:
             if self.param_shards[i] is not None:
                 return self.param_shards[i]
             out = torch.empty(u.layout.shard_numel, dtype=u.param_dtype, device=self.device)
-            self._fetch(self.param_store, f"u{i}.param", out)
+            self.fetch(self.param_store, f"u{i}.param", out)
             return out
         return source
 
-    def _fetch(self, store, key: str, out: torch.Tensor) -> None:
-        """Read a whole record into ``out`` now, after every queued write."""
-        item = Item(key, store, key, 0, out.numel())
-        self.stream.wait(self.stream._submit(self.stream._read_job, self.stream.slots, [(item, out)]))
+    def fetch(self, store: HostStore | DiskStore, key: str, out: torch.Tensor) -> None:
+        """Read record ``key`` whole into ``out`` now, after every queued write."""
+        self.stream.fetch(Item(key, store, key, 0, out.numel()), out)
 
-    def _report(self) -> None:
+    def report_offloaded(self) -> None:
+        """Tell the tracker how many bytes each tier holds."""
         stores = {id(s): s for s in (self.store, self.param_store) if s is not None}
         for tier in ("cpu", "disk"):
             self.tracker.set_offloaded(tier, sum(s.nbytes for s in stores.values() if s.tier == tier))
@@ -135,7 +135,7 @@ class OffloadedState:
                 previous(shard)
             if self.grad_stored[i]:  # a later micro-batch: add to the stored sum (a + b == b + a exactly)
                 total = torch.empty_like(shard)
-                self._fetch(self.store, key, total)
+                self.fetch(self.store, key, total)
                 total.add_(shard)
                 shard = total
             scaled = torch._foreach_mul([shard], self.inv_divisor())[0]
@@ -176,7 +176,7 @@ class OffloadedState:
         self._post_scalars: dict[int, dict[str, Any]] = {}
         self.stream.run(chunks, self._reads, compute)
         self._publish()
-        self._report()
+        self.report_offloaded()
 
     def _reads(self, chunk: tuple[int, int, int]) -> list[Item]:
         i, a, b = chunk
@@ -253,7 +253,7 @@ class OffloadedState:
                 dst.copy_(post[k])  # first step: fresh tensors from the optimizer
             writes.append((Item(f"state.{k}", self.store, f"u{i}.{k}", a, b), dst))
         if b == self.units[i].layout.shard_numel:
-            self.states[i] = _UnitState(elementwise, first)
+            self.states[i] = UnitState(elementwise, first)
         return writes
 
     def _update_param_shard(self, i: int, u: FlatParamUnit, a: int, b: int, slot: int,
@@ -290,7 +290,7 @@ class OffloadedState:
         for i, u in enumerate(self.units):
             if not u.master_is_view:
                 u.master.untyped_storage().resize_(u.layout.shard_numel * 4)
-                self._fetch(self.store, f"u{i}.master", u.master)
+                self.fetch(self.store, f"u{i}.master", u.master)
         try:
             yield
         finally:
@@ -298,63 +298,22 @@ class OffloadedState:
                 if u.master_is_view:
                     continue
                 if write_back:
-                    _put(self.store, f"u{i}.master", u.master)
+                    put_record(self.store, f"u{i}.master", u.master)
                     if self.param_shards[i] is not None:
                         self.param_shards[i].copy_(u.master)
                     elif self.param_store is not None and not u.persistent:
-                        _put(self.param_store, f"u{i}.param", u.master.to(u.param_dtype))
+                        put_record(self.param_store, f"u{i}.param", u.master.to(u.param_dtype))
                 u.master.untyped_storage().resize_(0)
                 self.tracker.refresh(u.master)
 
-    # ---- optimizer state in torch's format (checkpoints) ----
+    # ---- optimizer state in torch's format (checkpoints: see state_dict.py) ----
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """What ``optimizer.state_dict()`` returns in an engine without offload: state
-        tensors of full shard size (read from the store) under each master's index, so
-        checkpoints move freely between offloaded and resident engines."""
-        self.stream.drain()
-        sd = optimizer.state_dict()
-        index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        for i, u in enumerate(self.units):
-            st = self.states[i]
-            if st is None:
-                continue
-            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.scalars.items()}
-            for k, dt in st.elementwise.items():
-                entry[k] = torch.empty(u.layout.shard_numel, dtype=dt, device=self.device)
-                self._fetch(self.store, f"u{i}.{k}", entry[k])
-            sd["state"][index[id(u.master)]] = entry
-        return sd
+        from mct.offload.state_dict import optimizer_state_dict
+        return optimizer_state_dict(self, optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        """The inverse of ``optimizer_state_dict``: hyperparameters go to ``optimizer``,
-        state tensors of the shard's size to the store, the rest stays resident.
-        Raises ValueError for a state tensor of the wrong size or dtype."""
-        optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
-        masters = [p for g in optimizer.param_groups for p in g["params"]]
-        for i, u in enumerate(self.units):
-            n = next(k for k, p in enumerate(masters) if p is u.master)
-            entry, S = sd["state"].get(n, sd["state"].get(str(n))), u.layout.shard_numel
-            if entry is None:
-                self.states[i] = None
-                continue
-            group = next(g for g in optimizer.param_groups if any(p is u.master for p in g["params"]))
-            on_device = bool(group.get("fused") or group.get("capturable"))
-            elementwise = {k: v.dtype for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-            for k, dt in elementwise.items():
-                if entry[k].numel() != S:
-                    raise ValueError(f"optimizer state {k!r} of unit {u.name} has {entry[k].numel()} elements; "
-                                     f"this engine's shard has {S}: the checkpoint is of another layout")
-                key = f"u{i}.{k}"
-                if key not in self.store.records:
-                    self.store.allocate(key, S, dt)
-                elif self.store.records[key].dtype != dt:
-                    raise ValueError(f"optimizer state {k!r} of unit {u.name} is {dt}, the store holds "
-                                     f"{self.store.records[key].dtype}")
-                _put(self.store, key, entry[k])
-            scalars = {k: (v.to(self.device) if on_device else v.clone()) if isinstance(v, torch.Tensor) else v
-                       for k, v in entry.items() if k not in elementwise}
-            self.states[i] = _UnitState(elementwise, scalars)
-        self._report()
+        from mct.offload.state_dict import load_optimizer_state_dict
+        load_optimizer_state_dict(self, optimizer, sd)
 
     def resident_adjustment(self, by_category: dict[str, int]) -> dict[str, int]:
         """``ShardedModel.bytes_by_category`` counts masters and stage-2/3 gradient
@@ -394,7 +353,7 @@ def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
-def _put(store: HostStore | DiskStore, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
+def put_record(store: HostStore | DiskStore, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
     """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
     flat = t.detach().reshape(-1)
     for a in range(0, flat.numel(), chunk):

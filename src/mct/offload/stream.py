@@ -113,6 +113,10 @@ class ChunkStream:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
+    def fetch(self, item: Item, out: torch.Tensor) -> None:
+        """Read one range into ``out`` (any tensor) now, after every queued job."""
+        self.wait(self._submit(self._read_job, self.slots, [(item, out)]))
+
     def write(self, slot: int, writes: Sequence[tuple[Item, torch.Tensor]]) -> Future:
         """Write tensors (slot buffers, or any tensor the job keeps alive until done)
         to the stores, after the compute that produced them (CUDA: an event)."""
