@@ -8,7 +8,7 @@ GB/s against the machine's memory-copy speed, and the capacity table.
 Every configuration runs in a fresh process (which spawns the 2 gloo ranks), so each
 rank's VmHWM is its own and the allocator setting (MALLOC_MMAP_THRESHOLD_) applies
 from the start. The model is the issue's: d_model 1024, 16 heads, seq 128, vocab 256,
-micro-batch 1, bf16, ZeRO stage 3, activation checkpointing 'all', built on the meta
+micro-batch 1, bf16 (``--precision``), ZeRO stage 3, activation checkpointing 'all', built on the meta
 device (as ``mct train`` does at stage 3), AdamW from the training recipe (fused),
 grad clip 1.0. Ranks run one thread each (as every multi-rank test and benchmark here).
 Step time: median of the measured steps (after the warm-up steps), slower rank.
@@ -59,7 +59,7 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from mct.trainer import build_model_on_meta, make_optimizer
     cfg = EngineConfig.from_dict({
         "model": {"n_layer": spec["layers"], "n_head": 16, "d_model": 1024, "seq_len": 128, "vocab_size": 256},
-        "data": {"micro_batch_size": 1}, "precision": {"mode": "bf16"}, "zero": {"stage": 3},
+        "data": {"micro_batch_size": 1}, "precision": {"mode": spec["precision"]}, "zero": {"stage": 3},
         "checkpointing": {"policy": "all"}, "memory": {"track": False},
         "offload": {**spec["offload"], "dir": spec["dir"]}})
     t0 = time.perf_counter()
@@ -86,9 +86,10 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_config(layers: int, offload: dict, *, warmup: int, steps: int, mmap_threshold: bool) -> dict[str, Any]:
+def run_config(layers: int, offload: dict, *, warmup: int, steps: int, mmap_threshold: bool,
+               precision: str) -> dict[str, Any]:
     """One configuration in a fresh process; returns its ranks' results."""
-    spec = {"layers": layers, "offload": offload, "warmup": warmup, "steps": steps}
+    spec = {"layers": layers, "offload": offload, "warmup": warmup, "steps": steps, "precision": precision}
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap_threshold:
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--capacity", default="27,54", help="n_layer values to check at 2 GiB ('' = skip)")
     ap.add_argument("--skip-table", action="store_true")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                    help="bf16 is the issue's setting; CPUs without bf16 units run its matmuls ~10-25x slower")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_table:
         rows = []
         for name, off in VARIANTS.items():
-            res = run_config(args.layers, off, warmup=args.warmup, steps=args.steps, mmap_threshold=False)
+            res = run_config(args.layers, off, warmup=args.warmup, steps=args.steps, mmap_threshold=False,
+                             precision=args.precision)
             out[name] = res
             rows.append(table_row(name, res, out["copy_bytes_per_s"]))
             print(rows[-1], flush=True)
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     cap = []
     for layers in [int(x) for x in args.capacity.split(",") if x.strip()]:
         for thr in (False, True):
-            res = run_config(layers, VARIANTS["optimizer+params=disk"], warmup=2, steps=2, mmap_threshold=thr)
+            res = run_config(layers, VARIANTS["optimizer+params=disk"], warmup=2, steps=2, mmap_threshold=thr,
+                             precision=args.precision)
             peak = max(r["hwm"] for r in res["ranks"]) / GIB if "ranks" in res else None
             cap.append({"n_layer": layers, "allocator": "MALLOC_MMAP_THRESHOLD_=65536" if thr else "glibc default",
                         "peak_gib": peak, "fits_2gib": peak is not None and peak <= 2.0,

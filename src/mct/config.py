@@ -238,7 +238,7 @@ class OffloadConfig:
     dir: str = ""
     """Directory for 'disk' offload; each engine makes (and removes) its own folder in it.
     '' = the system temporary directory."""
-    chunk_mb: float = 16.0
+    chunk_mb: float = 4.0
     """MiB of fp32 per streamed chunk of one unit's shard: the step's unit of I/O and compute."""
     buffers: int = 2
     """Chunks in flight (>= 2): one is stepped while the next ones are read and the last written."""

@@ -34,10 +34,13 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import OffloadConfig
-from mct.offload.store import DiskStore, HostStore, make_store
+from mct.offload.store import DiskStore, HostStore, NullStore, make_store
 from mct.offload.stream import ChunkStream, Item
+
+Store = HostStore | DiskStore | NullStore
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
 
@@ -64,11 +67,8 @@ class OffloadedState:
         self.units: list[FlatParamUnit] = []
         self.cfg, self.stage, self.comm = cfg, stage, comm
         self.device, self.tracker, self.inv_divisor = device, tracker, inv_divisor
-        self.store = make_store(cfg.optimizer, root=cfg.dir, device=device, name=f"rank{comm.rank}")
-        self.param_store: HostStore | DiskStore | None = None
-        if cfg.params != "none":
-            self.param_store = (self.store if cfg.params == cfg.optimizer else
-                                make_store(cfg.params, root=cfg.dir, device=device, name=f"params-rank{comm.rank}"))
+        self.store: Store | None = None  # opened with the first unit (fake tensors: a NullStore)
+        self.param_store: Store | None = None
         self.chunk_numel = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
         self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
@@ -83,6 +83,8 @@ class OffloadedState:
         """Take over a freshly built unit: its master (and stage-3 parameter shard)
         go to the store now, so construction holds one unit's state at a time."""
         i, S = len(self.units), u.layout.shard_numel
+        if self.store is None:
+            self._open_stores(fake=is_fake(u.master))
         self.units.append(u)
         self.states.append(None)
         self.grad_stored.append(False)
@@ -107,6 +109,14 @@ class OffloadedState:
             u.on_new_grad_shard = self._grad_sink(i, u, u.on_new_grad_shard)
         self.report_offloaded()
 
+    def _open_stores(self, fake: bool) -> None:
+        cfg, rank = self.cfg, self.comm.rank
+        self.store = make_store(cfg.optimizer, root=cfg.dir, device=self.device, name=f"rank{rank}", fake=fake)
+        if cfg.params != "none":
+            self.param_store = (self.store if cfg.params == cfg.optimizer else
+                                make_store(cfg.params, root=cfg.dir, device=self.device, name=f"params-rank{rank}",
+                                           fake=fake))
+
     def _gather_source(self, i: int, u: FlatParamUnit) -> Callable[[], torch.Tensor]:
         def source() -> torch.Tensor:
             if self.param_shards[i] is not None:
@@ -116,7 +126,7 @@ class OffloadedState:
             return out
         return source
 
-    def fetch(self, store: HostStore | DiskStore, key: str, out: torch.Tensor) -> None:
+    def fetch(self, store: Store, key: str, out: torch.Tensor) -> None:
         """Read record ``key`` whole into ``out`` now, after every queued write."""
         self.stream.fetch(Item(key, store, key, 0, out.numel()), out)
 
@@ -214,10 +224,11 @@ class OffloadedState:
         """``optimizer.step()`` on the chunk alone; returns the state it leaves."""
         state = self.states[i]
         if state is not None:
+            self._given = {k: self.stream.buffer(slot, f"state.{k}", dt, master.numel())
+                           for k, dt in state.elementwise.items()}
             optimizer.state[master] = {
                 **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.scalars.items()},
-                **{k: self.stream.buffer(slot, f"state.{k}", dt, master.numel())
-                   for k, dt in state.elementwise.items()}}
+                **self._given}
         group = optimizer.param_groups[gi]
         saved, group["params"] = group["params"], [master]
         master.grad = grad
@@ -248,9 +259,9 @@ class OffloadedState:
                              f"stepped in offloaded chunks; use offload.optimizer = 'none'")
         writes = []
         for k, dt in elementwise.items():
-            dst = self.stream.buffer(slot, f"state.{k}", dt, b - a)
-            if post[k].data_ptr() != dst.data_ptr():
-                dst.copy_(post[k])  # first step: fresh tensors from the optimizer
+            dst = self._given[k] if state is not None else self.stream.buffer(slot, f"state.{k}", dt, b - a)
+            if post[k] is not dst:  # first step: fresh tensors from the optimizer (or it replaced one)
+                dst.copy_(post[k])
             writes.append((Item(f"state.{k}", self.store, f"u{i}.{k}", a, b), dst))
         if b == self.units[i].layout.shard_numel:
             self.states[i] = UnitState(elementwise, first)
@@ -353,7 +364,7 @@ def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
-def put_record(store: HostStore | DiskStore, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
+def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
     """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
     flat = t.detach().reshape(-1)
     for a in range(0, flat.numel(), chunk):

@@ -13,6 +13,7 @@ from a host tensor the caller owns, so a record is never read whole unless asked
   whole file, and the only process memory used is the caller's buffers. The folder is
   private to the store (``tempfile.mkdtemp`` inside ``root``) and removed by ``close``
   (or when the store is garbage collected).
+- ``NullStore``: sizes only, for dry runs on fake tensors (the planner).
 """
 
 from __future__ import annotations
@@ -150,6 +151,36 @@ class DiskStore:
         self._finalizer()
 
 
+class NullStore:
+    """Records with sizes only, no data: the planner runs the engine on fake tensors,
+    where offload must allocate what it allocates on the device and move nothing."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.records: dict[str, Record] = {}
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        if key in self.records:
+            raise ValueError(f"offload record {key!r} already exists")
+        self.records[key] = Record(numel, dtype)
+
+    def host_view(self, key: str, lo: int, hi: int) -> None:
+        return None
+
+    def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        pass
+
+    def write(self, key: str, lo: int, src: torch.Tensor) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records.values())
+
+    def close(self) -> None:
+        pass
+
+
 def _remove(fd: int, folder: str) -> None:
     try:
         os.close(fd)
@@ -158,10 +189,14 @@ def _remove(fd: int, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def make_store(tier: str, *, root: str, device: torch.device, name: str) -> HostStore | DiskStore:
-    """The store of one tier ('cpu' or 'disk') for a run on ``device``."""
+def make_store(tier: str, *, root: str, device: torch.device, name: str,
+               fake: bool = False) -> HostStore | DiskStore | NullStore:
+    """The store of one tier ('cpu' or 'disk') for a run on ``device``; ``fake``: a
+    dry run on fake tensors (a NullStore of that tier)."""
+    if tier not in ("cpu", "disk"):
+        raise ValueError(f"offload tier must be 'cpu' or 'disk', got {tier!r}")
+    if fake:
+        return NullStore(tier)
     if tier == "cpu":
         return HostStore(pin=device.type == "cuda")
-    if tier == "disk":
-        return DiskStore(root, name=name)
-    raise ValueError(f"offload tier must be 'cpu' or 'disk', got {tier!r}")
+    return DiskStore(root, name=name)
