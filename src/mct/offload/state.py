@@ -357,7 +357,7 @@ def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
         x, y = a[k], b[k]
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
-        if isinstance(x, torch.Tensor) and not torch.equal(x, y):
+        if isinstance(x, torch.Tensor) and not (is_fake(x) or torch.equal(x, y)):  # a dry run has no values
             return False
         if not isinstance(x, torch.Tensor) and x != y:
             return False
