@@ -16,7 +16,10 @@ Step time: median of the measured steps (after the warm-up steps), slower rank.
 - optimizer step GB/s = (fp32 master + Adam m, v + fp32 gradient) bytes of the local
   shard / the step phase's wall time (``time_step_s``), against a single-thread
   ``copy_`` of 256 MiB (bytes copied per second; each is read once and written once).
-- I/O hidden = 1 - (time the step waited on reads) / (time the I/O thread was busy).
+- I/O s: the I/O thread's busy time per step and rank; waited s: the time the training
+  thread blocked on it (reads of the step, gradient read-backs, parameter reads);
+  I/O hidden = 1 - waited / I/O (0 when waiting took longer than the I/O itself, as
+  thread scheduling on a loaded machine can make it).
 - Capacity: for each n_layer given, does every rank's VmHWM stay <= 2 GiB over 2+2
   steps with optimizer+params=disk, under glibc's defaults and with
   MALLOC_MMAP_THRESHOLD_=65536.
@@ -136,7 +139,8 @@ def table_row(name: str, res: dict[str, Any], copy_bps: float) -> dict[str, Any]
     return {"variant": name, "peak_gib": max(r["hwm"] for r in ranks) / GIB,
             "init_peak_gib": max(r["hwm_init"] for r in ranks) / GIB, "step_s": step, "opt_step_s": opt,
             "opt_gbps": state_bytes / opt / 1e9, "copy_gbps": copy_bps / 1e9,
-            "io_hidden": (1 - wait / io) if io else None, "init_s": max(r["init_s"] for r in ranks),
+            "io_s": io / len(ranks) / len(ranks[0]["io_s"]), "wait_s": wait / len(ranks) / len(ranks[0]["io_s"]),
+            "io_hidden": max(0.0, 1 - wait / io) if io else None, "init_s": max(r["init_s"] for r in ranks),
             "disk_gib": sum(r["offloaded"]["disk"] for r in ranks) / GIB, "loss": ranks[0]["loss"]}
 
 
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(rows, [("variant", "offload"), ("peak_gib", "VmHWM GiB"), ("peak_x", "x none"),
                                   ("init_peak_gib", "after init GiB"), ("step_s", "step s"), ("step_x", "x none"),
                                   ("opt_step_s", "opt step s"), ("opt_gbps", "opt GB/s"), ("copy_gbps", "copy GB/s"),
-                                  ("io_hidden", "I/O hidden"), ("disk_gib", "on disk GiB"), ("init_s", "init s")]))
+                                  ("io_s", "I/O s"), ("wait_s", "waited s"), ("io_hidden", "I/O hidden"), ("disk_gib", "on disk GiB"), ("init_s", "init s")]))
     cap = []
     for layers in [int(x) for x in args.capacity.split(",") if x.strip()]:
         for thr in (False, True):

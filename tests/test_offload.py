@@ -201,15 +201,26 @@ def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_ran
     assert r["bytes"]["params"] > 0  # the bf16 parameter shards stay resident
 
 
-def test_verify_with_offload_passes_at_fp32_tolerance(tmp_path):
-    """``mct verify`` compares against the fp32 reference trainer: with offload at
-    stage 3 on one rank it passes at the fp32 tolerance."""
+def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
     from mct.verify import run_verify
-    from tests.test_verify import _cfg, _write_corpus
-    cfg = _cfg(_write_corpus(tmp_path / "c.txt"), 3, "fp32")
-    cfg.offload.optimizer, cfg.offload.dir = "disk", str(tmp_path)
-    report = run_verify(cfg, 3)
-    assert report.passed, report.table()
+    from tests.test_verify import _cfg
+    out = {}
+    for stage, offload in ((1, {"optimizer": "disk"}), (2, {"optimizer": "disk"}),
+                           (3, {"optimizer": "disk", "params": "disk"})):
+        cfg = _cfg(data_path, stage, "fp32")
+        cfg.offload.optimizer, cfg.offload.params, cfg.offload.dir = offload["optimizer"], offload.get("params", "none"), tmp
+        out[stage] = run_verify(cfg, 3)
+    return out
+
+
+def test_verify_with_offload_passes_at_fp32_tolerance_at_stages_1_to_3(tmp_path):
+    """``mct verify`` against the fp32 reference trainer, 2 ranks, 2 micro-batches:
+    offloaded state passes at the fp32 tolerance at every stage."""
+    from tests.test_verify import _write_corpus
+    reports = run_distributed(_verify_offloaded, 2, _write_corpus(tmp_path / "c.txt"), str(tmp_path),
+                              timeout=300)[0]
+    for stage, report in reports.items():
+        assert report.passed, (stage, report.table())
 
 
 # ---- no full model at initialization ----
