@@ -132,11 +132,12 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _compare(rank: int, world: int, stage: int, mode: str, offload: dict, optimizer, clip: float,
-             tmp: str, reference: dict | None = None) -> dict:
+             tmp: str, reference: dict | None = None, persistent_numel: int = 0) -> dict:
     """Train without offload (unless ``reference`` holds that run's result for this
     stage and mode) and with ``offload``; compare step results and final weights."""
-    base = {"zero": {"stage": stage}, "precision": {"mode": mode}, "train": {"grad_clip": clip}}
-    key = (stage, mode)
+    base = {"zero": {"stage": stage, "persistent_numel": persistent_numel}, "precision": {"mode": mode},
+            "train": {"grad_clip": clip}}
+    key = (stage, mode, persistent_numel)
     if reference is None or key not in reference:
         ref_steps, ref_state, _ = _run(tiny_config(**base), rank, 3, optimizer)
         if reference is not None:
@@ -178,6 +179,8 @@ def _two_rank_offload(rank: int, world: int, tmp: str) -> dict:
                                  (3, "fp32", {"optimizer": "cpu", "params": "disk"})):
         key = (stage, offload.get("params", "none"), offload["optimizer"], mode)
         out[key] = _compare(rank, world, stage, mode, offload, adamw, 1.0, tmp, reference)
+    # stage 3 with small units kept gathered (persistent): published like stages 1/2
+    out["persistent"] = _compare(rank, world, 3, "bf16", {"optimizer": "disk"}, adamw, 1.0, tmp, None, 20000)
     return out
 
 
