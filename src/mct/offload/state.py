@@ -39,10 +39,10 @@ from torch._subclasses.fake_tensor import is_fake
 from mct.config import OffloadConfig
 from mct.offload.store import DiskStore, HostStore, NullStore, make_store
 from mct.offload.stream import ChunkStream, Item
-
-Store = HostStore | DiskStore | NullStore
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
+
+Store = HostStore | DiskStore | NullStore
 
 ALIGN = 64
 """Chunk sizes are multiples of 64 elements, so chunk boundaries fall on vector-width
@@ -77,6 +77,8 @@ class OffloadedState:
         self.grad_stored: list[bool] = []
         self.norm_sq: list[torch.Tensor | None] = []
         self.param_shards: list[torch.Tensor | None] = []
+        self._given: dict[str, torch.Tensor] = {}  # state buffers handed to the optimizer for a chunk
+        self._post_scalars: dict[int, dict[str, Any]] = {}  # per unit: scalars after its first chunk
 
     # ---- construction ----
     def add_unit(self, u: FlatParamUnit) -> None:
@@ -183,7 +185,7 @@ class OffloadedState:
 
         def compute(chunk, slot):
             return self._step_chunk(chunk, slot, optimizer, group_of_unit[chunk[0]], inv, clip_coef)
-        self._post_scalars: dict[int, dict[str, Any]] = {}
+        self._post_scalars = {}
         self.stream.run(chunks, self._reads, compute)
         self._publish()
         self.report_offloaded()
