@@ -27,29 +27,11 @@ from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budge
                                optimizer_step_bytes)
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.offload import OffloadedState
-from mct.offload.meta_init import InitProgram
+from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
-
-def _probe_stand_ins(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, nn.Parameter]]:
-    """Meta parameters (a model built by ``record_init``) are shown to the optimizer
-    factory as memoryless CPU tensors of the same shapes: a factory may refuse meta
-    tensors (fused AdamW checks devices). Returns the groups and stand-in id -> param."""
-    if not any(p.device.type == "meta" for g in groups for p in g["params"]):
-        return groups, {}
-    real_of: dict[int, nn.Parameter] = {}
-    out = []
-    for g in groups:
-        params = []
-        for p in g["params"]:
-            s = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
-            real_of[id(s)] = p
-            params.append(s)
-        out.append({**g, "params": params})
-    return out, real_of
-
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -157,7 +139,7 @@ class Engine:
 
     def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
         user_groups = param_groups or [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
-        user_groups, real_of = _probe_stand_ins(user_groups)
+        user_groups, real_of = probe_stand_ins(user_groups)
         probe = optimizer(user_groups)
         name = type(probe).__name__
         if name in NON_ELEMENTWISE:

@@ -191,3 +191,21 @@ def record_init(model_fn: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgr
                          f"have ({e}); build it without meta initialization") from None
     _advance(rec.ops)
     return model, InitProgram(rec.ops, torch.get_rng_state())
+
+
+def probe_stand_ins(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, nn.Parameter]]:
+    """Meta parameters (a model built by ``record_init``) are shown to the optimizer
+    factory as memoryless CPU tensors of the same shapes: a factory may refuse meta
+    tensors (fused AdamW checks devices). Returns the groups and stand-in id -> param."""
+    if not any(p.device.type == "meta" for g in groups for p in g["params"]):
+        return groups, {}
+    real_of: dict[int, nn.Parameter] = {}
+    out = []
+    for g in groups:
+        params = []
+        for p in g["params"]:
+            s = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
+            real_of[id(s)] = p
+            params.append(s)
+        out.append({**g, "params": params})
+    return out, real_of
