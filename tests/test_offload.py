@@ -368,3 +368,29 @@ def test_mct_train_with_disk_offload_ends_with_the_same_weights_and_losses(tmp_p
     assert runs["disk"][0] == runs["none"][0]
     assert _same_bits(runs["disk"][1], runs["none"][1])
     assert runs["disk"][2]["offloaded_bytes"]["disk"] > 0
+
+
+def test_resident_state_shows_and_takes_back_the_state_of_a_resident_engine(tmp_path):
+    """Inside ``resident_state`` an offloaded engine's masters and optimizer.state are
+    those of the engine without offload; changes made there (write_back) are stored."""
+    def engine(offload: dict) -> Engine:
+        cfg = tiny_config(zero={"stage": 3}, precision={"mode": "bf16"}, **offload)
+        torch.manual_seed(cfg.seed)
+        model = GPT(cfg.model)
+        e = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+        for s in range(2):
+            e.train_step(batches(s, 0), gpt_loss)
+        return e
+    plain = engine({})
+    off = engine({"offload": {"optimizer": "disk", "dir": str(tmp_path), "chunk_mb": 0.002}})
+    with off.offload.resident_state(off.optimizer, write_back=True):
+        for u, v in zip(off.sharded.units, plain.sharded.units):
+            assert torch.equal(u.master, v.master)
+            a, b = off.optimizer.state[u.master], plain.optimizer.state[v.master]
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            for e, m in ((off, u.master), (plain, v.master)):
+                e.optimizer.state[m]["exp_avg"].mul_(2)
+    assert len(off.optimizer.state) == 0
+    outs = [e.train_step(batches(2, 0), gpt_loss) for e in (off, plain)]
+    assert outs[0].loss == outs[1].loss and _same_bits(off.full_state_dict(), plain.full_state_dict())
+    off.close()

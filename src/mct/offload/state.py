@@ -328,6 +328,25 @@ class OffloadedState:
         from mct.offload.state_dict import load_optimizer_state_dict
         load_optimizer_state_dict(self, optimizer, sd)
 
+    @contextlib.contextmanager
+    def resident_state(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[None]:
+        """For the duration, the engine looks as it would without offload: masters in
+        ``unit.master``, full-size state in ``optimizer.state`` (code that reads or sets
+        state, e.g. persistence, runs unchanged). With ``write_back`` what is there at
+        the end is stored (and parameter shards refreshed). Holds the whole local state
+        in memory meanwhile."""
+        with self.masters_resident(write_back):
+            sd = self.optimizer_state_dict(optimizer)
+            masters = [p for g in optimizer.param_groups for p in g["params"]]
+            for n, entry in sd["state"].items():
+                optimizer.state[masters[n]] = entry
+            try:
+                yield
+                if write_back:
+                    self.load_optimizer_state_dict(optimizer, optimizer.state_dict())
+            finally:
+                optimizer.state.clear()
+
     def resident_adjustment(self, by_category: dict[str, int]) -> dict[str, int]:
         """``ShardedModel.bytes_by_category`` counts masters and stage-2/3 gradient
         shards as resident: move them out, count parameter shards and the pool."""

@@ -38,11 +38,13 @@ def load_optimizer_state_dict(offload: OffloadedState, optimizer: torch.optim.Op
     """The inverse of ``optimizer_state_dict``: hyperparameters go to ``optimizer``,
     state tensors of the shard's size to the store, the rest stays resident.
     Raises ValueError for a state tensor of the wrong size or dtype."""
-    optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
     masters = [p for g in optimizer.param_groups for p in g["params"]]
+    entries = dict(sd["state"])  # read before the optimizer forgets its own state (sd may be its state_dict())
+    optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"]})
+    optimizer.state.clear()
     for i, u in enumerate(offload.units):
         n = next(k for k, p in enumerate(masters) if p is u.master)
-        entry, S = sd["state"].get(n, sd["state"].get(str(n))), u.layout.shard_numel
+        entry, S = entries.get(n, entries.get(str(n))), u.layout.shard_numel
         if entry is None:
             offload.states[i] = None
             continue
