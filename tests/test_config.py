@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mct.config import EngineConfig, apply_overrides, load_config, parse_bytes
@@ -79,3 +81,36 @@ def test_parse_bytes_units():
     assert parse_bytes("1KiB") == 1024 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(5) == 5
     with pytest.raises(ValueError):
         parse_bytes("-1GiB")
+
+
+def test_python_api_does_not_clip_but_the_cli_recipe_clips_at_one(tmp_path):
+    from mct.config import CLI_RECIPE
+    assert EngineConfig.from_dict({}).train.grad_clip == 0.0
+    assert EngineConfig().train.grad_clip == 0.0
+    assert load_config(None, [], defaults=CLI_RECIPE).train.grad_clip == 1.0
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\ngrad_clip = 0.5\nsteps = 3\n")
+    cfg = load_config(f, [], defaults=CLI_RECIPE)
+    assert (cfg.train.grad_clip, cfg.train.steps) == (0.5, 3)  # the file overrides the recipe key by key
+    assert load_config(f, ["train.grad_clip=0"], defaults=CLI_RECIPE).train.grad_clip == 0.0
+
+
+@pytest.mark.parametrize("d,fragment", [
+    ({"train": {"lr": float("nan")}}, "train.lr = nan"),
+    ({"train": {"weight_decay": float("inf")}}, "train.weight_decay = inf"),
+    ({"zero": {"bucket_mb": float("-inf")}}, "zero.bucket_mb = -inf"),
+    ({"seed": -1}, "seed = -1"),
+    ({"distributed": {"timeout_s": 1e30}}, "distributed.timeout_s"),
+    ({"train": {"eval_every": 5, "eval_batches": 0}}, "train.eval_batches = 0"),
+    ({"memory": {"budget": "1GiB", "enforce": True, "track": False}}, "memory.track = False"),
+    ({"model": {"attention": "flash"}}, "model.attention = 'flash'"),
+])
+def test_non_finite_and_out_of_range_values_are_refused(d, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        EngineConfig.from_dict(d)
+
+
+def test_dataclass_construction_refuses_nan_too():
+    from mct.config import TrainConfig
+    with pytest.raises(ValueError, match="train.lr = nan"):
+        TrainConfig(lr=float("nan"))

@@ -8,6 +8,7 @@ file; ``apply_overrides`` applies ``section.key=value`` strings typed by the fie
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -38,6 +39,8 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 
 def _check_range(key: str, value: float, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False) -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison
+        _fail(key, value, "must be a finite number")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         _fail(key, value, f"must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and value > hi:
@@ -58,6 +61,10 @@ class ModelConfig:
     """Vocabulary size; 256 for the byte tokenizer."""
     dropout: float = 0.0
     """Dropout probability on attention, MLP and embeddings, in [0, 1)."""
+    attention: str = "auto"
+    """'sdpa' (fused scaled_dot_product_attention), 'explicit' (matmuls around an fp32
+    softmax) or 'auto': explicit for bf16/fp16 on CPUs with native low-precision matrix
+    units, SDPA elsewhere (docs/precision.md has the measurements)."""
 
     def __post_init__(self) -> None:
         for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
@@ -66,6 +73,8 @@ class ModelConfig:
             _fail("model.d_model", self.d_model, f"must be divisible by model.n_head = {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)")
+        if self.attention not in ("auto", "sdpa", "explicit"):
+            _fail("model.attention", self.attention, "choose 'auto', 'sdpa' or 'explicit'")
 
 
 @dataclass(kw_only=True)
@@ -96,8 +105,9 @@ class TrainConfig:
     """Linear warmup steps."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not to norms, biases, embeddings' norms)."""
-    grad_clip: float = 1.0
-    """Global L2 gradient-norm clip; 0 disables clipping."""
+    grad_clip: float = 0.0
+    """Global L2 gradient-norm clip; 0 disables clipping. The Python API does not clip
+    unless told (as DeepSpeed and FSDP); ``mct train``'s recipe sets 1.0 (``CLI_RECIPE``)."""
     eval_every: int = 50
     """Validation every N steps (and at the last step); 0 disables."""
     eval_batches: int = 8
@@ -118,6 +128,9 @@ class TrainConfig:
         for k in ("eval_every", "eval_batches", "checkpoint_every"):
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.log_every", self.log_every, 1)
+        if self.eval_every and not self.eval_batches:
+            _fail("train.eval_batches", self.eval_batches,
+                  f"must be >= 1 while train.eval_every = {self.eval_every}; set train.eval_every = 0 to skip evaluation")
 
 
 @dataclass(kw_only=True)
@@ -134,12 +147,18 @@ class PrecisionConfig:
     """fp16: overflows tolerated before the scale is halved (refilled on growth)."""
     min_scale: float = 1.0
     """fp16: the scale never goes below this; an overflow here with hysteresis used up stops training."""
+    cpu_matmul: str = "auto"
+    """bf16/fp16 matrix multiplies on a CPU: 'native' (torch's low-precision kernels), 'fp32'
+    (fp32 kernels, result rounded back: same values up to summation order), or 'auto' = 'fp32'
+    on CPUs without native bf16/fp16 units (AVX512-BF16/AMX), where 'native' is 25-40x slower."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("fp32", "bf16", "fp16"):
             _fail("precision.mode", self.mode, "choose 'fp32', 'bf16' or 'fp16'")
         if self.reduce_dtype not in ("fp32", "param"):
             _fail("precision.reduce_dtype", self.reduce_dtype, "choose 'fp32' or 'param'")
+        if self.cpu_matmul not in ("auto", "native", "fp32"):
+            _fail("precision.cpu_matmul", self.cpu_matmul, "choose 'auto', 'native' or 'fp32'")
         _check_range("precision.initial_scale_power", self.initial_scale_power, 0, 64)
         _check_range("precision.growth_interval", self.growth_interval, 1)
         _check_range("precision.hysteresis", self.hysteresis, 1)
@@ -202,6 +221,9 @@ class MemoryConfig:
             parse_bytes(self.budget)
         if self.enforce and not self.budget:
             _fail("memory.enforce", self.enforce, "needs memory.budget, e.g. budget = '2GiB'")
+        if self.enforce and not self.track:
+            _fail("memory.track", self.track, "must be true while memory.enforce = true: an untracked "
+                  "budget cannot be enforced; set memory.track = true or memory.enforce = false")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -218,7 +240,13 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
             _fail("distributed.backend", self.backend, "choose 'auto', 'gloo' or 'nccl'")
-        _check_range("distributed.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        _check_range("distributed.timeout_s", self.timeout_s, 0.0, hi=MAX_TIMEOUT_S, lo_open=True)
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A week: longer timeouts overflow the process group's clock and would never fire in practice."""
+MAX_SEED = 2**63 - 1
+"""Seeds feed torch.manual_seed and numpy's SeedSequence: non-negative, below 2**63."""
 
 
 OFFLOAD_TIERS = ("none", "cpu", "disk")
@@ -282,6 +310,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
+        _check_range("seed", self.seed, 0, MAX_SEED)
         if self.offload.params != "none" and self.zero.stage not in (3, "auto"):
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
@@ -300,7 +329,8 @@ class EngineConfig:
                 allowed = ", ".join(["seed", *_SECTIONS])
                 raise ValueError(f"unknown config section {name!r}; allowed: {allowed}")
             if not isinstance(sub, dict):
-                raise ValueError(f"config section [{name}] must be a table, got {sub!r}")
+                raise ValueError(f"config section [{name}] must be a table, got {sub!r}; "
+                                 f"write it as [{name}] with key = value lines")
             kwargs[name] = _build_section(name, _SECTIONS[name], sub)
         return cls(**kwargs)
 
@@ -329,6 +359,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return list(value)
             continue
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"{key} = {value!r} is not allowed: must be a finite number")
             return float(value)
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -352,7 +384,7 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
         elif t in (int, float):
             try:
                 return t(text)
-            except ValueError:
+            except (ValueError, OverflowError):
                 continue
         elif t is str:
             return text
@@ -379,19 +411,52 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         hints = typing.get_type_hints(_SECTIONS[section])
         if key not in hints:
             raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
-        d.setdefault(section, {})[key] = _parse_text(path, text.strip(), hints[key])
+        if not isinstance(d.setdefault(section, {}), dict):
+            raise ValueError(f"config section [{section}] must be a table, got {d[section]!r}; "
+                             f"write it as [{section}] with key = value lines")
+        d[section][key] = _parse_text(path, text.strip(), hints[key])
     return d
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
-    """TOML file (optional) + overrides -> validated EngineConfig."""
-    d: dict[str, Any] = {}
+CLI_RECIPE: dict[str, dict[str, Any]] = {"train": {"grad_clip": 1.0}}
+"""Defaults of the ``mct`` command's training recipe where they differ from the Python
+API's: the CLI clips the global gradient norm at 1.0 (nanoGPT's recipe); ``Engine``
+built from ``EngineConfig.from_dict`` does not clip unless told (DeepSpeed, FSDP)."""
+
+
+def _read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML config file. Raises ValueError (one line) for a missing path, a
+    directory, a device or FIFO (which would block or read nothing), an unreadable or
+    non-UTF-8 file, and invalid TOML."""
+    p = Path(path)
+    what = f"--config {str(p)!r}"
+    if not p.exists():
+        raise ValueError(f"{what}: no such file; pass the path of a TOML file")
+    if p.is_dir():
+        raise ValueError(f"{what} is a directory; pass a TOML file inside it")
+    if not p.is_file():
+        raise ValueError(f"{what} is not a regular file (a device, FIFO or socket); pass a TOML file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"{what} cannot be read ({e.strerror or e}); check its permissions") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not UTF-8 text; pass a TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{what} is not valid TOML: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                defaults: dict[str, dict[str, Any]] | None = None) -> EngineConfig:
+    """``defaults`` (e.g. ``CLI_RECIPE``) < TOML file (optional) < ``--set`` overrides ->
+    validated EngineConfig. Raises ValueError naming the key, the value and the fix."""
+    d: dict[str, Any] = {k: dict(v) for k, v in (defaults or {}).items()}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--config {str(p)!r}: no such file")
-        try:
-            d = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"--config {str(p)!r} is not valid TOML: {e}") from None
+        for name, value in _read_config_file(path).items():
+            if isinstance(value, dict) and isinstance(d.get(name), dict):
+                d[name] = {**d[name], **value}
+            else:
+                d[name] = value
     return EngineConfig.from_dict(apply_overrides(d, overrides or []))

@@ -120,7 +120,8 @@ def _walk_sorted(root: Path, skip_dir) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not skip_dir(d)]
-        found += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+        # regular files only: reading a FIFO or device found in the tree would block or never end
+        found += [Path(dirpath, f) for f in filenames if not f.startswith(".") and Path(dirpath, f).is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -245,6 +246,9 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
         if not p.exists():
             raise ValueError(f"data.path = {path!r} does not exist; point it at a text file, a "
                              "directory of text files or a uint16 .bin (or '' for the stdlib corpus)")
+        if not p.is_dir() and not p.is_file():
+            raise ValueError(f"data.path = {path!r} is not a regular file or directory (a device, FIFO or "
+                             "socket); point it at a text file, a directory of text files or a uint16 .bin")
         if p.is_dir():
             docs = _dir_documents(p, doc_bytes)
         elif p.suffix == ".bin":

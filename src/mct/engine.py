@@ -207,11 +207,12 @@ class Engine:
         times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        kernels = self.policy.kernels(self.device.type)  # one mode object, re-entered per phase
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             t0 = time.perf_counter()
             self._stage_name = "forward"
-            with self.tracker.stage("forward", "activations"), self._phase("forward"):
+            with self.tracker.stage("forward", "activations"), self._phase("forward"), kernels:
                 with self.policy.autocast(self.device.type):
                     loss = loss_fn(self.model, mb)
             if loss.dim() != 0:
@@ -219,7 +220,7 @@ class Engine:
             loss_sum += loss.detach().double()
             t1 = time.perf_counter()
             self._stage_name = "backward"
-            with self.tracker.stage("backward", "other"), self._phase("backward"):
+            with self.tracker.stage("backward", "other"), self._phase("backward"), kernels:
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
@@ -343,7 +344,7 @@ class Engine:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), self.tracker.stage("eval", "activations"):
-                with self._phase("eval"), self.policy.autocast(self.device.type):
+                with self._phase("eval"), self.policy.kernels(self.device.type), self.policy.autocast(self.device.type):
                     loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
                 if self.stage3 is not None:
                     self.stage3.end_step()

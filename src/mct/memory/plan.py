@@ -188,9 +188,11 @@ def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | 
     return None
 
 
-def cmd_plan(cfg: EngineConfig, *, world: int, budget: str | None, factory: str | None, as_json: bool) -> int:
-    """``mct plan``: print the table (or JSON). Returns 0 when a configuration fits (or
-    no budget was given); raises ValueError (exit 2, one line) when nothing fits."""
+def cmd_plan(cfg: EngineConfig, *, world: int, budget: str | None, factory: str | None, as_json: bool,
+             plot: str | None = None) -> int:
+    """``mct plan``: print the table (or JSON); ``plot``: also draw it (``mct.plots``).
+    Returns 0 when a configuration fits (or no budget was given); raises ValueError
+    (exit 2, one line) when nothing fits."""
     from mct.config import parse_bytes
     limit = parse_bytes(budget, "--budget") if budget else cfg.memory.budget_bytes
     plan = make_plan(cfg, world, limit, factory=factory)
@@ -199,6 +201,9 @@ def cmd_plan(cfg: EngineConfig, *, world: int, budget: str | None, factory: str 
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print(format_table(plan))
+    if plot:
+        from mct.plots import plot_plan
+        plot_plan(plan.to_dict(), plot)
     if limit is not None and plan.best is None:
         raise ValueError(plan.advice)
     return 0

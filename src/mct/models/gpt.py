@@ -2,8 +2,16 @@
 dropout, tied input/output embeddings.
 
 Sensitive ops run in fp32 whatever the autocast dtype: layer norms, the attention
-softmax (inside SDPA's kernels, which accumulate in fp32) and the loss. CPU autocast
-would otherwise leave norms and softmax in bf16.
+softmax (inside SDPA's kernels, which accumulate in fp32, or explicitly in fp32 in
+``explicit_attention``) and the loss. CPU autocast would otherwise leave norms and
+softmax in bf16.
+
+Attention has two implementations with the same math (``model.attention``):
+``scaled_dot_product_attention`` (fused; flash kernel on CPU) and an explicit
+matmul-softmax-matmul with the softmax in fp32. ``auto`` picks per device and dtype
+from measurements (docs/precision.md): explicit for bf16/fp16 on a CPU with native
+low-precision matrix units (AVX512-BF16/AMX, where SDPA's CPU flash backward took 70%
+of the bf16 backward), SDPA everywhere else (CUDA, fp32, CPUs without them).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mct.config import ModelConfig
+from mct.precision.cpu_matmul import cpu_has_native_low_precision
 
 
 class LayerNorm(nn.Module):
@@ -31,10 +40,33 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
+def attention_impl(choice: str, device_type: str, dtype: torch.dtype) -> str:
+    """'sdpa' or 'explicit' for ``model.attention = choice`` on this device and dtype."""
+    if choice != "auto":
+        return choice
+    low = dtype in (torch.bfloat16, torch.float16)
+    return "explicit" if device_type == "cpu" and low and cpu_has_native_low_precision(dtype) else "sdpa"
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention as two matmuls in the input dtype around an fp32 softmax.
+    q, k, v: [B, H, T, D] -> [B, H, T, D] in q's dtype. Matches SDPA up to rounding."""
+    T = q.size(-2)
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+    with torch.autocast(q.device.type, enabled=False):  # softmax statistics in fp32
+        wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        probs = torch.softmax(wide.masked_fill(causal, float("-inf")), dim=-1).to(v.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.attention = cfg.attention
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -45,7 +77,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if attention_impl(self.attention, q.device.type, q.dtype) == "explicit":
+            y = explicit_attention(q, k, v, p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 

@@ -13,6 +13,7 @@ from typing import ContextManager
 import torch
 
 from mct.config import PrecisionConfig
+from mct.precision.cpu_matmul import matmul_kernels
 
 MODE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -39,6 +40,8 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32
+    cpu_matmul: str = "auto"
+    """'auto' | 'native' | 'fp32': kernels for low-precision matmuls on a CPU (see ``kernels``)."""
 
     def __post_init__(self) -> None:
         if MODE_DTYPES.get(self.mode) is not self.param_dtype:
@@ -54,7 +57,7 @@ class PrecisionPolicy:
             raise ValueError(f"master_dtype must be torch.float32, got {self.master_dtype}")
 
     @classmethod
-    def for_mode(cls, mode: str, reduce_dtype: str = "fp32") -> "PrecisionPolicy":
+    def for_mode(cls, mode: str, reduce_dtype: str = "fp32", cpu_matmul: str = "auto") -> "PrecisionPolicy":
         """``mode`` in fp32/bf16/fp16; ``reduce_dtype`` 'fp32' or 'param' (the working dtype).
         Raises ValueError naming the bad value."""
         if mode not in MODE_DTYPES:
@@ -63,12 +66,12 @@ class PrecisionPolicy:
             raise ValueError(f"precision.reduce_dtype = {reduce_dtype!r} is not allowed: choose 'fp32' or 'param'")
         dtype = MODE_DTYPES[mode]
         return cls(mode=mode, param_dtype=dtype, compute_dtype=dtype,
-                   reduce_dtype=torch.float32 if reduce_dtype == "fp32" else dtype)
+                   reduce_dtype=torch.float32 if reduce_dtype == "fp32" else dtype, cpu_matmul=cpu_matmul)
 
     @classmethod
     def from_config(cls, cfg: PrecisionConfig) -> "PrecisionPolicy":
         """The policy for a ``[precision]`` config section."""
-        return cls.for_mode(cfg.mode, reduce_dtype=cfg.reduce_dtype)
+        return cls.for_mode(cfg.mode, reduce_dtype=cfg.reduce_dtype, cpu_matmul=cfg.cpu_matmul)
 
     @property
     def has_master(self) -> bool:
@@ -86,3 +89,9 @@ class PrecisionPolicy:
         if not self.has_master:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(device_type).type, dtype=self.compute_dtype)
+
+    def kernels(self, device_type: str | torch.device) -> ContextManager:
+        """The context forward, backward (with recompute) and evaluation run in: on a CPU
+        without native bf16/fp16 units, low-precision matmuls run on fp32 kernels and are
+        rounded back (``mct.precision.cpu_matmul``); a no-op everywhere else."""
+        return matmul_kernels(self.cpu_matmul, torch.device(device_type).type, self.compute_dtype)

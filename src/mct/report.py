@@ -1,0 +1,132 @@
+"""``mct report RUN_DIR [--plot FILE.png]``: what a run directory holds, read defensively.
+
+A crashed or diverged run leaves truncated lines, non-finite values and missing keys;
+the report keeps every row it can read, names the file and line of each one it
+skipped, and prints what is there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mct.metrics import fmt_bytes, read_jsonl
+
+
+@dataclass
+class RunData:
+    """Everything readable in a run directory. ``warnings``: one line per skipped
+    line or unreadable file, naming it."""
+
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def budget(self) -> int | None:
+        """memory.budget of the run's resolved config, in bytes (None when unset or unreadable)."""
+        from mct.config import parse_bytes
+        text = (((self.meta or {}).get("config") or {}).get("memory") or {}).get("budget")
+        try:
+            return parse_bytes(text) if text else None
+        except ValueError:
+            return None
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read metrics.jsonl (required), events.jsonl and metadata.json (optional).
+    Raises ValueError (one line, naming the path and the fix) when ``run_dir`` is not
+    a directory, has no readable metrics.jsonl, or that file has no readable row."""
+    d = Path(run_dir)
+    if not d.exists():
+        raise ValueError(f"run directory {str(d)!r} does not exist; pass a directory made by `mct train`")
+    if not d.is_dir():
+        raise ValueError(f"{str(d)!r} is not a directory; pass the run directory that holds metrics.jsonl")
+    path = d / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{str(d)!r} has no metrics.jsonl: pass a run directory made by `mct train`")
+    try:
+        rows, warnings = read_jsonl(path)
+    except OSError as e:
+        raise ValueError(f"{str(path)!r} cannot be read ({e.strerror or e}); check its permissions") from None
+    rows = [r for r in rows if isinstance(r.get("step"), int)] or rows
+    if not rows:
+        why = f"; {len(warnings)} damaged line(s), the first: {warnings[0]}" if warnings else ""
+        raise ValueError(f"{str(path)!r} has no readable step: the run logged nothing{why}")
+    run = RunData(d, rows, warnings=warnings)
+    if (d / "events.jsonl").is_file():
+        try:
+            run.events, skipped = read_jsonl(d / "events.jsonl")
+            run.warnings += skipped
+        except OSError as e:
+            run.warnings.append(f"{d / 'events.jsonl'}: not read ({e.strerror or e})")
+    run.meta = _read_meta(d / "metadata.json", run.warnings)
+    return run
+
+
+def _read_meta(path: Path, warnings: list[str]) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(errors="replace"))
+    except (OSError, json.JSONDecodeError) as e:
+        warnings.append(f"{path}: not read ({e}); the report goes on without it")
+        return None
+    if not isinstance(meta, dict):
+        warnings.append(f"{path}: not a JSON object; the report goes on without it")
+        return None
+    return meta
+
+
+def _cell(v: Any, fmt: str, width: int) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return f"{'' if v is None else str(v):>{width}}"
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"{str(v):>{width}}"
+    return f"{v:>{width}{fmt}}"
+
+
+def report_table(run: RunData) -> str:
+    """Per logged step: loss, val loss, tokens/s, peak; then a summary of skips,
+    rollbacks, resumes and non-finite values."""
+    lines = [f"{'step':>6} {'loss':>8} {'val_loss':>9} {'tokens/s':>10} {'peak':>11}"]
+    for r in run.rows:
+        peak = r.get("peak_bytes")
+        peak_s = fmt_bytes(peak) if isinstance(peak, int) else ""
+        lines.append(f"{_cell(r.get('step'), 'd', 6)} {_cell(r.get('loss'), '.4f', 8)} "
+                     f"{_cell(r.get('val_loss'), '.4f', 9)} {_cell(r.get('tokens_per_s'), '.0f', 10)} {peak_s:>11}")
+    def most(*keys: str) -> int:  # counters are cumulative: the largest value seen
+        vals = [v for r in run.rows for k in keys
+                for v in [(r.get("errors") or {}).get(k[7:]) if k.startswith("errors.") else r.get(k)]
+                if isinstance(v, int) and not isinstance(v, bool)]
+        return max(vals, default=0)
+    nonfinite = [r.get("step") for r in run.rows
+                 if r.get("nonfinite") or any(isinstance(v, float) and not math.isfinite(v) for v in r.values())]
+    skipped = max(most("errors.skipped_steps", "skipped_steps"), sum(r.get("skipped") is True for r in run.rows))
+    summary = [f"skipped steps: {skipped}", f"rollbacks: {most('rollbacks')}",
+               f"resumes: {len((run.meta or {}).get('resumes') or [])}", f"events: {len(run.events)}"]
+    lines.append("; ".join(summary))
+    if nonfinite:
+        lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
+    return "\n".join(lines)
+
+
+def plot_title(run: RunData) -> str:
+    meta = run.meta or {}
+    cfg = meta.get("config") or {}
+    bits = [str(run.run_dir)]
+    if isinstance(meta.get("n_params"), int):
+        bits.append(f"{meta['n_params']:,} parameters")
+    for key, section, name in (("mode", "precision", "precision"), ("stage", "zero", "zero stage"),
+                               ("policy", "checkpointing", "checkpointing")):
+        v = (cfg.get(section) or {}).get(key)
+        if v is not None:
+            bits.append(f"{name} {v}")
+    if meta.get("world_size"):
+        bits.append(f"{meta['world_size']} rank(s)")
+    return ", ".join(bits)

@@ -1,0 +1,230 @@
+"""Bad invocations: each one exits 2 with exactly one ``mct: error:`` line on stderr
+naming the value, no traceback, and writes nothing.
+
+Most cases call ``mct.cli.main`` in-process (fast); a few run the real console entry
+point in a subprocess to prove the same holds end to end. ``python tests/test_cli_errors.py``
+prints the table (command, exit code, message) as the tests run it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mct.cli import _config_warnings, main
+from mct.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.d_model=32",
+        "--set", "model.seq_len=16", "--set", "data.micro_batch_size=2", "--set", "train.steps=2",
+        "--set", "train.eval_every=0", "--set", "data.path={corpus}"]
+TRAIN = ["train", "--no-progress", "--run-dir", "{run}", *TINY]
+
+# (case id, argv after `mct`, a fragment the one error line must contain)
+CASES: list[tuple[str, list[str], str]] = [
+    ("config-missing", [*TRAIN, "--config", "{tmp}/missing.toml"], "no such file"),
+    ("config-directory", [*TRAIN, "--config", "{tmp}"], "is a directory"),
+    ("config-dev-null", [*TRAIN, "--config", "/dev/null"], "not a regular file"),
+    ("config-fifo", [*TRAIN, "--config", "{tmp}/fifo"], "not a regular file"),
+    ("config-binary", [*TRAIN, "--config", "{tmp}/binary.toml"], "not UTF-8"),
+    ("config-invalid-toml", [*TRAIN, "--config", "{tmp}/broken.toml"], "not valid TOML"),
+    ("config-section-not-table", [*TRAIN, "--config", "{tmp}/section.toml"], "[model] must be a table"),
+    ("config-nan-in-toml", [*TRAIN, "--config", "{tmp}/nan.toml"], "train.lr = nan"),
+    ("set-no-equals", [*TRAIN, "--set", "train.steps"], "section.key=value"),
+    ("set-unknown-section", [*TRAIN, "--set", "foo.bar=1"], "unknown section 'foo'"),
+    ("set-unknown-key", [*TRAIN, "--set", "model.width=1"], "unknown key model.width"),
+    ("set-wrong-type-int", [*TRAIN, "--set", "model.n_layer=2.5"], "model.n_layer = '2.5' has the wrong type"),
+    ("set-wrong-type-bool", [*TRAIN, "--set", "train.tensorboard=maybe"], "train.tensorboard"),
+    ("lr-nan", [*TRAIN, "--set", "train.lr=nan"], "train.lr = nan"),
+    ("lr-inf", [*TRAIN, "--set", "train.lr=inf"], "train.lr = inf"),
+    ("lr-negative", [*TRAIN, "--set", "train.lr=-1"], "train.lr = -1.0"),
+    ("grad-clip-nan", [*TRAIN, "--set", "train.grad_clip=nan"], "train.grad_clip = nan"),
+    ("dropout-one", [*TRAIN, "--set", "model.dropout=1"], "model.dropout = 1.0"),
+    ("seed-negative", [*TRAIN, "--set", "seed=-1"], "seed = -1"),
+    ("seed-huge", [*TRAIN, "--set", "seed=99999999999999999999"], "seed = 99999999999999999999"),
+    ("n-layer-zero", [*TRAIN, "--set", "model.n_layer=0"], "model.n_layer = 0"),
+    ("n-head-not-divisor", [*TRAIN, "--set", "model.n_head=3"], "divisible by model.n_head = 3"),
+    ("vocab-too-small", [*TRAIN, "--set", "model.vocab_size=10"], "model.vocab_size = 10"),
+    ("seq-len-beyond-corpus", [*TRAIN, "--set", "model.seq_len=100000"], "model.seq_len"),
+    ("data-path-missing", [*TRAIN, "--set", "data.path={tmp}/nope"], "does not exist"),
+    ("data-path-dev-null", [*TRAIN, "--set", "data.path=/dev/null"], "not a regular file or directory"),
+    ("data-path-fifo", [*TRAIN, "--set", "data.path={tmp}/fifo"], "not a regular file or directory"),
+    ("data-path-binary", [*TRAIN, "--set", "data.path={tmp}/binary.toml"], "not UTF-8"),
+    ("batch-zero", [*TRAIN, "--set", "data.micro_batch_size=0"], "data.micro_batch_size = 0"),
+    ("val-fraction-nan", [*TRAIN, "--set", "data.val_fraction=nan"], "data.val_fraction = nan"),
+    ("eval-batches-zero", [*TRAIN, "--set", "train.eval_every=1", "--set", "train.eval_batches=0"],
+     "train.eval_batches = 0"),
+    ("precision-mode", [*TRAIN, "--set", "precision.mode=fp8"], "precision.mode = 'fp8'"),
+    ("min-scale-inf", [*TRAIN, "--set", "precision.min_scale=inf"], "precision.min_scale = inf"),
+    ("policy-unknown", [*TRAIN, "--set", "checkpointing.policy=some"], "checkpointing.policy = 'some'"),
+    ("blocks-not-found", [*TRAIN, "--set", "checkpointing.policy=all", "--set", "checkpointing.blocks=Nope"],
+     "checkpointing.blocks"),
+    ("zero-stage-4", [*TRAIN, "--set", "zero.stage=4"], "zero.stage = 4"),
+    ("zero-auto-no-budget", [*TRAIN, "--set", "zero.stage=auto"], "needs a per-rank budget"),
+    ("bucket-nan", [*TRAIN, "--set", "zero.bucket_mb=nan"], "zero.bucket_mb = nan"),
+    ("budget-garbage", [*TRAIN, "--set", "memory.budget=abc"], "memory.budget"),
+    ("budget-negative", [*TRAIN, "--set", "memory.budget=-1GiB"], "memory.budget"),
+    ("enforce-without-budget", [*TRAIN, "--set", "memory.enforce=true"], "needs memory.budget"),
+    ("enforce-untracked", [*TRAIN, "--set", "memory.budget=1GiB", "--set", "memory.enforce=true",
+                           "--set", "memory.track=false"], "memory.track = False"),
+    ("budget-1KiB-enforced", [*TRAIN, "--set", "memory.budget=1KiB", "--set", "memory.enforce=true"],
+     "memory budget exceeded"),
+    ("budget-300KiB-enforced", [*TRAIN, "--set", "memory.budget=300KiB", "--set", "memory.enforce=true"],
+     "memory budget exceeded in stage 'forward'"),
+    ("model-larger-than-host-memory", [*TRAIN, "--set", "model.n_layer=2", "--set", "model.d_model=65536",
+                                       "--set", "model.n_head=8"], "more than this machine's"),
+    ("backend-unknown", [*TRAIN, "--set", "distributed.backend=mpi"], "distributed.backend = 'mpi'"),
+    ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
+    ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),
+    ("nproc-not-int", [*TRAIN, "--nproc", "two"], "invalid int value: 'two'"),
+    ("unknown-flag", [*TRAIN, "--bogus"], "unrecognized arguments: --bogus"),
+    ("unknown-command", ["bogus"], "invalid choice: 'bogus'"),
+    ("no-command", [], "required: command"),
+    ("verify-steps-zero", ["verify", *TINY, "--steps", "0"], "--steps must be >= 1"),
+    ("plan-world-zero", ["plan", "--world-size", "0"], "--world-size must be >= 1"),
+    ("plan-budget-nan", ["plan", "--budget", "nan"], "--budget"),
+    ("plan-model-missing", ["plan", "--model", "no_such_module:f"], "--model 'no_such_module:f'"),
+    ("plan-model-not-module", ["plan", "--model", "os:getcwd"], "not an nn.Module"),
+    ("plan-plot-format", ["plan", "--plot", "{tmp}/plan.xyz"], "unknown image format '.xyz'"),
+    ("plan-plot-directory", ["plan", "--plot", "{tmp}"], "is a directory"),
+    ("plan-plot-no-folder", ["plan", "--plot", "{tmp}/no/such/plan.png"], "does not exist"),
+    ("report-missing", ["report", "{tmp}/no_run"], "does not exist"),
+    ("report-file", ["report", "{tmp}/broken.toml"], "is not a directory"),
+    ("report-no-metrics", ["report", "{tmp}"], "has no metrics.jsonl"),
+    ("report-all-lines-damaged", ["report", "{tmp}/damaged_run"], "has no readable step"),
+    ("report-plot-format", ["report", "{tmp}/damaged_run", "--plot", "{tmp}/r.gif"], "unknown image format"),
+]
+
+
+def _fixtures(tmp: Path) -> dict[str, str]:
+    """Files the cases point at; returns the placeholders' values."""
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"f{i}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 30)
+    os.mkfifo(tmp / "fifo")  # reading it would block forever: must be refused, not opened
+    (tmp / "binary.toml").write_bytes(b"\xff\xfe\x00\x01")
+    (tmp / "broken.toml").write_text("[train\nsteps = 1\n")
+    (tmp / "section.toml").write_text("model = 3\n")
+    (tmp / "nan.toml").write_text("[train]\nlr = nan\n")
+    (tmp / "damaged_run").mkdir()
+    (tmp / "damaged_run" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.1\n[1, 2]\n')
+    return {"tmp": str(tmp), "corpus": str(corpus), "run": str(tmp / "run")}
+
+
+def _run_case(argv: list[str], values: dict[str, str], capsys) -> tuple[int, list[str], str]:
+    args = [a.format(**values) for a in argv]
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    return rc, [line for line in err.splitlines() if line.strip()], err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys):
+    _, argv, fragment = case
+    values = _fixtures(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    rc, lines, err = _run_case(argv, values, capsys)
+    assert rc == 2, err
+    errors = [line for line in lines if line.startswith("mct: error:")]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err
+    assert fragment in errors[0], errors[0]
+    assert [line for line in lines if not line.startswith(("mct: error:", "mct: warning:"))] == [], err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true", *TINY],
+     "memory budget exceeded"),
+    (["-m", "mct", "train", "--nproc", "x"], "invalid int value"),
+    (["-m", "mct", "train", "--set", "train.lr=nan"], "train.lr = nan"),
+], ids=["budget-enforced", "argparse", "non-finite"])
+def test_bad_invocation_end_to_end_has_no_traceback(argv, fragment, tmp_path):
+    values = _fixtures(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, *[a.format(**values) for a in argv], "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("mct: error:") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert fragment in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_version_flag_in_both_entry_points():
+    import mct
+    for cmd in ([sys.executable, "-m", "mct", "--version"], [str(Path(sys.executable).parent / "mct"), "--version"]):
+        if not Path(cmd[0]).exists():
+            continue
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == f"mct {mct.__version__}", out
+
+
+def test_train_help_shows_every_flag_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    blocks: dict[str, str] = {}  # option -> its help text (option lines start with two spaces and a dash)
+    for line in out.split("options:")[1].split("\n\n")[0].splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif blocks:
+            blocks[name] += " " + line.strip()
+    assert set(blocks) >= {"--config", "--set", "--nproc", "--run-dir", "--no-progress"}
+    for name, text in blocks.items():
+        if name != "-h":
+            assert "(default:" in " ".join(text.split()), f"{name} shows no default: {text}"
+    assert "(default: 1)" in " ".join(blocks["--nproc"].split())
+
+
+def test_budget_without_enforce_warns_once(capsys):
+    _config_warnings(load_config(None, ["memory.budget=2GiB"]), nproc=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mct: warning: memory.budget = '2GiB' is recorded but not enforced")
+    _config_warnings(load_config(None, ["memory.budget=2GiB", "memory.enforce=true"]), nproc=1)
+    _config_warnings(load_config(None, ["memory.budget=2GiB", "zero.stage=auto"]), nproc=1)
+    assert capsys.readouterr().err == ""
+
+
+def test_nproc_above_core_count_hints(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cores = os.cpu_count() or 1
+    _config_warnings(load_config(None, []), nproc=cores + 1)
+    err = capsys.readouterr().err
+    assert f"--nproc {cores + 1}" in err and f"{cores} CPU cores" in err
+    _config_warnings(load_config(None, []), nproc=cores)
+    assert capsys.readouterr().err == ""
+
+
+def _table() -> str:  # pragma: no cover - `python tests/test_cli_errors.py`
+    import contextlib
+    import io
+    import tempfile
+    rows = ["| case | command | exit | message |", "|---|---|---|---|"]
+    for name, argv, _ in CASES:
+        with tempfile.TemporaryDirectory() as d:
+            values = _fixtures(Path(d))
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    rc = main([a.format(**values) for a in argv])
+                except SystemExit as e:
+                    rc = e.code
+            rest = argv[len(TRAIN):] if argv[:len(TRAIN)] == TRAIN else argv
+            shown = ("train [tiny model] " if rest is not argv else "") + " ".join(rest).replace("{tmp}", "T")
+            msg = next((x for x in err.getvalue().splitlines() if x.startswith("mct: error:")), "(none)")
+            rows.append(f"| {name} | `mct {shown}` | {rc} | {msg.replace(d, 'T').replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(_table())

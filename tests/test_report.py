@@ -1,0 +1,115 @@
+"""Metrics survive non-finite values; ``mct report`` reads damaged files line by line
+and draws a run; ``mct plan --plot`` draws a plan."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mct.cli import main
+from mct.metrics import MetricsWriter, decode_row, encode_row, read_jsonl
+from mct.plots import _markers, plot_plan
+from mct.report import load_run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_nonfinite_values_become_null_with_their_keys_listed():
+    rec = {"step": 3, "loss": math.nan, "grad_norm": math.inf, "lr": 0.1,
+           "memory": {"forward": {"total": -math.inf, "params": 4}}}
+    row = encode_row(rec)
+    text = json.dumps(row, allow_nan=False)  # strict JSON: no NaN/Infinity tokens
+    assert row["loss"] is None and row["grad_norm"] is None and row["lr"] == 0.1
+    assert row["nonfinite"] == ["loss", "grad_norm", "memory.forward.total"]
+    assert math.isnan(rec["loss"]) and "nonfinite" not in rec  # input untouched
+    back = decode_row(json.loads(text))
+    assert math.isnan(back["loss"]) and math.isnan(back["grad_norm"])
+    assert math.isnan(back["memory"]["forward"]["total"]) and back["memory"]["forward"]["params"] == 4
+
+
+def test_legacy_string_nan_is_read_as_a_float():
+    back = decode_row({"step": 1, "loss": "nan", "grad_norm": "inf"})
+    assert math.isnan(back["loss"]) and back["grad_norm"] == math.inf
+
+
+def test_writer_and_reader_round_trip_a_diverged_step(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.log({"step": 0, "loss": 5.0})
+    w.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
+    w.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[1]) == {"step": 1, "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]}
+    rows, skipped = read_jsonl(tmp_path / "metrics.jsonl")
+    assert skipped == [] and rows[0]["loss"] == 5.0 and math.isnan(rows[1]["loss"])
+
+
+def _damaged_run(d: Path) -> Path:
+    d.mkdir()
+    good = [{"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_s": 1000.0 + s, "peak_bytes": 2**20,
+             "rollbacks": int(s >= 4), "skipped": s == 2,
+             "memory": {"forward": {"params": 2**20, "activations": 2**21, "total": 3 * 2**20},
+                        "backward": {"params": 2**20, "grads": 2**20, "total": 2**21}},
+             "time_forward_s": 0.1, "time_backward_s": 0.2, "time_step_s": 0.05, "time_data_s": 0.01,
+             "time_comm_s": 0.0} for s in range(6)]
+    good[3]["val_loss"] = 4.5
+    lines = [json.dumps(encode_row(r)) for r in good]
+    lines.insert(3, '{"step": 99, "loss": 4.')  # truncated by a crash
+    lines.append(json.dumps({"step": 6, "loss": "nan", "tokens_per_s": "inf"}))  # the old writer's form
+    lines.append(json.dumps(encode_row({"step": 7, "loss": math.nan, "tokens_per_s": 10.0})))
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n[1, 2]\n")
+    (d / "events.jsonl").write_text(json.dumps({"time": "t", "step": 4, "kind": "rollback",
+                                                "action": "restore step_00000002", "reason": "nan"}) + "\n{bad\n")
+    (d / "metadata.json").write_text(json.dumps({"config": {"memory": {"budget": "8MiB"}},
+                                                 "resumes": [{"time": "t", "from_step": 5, "world_size": 1,
+                                                              "zero_stage": 0}]}))
+    return d
+
+
+def test_report_skips_damaged_lines_names_them_and_reports_the_rest(tmp_path, capsys):
+    run = _damaged_run(tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    out, err = capsys.readouterr()
+    warnings = err.strip().splitlines()
+    assert all(w.startswith("mct: warning: ") for w in warnings)
+    assert any(f"{run / 'metrics.jsonl'}:4: skipped, not JSON" in w for w in warnings)
+    assert any(f"{run / 'metrics.jsonl'}:10: skipped, a JSON list" in w for w in warnings)
+    assert any(f"{run / 'events.jsonl'}:2: skipped" in w for w in warnings)
+    table = out.splitlines()
+    assert len([line for line in table if line.split() and line.split()[0].isdigit()]) == 8
+    assert any(line.split()[:2] == ["6", "nan"] for line in table)
+    assert "skipped steps: 1; rollbacks: 1; resumes: 1; events: 1" in out
+    assert "non-finite values at logged steps: 6, 7" in out
+
+
+def test_report_plot_writes_a_png_with_every_marker(tmp_path, capsys):
+    run = _damaged_run(tmp_path / "run")
+    data = load_run(run)
+    marks = _markers(data.rows, data.events, data.meta)
+    assert marks == {"skipped": [2], "rollbacks": [4], "resumes": [5], "nonfinite": [6, 7]}
+    assert data.budget == 8 * 2**20
+    out = tmp_path / "run.png"
+    assert main(["report", str(run), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG and out.stat().st_size > 20_000
+    assert not list(tmp_path.glob(".*.tmp*"))
+
+
+def test_plan_plot_draws_every_configuration(tmp_path, capsys):
+    out = tmp_path / "plan.png"
+    rc = main(["plan", "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+               "--set", "model.seq_len=16", "--set", "data.micro_batch_size=2", "--budget", "1GiB",
+               "--plot", str(out)])
+    assert rc == 0
+    assert out.read_bytes()[:8] == PNG
+
+
+def test_plot_plan_from_plain_rows(tmp_path):
+    rows = [{"stage": s, "policy": "none", "precision": "fp32", "peak": (4 - s) * 2**20, "fits": s >= 2,
+             "breakdown": {"params": 2**19, "activations": (4 - s) * 2**20 - 2**19}} for s in range(4)]
+    plan = {"rows": rows, "budget": int(2.5 * 2**20), "world": 2, "n_params": 1000,
+            "recommended": rows[2]}
+    assert plot_plan(plan, tmp_path / "p.png").read_bytes()[:8] == PNG
+    with pytest.raises(ValueError, match="no configuration"):
+        plot_plan({"rows": []}, tmp_path / "q.png")
