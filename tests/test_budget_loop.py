@@ -17,13 +17,6 @@ from mct.trainer import train
 plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(12):
-        (d / f"f{i:02d}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
-    return d
-
 
 def config(corpus_dir: Path, policy: str, budget: str) -> EngineConfig:
     # activations dominate (seq 64 x batch 8): predicted peaks none 10.6 MB, sqrt 5.4 MB, all 3.6 MB

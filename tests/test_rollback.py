@@ -16,13 +16,6 @@ from mct.trainer import train
 from tests.distributed import run_distributed
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("corpus")
-    for i in range(12):
-        (d / f"f{i:02d}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
-    return d
-
 
 def tiny(corpus_dir: Path, steps: int = 8, precision: str = "fp32", **train_keys) -> EngineConfig:
     return EngineConfig.from_dict({

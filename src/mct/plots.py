@@ -65,6 +65,16 @@ def _save(fig: Any, path: Path) -> None:
         raise ValueError(f"--plot {str(path)!r} could not be written ({e.strerror or e})") from None
 
 
+def _finish(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write (``_save``) and close ``fig``; returns ``path``."""
+    fig.tight_layout()
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return path
+
+
 def _markers(rows: list[dict], events: list[dict], meta: dict | None) -> dict[str, list[int]]:
     """Steps to mark: skipped (overflow) steps, rollbacks, resumes, non-finite losses."""
     skipped, rollbacks, nonfinite = [], set(), []
@@ -197,12 +207,7 @@ def plot_run(rows: list[dict], events: list[dict], meta: dict | None, path: str 
     _time_panel(axes[1, 0], rows)
     _memory_panel(axes[1, 1], rows, budget)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    try:
-        _save(fig, Path(path))
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return _finish(plt, fig, Path(path))
 
 
 def plot_plan(plan: dict[str, Any], path: str | Path) -> Path:
@@ -243,9 +248,4 @@ def plot_plan(plan: dict[str, Any], path: str | Path) -> Path:
                  + ("; * recommended, hatched = over budget" if budget else ""), fontsize=10)
     ax.legend(fontsize=8, ncol=4, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    try:
-        _save(fig, Path(path))
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return _finish(plt, fig, Path(path))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.config import EngineConfig, apply_overrides
+from mct.events import append_event
 from mct.persistence.files import read_json, write_atomic, write_json
 from mct.persistence.run_dir import checkpoints
 
@@ -118,7 +119,5 @@ def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_
     meta.setdefault("resumes", []).append({"time": now, "from_step": from_step, "world_size": world_size,
                                            "zero_stage": zero_stage, "checkpoint": checkpoint})
     write_json(path, meta)
-    event = {"time": now, "step": from_step, "kind": "resume", "action": f"restore {checkpoint}",
-             "reason": reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}"}
-    with open(Path(run_dir) / "events.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    append_event(run_dir, step=from_step, kind="resume", action=f"restore {checkpoint}",
+                 reason=reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}")
