@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with CUDA and torch already installed (nothing is installed
 # or downloaded): runs the CUDA-only tests, then a short bf16 ZeRO-3 timing on one GPU
-# with the measured peak memory printed beside the planner's prediction.
+# with the measured peak memory printed beside the planner's prediction. The CUDA tests
+# include the offload tiers (pinned host buffers, side-stream copies; bit-identical to
+# no offload).
 # Usage (from the repository root): bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -292,10 +292,50 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SEED = 2**63 - 1
 """Seeds feed torch.manual_seed and numpy's SeedSequence: non-negative, below 2**63."""
 
+
+OFFLOAD_TIERS = ("none", "cpu", "disk")
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    optimizer: str = "none"
+    """Where fp32 master shards and optimizer state live between steps (the step streams them
+    through the compute device): 'none' (on it), 'cpu' (host memory; pinned on CUDA) or
+    'disk' (files under offload.dir). Stages 2/3 stream gradient shards out as backward
+    produces them too."""
+    params: str = "none"
+    """Stage 3: where the low-precision parameter shards live between gathers: 'none',
+    'cpu' or 'disk'. Needs offload.optimizer != 'none' (otherwise the resident fp32 master
+    is the gather source)."""
+    dir: str = ""
+    """Directory for 'disk' offload; each engine makes (and removes) its own folder in it.
+    '' = the system temporary directory."""
+    chunk_mb: float = 4.0
+    """MiB of fp32 per streamed chunk of one unit's shard: the step's unit of I/O and compute."""
+    buffers: int = 2
+    """Chunks in flight (>= 2): one is stepped while the next ones are read and the last written."""
+
+    def __post_init__(self) -> None:
+        for key in ("optimizer", "params"):
+            if getattr(self, key) not in OFFLOAD_TIERS:
+                _fail(f"offload.{key}", getattr(self, key), "choose 'none', 'cpu' or 'disk'")
+        if self.params != "none" and self.optimizer == "none":
+            _fail("offload.params", self.params,
+                  "needs offload.optimizer = 'cpu' or 'disk' too: without it the fp32 master shard stays "
+                  "resident and is the stage-3 gather source, so there is nothing to move")
+        _check_range("offload.chunk_mb", self.chunk_mb, 0.0, lo_open=True)
+        _check_range("offload.buffers", self.buffers, 2)
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer != "none"
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
     "precision": PrecisionConfig, "checkpointing": CheckpointingConfig,
     "zero": ZeroConfig, "memory": MemoryConfig, "distributed": DistributedConfig,
+    "offload": OffloadConfig,
 }
 
 
@@ -311,9 +351,14 @@ class EngineConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
+        if self.offload.params != "none" and self.zero.stage not in (3, "auto"):
+            _fail("offload.params", self.offload.params,
+                  f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
+                  f"on every rank: set zero.stage = 3 or offload.params = 'none'")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "EngineConfig":

@@ -27,6 +27,8 @@ from mct.dist import DistContext
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from mct.offload import OffloadedState
+from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
@@ -57,10 +59,14 @@ class StepResult:
 class Engine:
     def __init__(self, model: nn.Module, optimizer: OptimizerFactory | None = None,
                  config: EngineConfig | None = None, *, param_groups: list[dict[str, Any]] | None = None,
-                 tracker: MemoryTracker | None = None, ctx: DistContext | None = None) -> None:
+                 tracker: MemoryTracker | None = None, ctx: DistContext | None = None,
+                 init_program: InitProgram | None = None) -> None:
         """``optimizer`` is called with param groups (``param_groups`` if given, else one
         group of all trainable parameters), once to learn the groups' hyperparameters
-        and again over the flat fp32 master shards. Raises ValueError for configs the
+        and again over the flat fp32 master shards. ``init_program``: ``model`` was
+        built on the meta device by ``mct.offload.record_init``; each unit's parameters
+        are materialized (with the values of a normal construction) only when the unit
+        is packed, so no rank holds the whole model. Raises ValueError for configs the
         engine cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
         for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
@@ -78,11 +84,7 @@ class Engine:
         self.precision = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
-        # Move only what is elsewhere: ``Module.to`` re-wraps every tensor, which fake
-        # tensors (the planner's dry runs) refuse once something holds a weakref to them.
-        if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
-            model.to(self.device)
-        self.model = model
+        self.model = self._place(model, init_program)
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
         # 1. checkpointing (a model transformation; parameter names do not change)
@@ -98,10 +100,17 @@ class Engine:
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
         self.stage = int(cfg.zero.stage)
+        # (offload takes each unit's masters, state and shards as it is built)
+        self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
+                                       tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
+                        if cfg.offload.enabled else None)
         self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
                                     param_dtype=self.precision.param_dtype, reduce_dtype=self.precision.reduce_dtype,
                                     device=self.device, persistent_numel=cfg.zero.persistent_numel,
-                                    tracker=self.tracker)
+                                    tracker=self.tracker,
+                                    before_unit=(None if init_program is None else
+                                                 lambda params: init_program.materialize(params, self.device)),
+                                    after_unit=self._unit_built)
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
@@ -115,14 +124,33 @@ class Engine:
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
 
     # ---- construction helpers ----
+    def _place(self, model: nn.Module, init_program: InitProgram | None) -> nn.Module:
+        if init_program is None:
+            # Move only what is elsewhere: ``Module.to`` re-wraps every tensor, which fake
+            # tensors (the planner's dry runs) refuse once something holds a weakref to them.
+            if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
+                model.to(self.device)
+            return model
+        # built on meta: what no unit packs (buffers, frozen parameters) is materialized now
+        init_program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)],
+                                 self.device)
+        return model
+
+    def _unit_built(self, unit) -> None:
+        if self.offload is not None:
+            self.offload.add_unit(unit)
+        if self.stage == 3:  # free its parameters now, not after every unit is built
+            unit.release()
+
     def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
         user_groups = param_groups or [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+        user_groups, real_of = probe_stand_ins(user_groups)
         probe = optimizer(user_groups)
         name = type(probe).__name__
         if name in NON_ELEMENTWISE:
             raise ValueError(f"optimizer {name} is not elementwise: its update of one element depends on others, "
                              f"so it cannot run on flat ZeRO shards. Use SGD, Adam, AdamW, Adagrad, RMSprop, ...")
-        groups = [list(g["params"]) for g in probe.param_groups]
+        groups = [[real_of.get(id(p), p) for p in g["params"]] for g in probe.param_groups]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
         seen = {id(p) for g in groups for p in g}
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -145,7 +173,10 @@ class Engine:
         check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
-        first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, self.sharded.masters())
+        masters = self.sharded.masters()
+        if self.offload is not None:  # the step runs on one chunk at a time, in the pool's buffers
+            masters = [torch.empty(min(m.numel(), self.offload.chunk_numel)) for m in masters]
+        first, later = optimizer_step_bytes(optimizer, hyper, self.sharded.group_of_unit, masters)
         publish = max((u.master.numel() * self.precision.param_dtype.itemsize for u in self.sharded.units
                        if u.persistent and u.layout.world > 1), default=0)
         return StepReserve(first, later, publish)
@@ -167,6 +198,8 @@ class Engine:
                 return self._train_step(micro, loss_fn)
         except MemoryBudgetExceeded:
             self.sharded.zero_grad()
+            if self.offload is not None:
+                self.offload.end_step()
             if self.stage3 is not None:
                 self.stage3.end_step()
             raise
@@ -224,11 +257,13 @@ class Engine:
         """Unscale + average, check for overflow and clip on the shards, then step the
         master shards and publish them to the working parameters. Nothing is
         modified when any rank saw a non-finite gradient (or when the scaler raises)."""
-        shards = self.sharded.grad_shards()
+        offloaded_grads = self.offload is not None and self.offload.offload_grads
+        shards = [] if offloaded_grads else self.sharded.grad_shards()
         scale = self.scaler.scale
         if shards:
             torch._foreach_mul_(shards, 1.0 / self._grad_divisor())
-        sums = torch.stack([self.sharded.local_sq_norm().double(), local_loss])
+        local_sq = self.offload.local_sq_norm() if offloaded_grads else self.sharded.local_sq_norm()
+        sums = torch.stack([local_sq.double(), local_loss])
         self.comm.all_reduce_(sums)  # one collective for the norm and the loss
         grad_norm, loss, found_inf = _host_values(sums, self.comm.world)
         loss_scale = scale if self.scaler.enabled else None
@@ -238,8 +273,15 @@ class Engine:
             self.scaler.update(found_inf)  # may raise at the scale floor: nothing was modified yet
         except LossScaleFloorError:
             self.sharded.zero_grad()  # else the non-finite gradient poisons every later step
+            if self.offload is not None:
+                self.offload.end_step()
             raise
-        if not found_inf:
+        if not found_inf and self.offload is not None:
+            clip = self.config.train.grad_clip
+            self.offload.step(self.optimizer, self.sharded.group_of_unit,
+                              min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None)
+            self.steps_done += 1
+        elif not found_inf:
             clip = self.config.train.grad_clip
             if clip > 0 and shards:
                 torch._foreach_mul_(shards, min(1.0, clip / (grad_norm + 1e-6)))
@@ -252,6 +294,8 @@ class Engine:
             self.steps_done += 1
             self._register_optimizer_state()
         self.sharded.zero_grad()
+        if self.offload is not None:
+            self.offload.end_step()
         return StepResult(loss=loss, skipped=found_inf, grad_norm=grad_norm, loss_scale=loss_scale)
 
     def _grad_divisor(self) -> float:
@@ -281,6 +325,11 @@ class Engine:
         m.update(self.recompute.metrics())
         if self.stage3 is not None:
             m["zero3_gathers"] = self.stage3.gathers
+        if self.offload is not None:
+            m["offloaded_bytes"] = self.tracker.offloaded()
+            stream = self.offload.stream
+            m["time_offload_wait_s"], m["time_offload_io_s"] = stream.io_wait_s, stream.io_busy_s
+            stream.io_wait_s = stream.io_busy_s = 0.0
         return m
 
     def _to_device(self, batch: Any) -> Any:
@@ -309,13 +358,25 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 copy of every parameter, names as ``model.named_parameters()``.
         Collective under ZeRO: every rank must call it."""
-        trainable = self.sharded.full_state()
+        with self._masters_resident(write_back=False):
+            trainable = self.sharded.full_state()
         return {n: (trainable[n] if n in trainable else p.detach().float().clone())
                 for n, p in self.model.named_parameters()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
-        self.sharded.load_full_state(state)
+        with self._masters_resident(write_back=True):
+            self.sharded.load_full_state(state)
+
+    def close(self) -> None:
+        """Release what outlives a step: offload files and the I/O thread (also done
+        when the engine is garbage collected). The engine is unusable afterwards."""
+        if self.offload is not None:
+            self.offload.close()
+
+    def _masters_resident(self, write_back: bool):
+        """Offloaded masters read back for the duration (a no-op without offload)."""
+        return self.offload.masters_resident(write_back) if self.offload is not None else contextlib.nullcontext()
 
     STATE_FORMAT = "mct.engine/1"
 
@@ -328,7 +389,18 @@ class Engine:
         scalar}: ``<unit>/master`` and ``<unit>/optim/<name>``) and ``extents`` ({key:
         [offset, global numel]} of each 1-D piece in its unit's global flat tensor; see
         ``mct.zero.state``). Tensors are views of live state, not copies: clone them to
-        keep a snapshot. Not collective; mutates nothing."""
+        keep a snapshot. Under offload they are copies read back from the store (the
+        whole local state is in memory while the result is held): the format is the
+        same with and without offload, so state moves freely between them. Not
+        collective; mutates nothing."""
+        if self.offload is None:
+            return self._state_dict()
+        with self.offload.resident_state(self.optimizer, write_back=False):
+            sd = self._state_dict()
+            sd["tensors"] = {k: v.clone() for k, v in sd["tensors"].items()}
+        return sd
+
+    def _state_dict(self) -> dict[str, Any]:
         from mct.zero import state as zstate
         tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)
         return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
@@ -338,11 +410,12 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` of an engine with the same model, optimizer set-up
-        and this rank's sharding returned (tensors may be on any device). Validates all
-        of it first and raises ValueError naming the fault with the engine untouched;
-        then sets the master shards (and working parameters), optimizer state and
-        hyperparameters, loss scaler and ``steps_done``. Not collective at stage 0/3;
-        at stages 1/2 publishing the masters all-gathers, so every rank must call it."""
+        and this rank's sharding returned (tensors may be on any device; with or without
+        offload on either side). Validates all of it first and raises ValueError naming
+        the fault with the engine untouched; then sets the master shards (and working
+        parameters), optimizer state and hyperparameters, loss scaler and
+        ``steps_done``. Not collective at stage 0/3; at stages 1/2 publishing the
+        masters all-gathers, so every rank must call it."""
         from mct.zero import state as zstate
         mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
         steps = zstate.check_header(state, self.STATE_FORMAT, mine)
@@ -350,16 +423,23 @@ class Engine:
         zstate.check_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"], state["extents"])
         LossScaler.from_config(self.config.precision).load_state_dict(state["scaler"])  # validates only
         # Everything checked: from here on only mutation.
-        for v in (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)):
-            self.tracker.unregister(v)
-        zstate.load_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"],
-                          state["extents"], hyper)
-        self._opt_state_tracked = False
-        self._register_optimizer_state()
+        if self.offload is not None:
+            with self.offload.resident_state(self.optimizer, write_back=True):
+                zstate.load_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"],
+                                  state["extents"], hyper)
+                self.sharded.publish()  # while the masters are resident
+            self.offload.end_step()
+        else:
+            for v in (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)):
+                self.tracker.unregister(v)
+            zstate.load_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"],
+                              state["extents"], hyper)
+            self._opt_state_tracked = False
+            self._register_optimizer_state()
+            self.sharded.publish()
         self.scaler.load_state_dict(state["scaler"])
         self.steps_done = steps
         self.sharded.zero_grad()
-        self.sharded.publish()
 
     def save(self, path: str) -> None:
         """Write this engine's state to the directory ``path`` (a sharded checkpoint,
@@ -382,7 +462,7 @@ class Engine:
         out = self.sharded.bytes_by_category()
         out["optimizer"] = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                                for v in s.values() if isinstance(v, torch.Tensor))
-        return out
+        return self.offload.resident_adjustment(out) if self.offload is not None else out
 
 
 def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:

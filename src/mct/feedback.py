@@ -182,6 +182,7 @@ def budget_fallback(lp: Loop, step: int) -> None:
     from mct.persistence.run_dir import step_dir
     if lp.state.step > 0:
         lp.save(lp)
+    lp.engine.close()  # offload files and the I/O thread
     lp.engine = None  # type: ignore[assignment]  # free the old engine before the new one allocates
     engine = lp.rebuild(new_cfg)
     if lp.state.step > 0:

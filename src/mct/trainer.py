@@ -28,6 +28,7 @@ from mct.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_bac
 from mct.planner import Workload, peak_check, resolve_auto, token_batch
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.offload import InitProgram, record_init
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
@@ -46,7 +47,14 @@ def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
 
 
 def make_optimizer(cfg: EngineConfig):
-    return lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8)
+    """AdamW, with torch's fused kernel where every tensor it is given sits on a device
+    that has one (CPU and CUDA): one pass over memory per step, about 7x faster than
+    the default single-tensor loop on CPU (docs/stages.md, "offload")."""
+    def factory(groups: list[dict]) -> torch.optim.Optimizer:
+        params = [p for g in groups for p in g["params"]]
+        fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    return factory
 
 
 def build_model(cfg: EngineConfig) -> GPT:
@@ -65,6 +73,13 @@ def planning_workload(cfg: EngineConfig) -> Workload:
     loss on one micro-batch of token ids, the recipe's optimizer and groups."""
     return Workload(model_fn=lambda: GPT(cfg.model), loss_fn=gpt_loss, batch=token_batch(cfg),
                     optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt")
+
+
+def build_model_on_meta(cfg: EngineConfig) -> tuple[GPT, InitProgram]:
+    """The GPT of ``build_model`` on the meta device, with the program that gives each
+    parameter exactly ``build_model``'s values when the engine packs its unit."""
+    seed_everything(cfg.seed)
+    return record_init(lambda: GPT(cfg.model))
 
 
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
@@ -135,9 +150,11 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 
     def rebuild(c: EngineConfig) -> Engine:
-        model = build_model(c)
+        # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
+        model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
+                          else (build_model(c), None))
         return Engine(model, make_optimizer(c), c, param_groups=param_groups(model, c),
-                      ctx=ctx)
+                      ctx=ctx, init_program=program)
     engine = rebuild(cfg)
     model = engine.model
     state, saved = _resume(engine, run_dir, ctx) if resume else (LoopState(), {})
@@ -151,9 +168,10 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
+        export_weights(lp.engine, run_dir / "model.safetensors", ctx)
     finally:
         writer.close()
-    export_weights(lp.engine, run_dir / "model.safetensors", ctx)
+        lp.engine.close()  # offload files and the I/O thread
     return summary
 
 

@@ -37,7 +37,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
+CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "offload", "other")
+"""``offload``: the reusable buffers through which offloaded state streams (resident).
+Bytes parked in host memory or on disk are not live here: see ``offloaded()``."""
 
 # What an op's return does to memory, from its schema's alias annotation.
 _VIEW, _MUTATE, _ALLOC = 0, 1, 2
@@ -158,6 +160,7 @@ class MemoryTracker:
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
+        self._offloaded = {"cpu": 0, "disk": 0}
         if self._cuda and enabled:
             self.reset_peaks()  # the device's peak counter predates this tracker
 
@@ -205,6 +208,18 @@ class MemoryTracker:
             rec = self._records.get(id(st))
             if rec is not None:
                 self._set_nbytes(rec, st.nbytes())
+
+    def set_offloaded(self, tier: str, nbytes: int) -> None:
+        """Record the bytes of training state parked outside this device's live memory:
+        tier 'cpu' (host memory of a CUDA run, or a host tier on CPU) or 'disk'. They
+        count in no category and not in 'total'. Raises ValueError on another tier."""
+        if tier not in self._offloaded:
+            raise ValueError(f"offload tier must be 'cpu' or 'disk', got {tier!r}")
+        self._offloaded[tier] = int(nbytes)
+
+    def offloaded(self) -> dict[str, int]:
+        """Bytes held in each offload tier ({'cpu': n, 'disk': n}, a new dict)."""
+        return dict(self._offloaded)
 
     def require_headroom(self, nbytes: int) -> None:
         """Raise MemoryBudgetExceeded now if live bytes plus ``nbytes`` would pass the

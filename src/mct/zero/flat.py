@@ -70,6 +70,9 @@ class FlatParamUnit:
             # activation peak is) does not carry last step's gradient memory.
             self.grad_shard = None
         self.device = device
+        # Stage 3: what ``gather`` all-gathers; None = this rank's master cast to the
+        # param dtype. Offload points it at a parameter shard kept apart from the master.
+        self.gather_source: Callable[[], torch.Tensor] | None = None
         self.gathered = True
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
@@ -93,7 +96,7 @@ class FlatParamUnit:
                 self.wait_gather()
             return
         self.working.untyped_storage().resize_(self.numel_bytes)
-        src = self.master.to(self.param_dtype)
+        src = self.master.to(self.param_dtype) if self.gather_source is None else self.gather_source()
         # Writing into the buffer must not look like an in-place change of the
         # parameters to autograd: tensors saved in forward are views of this storage.
         with torch.autograd._unsafe_preserve_version_counter(self.working):

@@ -12,7 +12,7 @@ Frozen parameters and buffers are left as they are: replicated, never sharded.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -41,7 +41,12 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
 class ShardedModel:
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], blocks: list[tuple[str, nn.Module]],
                  *, stage: int, comm: Comm, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 device: torch.device, persistent_numel: int, tracker: Any) -> None:
+                 device: torch.device, persistent_numel: int, tracker: Any,
+                 before_unit: Callable[[list[nn.Parameter]], None] | None = None,
+                 after_unit: Callable[[FlatParamUnit], None] | None = None) -> None:
+        """``before_unit(params)`` runs before a unit is packed (e.g. to materialize
+        its parameters from the meta device), ``after_unit(unit)`` right after (e.g.
+        to free or offload it), so construction can hold one unit at a time."""
         self.stage, self.comm, self.tracker = stage, comm, tracker
         names = {id(p): n for n, p in model.named_parameters()}
         unit_of = assign_units(model, blocks)
@@ -55,6 +60,8 @@ class ShardedModel:
                 mine = [(names[id(p)], p) for p in params if unit_of.get(id(p), "root") == uname]
                 if not mine:
                     continue
+                if before_unit is not None:
+                    before_unit([p for _, p in mine])
                 layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world)
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
@@ -63,6 +70,8 @@ class ShardedModel:
                                      on_new_grad_shard=self._track_grad_shard)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
+                if after_unit is not None:
+                    after_unit(unit)
         self.units_by_block: dict[str, list[FlatParamUnit]] = {}
         for u in self.units:
             self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)

@@ -1,0 +1,17 @@
+"""Offload: fp32 master shards, optimizer state, gradient shards and stage-3 parameter
+shards kept in host memory or on disk between uses, streamed through a small pool of
+buffers for the optimizer step (see docs/stages.md, "offload").
+
+  store.py   where records live: HostStore (pinned on CUDA), DiskStore (one file, preadv/pwritev)
+  stream.py  ChunkStream: reusable buffer pool + one background I/O thread (+ CUDA side stream)
+  state.py   OffloadedState: what each unit keeps resident, the chunked optimizer step
+  meta_init.py  record a model's construction on the meta device; materialize it unit by unit
+"""
+
+from mct.offload.meta_init import InitProgram, record_init
+from mct.offload.state import OffloadedState
+from mct.offload.store import DiskStore, HostStore, make_store
+from mct.offload.stream import ChunkStream, Item
+
+__all__ = ["ChunkStream", "DiskStore", "HostStore", "InitProgram", "Item", "OffloadedState", "make_store",
+           "record_init"]

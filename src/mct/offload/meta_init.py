@@ -1,0 +1,211 @@
+"""Build a model on the meta device and materialize its parameters a few at a time,
+with exactly the values a normal construction with the same seed gives.
+
+``record_init(model_fn)`` runs ``model_fn()`` under ``torch.device('meta')`` inside a
+dispatch mode that records every ATen op the construction runs (factories such as
+``empty``/``ones``/``randn``, in-place initializers such as ``normal_``/``uniform_``/
+``zero_``, and any op that computes a tensor from others), with each tensor argument
+named by (storage, size, stride, offset). Nothing is allocated. Then, in one pass, it
+replays only the random ops, in order, on scratch tensors of their shapes (one at a
+time, freed at once): that advances the CPU generator exactly as the real
+construction did, and records the generator state before each random op.
+
+``InitProgram.materialize(params)`` replays, in the original order, the ops that write
+the storages behind ``params`` (and, transitively, what those ops read), restoring the
+recorded generator state before each random op, and points each parameter at its
+real values. So unit k gets the values of the k-th slice of the normal model, while
+the other units' parameters stay on meta. At the end the generator is left where a
+normal construction leaves it.
+
+Limits (checked, ValueError): a model whose construction reads tensor *values* on
+the host (``.item()``, data-dependent control flow) cannot be built on meta. Ops are
+taken as random by name (``RANDOM_OPS``) or by a ``Generator`` argument in the schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+RANDOM_OPS = frozenset({
+    "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
+    "geometric_", "log_normal_", "cauchy_", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+    "randint_like", "multinomial", "poisson", "native_dropout", "dropout", "_standard_gamma",
+})
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor argument: a view (size, stride, offset) of recorded storage ``key``."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: Any
+    kwargs: Any
+    reads: frozenset[int]
+    writes: frozenset[int]
+    outputs: list[tuple[int, _Ref]]   # (position in the flattened output, the fresh storage it holds)
+    random: bool
+    rng_state: torch.Tensor | None = None
+
+
+def _is_random(func) -> bool:
+    name = func._schema.name.split("::")[-1]
+    if name in RANDOM_OPS:
+        return True
+    return any("Generator" in str(a.type) for a in func._schema.arguments)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+        self.keep: list[torch.Tensor] = []   # meta tensors alive: storage addresses stay unique
+
+    @staticmethod
+    def _ref(t: torch.Tensor) -> _Ref:
+        return _Ref(t.untyped_storage()._cdata, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in flat_in:
+            if t.device.type != "meta":
+                raise ValueError(f"model construction mixes a real tensor into {func} on the meta device; "
+                                 f"build it without meta initialization")
+        in_keys = {t.untyped_storage()._cdata for t in flat_in}
+        mutated = {self._ref(a).key for a, s in zip(args, func._schema.arguments)
+                   if isinstance(a, torch.Tensor) and s.alias_info is not None and s.alias_info.is_write}
+        flat_out = tree_flatten(out)[0]
+        fresh = [(i, self._ref(t)) for i, t in enumerate(flat_out)
+                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in in_keys]
+        if not fresh and not mutated:
+            return out  # a view or a metadata query: described by the refs of later ops
+        self.keep += [t for t in flat_out if isinstance(t, torch.Tensor)] + flat_in
+        self.ops.append(_Op(func, tree_map(lambda a: self._ref(a) if isinstance(a, torch.Tensor) else a, args),
+                            tree_map(lambda a: self._ref(a) if isinstance(a, torch.Tensor) else a, kwargs),
+                            frozenset(in_keys), frozenset(mutated | {r.key for _, r in fresh}), fresh,
+                            _is_random(func)))
+        return out
+
+
+def _on_cpu(value: Any) -> Any:
+    return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" else value
+
+
+class InitProgram:
+    """The recorded construction of one model (see the module docstring)."""
+
+    def __init__(self, ops: list[_Op], final_rng: torch.Tensor) -> None:
+        self.ops, self.final_rng = ops, final_rng
+
+    def _needed(self, keys: set[int]) -> set[int]:
+        needed, changed = set(keys), True
+        while changed:
+            changed = False
+            for op in self.ops:
+                if op.writes & needed and not op.reads <= needed:
+                    needed |= op.reads
+                    changed = True
+        return needed
+
+    def materialize(self, params: list[torch.Tensor], device: torch.device | str = "cpu") -> None:
+        """Give every meta tensor in ``params`` (parameters or buffers) its real values,
+        computed on the CPU as the normal construction computed them, then moved to
+        ``device``. Others are left as they are. Swaps each tensor's contents in place
+        (the Python objects stay); leaves the CPU generator where construction left it."""
+        todo = [p for p in params if p.device.type == "meta"]
+        if not todo:
+            return
+        needed = self._needed({p.untyped_storage()._cdata for p in todo})
+        real: dict[int, torch.Tensor] = {}
+
+        def view(a: Any) -> Any:
+            if not isinstance(a, _Ref):
+                return _on_cpu(a)
+            if a.key not in real:
+                raise ValueError("a parameter's construction reads a tensor the meta device holds no values for "
+                                 "(e.g. torch.tensor(...) of constants): build the model without meta init")
+            return real[a.key].as_strided(a.size, a.stride, a.offset)
+        try:
+            for op in self.ops:
+                if not op.writes & needed:
+                    continue
+                if op.random:
+                    torch.set_rng_state(op.rng_state)
+                out = op.func(*tree_map(view, op.args), **tree_map(view, op.kwargs))
+                flat = tree_flatten(out)[0]
+                for i, ref in op.outputs:
+                    real[ref.key] = flat[i]
+        finally:
+            torch.set_rng_state(self.final_rng)
+        with torch.no_grad():
+            for p in todo:
+                r = _Recorder._ref(p)
+                values = real[r.key].as_strided(r.size, r.stride, r.offset).to(device)
+                # A meta tensor cannot take CPU data (``.data =`` refuses the device
+                # change): swap the whole tensor, keeping the Python object (and so
+                # every module attribute, tie and optimizer group that holds it).
+                new = nn.Parameter(values, requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else values
+                torch.utils.swap_tensors(p, new)
+
+
+def _advance(ops: list[_Op]) -> None:
+    """Run each random op once on scratch tensors, recording the generator state
+    before it: the CPU generator moves exactly as in a normal construction."""
+    def scratch(a: Any) -> Any:
+        if isinstance(a, _Ref):
+            return torch.empty_strided(a.size, a.stride, dtype=a.dtype)
+        return _on_cpu(a)
+    for op in ops:
+        if op.random:
+            op.rng_state = torch.get_rng_state()
+            op.func(*tree_map(scratch, op.args), **tree_map(scratch, op.kwargs))
+
+
+def record_init(model_fn: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgram]:
+    """Build ``model_fn()`` on the meta device; returns the model (every parameter and
+    buffer on meta) and the program that materializes any of them. Seed the CPU
+    generator before calling, as for a normal construction; it is left as the normal
+    construction would leave it. Raises ValueError if construction reads values."""
+    rec = _Recorder()
+    try:
+        with torch.device("meta"), rec:
+            model = model_fn()
+    except NotImplementedError as e:
+        raise ValueError(f"the model's construction reads tensor values, which the meta device does not "
+                         f"have ({e}); build it without meta initialization") from None
+    _advance(rec.ops)
+    return model, InitProgram(rec.ops, torch.get_rng_state())
+
+
+def probe_stand_ins(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, nn.Parameter]]:
+    """Meta parameters (a model built by ``record_init``) are shown to the optimizer
+    factory as memoryless CPU tensors of the same shapes: a factory may refuse meta
+    tensors (fused AdamW checks devices). Returns the groups and stand-in id -> param."""
+    if not any(p.device.type == "meta" for g in groups for p in g["params"]):
+        return groups, {}
+    real_of: dict[int, nn.Parameter] = {}
+    out = []
+    for g in groups:
+        params = []
+        for p in g["params"]:
+            s = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=p.requires_grad)
+            real_of[id(s)] = p
+            params.append(s)
+        out.append({**g, "params": params})
+    return out, real_of
