@@ -22,7 +22,11 @@ Step time: median of the measured steps (after the warm-up steps), slower rank.
   thread scheduling on a loaded machine can make it).
 - Capacity: for each n_layer given, does every rank's VmHWM stay <= 2 GiB over 2+2
   steps with optimizer+params=disk, under glibc's defaults and with
-  MALLOC_MMAP_THRESHOLD_=65536.
+  MALLOC_MMAP_THRESHOLD_=65536 in the environment (``memory.host_malloc = auto``: mct
+  sets its own allocator in the first case and leaves the user's setting in the second).
+- Table rows: ``memory.host_malloc`` 'auto' (what ``mct train`` does), and the other
+  allocator setting for none and optimizer=disk, to show its share of the peak and its
+  time cost.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ from benchmarks.common import environment, format_table, write_json  # noqa: E40
 GIB = 2**30
 VARIANTS = {"none": {}, "optimizer=disk": {"optimizer": "disk"},
             "optimizer+params=disk": {"optimizer": "disk", "params": "disk"}}
+# (label, offload, memory.host_malloc): 'auto' is what `mct train` does (frugal with offload
+# on a CPU device); the other two rows show the allocator's share of the peak and its time.
+TABLE = [("none", "none", "auto"), ("none, frugal malloc", "none", "frugal"),
+         ("optimizer=disk", "optimizer=disk", "auto"), ("optimizer=disk, default malloc", "optimizer=disk", "default"),
+         ("optimizer+params=disk", "optimizer+params=disk", "auto")]
 
 
 def _status(field: str) -> int:
@@ -59,13 +68,16 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from mct.config import EngineConfig
     from mct.engine import Engine
     from mct.models.gpt import gpt_loss, optimizer_groups
+    from mct.memory import host
     from mct.trainer import build_model_on_meta, make_optimizer
     cfg = EngineConfig.from_dict({
         "model": {"n_layer": spec["layers"], "n_head": 16, "d_model": 1024, "seq_len": 128, "vocab_size": 256},
         "data": {"micro_batch_size": 1}, "precision": {"mode": spec["precision"]}, "zero": {"stage": 3},
-        "checkpointing": {"policy": "all"}, "memory": {"track": False},
+        "checkpointing": {"policy": "all"}, "memory": {"track": False, "host_malloc": spec.get("host_malloc", "auto")},
         "offload": {**spec["offload"], "dir": spec["dir"]}})
     t0 = time.perf_counter()
+    # as `mct train` does: the allocator setting before the model is built
+    host.apply(host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled, device="cpu"))
     model, program = build_model_on_meta(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg, param_groups=optimizer_groups(model, cfg.train.weight_decay),
                     init_program=program)
@@ -90,9 +102,10 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_config(layers: int, offload: dict, *, warmup: int, steps: int, mmap_threshold: bool,
-               precision: str) -> dict[str, Any]:
+               precision: str, host_malloc: str = "auto") -> dict[str, Any]:
     """One configuration in a fresh process; returns its ranks' results."""
-    spec = {"layers": layers, "offload": offload, "warmup": warmup, "steps": steps, "precision": precision}
+    spec = {"layers": layers, "offload": offload, "warmup": warmup, "steps": steps, "precision": precision,
+            "host_malloc": host_malloc}
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap_threshold:
@@ -161,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, Any] = {"environment": environment(), "copy_bytes_per_s": copy_speed()}
     if not args.skip_table:
         rows = []
-        for name, off in VARIANTS.items():
-            res = run_config(args.layers, off, warmup=args.warmup, steps=args.steps, mmap_threshold=False,
-                             precision=args.precision)
+        for name, variant, malloc in TABLE:
+            res = run_config(args.layers, VARIANTS[variant], warmup=args.warmup, steps=args.steps,
+                             mmap_threshold=False, precision=args.precision, host_malloc=malloc)
             out[name] = res
             rows.append(table_row(name, res, out["copy_bytes_per_s"]))
             print(rows[-1], flush=True)

@@ -80,7 +80,8 @@ def measure(model_fn: Callable, loss_fn: Callable, batch_fn: Callable, cfg, rank
             param_groups: Callable | None = None, steps: int = 2) -> dict[str, Any]:
     """Train ``steps`` steps of a fresh engine under ``LiveStorage``. Returns the peak
     live bytes of building the model and engine ('init'), of each step ('steps'), and
-    the engine tracker's own peak per step ('tracker'). Collective: every rank calls it."""
+    the engine tracker's own peak per step ('tracker') and the bytes it holds off the
+    device per offload tier ('offloaded'). Collective: every rank calls it."""
     torch.manual_seed(0)
     counter = LiveStorage()
     with counter:
@@ -95,4 +96,6 @@ def measure(model_fn: Callable, loss_fn: Callable, batch_fn: Callable, cfg, rank
             result = engine.train_step(batches[s], loss_fn)
         out["steps"].append(counter.peak)
         out["tracker"].append(result.metrics["peak_bytes"])
+    out["offloaded"] = engine.tracker.offloaded()
+    engine.close()
     return out

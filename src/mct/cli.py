@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to plan, comma-separated")
     pl.add_argument("--policies", default="none,selective,sqrt,all", help="checkpointing policies to plan")
     pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
+    pl.add_argument("--offloads", default=None, help="offload choices to plan, comma-separated: none, optimizer=cpu|disk, "
+                    "optimizer+params=cpu|disk (default: the config's own offload setting)")
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
@@ -182,7 +184,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from mct.trainer import planning_workload
         from mct.persistence.run_dir import check_new_run_dir
         # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, planning_workload(cfg))
+        resolve_auto(cfg, args.nproc * args.nnodes, planning_workload(cfg),
+                     device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
         if not args.resume:
             run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -356,6 +359,18 @@ def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
             raise ValueError(f"--{key} {getattr(args, key)!r}: {bad or 'nothing'} is not allowed; "
                              f"choose from {','.join(ok)}")
         grid[key] = tuple(int(v) for v in values) if key == "stages" else values
+    if args.offloads is not None:
+        from mct.planner.plan import offload_keys
+        labels = tuple(v.strip() for v in args.offloads.split(",") if v.strip())
+        if not labels:
+            raise ValueError(f"--offloads {args.offloads!r}: nothing given; choose from none, optimizer=cpu|disk, "
+                             f"optimizer+params=cpu|disk")
+        for label in labels:
+            try:
+                offload_keys(label)
+            except ValueError as e:
+                raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
+        grid["offloads"] = labels
     return grid
 
 
@@ -364,15 +379,17 @@ def format_plan(plan) -> str:
     category at that peak, the phase it is in, first-step and init peaks, fits, cost),
     the recommended row marked '*', then the advice line."""
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "peak", *CATEGORIES, "at", "first", "init", "fits", "cost"]
+    cols = ["stage", "policy", "prec", "offload", "peak", *CATEGORIES, "at", "first", "init", "host", "disk",
+            "fits", "cost"]
     lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
              f"{format_bytes(plan.budget) if plan.budget else 'none'}",
              "  ".join(f"{c:>10}" for c in cols)]
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
-        vals = [f"{r['stage']}{mark}", r["policy"], r["precision"], format_bytes(r["peak"]),
+        vals = [f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], format_bytes(r["peak"]),
                 *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
-                format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]), "yes" if r["fits"] else "no",
+                format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
+                format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]), "yes" if r["fits"] else "no",
                 f"{r['cost']:.2f}"]
         lines.append("  ".join(f"{v:>10}" for v in vals))
     lines.append(plan.advice)

@@ -26,6 +26,7 @@ from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
+from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
@@ -76,6 +77,9 @@ class Engine:
                                  f"which returns the config with the planner's choice (it needs memory.budget)")
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
+        # the host allocator first: construction frees parameter-sized temporaries
+        self._trim = self.ctx.backend != "simulated" and host.apply(
+            host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled, device=self.device.type))
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
                                                 suggestion=default_suggestion(cfg) if enforce else None)
@@ -122,6 +126,8 @@ class Engine:
         self._opt_state_tracked = False
         self._phase_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
+        if self._trim:
+            host.trim()
 
     # ---- construction helpers ----
     def _place(self, model: nn.Module, init_program: InitProgram | None) -> nn.Module:
@@ -141,6 +147,7 @@ class Engine:
             self.offload.add_unit(unit)
         if self.stage == 3:  # free its parameters now, not after every unit is built
             unit.release()
+            self.tracker.refresh(unit.working)
 
     def _discover_groups(self, optimizer: OptimizerFactory, param_groups: list[dict[str, Any]] | None):
         user_groups = param_groups or [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
@@ -195,7 +202,10 @@ class Engine:
             raise ValueError("train_step got an empty list of micro-batches")
         try:
             with cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name):
-                return self._train_step(micro, loss_fn)
+                out = self._train_step(micro, loss_fn)
+            if self._trim:
+                host.trim()
+            return out
         except MemoryBudgetExceeded:
             self.sharded.zero_grad()
             if self.offload is not None:

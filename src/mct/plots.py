@@ -235,12 +235,14 @@ def plot_plan(plan: dict[str, Any], path: str | Path) -> Path:
         peak = r["peak"] / MIB
         if not r.get("fits", True):
             ax.bar(i, peak, width=0.75, fill=False, hatch="//", edgecolor=(1, 1, 1, 0.6), linewidth=0)
-        if rec and all(r.get(k) == rec.get(k) for k in ("stage", "policy", "precision")):
+        if rec and all(r.get(k) == rec.get(k) for k in ("stage", "policy", "precision", "offload")):
             ax.annotate("*", (i, peak), ha="center", va="bottom", fontsize=20, color="#c44e52", weight="bold")
     budget = plan.get("budget")
     if budget:
         ax.axhline(budget / MIB, color="#c44e52", ls="--", lw=1.5, label=f"budget {budget / MIB:,.1f} MiB")
-    ax.set_xticks(x, [f"z{r['stage']}\n{r['policy']}\n{r['precision']}" for r in rows], fontsize=8)
+    ax.set_xticks(x, [f"z{r['stage']}\n{r['policy']}\n{r['precision']}"
+                      + ("" if r.get("offload", "none") == "none" else "\n" + r["offload"].replace("=", "\n"))
+                      for r in rows], fontsize=8)
     ax.set_ylim(0, 1.15 * max([r["peak"] / MIB for r in rows] + [(budget or 0) / MIB]))
     ax.set_ylabel("predicted peak per rank (MiB)")
     n = plan.get("n_params")

@@ -28,6 +28,7 @@ from mct.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_bac
 from mct.planner import Workload, peak_check, resolve_auto, token_batch
 from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.memory import host
 from mct.offload import InitProgram, record_init
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
@@ -144,12 +145,15 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     elif not resume:
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     auto_cfg = cfg
-    cfg, choice = resolve_auto(cfg, ctx.world_size, planning_workload(cfg))  # before anything is allocated
+    cfg, choice = resolve_auto(cfg, ctx.world_size, planning_workload(cfg),  # before anything is allocated
+                               device=ctx.device.type)
     corpus, sampler = build_data(cfg, ctx.world_size)
     if resume:
         _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 
     def rebuild(c: EngineConfig) -> Engine:
+        # the host allocator before the model is built (the engine sets it too, later)
+        host.apply(host.resolve(c.memory.host_malloc, offload=c.offload.enabled, device=ctx.device.type))
         # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
         model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
                           else (build_model(c), None))

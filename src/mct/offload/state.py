@@ -69,7 +69,10 @@ class OffloadedState:
         self.device, self.tracker, self.inv_divisor = device, tracker, inv_divisor
         self.store: Store | None = None  # opened with the first unit (fake tensors: a NullStore)
         self.param_store: Store | None = None
-        self.chunk_numel = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
+        self._chunk_cap = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
+        self.chunk_numel = ALIGN
+        """Elements per streamed chunk: offload.chunk_mb, or the largest shard when that is
+        smaller (the pool buffers are this long; they are allocated at the first step)."""
         self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
         self.offload_grads = stage >= 2
@@ -87,6 +90,8 @@ class OffloadedState:
         i, S = len(self.units), u.layout.shard_numel
         if self.store is None:
             self._open_stores(fake=is_fake(u.master))
+        self.chunk_numel = self.stream.chunk_numel = max(self.chunk_numel,
+                                                         min(self._chunk_cap, -(-S // ALIGN) * ALIGN))
         self.units.append(u)
         self.states.append(None)
         self.grad_stored.append(False)

@@ -57,6 +57,8 @@ class DryRun:
     init_peak: int
     init: dict[str, int]
     n_params: int
+    offloaded: dict[str, int]
+    """Bytes offload keeps off the device, per tier ({'cpu': n, 'disk': n}); not in any peak."""
 
 
 def meta_model(model_fn: ModelFn) -> nn.Module:
@@ -147,13 +149,15 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         data = fake_batch(batch, mode)
         first = engine.train_step(data, loss_fn).metrics["peaks"]
         steady = engine.train_step(data, loss_fn).metrics["peaks"]
+        offloaded = engine.tracker.offloaded()
+        engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])
     first_phases = {k: v for k, v in first.items() if k in ("forward", "backward", "optimizer")}
     return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
-                  n_params=n_params)
+                  n_params=n_params, offloaded=offloaded)
 
 
 def _planning_config(config: EngineConfig) -> EngineConfig:

@@ -8,6 +8,13 @@ not a measurement (docs/planner.md):
   comm     COMM_SHARE x volume / (2 psi), volume per rank per step in parameters:
            2 psi at stages 0-2 (all-reduce = reduce-scatter + all-gather), 3 psi at
            stage 3 (parameters gathered in forward and again in backward); 0 on one rank.
+  offload  + OFFLOAD_COST[what]: the step time offload added in benchmarks/offload.py
+           (optimizer 1.03x, optimizer+params 1.26x of none), rounded up.
+
+Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
+(tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
+offload setting unless ``offloads`` is given; ``auto`` tries offload only when nothing
+fits without it.
 """
 
 from __future__ import annotations
@@ -26,21 +33,51 @@ PRECISIONS = ("fp32", "bf16")
 COMM_SHARE = 0.25
 """Assumed share of a data-parallel step spent communicating 2 psi (a mid-size cluster)."""
 RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
+OFFLOAD_COST = {"none": 0.0, "optimizer": 0.1, "optimizer+params": 0.3}
+TIERS = ("cpu", "disk")
 
 
-def step_cost(stage: int, policy: str, world: int) -> float:
+def step_cost(stage: int, policy: str, world: int, offload: str = "none") -> float:
     """Relative step cost of a configuration (see the module docstring)."""
     compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
-    return round(compute + COMM_SHARE * volume / 2, 4)
+    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]], 4)
 
 
-def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None) -> EngineConfig:
-    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode) replaced."""
+def offload_label(cfg: EngineConfig) -> str:
+    """The offload choice of ``cfg`` as a label: 'none', 'optimizer=<tier>', or
+    'optimizer+params=<tier>' (parameters on their own tier: '...=<tier>,params=<tier>')."""
+    o = cfg.offload
+    if o.optimizer == "none":
+        return "none"
+    if o.params == "none":
+        return f"optimizer={o.optimizer}"
+    return f"optimizer+params={o.optimizer}" if o.params == o.optimizer else f"optimizer={o.optimizer},params={o.params}"
+
+
+def offload_keys(label: str) -> dict[str, str]:
+    """{'optimizer': tier, 'params': tier} of an offload label. Raises ValueError."""
+    if label == "none":
+        return {"optimizer": "none", "params": "none"}
+    parts = dict(p.split("=", 1) for p in label.split(",") if "=" in p)
+    if "optimizer" in parts and parts.get("optimizer") in TIERS and set(parts) <= {"optimizer", "params"} \
+            and parts.get("params", "none") in (*TIERS, "none"):
+        return {"optimizer": parts["optimizer"], "params": parts.get("params", "none")}
+    if set(parts) == {"optimizer+params"} and parts["optimizer+params"] in TIERS:
+        return {"optimizer": parts["optimizer+params"], "params": parts["optimizer+params"]}
+    raise ValueError(f"offload choice {label!r}: use none, optimizer=cpu|disk or optimizer+params=cpu|disk")
+
+
+def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
+                offload: str | None = None) -> EngineConfig:
+    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, and the
+    offload tiers of an offload label) replaced."""
     d = cfg.to_dict()
     d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
     if precision is not None:
         d["precision"]["mode"] = precision
+    if offload is not None:
+        d["offload"] = {**d["offload"], **offload_keys(offload)}
     return EngineConfig.from_dict(d)
 
 
@@ -50,16 +87,19 @@ def predict(work: Workload, cfg: EngineConfig, world: int) -> DryRun:
                    optimizer=work.optimizer, param_groups=work.param_groups)
 
 
-def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None) -> dict[str, Any]:
+def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
+        offload: str = "none") -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
-    initialization peaks, whether it fits ``budget`` and its relative cost."""
+    initialization peaks, the bytes offload keeps off the device per tier
+    (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
+    ``budget`` and its relative cost."""
     at = run.phases[run.phase]
-    return {"stage": stage, "policy": policy, "precision": precision, "world": world,
+    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
-            "first_step_peak": run.first_step_peak, "init_peak": run.init_peak,
-            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world)}
+            "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
+            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world, offload)}
 
 
 @dataclass
@@ -82,20 +122,27 @@ class Plan:
 
 
 def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
-              policies: tuple = POLICIES, precisions: tuple = PRECISIONS) -> Plan:
+              policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
-    other keys as in ``cfg``); recommend the cheapest that fits ``budget`` in
-    ``cfg``'s precision (ties: the lower peak, then the lower stage). Raises
-    ValueError for a bad world size, model factory or config."""
+    other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
+    recommend the cheapest that fits ``budget`` in ``cfg``'s precision (ties: the
+    lower peak, then the lower stage). Parameter offload is planned at stage 3 only.
+    Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    offloads = tuple(offloads) if offloads else (offload_label(cfg),)
+    for label in offloads:
+        offload_keys(label)  # a bad label fails before minutes of planning
     rows, n_params = [], 0
     for precision in precisions:
-        for policy in policies:
-            for stage in stages:
-                run = predict(work, with_choice(cfg, stage, policy, precision), world)
-                n_params = run.n_params
-                rows.append(row(run, stage, policy, precision, world, budget))
+        for offload in offloads:
+            for policy in policies:
+                for stage in stages:
+                    if offload_keys(offload)["params"] != "none" and stage != 3:
+                        continue
+                    run = predict(work, with_choice(cfg, stage, policy, precision, offload), world)
+                    n_params = run.n_params
+                    rows.append(row(run, stage, policy, precision, world, budget, offload))
     mine = [r for r in rows if r["precision"] == cfg.precision.mode]
     fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
@@ -109,15 +156,17 @@ def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
         r = plan.recommended
+        off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
         return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
-                f"precision.mode={r['precision']} (predicted peak {format_bytes(r['peak'])} per rank of "
+                f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
     mine = [r for r in plan.rows if r["precision"] == plan.precision]
     if not mine:
         return f"no configuration in precision {plan.precision} was planned"
     low = min(mine, key=lambda r: r["peak"])
+    off = "" if low["offload"] == "none" else " " + _offload_settings(low["offload"])
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
-           f"zero.stage={low['stage']} checkpointing.policy={low['policy']}, needs {format_bytes(low['peak'])} "
+           f"zero.stage={low['stage']} checkpointing.policy={low['policy']}{off}, needs {format_bytes(low['peak'])} "
            f"(misses by {format_bytes(low['peak'] - plan.budget)})")
     return msg + _what_would_fit(plan, work, cfg, low)
 
@@ -128,7 +177,7 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
     B = batch_size(work.batch)
     budget = plan.budget
     assert budget is not None
-    base = with_choice(cfg, low["stage"], low["policy"], low["precision"])
+    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"])
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
@@ -137,7 +186,7 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"])
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"])
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -154,12 +203,27 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
     return "; it would fit with " + " or ".join(hints)
 
 
-def resolve_auto(cfg: EngineConfig, world: int, work: Workload) -> tuple[EngineConfig, dict | None]:
+def _offload_settings(label: str) -> str:
+    keys = offload_keys(label)
+    return " ".join(f"offload.{k}={v}" for k, v in keys.items() if v != "none")
+
+
+def auto_offloads(device: str) -> tuple[str, ...]:
+    """What ``auto`` tries when nothing fits without offload: host memory for a CUDA
+    device, disk for a CPU device (where host memory is the budget)."""
+    tier = "cpu" if device == "cuda" else "disk"
+    return (f"optimizer={tier}", f"optimizer+params={tier}")
+
+
+def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
+                 device: str = "cpu") -> tuple[EngineConfig, dict | None]:
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
     cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
-    keys as set). Returns (resolved config, the choice and its prediction; None when
-    nothing was 'auto'). Raises ValueError when 'auto' has no budget, or when nothing
-    fits (one line: by how much the smallest misses and what would make it fit)."""
+    keys as set). When nothing fits and ``offload`` is not set, offload is planned too
+    (``auto_offloads(device)``; a chosen offload is in the returned config and choice).
+    Returns (resolved config, the choice and its prediction; None when nothing was
+    'auto'). Raises ValueError when 'auto' has no budget, or when nothing fits (one
+    line: by how much the smallest misses and what would make it fit)."""
     auto = [k for k, v in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy))
             if v == "auto"]
     if not auto:
@@ -171,15 +235,19 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload) -> tuple[EngineC
     stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
     plan = make_plan(work, cfg, world, budget, stages=stages, policies=policies, precisions=(cfg.precision.mode,))
+    if plan.recommended is None and not cfg.offload.enabled:
+        plan = make_plan(work, cfg, world, budget, stages=stages, policies=policies,
+                         precisions=(cfg.precision.mode,), offloads=auto_offloads(device))
     best = plan.recommended
     if best is None:
         raise ValueError(plan.advice)
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+              "offload": best["offload"], "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
-    return with_choice(cfg, best["stage"], best["policy"]), choice
+    return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"]), choice
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:
