@@ -523,3 +523,54 @@ def test_resume_moves_a_run_between_offloaded_and_resident_state_exactly(tmp_pat
         assert (run / "model.safetensors").read_bytes() == want, name
         assert [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()] == losses
     assert list((tmp_path / "off").iterdir()) == []
+
+
+# ---- the host allocator ----
+def test_host_malloc_auto_is_lean_only_for_offload_on_a_cpu_device(monkeypatch):
+    from mct.memory import host
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert host.resolve("auto", offload=True, device="cpu") == "lean"
+    assert host.resolve("auto", offload=False, device="cpu") == "default"
+    assert host.resolve("auto", offload=True, device="cuda") == "default"
+    assert host.resolve("frugal", offload=False, device="cuda") == "frugal"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert host.resolve("auto", offload=True, device="cpu") == "default"  # the user's setting wins
+    with pytest.raises(ValueError, match="memory.host_malloc = 'tcmalloc'"):
+        EngineConfig.from_dict({"memory": {"host_malloc": "tcmalloc"}})
+
+
+_RSS_PROBE = r"""
+import sys, torch
+from mct.memory import host
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
+mode = sys.argv[1]
+if not host.for_building(mode):
+    print("no-glibc"); sys.exit(0)
+if mode == "lean":
+    host.for_training(mode)
+for _ in range(3):                       # freed large blocks raise glibc's default threshold
+    torch.ones(16 * 2**18).add_(1)       # 16 MiB, touched
+keep = torch.ones(1024)                  # a small block above the freed ones in the heap
+before = rss()
+big = torch.ones(16 * 2**18)
+grown = rss() - before
+del big
+host.trim()
+print(grown, rss() - before)
+"""
+
+
+@pytest.mark.parametrize("mode", ["frugal", "lean"])
+def test_host_malloc_gives_freed_blocks_back_to_the_os(mode):
+    """A 16 MiB block, freed, leaves the process's resident memory (frugal: it was its
+    own mapping; lean: it came from the heap and the trim returns its pages)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-glibc":
+        pytest.skip("not glibc: memory.host_malloc is a no-op")
+    grown, left = map(int, out.stdout.split())
+    assert grown >= 15 * 2**20 and left < 2 * 2**20, (grown, left)

@@ -137,12 +137,16 @@ def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
 
 
 def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
-    """On CPU, refuse a model whose parameters alone (nproc copies, at 2 or 4 bytes each:
-    a lower bound on what training needs) exceed the machine's physical memory, before
-    anything is allocated: allocating it would end in swapping or the OOM killer, not an
-    error. Raises ValueError naming the size and the fix."""
+    """On CPU, refuse a model whose parameters alone (at 2 or 4 bytes each: nproc copies,
+    or one copy split across the ranks at stage 3; a lower bound on what training needs)
+    exceed the machine's physical memory, before anything is allocated: allocating it
+    would end in swapping or the OOM killer, not an error. Not checked when the
+    parameters are offloaded (offload.params) or the planner decides (zero.stage = auto).
+    Raises ValueError naming the size and the fix."""
     import torch
     if torch.cuda.is_available() or not hasattr(os, "sysconf"):
+        return
+    if cfg.offload.params != "none" or cfg.zero.stage == "auto":
         return
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -151,11 +155,12 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
     from mct.trainer import planning_workload  # the recipe's model: the CLI never imports it directly
     with torch.device("meta"):
         n = sum(p.numel() for p in planning_workload(cfg).model_fn().parameters())
-    need = n * (4 if cfg.precision.mode == "fp32" else 2) * nproc
+    need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
                          f"{nproc} worker(s), more than this machine's {ram / 2**30:.1f} GiB of memory; shrink "
-                         f"model.n_layer/model.d_model, or run `mct plan` for the memory a configuration needs")
+                         f"model.n_layer/model.d_model, set zero.stage=3 with offload.optimizer=disk and "
+                         f"offload.params=disk, or run `mct plan` for the memory a configuration needs")
 
 
 def _train_config(args: argparse.Namespace):

@@ -260,14 +260,15 @@ class MemoryConfig:
     track: bool = True
     """Count live tensor bytes by category and stage (CPU: exact; CUDA: torch.cuda stats)."""
     host_malloc: str = "auto"
-    """Host allocator (glibc): 'frugal' maps every block >= 64 KiB on its own and trims free
-    heap memory after construction and each step, so freed memory leaves the process;
-    'default' leaves glibc as it is; 'auto' = frugal with offload on a CPU device unless
-    MALLOC_MMAP_THRESHOLD_ is set (docs/stages.md, "offload"). Process-wide."""
+    """Host allocator (glibc), process-wide: 'lean' maps every block >= 64 KiB on its own
+    while the model is built and >= 32 MiB while training, and trims free heap memory after
+    construction and each step; 'frugal' keeps 64 KiB throughout (least resident, most
+    page faults); 'default' leaves glibc as it is; 'auto' = lean with offload on a CPU
+    device unless MALLOC_MMAP_THRESHOLD_ is set (mct.memory.host, docs/stages.md "offload")."""
 
     def __post_init__(self) -> None:
-        if self.host_malloc not in ("auto", "default", "frugal"):
-            _fail("memory.host_malloc", self.host_malloc, "choose 'auto', 'default' or 'frugal'")
+        if self.host_malloc not in ("auto", "default", "lean", "frugal"):
+            _fail("memory.host_malloc", self.host_malloc, "choose 'auto', 'default', 'lean' or 'frugal'")
         if self.budget:
             parse_bytes(self.budget)
         if self.enforce and not self.budget:

@@ -78,8 +78,9 @@ class Engine:
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         # the host allocator first: construction frees parameter-sized temporaries
-        self._trim = self.ctx.backend != "simulated" and host.apply(
-            host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled, device=self.device.type))
+        self._host_malloc = host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled,
+                                         device=self.device.type)
+        self._trim = self.ctx.backend != "simulated" and host.for_building(self._host_malloc)
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
                                                 suggestion=default_suggestion(cfg) if enforce else None)
@@ -127,7 +128,7 @@ class Engine:
         self._phase_name = "idle"
         self.reserve = self._step_reserve(optimizer, hyper) if enforce else None
         if self._trim:
-            host.trim()
+            host.for_training(self._host_malloc)
 
     # ---- construction helpers ----
     def _place(self, model: nn.Module, init_program: InitProgram | None) -> nn.Module:

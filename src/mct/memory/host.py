@@ -9,13 +9,18 @@ builds and frees parameter-sized temporaries (initialization, gathers, gradient
 buffers, optimizer chunks) then holds far more resident memory than it has live
 tensors, and the amount differs from process to process with the order of frees.
 
-``frugal`` pins the threshold (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, which also
-turns off the dynamic raise): every block of 64 KiB and up is its own mapping and
-goes back to the OS when freed; ``trim()`` (``malloc_trim(0)``) releases what the
-arenas still hold, and runs after the engine is built and after each step. The
-price is page faults on reused large blocks (measured in benchmarks/offload.py).
-Same effect as ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment, but applied from
-inside the process, for any launcher. Not glibc (musl, macOS): a no-op.
+Modes (``memory.host_malloc``):
+  lean    while the model and engine are built, ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``
+          (every block of 64 KiB and up is its own mapping, returned when freed; the
+          dynamic raise is off); for training, 32 MiB (glibc's own ceiling for the
+          dynamic threshold: unit-sized flat buffers are mapped, smaller blocks are
+          reused from the heap without page faults); ``malloc_trim(0)`` after
+          construction and after every step gives free heap pages back.
+  frugal  64 KiB throughout, and the same trims: the least resident memory, the most
+          page faults (every large temporary is a fresh mapping).
+  default glibc as it is.
+Same effect as ``MALLOC_MMAP_THRESHOLD_`` in the environment, but applied from inside
+the process, for any launcher. Not glibc (musl, macOS): a no-op.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import functools
 import os
 
 M_MMAP_THRESHOLD = -3
-FRUGAL_THRESHOLD = 64 * 1024
-HOST_MALLOC = ("auto", "default", "frugal")
+BUILD_THRESHOLD = 64 * 1024
+TRAIN_THRESHOLD = {"lean": 32 * 2**20, "frugal": 64 * 1024}
+HOST_MALLOC = ("auto", "default", "lean", "frugal")
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,28 +47,33 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def resolve(setting: str, *, offload: bool, device: str) -> str:
-    """``memory.host_malloc`` -> 'default' or 'frugal'. 'auto' is 'frugal' when offload
-    is on with the CPU as the compute device (host memory is the budget there) and when
-    MALLOC_MMAP_THRESHOLD_ is not set by the user; 'default' otherwise."""
+    """``memory.host_malloc`` -> 'default', 'lean' or 'frugal'. 'auto' is 'lean' when
+    offload is on with the CPU as the compute device (host memory is the budget there)
+    and MALLOC_MMAP_THRESHOLD_ is not set by the user; 'default' otherwise."""
     if setting != "auto":
         return setting
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return "default"  # the user's own allocator setting wins
-    return "frugal" if offload and device == "cpu" else "default"
+    return "lean" if offload and device == "cpu" else "default"
 
 
-_applied = False
+def _mmap_threshold(nbytes: int) -> bool:
+    libc = _libc()
+    return libc is not None and libc.mallopt(M_MMAP_THRESHOLD, nbytes) == 1
 
 
-def apply(mode: str) -> bool:
-    """Set the process's malloc behaviour for ``mode`` ('frugal'; 'default' leaves it
-    as it is). Process-wide and idempotent. Returns whether frugal mode is active."""
-    global _applied
-    if mode == "frugal" and not _applied:
-        libc = _libc()
-        if libc is not None and libc.mallopt(M_MMAP_THRESHOLD, FRUGAL_THRESHOLD) == 1:
-            _applied = True
-    return _applied
+def for_building(mode: str) -> bool:
+    """Set malloc up for construction under ``mode`` (process-wide). Returns whether the
+    engine should trim and switch to ``for_training`` afterwards (a glibc mode other
+    than 'default')."""
+    return mode in TRAIN_THRESHOLD and _mmap_threshold(BUILD_THRESHOLD)
+
+
+def for_training(mode: str) -> None:
+    """After construction: the training threshold of ``mode``, then give free heap back."""
+    if mode in TRAIN_THRESHOLD:
+        _mmap_threshold(TRAIN_THRESHOLD[mode])
+        trim()
 
 
 def trim() -> None:
