@@ -110,7 +110,7 @@ class FaultPlan:
         if not hits or skipped:
             return False
         self.fired.update(hits)
-        with torch.no_grad():
+        with torch.no_grad(), engine._masters_resident(write_back=True):  # offloaded masters read back
             for m in engine.sharded.masters():
                 m.mul_(CORRUPT_FACTOR)
             engine.sharded.publish()

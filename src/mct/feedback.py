@@ -63,7 +63,10 @@ class Loop:
         self.rollback = RollbackController(self.cfg.train)
 
     def capture(self) -> tuple[dict, dict]:
-        return engine_state(self.engine), {"state": self.state.to_json(), "detector": self.detector.state_dict()}
+        good = self.rollback.good
+        held = good.engine.get("offload_snapshot", {}).get("tag") if good is not None else None
+        tag = "snapshot1" if held == "snapshot0" else "snapshot0"  # offload: never over the good state
+        return engine_state(self.engine, tag), {"state": self.state.to_json(), "detector": self.detector.state_dict()}
 
     def restore(self, engine_sd: dict, loop_sd: dict) -> None:
         restore_engine_state(self.engine, engine_sd)

@@ -203,11 +203,21 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
     os.truncate(p, keep)
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
+def engine_state(engine: Any, tag: str = "snapshot") -> dict[str, Any]:
     """The engine's state for a snapshot: ``Engine.state_dict()`` (references; the
-    caller copies)."""
+    caller copies). Offloaded state is snapshotted inside its own store under ``tag``
+    (a handle comes back, never the state itself: it does not fit in memory)."""
+    if getattr(engine, "offload", None) is not None:
+        return {"offload_snapshot": engine.offload.snapshot(tag), "steps_done": engine.steps_done,
+                "scaler": engine.scaler.state_dict()}
     return engine.state_dict()
 
 
 def load_engine_state(engine: Any, sd: dict[str, Any]) -> None:
+    if "offload_snapshot" in sd:
+        engine.offload.restore_snapshot(sd["offload_snapshot"])
+        engine.scaler.load_state_dict(sd["scaler"])
+        engine.steps_done = sd["steps_done"]
+        engine.sharded.zero_grad()
+        return
     engine.load_state_dict(sd)

@@ -324,6 +324,85 @@ class OffloadedState:
                 u.master.untyped_storage().resize_(0)
                 self.tracker.refresh(u.master)
 
+    # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
+    def snapshot(self, tag: str) -> dict[str, Any]:
+        """Copy every unit's master and optimizer state into records ``<tag>.u<i>.*`` of
+        the store, a chunk at a time through one pool buffer (a resident fp32 master
+        that is the working parameter is written there too). Returns the handle that
+        ``restore_snapshot`` takes: the per-tensor scalars and state names, no tensors
+        of state size. Call between steps."""
+        self.stream.drain()
+        units = []
+        for i, u in enumerate(self.units):
+            st = self.states[i]
+            names = ["master"] + (list(st.elementwise) if st is not None else [])
+            for name in names:
+                src = f"u{i}.{name}"
+                if name == "master" and u.master_is_view:
+                    self._ensure(f"{tag}.{src}", u.layout.shard_numel, torch.float32)
+                    put_record(self.store, f"{tag}.{src}", u.master)
+                else:
+                    self._copy_record(src, f"{tag}.{src}")
+            units.append(None if st is None else
+                         {"elementwise": dict(st.elementwise),
+                          "scalars": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                      for k, v in st.scalars.items()}})
+        self.report_offloaded()
+        return {"tag": tag, "units": units}
+
+    def restore_snapshot(self, handle: dict[str, Any]) -> None:
+        """Put the state ``snapshot`` saved back (masters, optimizer state, scalars), and
+        rebuild what is derived from the masters: working parameters (all-gathered at
+        stages 1/2) and stage-3 parameter shards. Call between steps."""
+        self.stream.drain()
+        tag = handle["tag"]
+        for i, (u, saved) in enumerate(zip(self.units, handle["units"])):
+            if u.master_is_view:
+                self.fetch(self.store, f"{tag}.u{i}.master", u.master)
+            else:
+                self._copy_record(f"{tag}.u{i}.master", f"u{i}.master")
+            if saved is None:
+                self.states[i] = None
+                continue
+            for name, dt in saved["elementwise"].items():
+                self._ensure(f"u{i}.{name}", u.layout.shard_numel, dt)
+                self._copy_record(f"{tag}.u{i}.{name}", f"u{i}.{name}")
+            self.states[i] = UnitState(dict(saved["elementwise"]),
+                                       {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                        for k, v in saved["scalars"].items()})
+        for i, u in enumerate(self.units):
+            self._refresh_params(i, u)
+        self._publish()
+        self.end_step()
+
+    def _ensure(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        if key not in self.store.records:
+            self.store.allocate(key, numel, dtype)
+
+    def _copy_record(self, src: str, dst: str) -> None:
+        """Store record ``src`` -> ``dst`` (allocated alike if new), a chunk at a time."""
+        rec = self.store.records[src]
+        self._ensure(dst, rec.numel, rec.dtype)
+        for a in range(0, rec.numel, self.chunk_numel):
+            b = min(a + self.chunk_numel, rec.numel)
+            buf = self.stream.buffer(0, "copy", rec.dtype, b - a)
+            self.stream.fetch(Item("copy", self.store, src, a, b), buf)
+            self.store.write(dst, a, buf.to("cpu") if buf.device.type != "cpu" else buf)
+
+    def _refresh_params(self, i: int, u: FlatParamUnit) -> None:
+        """The low-precision copies of unit ``i``'s master (working slice or stage-3
+        parameter shard), from the stored master, a chunk at a time."""
+        if u.master_is_view:
+            return
+        S = u.layout.shard_numel
+        for a in range(0, S, self.chunk_numel):
+            b = min(a + self.chunk_numel, S)
+            master = self.stream.buffer(0, "master", torch.float32, b - a)
+            self.stream.fetch(Item("master", self.store, f"u{i}.master", a, b), master)
+            for item, t in self._update_param_shard(i, u, a, b, 0, master):
+                self.stream.write(0, [(item, t)])
+                self.stream.drain()
+
     # ---- optimizer state in torch's format (checkpoints: see state_dict.py) ----
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from mct.offload.state_dict import optimizer_state_dict
