@@ -450,7 +450,7 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
         return runs[key]
     monkeypatch.setattr(plan_module, "predict", predict)
     base = tiny_config(zero={"stage": "auto"}, checkpointing={"policy": "all"}, precision={"mode": "bf16"},
-                       model={"n_layer": 3, "d_model": 64, "n_head": 2, "vocab_size": 2048},
+                       model={"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": 2048},
                        offload={"chunk_mb": 0.01})  # a pool far smaller than the state it streams
     work = planning_workload(base)
     plain = make_plan(work, EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}}), 2, None,
