@@ -386,17 +386,19 @@ def format_plan(plan) -> str:
     from mct.memory.tracker import CATEGORIES, format_bytes
     cols = ["stage", "policy", "prec", "offload", "peak", *CATEGORIES, "at", "first", "init", "host", "disk",
             "fits", "cost"]
-    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
-             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
-             "  ".join(f"{c:>10}" for c in cols)]
+    table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
-        vals = [f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], format_bytes(r["peak"]),
-                *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
-                format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
-                format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]), "yes" if r["fits"] else "no",
-                f"{r['cost']:.2f}"]
-        lines.append("  ".join(f"{v:>10}" for v in vals))
+        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], format_bytes(r["peak"]),
+                      *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
+                      format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
+                      format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),
+                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}"])
+    widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
+    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
+             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
+             "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
+    lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines.append(plan.advice)
     return "\n".join(lines)
 

@@ -163,7 +163,8 @@ def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
     mine = [r for r in plan.rows if r["precision"] == plan.precision]
     if not mine:
-        return f"no configuration in precision {plan.precision} was planned"
+        return (f"no configuration in precision {plan.precision} (precision.mode) was planned: add it to the "
+                f"precisions planned (--precisions) or set precision.mode to one of them")
     low = min(mine, key=lambda r: r["peak"])
     off = "" if low["offload"] == "none" else " " + _offload_settings(low["offload"])
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
