@@ -78,7 +78,7 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "offload": {**spec["offload"], "dir": spec["dir"]}})
     t0 = time.perf_counter()
     # as `mct train` does: the allocator setting before the model is built
-    host.for_building(host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled, device="cpu"))
+    host.for_building(host.mode_of(cfg, "cpu"))
     model, program = build_model_on_meta(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg, param_groups=optimizer_groups(model, cfg.train.weight_decay),
                     init_program=program)

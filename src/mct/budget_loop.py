@@ -54,7 +54,7 @@ class BudgetLoop:
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
         policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
         plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, stages=stages, policies=policies,
-                         precisions=(a.precision.mode,))
+                         precisions=(a.precision.mode,), advise=False)  # only the rows are used
         rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
         if not rows:
             stage, policy = _key(current)

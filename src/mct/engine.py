@@ -78,8 +78,7 @@ class Engine:
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         # the host allocator first: construction frees parameter-sized temporaries
-        self._host_malloc = host.resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled,
-                                         device=self.device.type)
+        self._host_malloc = host.mode_of(cfg, self.device.type)
         self._trim = self.ctx.backend != "simulated" and host.for_building(self._host_malloc)
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
@@ -408,7 +407,8 @@ class Engine:
             return self._state_dict()
         with self.offload.resident_state(self.optimizer, write_back=False):
             sd = self._state_dict()
-            sd["tensors"] = {k: v.clone() for k, v in sd["tensors"].items()}
+            # masters are views of storage freed on exit; optimizer state was read into fresh tensors
+            sd["tensors"] = {k: v.clone() if k.endswith("/master") else v for k, v in sd["tensors"].items()}
         return sd
 
     def _state_dict(self) -> dict[str, Any]:
@@ -435,10 +435,11 @@ class Engine:
         LossScaler.from_config(self.config.precision).load_state_dict(state["scaler"])  # validates only
         # Everything checked: from here on only mutation.
         if self.offload is not None:
-            with self.offload.resident_state(self.optimizer, write_back=True):
+            with self.offload.masters_resident(write_back=True):  # the old optimizer state is not read
                 zstate.load_units(self.sharded.units, self.optimizer, self.comm.rank, state["tensors"],
                                   state["extents"], hyper)
                 self.sharded.publish()  # while the masters are resident
+            self.offload.load_optimizer_state_dict(self.optimizer, self.optimizer.state_dict())  # -> the store
             self.offload.end_step()
         else:
             for v in (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)):
@@ -448,9 +449,30 @@ class Engine:
             self._opt_state_tracked = False
             self._register_optimizer_state()
             self.sharded.publish()
-        self.scaler.load_state_dict(state["scaler"])
-        self.steps_done = steps
+        self._set_counters(state["scaler"], steps)
+
+    def _set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
+        self.scaler.load_state_dict(scaler)
+        self.steps_done = steps_done
         self.sharded.zero_grad()
+
+    def snapshot_state(self, tag: str = "snapshot") -> dict[str, Any]:
+        """State for an in-memory rollback target: ``state_dict()`` (references: the
+        caller copies), or, under offload, a small handle to a copy kept in the offload
+        store under ``tag`` (the state itself would not fit in memory; a new snapshot
+        with the same tag replaces it). Not collective; call between steps."""
+        if self.offload is None:
+            return self.state_dict()
+        return {"offload_snapshot": self.offload.snapshot(tag), "steps_done": self.steps_done,
+                "scaler": self.scaler.state_dict()}
+
+    def load_snapshot_state(self, sd: dict[str, Any]) -> None:
+        """Restore what ``snapshot_state`` returned (stages 1/2: collective, as
+        ``load_state_dict``)."""
+        if "offload_snapshot" not in sd:
+            return self.load_state_dict(sd)
+        self.offload.restore_snapshot(sd["offload_snapshot"])
+        self._set_counters(sd["scaler"], sd["steps_done"])
 
     def save(self, path: str) -> None:
         """Write this engine's state to the directory ``path`` (a sharded checkpoint,

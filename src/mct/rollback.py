@@ -204,20 +204,10 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
 
 
 def engine_state(engine: Any, tag: str = "snapshot") -> dict[str, Any]:
-    """The engine's state for a snapshot: ``Engine.state_dict()`` (references; the
-    caller copies). Offloaded state is snapshotted inside its own store under ``tag``
-    (a handle comes back, never the state itself: it does not fit in memory)."""
-    if getattr(engine, "offload", None) is not None:
-        return {"offload_snapshot": engine.offload.snapshot(tag), "steps_done": engine.steps_done,
-                "scaler": engine.scaler.state_dict()}
-    return engine.state_dict()
+    """The engine's state for a snapshot (``Engine.snapshot_state``: references, the
+    caller copies; under offload a handle to a copy in the offload store)."""
+    return engine.snapshot_state(tag)
 
 
 def load_engine_state(engine: Any, sd: dict[str, Any]) -> None:
-    if "offload_snapshot" in sd:
-        engine.offload.restore_snapshot(sd["offload_snapshot"])
-        engine.scaler.load_state_dict(sd["scaler"])
-        engine.steps_done = sd["steps_done"]
-        engine.sharded.zero_grad()
-        return
-    engine.load_state_dict(sd)
+    engine.load_snapshot_state(sd)

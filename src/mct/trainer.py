@@ -153,7 +153,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
 
     def rebuild(c: EngineConfig) -> Engine:
         # the host allocator before the model is built (the engine sets it too, later)
-        host.for_building(host.resolve(c.memory.host_malloc, offload=c.offload.enabled, device=ctx.device.type))
+        host.for_building(host.mode_of(c, ctx.device.type))
         # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
         model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
                           else (build_model(c), None))

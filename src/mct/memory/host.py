@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from typing import Any
 
 M_MMAP_THRESHOLD = -3
 BUILD_THRESHOLD = 64 * 1024
@@ -55,6 +56,11 @@ def resolve(setting: str, *, offload: bool, device: str) -> str:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return "default"  # the user's own allocator setting wins
     return "lean" if offload and device == "cpu" else "default"
+
+
+def mode_of(cfg: Any, device: str) -> str:
+    """The resolved mode of an ``EngineConfig`` for a compute device type."""
+    return resolve(cfg.memory.host_malloc, offload=cfg.offload.enabled, device=device)
 
 
 def _mmap_threshold(nbytes: int) -> bool:

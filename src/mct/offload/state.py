@@ -70,10 +70,7 @@ class OffloadedState:
         self.store: Store | None = None  # opened with the first unit (fake tensors: a NullStore)
         self.param_store: Store | None = None
         self._chunk_cap = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
-        self.chunk_numel = ALIGN
-        """Elements per streamed chunk: offload.chunk_mb, or the largest shard when that is
-        smaller (the pool buffers are this long; they are allocated at the first step)."""
-        self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.chunk_numel,
+        self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=ALIGN,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
         self.offload_grads = stage >= 2
         self.states: list[UnitState | None] = []
@@ -83,6 +80,12 @@ class OffloadedState:
         self._given: dict[str, torch.Tensor] = {}  # state buffers handed to the optimizer for a chunk
         self._post_scalars: dict[int, dict[str, Any]] = {}  # per unit: scalars after its first chunk
 
+    @property
+    def chunk_numel(self) -> int:
+        """Elements per streamed chunk: offload.chunk_mb, or the largest shard when that is
+        smaller (the pool buffers are this long; they are allocated at the first step)."""
+        return self.stream.chunk_numel
+
     # ---- construction ----
     def add_unit(self, u: FlatParamUnit) -> None:
         """Take over a freshly built unit: its master (and stage-3 parameter shard)
@@ -90,8 +93,7 @@ class OffloadedState:
         i, S = len(self.units), u.layout.shard_numel
         if self.store is None:
             self._open_stores(fake=is_fake(u.master))
-        self.chunk_numel = self.stream.chunk_numel = max(self.chunk_numel,
-                                                         min(self._chunk_cap, -(-S // ALIGN) * ALIGN))
+        self.stream.chunk_numel = max(self.chunk_numel, min(self._chunk_cap, -(-S // ALIGN) * ALIGN))
         self.units.append(u)
         self.states.append(None)
         self.grad_stored.append(False)

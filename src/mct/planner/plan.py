@@ -123,11 +123,13 @@ class Plan:
 
 
 def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
-              policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None) -> Plan:
+              policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None,
+              advise: bool = True) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision (ties: the
     lower peak, then the lower stage). Parameter offload is planned at stage 3 only.
+    ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -148,7 +150,8 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
     plan = Plan(rows, budget, world, n_params, cfg.precision.mode, best, "")
-    plan.advice = _advice(plan, work, cfg)
+    if advise:
+        plan.advice = _advice(plan, work, cfg)
     return plan
 
 
@@ -236,13 +239,13 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
                          f"e.g. --set memory.budget=2GiB (or choose the value yourself; `mct plan` helps)")
     stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
-    plan = make_plan(work, cfg, world, budget, stages=stages, policies=policies, precisions=(cfg.precision.mode,))
+    grid = {"stages": stages, "policies": policies, "precisions": (cfg.precision.mode,)}
+    plan = make_plan(work, cfg, world, budget, **grid, advise=False)
     if plan.recommended is None and not cfg.offload.enabled:
-        plan = make_plan(work, cfg, world, budget, stages=stages, policies=policies,
-                         precisions=(cfg.precision.mode,), offloads=auto_offloads(device))
+        plan = make_plan(work, cfg, world, budget, **grid, offloads=auto_offloads(device), advise=False)
     best = plan.recommended
     if best is None:
-        raise ValueError(plan.advice)
+        raise ValueError(_advice(plan, work, cfg))
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
               "offload": best["offload"], "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
