@@ -37,8 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT
-from mct.seeding import micro_seed
-from mct.trainer import make_optimizer, seeded_gpt_loss
+from mct.task.seeding import micro_seed
+from mct.run.trainer import make_optimizer, seeded_gpt_loss
 
 POLICIES = ("none", "all", "every_k", "sqrt", "selective")
 TARGETS = {"all": {"time": 1.4, "act": 0.3}, "selective": {"time": 1.15, "act": 0.7}}

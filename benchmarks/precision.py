@@ -34,7 +34,7 @@ from mct.config import EngineConfig
 from mct.data import build_data
 from mct.engine import Engine
 from mct.models.gpt import optimizer_groups
-from mct.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
+from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
 
 VARIANTS = ("fp32", "bf16", "bf16:explicit", "fp16")
 """'mode[:attention[:cpu_matmul]]'; the first is the baseline of every ratio."""

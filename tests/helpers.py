@@ -11,7 +11,7 @@ import torch
 from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
-from mct.reference import ReferenceTrainer
+from mct.verify.reference import ReferenceTrainer
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 256, "dropout": 0.0}
 

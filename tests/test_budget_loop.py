@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from mct.config import EngineConfig
-from mct.events import read_events
-from mct.trainer import train
+from mct.reporting.events import read_events
+from mct.run.trainer import train
 
 plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
 

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from mct.engine import Engine
 from mct.models.gpt import GPT
-from mct.seeding import micro_seed
-from mct.trainer import seeded_gpt_loss
+from mct.task.seeding import micro_seed
+from mct.run.trainer import seeded_gpt_loss
 from tests.distributed import run_distributed
 from tests.helpers import batches, tiny_config
 

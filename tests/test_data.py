@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mct import data as data_mod
+from mct.data import corpus as data_mod
 from mct.config import EngineConfig
 from mct.data import BatchSampler, ByteTokenizer, Corpus, build_data, load_corpus
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mct.events import read_events
+from mct.reporting.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40

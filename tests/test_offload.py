@@ -206,7 +206,7 @@ def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_ran
 
 
 def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
-    from mct.verify import run_verify
+    from mct.verify.compare import run_verify
     from tests.test_verify import _cfg
     out = {}
     for stage, offload in ((1, {"optimizer": "disk"}), (2, {"optimizer": "disk"}),
@@ -350,7 +350,7 @@ def test_mct_train_with_disk_offload_ends_with_the_same_weights_and_losses(tmp_p
 
     from safetensors.torch import load_file
 
-    from mct.trainer import train
+    from mct.run.trainer import train
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(8):
@@ -438,7 +438,7 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
     import importlib
 
     from mct.planner import make_plan, resolve_auto
-    from mct.trainer import planning_workload
+    from mct.task import gpt_task as planning_workload
     plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the name
     runs: dict = {}
     real_predict = plan_module.predict
@@ -502,7 +502,7 @@ def test_resume_moves_a_run_between_offloaded_and_resident_state_exactly(tmp_pat
     offload (and a resident run resumed with it): the bytes of an uninterrupted
     offloaded run. No offload folder outlives a run."""
     from mct.persistence.resume import resume_config
-    from mct.trainer import train
+    from mct.run.trainer import train
     from tests.test_resume import _write_corpus, tiny_run
     corpus = _write_corpus(tmp_path / "corpus")
     off = {"optimizer": "disk", "params": "disk", "dir": str(tmp_path / "off"), "chunk_mb": 0.002}

@@ -17,7 +17,7 @@ from mct.engine import Engine
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.planner import dry_run, resolve_auto, token_loss
-from mct.trainer import planning_workload
+from mct.task import gpt_task as planning_workload
 from tests.distributed import run_distributed
 from tests.helpers import TINY_MODEL, adamw, batches, tiny_config
 from tests.planner_models import hf_gpt2, random_batch, tied_frozen_reused
@@ -204,7 +204,7 @@ def _write_corpus(tmp_path) -> str:
 
 
 def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
-    from mct.trainer import train
+    from mct.run.trainer import train
     (tmp_path / "data").mkdir()
     base = {"model": dict(TINY_MODEL), "data": {"path": _write_corpus(tmp_path / "data"), "micro_batch_size": 4},
             "train": {"steps": 3, "eval_every": 0, "warmup_steps": 1, "log_every": 1}}

@@ -17,9 +17,9 @@ from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.precision import LossScaleFloorError
-from mct.schedule import lr_at
-from mct.trainer import train
-from mct.verify import run_verify
+from mct.run.schedule import lr_at
+from mct.run.trainer import train
+from mct.verify.compare import run_verify
 from tests.distributed import run_distributed
 from tests.helpers import adamw, batches, tiny_config
 

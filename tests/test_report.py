@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from mct.cli import main
-from mct.metrics import MetricsWriter, decode_row, encode_row, read_jsonl
-from mct.plots import _markers, plot_plan
-from mct.report import load_run
+from mct.reporting.metrics import MetricsWriter, decode_row, encode_row, read_jsonl
+from mct.reporting.plots import _markers, plot_plan
+from mct.reporting.report import load_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

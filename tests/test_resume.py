@@ -17,7 +17,7 @@ from mct.config import EngineConfig
 from mct.persistence.files import file_digest
 from mct.persistence.resume import resume_config
 from mct.persistence.run_dir import checkpoints, step_dir
-from mct.trainer import train
+from mct.run.trainer import train
 from tests.distributed import run_distributed
 
 

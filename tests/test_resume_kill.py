@@ -17,7 +17,7 @@ import torch
 
 from mct.config import EngineConfig
 from mct.persistence.run_dir import checkpoints
-from mct.trainer import train
+from mct.run.trainer import train
 from tests.distributed import run_distributed
 from tests.test_resume import _rows, _write_corpus, tiny_run
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from mct.config import EngineConfig
-from mct.events import read_events
-from mct.faults import Fault, FaultPlan, parse_faults
-from mct.rollback import DivergenceDetector, TrainingStopped
-from mct.trainer import train
+from mct.reporting.events import read_events
+from mct.run.faults import Fault, FaultPlan, parse_faults
+from mct.run.rollback import DivergenceDetector, TrainingStopped
+from mct.run.trainer import train
 from tests.distributed import run_distributed
 
 

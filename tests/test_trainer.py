@@ -14,9 +14,9 @@ import torch
 from mct.config import EngineConfig
 from mct.data import build_data
 from mct.models.gpt import optimizer_groups
-from mct.reference import ReferenceTrainer
-from mct.schedule import lr_at
-from mct.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches, train
+from mct.verify.reference import ReferenceTrainer
+from mct.run.schedule import lr_at
+from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches, train
 
 REPO = Path(__file__).resolve().parents[1]
 

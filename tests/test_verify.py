@@ -32,7 +32,7 @@ def _cfg(data_path: str, stage: int, mode: str) -> EngineConfig:
 
 def _verify_all(rank: int, world: int, data_path: str) -> dict:
     from mct.engine import Engine
-    from mct.verify import run_verify
+    from mct.verify.compare import run_verify
     out = {}
     for mode in ("fp32", "bf16"):
         for stage in (0, 1, 2, 3):

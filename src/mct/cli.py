@@ -100,8 +100,8 @@ def _under_torchrun() -> bool:
 def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int = 1,
             rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
     """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run;
-    returns the workers' exit code (see mct.launch)."""
-    from mct.launch import launch, torchrun_command
+    returns the workers' exit code (see mct.run.launch)."""
+    from mct.run.launch import launch, torchrun_command
     cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     return launch(cmd, nproc)
@@ -152,9 +152,9 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.trainer import planning_workload  # the recipe's model: the CLI never imports it directly
+    from mct.task import gpt_task
     with torch.device("meta"):
-        n = sum(p.numel() for p in planning_workload(cfg).model_fn().parameters())
+        n = sum(p.numel() for p in gpt_task(cfg).model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
@@ -186,10 +186,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
-        from mct.trainer import planning_workload
+        from mct.task import gpt_task
         from mct.persistence.run_dir import check_new_run_dir
         # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, planning_workload(cfg),
+        resolve_auto(cfg, args.nproc * args.nnodes, gpt_task(cfg),
                      device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
         if not args.resume:
@@ -207,10 +207,10 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     """One training process (alone, or a rank under torchrun). Every way it ends is an
     exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
-    from mct.launch import WorkerLink
+    from mct.run.launch import WorkerLink
     from mct.memory.tracker import MemoryBudgetExceeded
-    from mct.signals import Preempted, StopRequest
-    from mct.trainer import TrainingStopped, summary_table, train
+    from mct.run.signals import Preempted, StopRequest
+    from mct.run.trainer import TrainingStopped, summary_table, train
     link = WorkerLink.from_env()
     stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
     code, line, is_main, every_rank = 0, "", int(os.environ.get("RANK", "0")) == 0, True
@@ -308,7 +308,7 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc > 1 and not _under_torchrun():
         return _launch(_strip_nproc(argv), args.nproc)  # verify: no restarts, one node
     from mct.dist import broadcast_from_main, init_distributed, teardown
-    from mct.verify import run_verify
+    from mct.verify.compare import run_verify
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
         report = run_verify(cfg, args.steps, ctx)
@@ -323,12 +323,12 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     """``mct plan``: dry-run every configuration and print the table (or JSON). Returns
     0 when a configuration fits (or no budget was given); raises ValueError (exit 2,
-    one line) when nothing fits. ``--plot FILE.png`` also draws it (``mct.plots``)."""
+    one line) when nothing fits. ``--plot FILE.png`` also draws it (``mct.reporting.plots``)."""
     import json
 
     from mct.config import parse_bytes
     from mct.planner import load_workload, make_plan
-    from mct.plots import check_plot_path
+    from mct.reporting.plots import check_plot_path
     cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
     if args.plot:
         check_plot_path(args.plot)  # before minutes of planning
@@ -338,13 +338,13 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.model:
         work = load_workload(args.model, cfg)
     else:
-        from mct.trainer import planning_workload
-        work = planning_workload(cfg)
+        from mct.task import gpt_task
+        work = gpt_task(cfg)
     grid = _plan_grid(args)
     plan = make_plan(work, cfg, args.world_size, limit, **grid)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.plot:
-        from mct.plots import plot_plan
+        from mct.reporting.plots import plot_plan
         plot_plan(plan.to_dict(), args.plot)
     if limit is not None and plan.recommended is None:
         raise ValueError(plan.advice)
@@ -404,16 +404,16 @@ def format_plan(plan) -> str:
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.report import load_run, plot_title, report_table
+    from mct.reporting.report import load_run, plot_title, report_table
     if args.plot:
-        from mct.plots import check_plot_path
+        from mct.reporting.plots import check_plot_path
         check_plot_path(args.plot)
     run = load_run(args.run_dir)
     for w in run.warnings:
         print(f"mct: warning: {w}", file=sys.stderr)
     print(report_table(run))
     if args.plot:
-        from mct.plots import plot_run
+        from mct.reporting.plots import plot_run
         plot_run(run.rows, run.events, run.meta, args.plot, budget=run.budget, title=plot_title(run))
         print(f"wrote {args.plot}")
     return 0
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
                "export": cmd_export}[args.command]
-    from mct.launch import WorkerLink
+    from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():
         link.setup()  # die with torchrun; tell the launcher this worker's pid

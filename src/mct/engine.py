@@ -477,14 +477,14 @@ class Engine:
     def save(self, path: str) -> None:
         """Write this engine's state to the directory ``path`` (a sharded checkpoint,
         see ``mct.persistence``). Collective: every rank must call it."""
-        from mct.persistence import save_engine
+        from mct.persistence.checkpoint import save_engine
         save_engine(self, path)
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (any world size and ZeRO stage).
         Raises ValueError naming the file and the fault, with the engine untouched.
         Collective: every rank must call it."""
-        from mct.persistence import load_engine
+        from mct.persistence.checkpoint import load_engine
         load_engine(self, path)
 
     def model_state_bytes(self) -> dict[str, int]:

@@ -7,11 +7,9 @@ instance-level ``forward`` that opens/continues/closes a checkpoint region.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Callable, ContextManager
 
 import torch.nn as nn
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
 from mct.checkpointing.blocks import find_blocks
 from mct.checkpointing.policies import context_fn_for, plan_regions
@@ -32,15 +30,25 @@ class CheckpointState:
                  recompute_context: Callable[[], ContextManager] | None) -> None:
         self.policy = policy
         self.verify = verify
-        self.verified = False
         self.regions: list[Region] = []
-        self.recompute_calls = 0
-        self.recomputed_blocks = 0
-        self.recompute_time_s = 0.0
         self._recompute_context = recompute_context
-        # The private generator gained an ``early_stop`` parameter in newer torch.
-        params = inspect.signature(_checkpoint_without_reentrant_generator).parameters
-        self._generator_takes_early_stop = "early_stop" in params
+
+    @property
+    def verified(self) -> bool:
+        """Every region replayed once and matched its forward by value."""
+        return bool(self.regions) and all(r.verified for r in self.regions)
+
+    @property
+    def recompute_calls(self) -> int:
+        return sum(r.recompute_calls for r in self.regions)
+
+    @property
+    def recomputed_blocks(self) -> int:
+        return sum(r.recomputed_blocks for r in self.regions)
+
+    @property
+    def recompute_time_s(self) -> float:
+        return sum(r.recompute_time_s for r in self.regions)
 
     @property
     def checkpointed_blocks(self) -> list[str]:
@@ -70,18 +78,15 @@ class CheckpointState:
 
     def reset_step(self) -> None:
         """Zero the per-step counters; call at the start of each optimizer step."""
-        self.recompute_calls = 0
-        self.recomputed_blocks = 0
-        self.recompute_time_s = 0.0
+        for r in self.regions:
+            r.recompute_calls = r.recomputed_blocks = 0
+            r.recompute_time_s = 0.0
 
     def remove(self) -> None:
         """Restore every patched block's ``forward``; the model is as before ``apply``."""
         for region in self.regions:
             region.remove()
         self.regions = []
-
-    def _on_region_verified(self) -> None:
-        self.verified = all(r.verified for r in self.regions)
 
 
 def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
@@ -107,7 +112,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
             "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
     context_fn = context_fn_for(cfg.policy)
     for indices in plan_regions(cfg.policy, len(blocks), cfg.k):
-        region = Region([blocks[i] for i in indices], state, context_fn)
+        region = Region([blocks[i] for i in indices], context_fn, verify=cfg.verify,
+                        recompute_context=state.recompute_context)
         state.regions.append(region)
     try:
         for region in state.regions:

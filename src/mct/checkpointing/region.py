@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -22,8 +23,8 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, set_
 
 from mct.checkpointing.blocks import first_tensor, primary
 
-if TYPE_CHECKING:
-    from mct.checkpointing.apply import CheckpointState
+# The private generator gained an ``early_stop`` parameter in newer torch.
+_GENERATOR_TAKES_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters
 
 
 @dataclass
@@ -40,16 +41,21 @@ class Region:
     """Consecutive blocks ``[(qualified_name, module), ...]`` checkpointed together.
 
     ``install`` patches each block's ``forward`` (instance attribute); ``remove`` restores
-    it. The region's state lives on the instance; the owning ``CheckpointState`` holds
-    the metrics and the recompute flag.
+    it. The region knows nothing of its owner: it is told whether to verify its first
+    replay and what context a replay runs in, and keeps its own per-step counters
+    (``recompute_calls``, ``recomputed_blocks``, ``recompute_time_s``).
     """
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], state: CheckpointState,
-                 context_fn: Callable | None) -> None:
+    def __init__(self, blocks: list[tuple[str, nn.Module]], context_fn: Callable | None, *, verify: bool = False,
+                 recompute_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.blocks = blocks
-        self.state = state
         self.context_fn = context_fn
+        self.verify = verify
+        self.recompute_context = recompute_context
         self.verified = False
+        self.recompute_calls = 0
+        self.recomputed_blocks = 0
+        self.recompute_time_s = 0.0
         self._open: _OpenRegion | None = None
         self._replaying: list[Any] | None = None
         self._originals: list[Callable] = []
@@ -118,7 +124,7 @@ class Region:
                 raise ValueError(f"checkpoint region {self.label} was entered again before its last "
                                  "block ran; segment policies need each block called once, in order")
             self._open = _OpenRegion(gen=None)
-            if not self.verified and self.state.verify:
+            if not self.verified and self.verify:
                 self._open.forward_outputs = []
             self._open.gen = self._start(self._open, first_tensor((args, kwargs)))
             return None
@@ -151,7 +157,7 @@ class Region:
         # The anchor only tells torch which device's RNG state to stash for replay.
         anchors = (anchor,) if anchor is not None else ()
         head = (functools.partial(self._replay, record), True, self.context_fn or _noop_contexts, "default", False)
-        if self.state._generator_takes_early_stop:
+        if _GENERATOR_TAKES_EARLY_STOP:
             head = (*head, True)
         gen = _checkpoint_without_reentrant_generator(*head, *anchors)
         if record.forward_outputs is not None:
@@ -176,11 +182,10 @@ class Region:
 
     def _replay(self, region: _OpenRegion, *_anchor: Any) -> None:
         """Recompute the region: run its blocks in order through ``__call__``."""
-        state = self.state
         start = time.perf_counter()
         self._replaying = outputs = []
         try:
-            with state.recompute_context():
+            with self.recompute_context():
                 x: Any = None
                 for pos, (_, module) in enumerate(self.blocks):
                     (args, kwargs), slot = region.calls[pos]
@@ -190,18 +195,17 @@ class Region:
                         kwargs = {**kwargs, slot: primary(x)}
                     # Counted before the call: torch may stop a replay early, inside the
                     # last block, once every tensor backward needs is recomputed.
-                    state.recomputed_blocks += 1
+                    self.recomputed_blocks += 1
                     x = module(*args, **kwargs)
                     if region.forward_outputs is not None:
                         self._verify(pos, region.forward_outputs[pos], outputs[pos])
             if region.forward_outputs is not None:
                 region.forward_outputs = None
                 self.verified = True
-                state._on_region_verified()
         finally:
             self._replaying = None
-            state.recompute_calls += 1
-            state.recompute_time_s += time.perf_counter() - start
+            self.recompute_calls += 1
+            self.recompute_time_s += time.perf_counter() - start
 
     def _verify(self, pos: int, expected: Any, got: Any) -> None:
         with torch.no_grad(), _disable_current_modes():

@@ -37,24 +37,15 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import OffloadConfig
-from mct.offload.store import DiskStore, HostStore, NullStore, make_store
+from mct.offload.state_dict import load_optimizer_state_dict, optimizer_state_dict
+from mct.offload.store import DiskStore, HostStore, NullStore, Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
 
-Store = HostStore | DiskStore | NullStore
-
 ALIGN = 64
 """Chunk sizes are multiples of 64 elements, so chunk boundaries fall on vector-width
 boundaries of every CPU kernel (bit-identity does not rely on it, but costs nothing)."""
-
-
-class UnitState:
-    """Which optimizer state a unit has: names of elementwise tensors (with dtype) and
-    the per-tensor scalars (e.g. Adam's step), resident."""
-
-    def __init__(self, elementwise: dict[str, torch.dtype], scalars: dict[str, Any]) -> None:
-        self.elementwise, self.scalars = elementwise, scalars
 
 
 class OffloadedState:
@@ -407,11 +398,9 @@ class OffloadedState:
 
     # ---- optimizer state in torch's format (checkpoints: see state_dict.py) ----
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from mct.offload.state_dict import optimizer_state_dict
         return optimizer_state_dict(self, optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        from mct.offload.state_dict import load_optimizer_state_dict
         load_optimizer_state_dict(self, optimizer, sd)
 
     @contextlib.contextmanager
@@ -447,10 +436,6 @@ class OffloadedState:
         out["offload"] = self.stream.pool_bytes()
         return out
 
-    def offloaded_bytes(self) -> dict[str, int]:
-        stores = {id(s): s for s in (self.store, self.param_store) if s is not None}
-        return {tier: sum(s.nbytes for s in stores.values() if s.tier == tier) for tier in ("cpu", "disk")}
-
     def close(self) -> None:
         self.stream.close()
         for s in {id(s): s for s in (self.store, self.param_store) if s is not None}.values():
@@ -469,10 +454,3 @@ def _same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
         if not isinstance(x, torch.Tensor) and x != y:
             return False
     return True
-
-
-def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
-    """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
-    flat = t.detach().reshape(-1)
-    for a in range(0, flat.numel(), chunk):
-        store.write(key, a, flat[a:a + chunk].to("cpu"))

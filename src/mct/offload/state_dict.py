@@ -1,21 +1,19 @@
 """Offloaded optimizer state in torch's ``Optimizer.state_dict()`` format, so that
 checkpoints move freely between engines with and without offload (and between tiers):
 state tensors of full shard size under each master's index, scalars beside them.
+The ``OffloadedState`` methods of the same names call these; ``offload`` is that state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from mct.offload.state import UnitState, put_record
-
-if TYPE_CHECKING:
-    from mct.offload.state import OffloadedState
+from mct.offload.store import UnitState, put_record
 
 
-def optimizer_state_dict(offload: OffloadedState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What ``optimizer.state_dict()`` returns in an engine without offload: state
     tensors of full shard size (read from the store) under each master's index, so
     checkpoints move freely between offloaded and resident engines."""
@@ -34,7 +32,7 @@ def optimizer_state_dict(offload: OffloadedState, optimizer: torch.optim.Optimiz
     return sd
 
 
-def load_optimizer_state_dict(offload: OffloadedState, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+def load_optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """The inverse of ``optimizer_state_dict``: hyperparameters go to ``optimizer``,
     state tensors of the shard's size to the store, the rest stays resident.
     Raises ValueError for a state tensor of the wrong size or dtype."""

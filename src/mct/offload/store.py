@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -200,3 +201,21 @@ def make_store(tier: str, *, root: str, device: torch.device, name: str,
     if tier == "cpu":
         return HostStore(pin=device.type == "cuda")
     return DiskStore(root, name=name)
+
+
+Store = HostStore | DiskStore | NullStore
+
+
+class UnitState:
+    """Which optimizer state a unit has: names of elementwise tensors (with dtype) and
+    the per-tensor scalars (e.g. Adam's step), resident."""
+
+    def __init__(self, elementwise: dict[str, torch.dtype], scalars: dict[str, Any]) -> None:
+        self.elementwise, self.scalars = elementwise, scalars
+
+
+def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
+    """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
+    flat = t.detach().reshape(-1)
+    for a in range(0, flat.numel(), chunk):
+        store.write(key, a, flat[a:a + chunk].to("cpu"))

@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mct.offload.store import DiskStore, HostStore, NullStore
+from mct.offload.store import DiskStore, HostStore, NullStore, Store
 
-Store = HostStore | DiskStore | NullStore
+
 
 
 @dataclass(frozen=True)

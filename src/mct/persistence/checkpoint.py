@@ -19,9 +19,10 @@ from __future__ import annotations
 import base64
 import random
 import shutil
+import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,15 +30,25 @@ import torch
 from mct.persistence import shards
 from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_json
 
-if TYPE_CHECKING:
-    from mct.engine import Engine
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint needs of an engine (``mct.Engine`` is one): its state as
+    ``state_dict()`` pieces, their loader, the communicator and the step counter."""
+
+    comm: Any
+    steps_done: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 FORMAT = "mct.checkpoint/1"
 MANIFEST = "meta.json"
 FROZEN = "frozen/"
 
 
-def _agree(engine: "Engine", error: str | None) -> None:
+def _agree(engine: Checkpointable, error: str | None) -> None:
     """Raise the same ValueError on every rank if rank 0 found ``error``."""
     first = engine.comm.all_gather_object(error)[0]
     if first is not None:
@@ -70,7 +81,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- save ----
-def _engine_pieces(engine: "Engine") -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]]]:
+def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]]]:
     sd = engine.state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
     for name, p in engine.model.named_parameters():
@@ -82,7 +93,7 @@ def _engine_pieces(engine: "Engine") -> tuple[dict[str, Any], dict[str, torch.Te
     return info, tensors, extents
 
 
-def save_checkpoint(path: str | Path, engine: "Engine", *, step: int, trainer: dict[str, Any] | None = None,
+def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trainer: dict[str, Any] | None = None,
                     rank_state: dict[str, Any] | None = None) -> None:
     """Write a complete checkpoint into directory ``path`` (created; a leftover without a
     manifest is replaced; a complete one is an error). Collective: every rank calls it,
@@ -180,7 +191,7 @@ def check_layout(path: Path, saved: Any, units: list[dict[str, Any]]) -> None:
 
 
 # ---- load ----
-def load_engine_state(engine: "Engine", path: str | Path, *, verified: bool = False) -> dict[str, Any]:
+def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: bool = False) -> dict[str, Any]:
     """Load ``engine`` from checkpoint ``path`` (any world size and stage). Checks the
     checkpoint first (on rank 0, unless ``verified``), then reads into fresh tensors,
     then ``engine.load_state_dict``: any failure raises ValueError on every rank with
@@ -214,3 +225,24 @@ def load_engine_state(engine: "Engine", path: str | Path, *, verified: bool = Fa
                             "tensors": tensors, "extents": extents})
     return meta
 
+
+def save_engine(engine: Checkpointable, path: str | os.PathLike) -> None:
+    """``Engine.save``: write a checkpoint to ``path``, replacing one already there only
+    once the new one is complete (written beside it, then swapped in). Collective."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    old = path.with_name(f".{path.name}.old")
+    save_checkpoint(partial, engine, step=engine.steps_done)
+    if engine.comm.rank == 0:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    engine.comm.barrier()
+
+
+def load_engine(engine: Checkpointable, path: str | os.PathLike) -> None:
+    """``Engine.load``: load a checkpoint of any world size and stage. Raises ValueError
+    naming the file and fault, the engine untouched. Collective."""
+    load_engine_state(engine, path)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.config import EngineConfig, apply_overrides
-from mct.events import append_event
+from mct.reporting.events import append_event
 from mct.persistence.files import read_json, write_atomic, write_json
 from mct.persistence.run_dir import checkpoints
 

@@ -12,7 +12,8 @@ from typing import Any
 from mct.config import EngineConfig, parse_bytes
 from mct.planner.dry_run import DryRun, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run
 from mct.planner.plan import POLICIES, PRECISIONS, STAGES, Plan, make_plan, peak_check, resolve_auto, step_cost
-from mct.planner.workload import Workload, load_workload, token_batch, token_loss
+from mct.planner.workload import Workload
+from mct.task import load_workload, token_batch, token_loss
 
 __all__ = ["DryRun", "Plan", "Workload", "dry_run", "load_workload", "make_plan", "peak_check", "plan",
            "predict_peak", "resolve_auto", "step_cost", "token_batch", "token_loss"]

@@ -29,11 +29,7 @@ from torch.utils._pytree import tree_map
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.memory.tracker import CATEGORIES, MemoryTracker
-
-ModelFn = Callable[[], nn.Module]
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-ParamGroupsFn = Callable[[nn.Module], list[dict[str, Any]]]
+from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn
 
 
 @dataclass

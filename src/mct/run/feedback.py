@@ -1,7 +1,7 @@
 """The training loop's feedback and stop paths, one step at a time: the faults of
 ``MCT_FAULT``, the divergence verdict agreed by all ranks, the rollback (replay, skip,
-LR cut, stop) and the stop on SIGTERM/SIGINT. ``mct.trainer`` runs the loop; the
-policy (what to detect, what to restore) is ``mct.rollback``.
+LR cut, stop) and the stop on SIGTERM/SIGINT. ``mct.run.trainer`` runs the loop; the
+policy (what to detect, what to restore) is ``mct.run.rollback``.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from typing import Any, Callable
 
 import torch
 
-from mct.budget_loop import BudgetLoop, record_config_change
+from mct.run.budget_loop import BudgetLoop, record_config_change
 from mct.config import EngineConfig
 from mct.data import BatchSampler
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.events import append_event
-from mct.faults import FaultPlan
+from mct.reporting.events import append_event
+from mct.run.faults import FaultPlan
 from mct.memory.tracker import MemoryBudgetExceeded
-from mct.metrics import MetricsWriter
+from mct.reporting.metrics import MetricsWriter
 from mct.precision import LossScaleFloorError
-from mct.rollback import (REASON_CODES, DivergenceDetector, RollbackController, TrainingStopped, engine_state,
+from mct.run.rollback import (REASON_CODES, DivergenceDetector, RollbackController, TrainingStopped, engine_state,
                           load_engine_state as restore_engine_state, truncate_jsonl)
-from mct.schedule import lr_at
-from mct.signals import Preempted, StopRequest
+from mct.run.schedule import lr_at
+from mct.run.signals import Preempted, StopRequest
 
 
 @dataclass

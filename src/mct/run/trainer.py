@@ -22,74 +22,21 @@ from mct.config import EngineConfig
 from mct.data import BatchSampler, Corpus, build_data
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.events import append_event
-from mct.budget_loop import BudgetLoop
-from mct.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_back, run_step
-from mct.planner import Workload, peak_check, resolve_auto, token_batch
-from mct.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
-from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.reporting.events import append_event
+from mct.run.budget_loop import BudgetLoop
+from mct.run.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_back, run_step
+from mct.planner import peak_check, resolve_auto
+from mct.reporting.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
+from mct.models.gpt import gpt_loss
 from mct.memory import host
-from mct.offload import InitProgram, record_init
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
 from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
-from mct.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
-from mct.seeding import micro_seed, seed_everything
-from mct.signals import StopRequest
-
-
-def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """(input_ids, targets, seed): seed the dropout stream, then the GPT loss."""
-    x, y, seed = batch
-    torch.manual_seed(seed)
-    return gpt_loss(model, (x, y))
-
-
-def make_optimizer(cfg: EngineConfig):
-    """AdamW, with torch's fused kernel where every tensor it is given sits on a device
-    that has one (CPU and CUDA): one pass over memory per step, about 7x faster than
-    the default single-tensor loop on CPU (docs/stages.md, "offload")."""
-    def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        params = [p for g in groups for p in g["params"]]
-        fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
-    return factory
-
-
-def build_model(cfg: EngineConfig) -> GPT:
-    """The GPT, initialized from ``cfg.seed`` (identical on every rank)."""
-    seed_everything(cfg.seed)
-    return GPT(cfg.model)
-
-
-def param_groups(model: torch.nn.Module, cfg: EngineConfig) -> list[dict]:
-    """The recipe's AdamW groups: weight decay on matrices only."""
-    return optimizer_groups(model, cfg.train.weight_decay)
-
-
-def planning_workload(cfg: EngineConfig) -> Workload:
-    """What ``auto`` and ``mct plan`` plan for this recipe: the GPT of ``cfg.model``, its
-    loss on one micro-batch of token ids, the recipe's optimizer and groups."""
-    return Workload(model_fn=lambda: GPT(cfg.model), loss_fn=gpt_loss, batch=token_batch(cfg),
-                    optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt")
-
-
-def build_model_on_meta(cfg: EngineConfig) -> tuple[GPT, InitProgram]:
-    """The GPT of ``build_model`` on the meta device, with the program that gives each
-    parameter exactly ``build_model``'s values when the engine packs its unit."""
-    seed_everything(cfg.seed)
-    return record_init(lambda: GPT(cfg.model))
-
-
-def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
-                 device: torch.device | str = "cpu") -> list[tuple]:
-    """Rank ``rank``'s micro-batches of ``step`` with their dropout seeds, keyed by the
-    global micro-batch index (the same on any world size for the same global batch)."""
-    ga = cfg.data.grad_accum
-    return [(x, y, micro_seed(cfg.seed, step, rank * ga + m))
-            for m, (x, y) in enumerate(sampler.micro_batches(step, rank, device))]
+from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
+from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
+from mct.run.signals import StopRequest
 
 
 @dataclass
@@ -145,7 +92,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     elif not resume:
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     auto_cfg = cfg
-    cfg, choice = resolve_auto(cfg, ctx.world_size, planning_workload(cfg),  # before anything is allocated
+    cfg, choice = resolve_auto(cfg, ctx.world_size, gpt_task(cfg),  # before anything is allocated
                                device=ctx.device.type)
     corpus, sampler = build_data(cfg, ctx.world_size)
     if resume:
@@ -168,7 +115,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
               batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
-              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, planning_workload(auto_cfg)))
+              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, gpt_task(auto_cfg)))
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.reference import ReferenceTrainer
-from mct.schedule import lr_at
-from mct.trainer import build_model, make_optimizer, param_groups, seeded_gpt_loss, step_batches
+from mct.verify.reference import ReferenceTrainer
+from mct.run.schedule import lr_at
+from mct.task.gpt import build_model, make_optimizer, param_groups, seeded_gpt_loss, step_batches
 from mct.data import build_data
 
 PARAM_TOL_LOW_PRECISION = 5e-2

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mct.metrics import fmt_bytes, read_jsonl
+from mct.reporting.metrics import fmt_bytes, read_jsonl
 
 
 @dataclass

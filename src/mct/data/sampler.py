@@ -1,0 +1,108 @@
+"""The per-rank window sampler: stateless and seeded, independent of the world size
+for the same global batch (a resume on another number of ranks sees the same samples).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mct.config import check_int
+from mct.data.corpus import Corpus, load_corpus
+
+if TYPE_CHECKING:
+    from mct.config import EngineConfig
+
+_TRAIN_STREAM, _VAL_STREAM = 0, 1  # separate seed streams: eval never shifts training data
+
+
+class BatchSampler:
+    """Stateless, seeded windows: every call is a pure function of its arguments.
+
+    A training step draws ``world_size * grad_accum * micro_batch_size`` distinct window
+    offsets from a generator seeded by (seed, step); rank r, micro-batch m takes slice
+    ``(r * grad_accum + m) * B ... + B``. So any process can rebuild any rank's batch, a
+    run resumes at any step, and no two ranks or micro-batches share a window in a step.
+    Validation draws from ``corpus.val`` on its own seed stream (seed, i).
+    """
+
+    def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, grad_accum: int,
+                 world_size: int, seed: int) -> None:
+        """Raises ValueError for non-positive sizes or a train split too small for one
+        step's distinct windows."""
+        check_int("model.seq_len", seq_len, 1)
+        check_int("data.micro_batch_size", micro_batch_size, 1)
+        check_int("data.grad_accum", grad_accum, 1)
+        check_int("world_size", world_size, 1)
+        self.corpus, self.seq_len, self.seed = corpus, seq_len, seed
+        self.micro_batch_size, self.grad_accum, self.world_size = micro_batch_size, grad_accum, world_size
+        self._seed_key = seed % 2**64  # SeedSequence needs a non-negative entropy word
+        self.windows_per_step = world_size * grad_accum * micro_batch_size
+        n_train, n_val = self._positions(corpus.train), self._positions(corpus.val)
+        if n_train < self.windows_per_step:
+            raise ValueError(
+                f"the train split has {corpus.train.size} tokens: {max(n_train, 0)} windows of "
+                f"model.seq_len + 1 = {seq_len + 1}, but one step needs {self.windows_per_step} distinct "
+                "windows (world_size x data.grad_accum x data.micro_batch_size); use a larger corpus "
+                "or smaller batches")
+        if n_val < 1:
+            raise ValueError(f"the validation split has {corpus.val.size} tokens, fewer than "
+                             f"model.seq_len + 1 = {seq_len + 1}; reduce model.seq_len or use more data")
+
+    def _positions(self, tokens: np.ndarray) -> int:
+        return tokens.size - self.seq_len  # valid start offsets: window is seq_len + 1 long
+
+    def step_offsets(self, step: int) -> np.ndarray:
+        """All window offsets of ``step``, shape [world_size, grad_accum, micro_batch_size]."""
+        check_int("step", step, 0)
+        rng = np.random.default_rng([self._seed_key, _TRAIN_STREAM, step])
+        flat = rng.choice(self._positions(self.corpus.train), size=self.windows_per_step,
+                          replace=False)
+        return flat.reshape(self.world_size, self.grad_accum, self.micro_batch_size)
+
+    def val_offsets(self, i: int) -> np.ndarray:
+        """Window offsets of validation batch ``i`` for all ranks, shape [world_size, B].
+        Distinct when the split has enough windows, else drawn with replacement."""
+        check_int("validation batch index", i, 0)
+        rng = np.random.default_rng([self._seed_key, _VAL_STREAM, i])
+        n, k = self._positions(self.corpus.val), self.world_size * self.micro_batch_size
+        return rng.choice(n, size=k, replace=k > n).reshape(self.world_size, self.micro_batch_size)
+
+    def _windows(self, tokens: np.ndarray, offsets: np.ndarray,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = offsets[:, None] + np.arange(self.seq_len + 1)
+        chunk = torch.from_numpy(tokens[idx].astype(np.int64))
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        return x.contiguous().to(device), y.contiguous().to(device)
+
+    def batch(self, step: int, micro: int, rank: int,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, targets), int64 [B, T] each, targets = inputs shifted by one."""
+        check_int("micro", micro, 0, self.grad_accum)
+        check_int("rank", rank, 0, self.world_size)
+        return self._windows(self.corpus.train, self.step_offsets(step)[rank, micro], device)
+
+    def micro_batches(self, step: int, rank: int,
+                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``grad_accum`` micro-batches of ``rank`` at ``step``, in order."""
+        check_int("rank", rank, 0, self.world_size)
+        offsets = self.step_offsets(step)[rank]
+        return [self._windows(self.corpus.train, o, device) for o in offsets]
+
+    def val_batch(self, i: int, rank: int = 0,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch ``i`` of ``rank``: fixed for a seed, from the val split only."""
+        check_int("rank", rank, 0, self.world_size)
+        return self._windows(self.corpus.val, self.val_offsets(i)[rank], device)
+
+
+def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
+    """Corpus and sampler from a config; checks token ids against model.vocab_size."""
+    corpus = load_corpus(cfg.data.path, seed=cfg.seed, val_fraction=cfg.data.val_fraction,
+                         seq_len=cfg.model.seq_len)
+    corpus.check_vocab(cfg.model.vocab_size)
+    sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,
+                           grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed)
+    return corpus, sampler

@@ -1,0 +1,14 @@
+"""What is trained: a ``Task`` (model factory, loss, example batch, optimizer, groups),
+the built-in GPT recipe (``gpt``) and a user's ``pkg.module:factory`` (``factory``).
+
+``task_for(cfg)`` is the one place a run, ``mct verify`` and ``mct plan`` learn what
+model they train; a new model source plugs in here, never in the run loop.
+"""
+
+from mct.task.factory import load_workload
+from mct.task.gpt import gpt_task
+from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
+from mct.task.tokens import token_batch, token_loss
+
+__all__ = ["LossFn", "ModelFn", "OptimizerFactory", "ParamGroupsFn", "Task", "gpt_task", "load_workload",
+           "token_batch", "token_loss"]

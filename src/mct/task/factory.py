@@ -1,0 +1,54 @@
+"""``--model pkg.module:factory``: a user's own module as a Task.
+
+A module named by ``mct plan --model pkg.module:factory`` provides ``factory()``, a
+function with no arguments returning the ``nn.Module`` (it is called under
+``torch.device('meta')``, so it must not load weights or move tensors by itself).
+Optionally, at module level:
+
+- ``loss_fn(model, batch) -> scalar tensor``: the loss the model is trained with;
+- ``example_batch(config) -> batch``: one rank's micro-batch (real, meta or fake
+  tensors; only shapes and dtypes matter), given the resolved ``EngineConfig``;
+- ``optimizer(groups) -> torch.optim.Optimizer``: the factory ``mct.Engine`` takes;
+- ``param_groups(model) -> list[dict]``: the engine's ``param_groups``.
+
+Defaults, for token-id models: the batch is ``(input_ids, targets)``, two int64
+``[data.micro_batch_size, model.seq_len]`` tensors; the loss calls the model with
+``labels=targets`` when its forward takes ``labels`` (Hugging Face causal LMs) and
+uses the returned ``.loss``, else calls ``model(input_ids)`` and takes the
+cross-entropy (in fp32) of the logits it returns (a tensor, or an object with
+``.logits``); the optimizer is ``mct.Engine``'s default, AdamW over one group.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from mct.config import EngineConfig
+from mct.task.spec import Task
+from mct.task.tokens import token_batch, token_loss
+
+
+def load_workload(path: str, cfg: EngineConfig) -> Task:
+    """'pkg.module:factory' -> the Task of that module (convention above).
+    Raises ValueError naming the path for a bad import, a missing or non-callable
+    factory, or a non-callable hook."""
+    mod_name, _, attr = path.partition(":")
+    if not mod_name or not attr:
+        raise ValueError(f"--model {path!r} must look like 'package.module:factory'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--model {path!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--model {path!r}: {mod_name} has no function {attr!r} returning an nn.Module")
+    hooks: dict[str, Callable | None] = {}
+    for name in ("loss_fn", "example_batch", "optimizer", "param_groups"):
+        hook = getattr(module, name, None)
+        if hook is not None and not callable(hook):
+            raise ValueError(f"--model {path!r}: {mod_name}.{name} must be a function, got {type(hook).__name__}")
+        hooks[name] = hook
+    batch = hooks["example_batch"](cfg) if hooks["example_batch"] else token_batch(cfg)
+    return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or token_loss, batch=batch,
+                    optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path)
