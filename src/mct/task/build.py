@@ -1,0 +1,44 @@
+"""How a run turns a Task into a model and a training loss: the one place ``mct
+train`` and ``mct verify`` learn what they train (``task_for``), a seeded
+construction (on the meta device when the engine materializes units itself), and the
+per-micro-batch dropout seed around the Task's loss."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from mct.config import EngineConfig
+from mct.offload.meta_init import InitProgram, record_init
+from mct.task.gpt import gpt_task
+from mct.task.seeding import seed_everything
+from mct.task.spec import LossFn, Task
+
+
+def task_for(cfg: EngineConfig) -> Task:
+    """The Task ``cfg`` trains: the built-in GPT of ``[model]``. New model sources plug
+    in here (the run loop never names a model)."""
+    return gpt_task(cfg)
+
+
+def build_model(task: Task, cfg: EngineConfig, on_meta: bool) -> tuple[nn.Module, InitProgram | None]:
+    """``task.model_fn()`` seeded from ``cfg.seed`` (identical on every rank). With
+    ``on_meta`` it is built on the meta device with the program that gives each
+    parameter exactly the values of a normal construction when the engine packs its
+    unit (stage 3 and offload never hold the whole model)."""
+    seed_everything(cfg.seed)
+    if on_meta:
+        return record_init(task.model_fn)
+    return task.model_fn(), None
+
+
+def seeded(loss_fn: LossFn) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``loss_fn`` over ``(input_ids, targets, seed)``: seeds the dropout stream first, so a
+    recomputed region, a replayed step and the reference draw the same dropout."""
+    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+        x, y, seed = batch
+        torch.manual_seed(seed)
+        return loss_fn(model, (x, y))
+    return loss
