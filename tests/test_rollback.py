@@ -4,6 +4,7 @@ replay (bit-identical), skip, LR cut, stop; MCT_FAULT parsing."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,15 @@ def tiny(corpus_dir: Path, steps: int = 8, precision: str = "fp32", **train_keys
 def clean(corpus_dir, tmp_path_factory):
     """The uninterrupted run of ``tiny(corpus_dir, precision=...)`` (thresholds do not
     change a run without faults), trained once per module."""
-    runs: dict[str, Path] = {}
+    runs: dict[tuple[str, int], Path] = {}
 
-    def get(precision: str = "fp32") -> Path:
-        if precision not in runs:
-            runs[precision] = tmp_path_factory.mktemp(f"clean-{precision}")
-            train(tiny(corpus_dir, precision=precision), runs[precision], progress=False)
-        return runs[precision]
+    def get(precision: str = "fp32", stage: int = 0) -> Path:
+        if (precision, stage) not in runs:
+            runs[precision, stage] = tmp_path_factory.mktemp(f"clean-{precision}-{stage}")
+            cfg = tiny(corpus_dir, precision=precision)
+            cfg.zero.stage = stage
+            train(cfg, runs[precision, stage], progress=False)
+        return runs[precision, stage]
     return get
 
 
@@ -66,6 +69,28 @@ def test_transient_corruption_is_replayed_bit_identical(tmp_path, corpus_dir, mo
     assert [r["rollbacks"] for r in faulty] == [0] * 4 + [1] * 4
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("precision,fault,reason", [
+    ("bf16", "corrupt@5", r"loss spike \d"),  # the gradients stay finite: an applied step with a spike
+    ("fp16", "corrupt@5x10", r"loss spike on a skipped step")])  # the scaled fp16 gradients overflow: skipped
+def test_corruption_rolls_back_bit_identical_whether_or_not_its_steps_skip(tmp_path, corpus_dir, monkeypatch,
+                                                                           clean, stage, precision, fault, reason):
+    # A skipped step is judged too (its finite loss is a spike) and never trusts a snapshot;
+    # both kinds roll back to step 4 and replay to the clean run's bytes.
+    cfg = tiny(corpus_dir, precision=precision, checkpoint_every=2)
+    cfg.zero.stage = stage
+    run_with_fault(monkeypatch, cfg, tmp_path / "faulty", fault)
+    events = read_events(tmp_path / "faulty")
+    assert [(e["kind"], e["action"], e["step"]) for e in events] == [("rollback", "replay: restore step 4", 6)]
+    assert re.match(reason, events[0]["reason"]), events[0]["reason"]
+    ref = clean(precision, stage)
+    assert (tmp_path / "faulty" / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    assert [r["loss"] for r in rows(tmp_path / "faulty")] == [r["loss"] for r in rows(ref)]
+    # the checkpoint written from the corrupted state is set aside; the replay wrote it anew
+    kept = sorted(p.name for p in (tmp_path / "faulty" / "checkpoints").iterdir())
+    assert kept == ["step_00000006", "step_00000006.diverged", "step_00000008"], kept
+
+
 def test_nonfinite_loss_is_detected_and_replayed(tmp_path, corpus_dir, monkeypatch, clean):
     # fp16 logits of a 1e3-times corrupted model overflow: the loss itself is NaN
     run_with_fault(monkeypatch, tiny(corpus_dir, precision="fp16"), tmp_path / "faulty", "corrupt@2")
@@ -76,15 +101,17 @@ def test_nonfinite_loss_is_detected_and_replayed(tmp_path, corpus_dir, monkeypat
 
 
 def test_persistent_fault_replays_then_skips_then_cuts_lr_then_stops(tmp_path, corpus_dir, monkeypatch):
+    # A skipped step trusts nothing: the snapshot of step 6 (its first step skipped) stays
+    # pending, so every rollback goes back to step 4, before the run of skips.
     cfg = tiny(corpus_dir, steps=10, max_consecutive_skips=2)
-    with pytest.raises(TrainingStopped, match=r"after 3 rollbacks .*last good step \(6\).*Try: lower train.lr"):
+    with pytest.raises(TrainingStopped, match=r"after 3 rollbacks .*last good step \(4\).*Try: lower train.lr"):
         run_with_fault(monkeypatch, cfg, tmp_path / "run", "nan@6-9")
     events = read_events(tmp_path / "run")
     assert [(e["kind"], e["action"].split(":")[0]) for e in events] == [
-        ("rollback", "replay"), ("rollback", "skip"), ("skip_window", "skip the batches of steps 6-7"),
+        ("rollback", "replay"), ("rollback", "skip"), ("skip_window", "skip the batches of steps 4-7"),
         ("rollback", "lr_cut"), ("lr_cut", "lr x 0.5"), ("stop", "exit 3")]
     assert all("consecutive skipped steps" in e["reason"] for e in events)
-    assert events[2]["data_offset"] == 2
+    assert events[2]["data_offset"] == 4
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
@@ -187,3 +214,16 @@ def test_offloaded_run_rolls_back_from_snapshots_in_its_store_bit_identical(tmp_
     assert (tmp_path / "faulty" / "model.safetensors").read_bytes() == \
         (tmp_path / "clean" / "model.safetensors").read_bytes()
     assert [r["loss"] for r in rows(tmp_path / "faulty")] == [r["loss"] for r in rows(tmp_path / "clean")]
+
+
+def test_resume_never_picks_an_untrusted_checkpoint_over_a_trusted_one(tmp_path, corpus_dir):
+    from mct.persistence.run_dir import TRUSTED, newest_usable
+    run = tmp_path / "run"
+    train(tiny(corpus_dir, steps=4, checkpoint_every=2), run, progress=False)
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step_00000002" / TRUSTED).exists() and (ckpts / "step_00000004" / TRUSTED).exists()
+    (ckpts / "step_00000004" / TRUSTED).unlink()  # as if its state had never stepped cleanly
+    path, _, warning = newest_usable(run)
+    assert path.name == "step_00000002" and "step_00000004 (not trusted" in warning
+    (ckpts / "step_00000002" / TRUSTED).unlink()  # nothing trusted: the newest complete one
+    assert newest_usable(run)[0].name == "step_00000004"

@@ -125,3 +125,11 @@ def broadcast_from_main(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def agree(error: str | None) -> None:
+    """Raise rank 0's ``error`` as ValueError on every rank (so no rank goes on alone);
+    nothing when it is None. Every rank must call it."""
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ValueError(error)

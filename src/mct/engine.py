@@ -411,6 +411,14 @@ class Engine:
             sd["tensors"] = {k: v.clone() if k.endswith("/master") else v for k, v in sd["tensors"].items()}
         return sd
 
+    def layout(self) -> dict[str, Any]:
+        """The layout ``state_dict()`` would have, without reading any state: the units
+        (name, group, global numel, shapes) under ``"units"``. Cheap (no copies, no store
+        reads, even under offload); what a checkpoint is checked against before a load."""
+        from mct.zero import state as zstate
+        return {"format": self.STATE_FORMAT,
+                "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]}
+
     def _state_dict(self) -> dict[str, Any]:
         from mct.zero import state as zstate
         tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)

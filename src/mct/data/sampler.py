@@ -4,7 +4,7 @@ for the same global batch (a resume on another number of ranks sees the same sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -106,3 +106,30 @@ def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSam
     sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,
                            grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed)
     return corpus, sampler
+
+
+class DataPosition:
+    """Where the run reads: step ``s`` takes the sampler's windows of position
+    ``s + offset``. A rollback that skips a diverged window moves the offset past its
+    batches (PaLM-style); the skipped windows are kept for the record. Stateful (saved
+    in run checkpoints); persists across rollbacks."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.skipped: list[tuple[int, int]] = []
+
+    def position(self, step: int) -> int:
+        """The sampler position of loop step ``step``."""
+        return step + self.offset
+
+    def skip(self, first: int, last: int) -> None:
+        """Never read again the batches of loop steps ``first..last`` (inclusive)."""
+        self.skipped.append((self.position(first), self.position(last)))
+        self.offset += last - first + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"offset": self.offset, "skipped": [list(w) for w in self.skipped]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.offset = int(sd["offset"])
+        self.skipped = [(int(a), int(b)) for a, b in sd.get("skipped", [])]

@@ -46,9 +46,11 @@ _VIEW, _MUTATE, _ALLOC = 0, 1, 2
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def format_bytes(n: int) -> str:
-    """Bytes -> '512 B', '1.50 KiB', '2.00 MiB', '3.25 GiB'."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+def format_bytes(n: float) -> str:
+    """Bytes -> '512 B', '1.50 KiB', '2.00 MiB', '3.25 GiB', '1.20 TiB' (the one byte
+    formatter of mct: tables, warnings, errors and reports alike)."""
+    n = int(n) if float(n).is_integer() else n
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"

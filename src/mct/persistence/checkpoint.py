@@ -27,17 +27,22 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mct.dist import agree
 from mct.persistence import shards
+from mct.reporting.events import utc_now
 from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_json
 
 
 
 class Checkpointable(Protocol):
     """What a checkpoint needs of an engine (``mct.Engine`` is one): its state as
-    ``state_dict()`` pieces, their loader, the communicator and the step counter."""
+    ``state_dict()`` pieces, their loader, the cheap ``layout()`` to check a checkpoint
+    against, the communicator and the step counter."""
 
     comm: Any
     steps_done: int
+
+    def layout(self) -> dict[str, Any]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -46,13 +51,6 @@ class Checkpointable(Protocol):
 FORMAT = "mct.checkpoint/1"
 MANIFEST = "meta.json"
 FROZEN = "frozen/"
-
-
-def _agree(engine: Checkpointable, error: str | None) -> None:
-    """Raise the same ValueError on every rank if rank 0 found ``error``."""
-    first = engine.comm.all_gather_object(error)[0]
-    if first is not None:
-        raise ValueError(first)
 
 
 # ---- RNG streams (per rank) ----
@@ -108,7 +106,7 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
         else:
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
             path.mkdir(parents=True)
-    _agree(engine, error)
+    agree(error)
     info, tensors, extents = _engine_pieces(engine)
     shards.save_pieces(tensors, extents, path / "engine")
     write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
@@ -124,7 +122,7 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
         fsync_dir(path / "engine")
         write_json(path / MANIFEST, {
             "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
-            "precision": engine.config.precision.mode, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "precision": engine.config.precision.mode, "time": utc_now(),
             "files": {k: v for d in digests for k, v in sorted(d.items())}})
         fsync_dir(path.parent)
     comm.barrier()
@@ -197,14 +195,14 @@ def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: boo
     then ``engine.load_state_dict``: any failure raises ValueError on every rank with
     the engine untouched. Collective. Returns the manifest."""
     path = Path(path)
-    units = engine.state_dict()["units"]
+    units = engine.layout()["units"]
     error = None
     if engine.comm.rank == 0 and not verified:
         try:
             verify_checkpoint(path, units)
         except ValueError as e:
             error = str(e)
-    _agree(engine, error)
+    agree(error)
     meta = read_manifest(path)
     info = read_json(path / "engine.json")
     check_layout(path, info.get("units"), units)

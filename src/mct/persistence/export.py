@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,3 +81,14 @@ def export(source: str | Path, out: str | Path) -> tuple[Path, str | None]:
         raise ValueError(f"--out {str(out)!r}: cannot write ({e.strerror or e})") from None
     fsync_dir(out.parent)
     return path, warning
+
+
+def export_weights(engine: Any, path: Path, ctx: Any) -> None:
+    """Consolidated fp32 weights of a live engine (names as ``model.named_parameters()``),
+    written by rank 0 to a temporary file and renamed. Collective: every rank must call it."""
+    state = engine.full_state_dict()
+    if ctx.is_main:
+        from safetensors.torch import save_file
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
+        tmp.replace(path)

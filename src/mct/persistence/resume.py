@@ -10,12 +10,12 @@ same samples are seen at the same steps with the same dropout on any world size.
 from __future__ import annotations
 
 import json
-import time
+import os
 from pathlib import Path
 from typing import Any
 
 from mct.config import EngineConfig, apply_overrides
-from mct.reporting.events import append_event
+from mct.reporting.events import append_event, utc_now
 from mct.persistence.files import read_json, write_atomic, write_json
 from mct.persistence.run_dir import checkpoints
 
@@ -85,23 +85,36 @@ def check_corpus(run_dir: str | Path, fingerprint: str) -> None:
                          f"{fingerprint[:12]} != {saved[:12]}); restore it, or start a new run with --run-dir")
 
 
-def rewind_metrics(run_dir: str | Path, step: int) -> int:
-    """Keep only rows with ``step`` < ``step`` in every metrics*.jsonl of the run, so
-    the history reads as one run; the rows removed (and torn lines) are appended to
-    ``metrics.rewound.jsonl`` with the file they came from. Returns how many moved."""
+def rewind_metrics(run_dir: str | Path, step: int, files: list[Path] | None = None) -> int:
+    """Keep only rows with ``step`` < ``step`` in the run's metrics*.jsonl (or ``files``),
+    so the history reads as one run; the rows removed (and torn lines) are appended to
+    ``metrics.rewound.jsonl`` with the file they came from. When the kept rows are the
+    file's head (a rollback, a resume after a crash), the file is truncated in place, so
+    a writer holding it open in append mode keeps working; otherwise it is replaced
+    atomically. Returns how many rows moved. The one way mct drops metric rows."""
     run_dir = Path(run_dir)
     moved: list[str] = []
-    for f in sorted(run_dir.glob("metrics*.jsonl")):
-        if f.name == "metrics.rewound.jsonl":
+    for f in files if files is not None else sorted(run_dir.glob("metrics*.jsonl")):
+        if f.name == "metrics.rewound.jsonl" or not f.is_file():
             continue
-        keep = []
-        for line in f.read_text().splitlines():
+        data = f.read_bytes()
+        keep, dropped, head, off = [], False, True, 0
+        for line in data.decode(errors="replace").splitlines(keepends=True):
             try:
                 ok = json.loads(line)["step"] < step
             except (json.JSONDecodeError, KeyError, TypeError):
                 ok = False
-            (keep if ok else moved).append(line if ok else json.dumps({"file": f.name, "line": line}))
-        write_atomic(f, "".join(line + "\n" for line in keep).encode())
+            head = head and not (ok and dropped)  # a kept row after a dropped one: not a head
+            dropped = dropped or not ok
+            off += len(line.encode()) if not dropped else 0
+            if ok:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                moved.append(json.dumps({"file": f.name, "line": line.rstrip("\n")}))
+        if head:
+            os.truncate(f, off)
+        else:
+            write_atomic(f, "".join(keep).encode())
     if moved:
         with open(run_dir / "metrics.rewound.jsonl", "a") as out:
             out.write("".join(m + "\n" for m in moved))
@@ -115,8 +128,7 @@ def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_
     (``reason``: e.g. the damaged checkpoints that were skipped)."""
     path = Path(run_dir) / "metadata.json"
     meta = read_json(path)
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    meta.setdefault("resumes", []).append({"time": now, "from_step": from_step, "world_size": world_size,
+    meta.setdefault("resumes", []).append({"time": utc_now(), "from_step": from_step, "world_size": world_size,
                                            "zero_stage": zero_stage, "checkpoint": checkpoint})
     write_json(path, meta)
     append_event(run_dir, step=from_step, kind="resume", action=f"restore {checkpoint}",

@@ -7,6 +7,7 @@ whether a directory may receive a new run (no collectives; callers pick the rank
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import uuid
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.persistence.checkpoint import MANIFEST, verify_checkpoint
+from mct.persistence.files import fsync_dir
 
 CHECKPOINTS = "checkpoints"
 RUN_FILES = ("metadata.json", "metrics.jsonl", CHECKPOINTS, "model.safetensors")
@@ -40,23 +42,50 @@ def checkpoints(run_dir: str | Path, complete_only: bool = True) -> list[tuple[i
     return sorted(found)
 
 
+TRUSTED = "trusted"
+"""Marks a run checkpoint whose state a later step updated from and passed (run_checkpoint.py)."""
+
+
+def mark_trusted(path: Path) -> None:
+    """Add the trust mark to checkpoint ``path`` (durably: a crash never leaves a mark
+    on a checkpoint that was not trusted)."""
+    (path / TRUSTED).write_bytes(b"")
+    fsync_dir(path)
+
+
+def is_trusted(path: Path) -> bool:
+    """A checkpoint with the trust mark, or one written without trust tracking (by
+    ``Engine.save``, or before it existed: no ``"trust"`` key in trainer.json)."""
+    if (path / TRUSTED).exists():
+        return True
+    try:
+        return "trust" not in json.loads((path / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return True  # no readable trainer.json: verify_checkpoint says what is wrong
+
+
 def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None) -> tuple[Path, dict, str | None]:
     """The newest complete checkpoint that passes ``verify_checkpoint`` (against
-    ``units`` when given). Returns (path, manifest, warning): the warning is one line
-    naming each newer checkpoint that was skipped and why, or None. Raises ValueError
-    (one line) when no checkpoint is usable."""
-    skipped = []
-    for step, path in reversed(checkpoints(run_dir)):
+    ``units`` when given), trusted ones first: one whose state was never confirmed by a
+    later step is chosen only when no trusted one is usable. Returns (path, manifest,
+    warning): the warning is one line naming each newer checkpoint that was skipped and
+    why, or None. Raises ValueError (one line) when no checkpoint is usable."""
+    found = list(reversed(checkpoints(run_dir)))
+    trusted = [c for c in found if is_trusted(c[1])]
+    order = trusted + [c for c in found if c not in trusted]
+    skipped = [(step, f"{path.name} (not trusted: no step after it passed)")
+               for step, path in found if trusted and (step, path) not in trusted]
+    for step, path in order:
         try:
             meta = verify_checkpoint(path, units, step=step)
         except ValueError as e:
-            skipped.append(f"{path.name} ({e})")
+            skipped.append((step, f"{path.name} ({e})"))
             continue
-        warning = (f"skipped damaged checkpoint(s) {'; '.join(skipped)}; resuming from {path.name}"
-                   if skipped else None)
+        newer = [text for s, text in sorted(skipped, reverse=True) if s > step]
+        warning = f"skipped checkpoint(s) {'; '.join(newer)}; resuming from {path.name}" if newer else None
         return path, meta, warning
     if skipped:
-        raise ValueError(f"no usable checkpoint in {run_dir}: {'; '.join(skipped)}")
+        raise ValueError(f"no usable checkpoint in {run_dir}: {'; '.join(text for _, text in skipped)}")
     raise ValueError(f"{run_dir} has no complete checkpoint to resume from (none in {CHECKPOINTS}/); "
                      f"start a new run with --run-dir, or set train.checkpoint_every")
 
@@ -69,26 +98,30 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
     if not complete:
         return []
     newest = complete[-1][0]
-    doomed = [p for _, p in complete[:-max(1, keep)]]
+    trusted = [p for _, p in complete if is_trusted(p)]
+    doomed = [p for _, p in complete[:-max(1, keep)] if not trusted or p != trusted[-1]]
     doomed += [p for s, p in checkpoints(run_dir, complete_only=False) if s < newest and not (p / MANIFEST).exists()]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
 
-def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
-    """Before a resume from ``step``: rename complete checkpoints newer than it (they
-    failed the check) to ``step_N.damaged`` so that they are kept for inspection but
-    never picked again, and delete torn ones. Returns the renamed paths."""
+def set_aside_newer(run_dir: str | Path, step: int, why: str | None = None) -> list[Path]:
+    """Before a resume or after a rollback to ``step``: rename complete checkpoints newer
+    than it to ``step_N.damaged`` (they failed the check), ``.untrusted`` (never
+    confirmed) or ``.diverged`` (``why``: of a trajectory a rollback left) so that they
+    are kept for inspection but never picked again, and delete torn ones. Returns the
+    renamed paths."""
     moved = []
     for s, p in checkpoints(run_dir, complete_only=False):
         if s <= step:
             continue
         if (p / MANIFEST).exists():
-            target = p.with_name(p.name + ".damaged")
+            tag = why or ("damaged" if is_trusted(p) else "untrusted")
+            target = p.with_name(f"{p.name}.{tag}")
             n = 1
             while target.exists():
-                target, n = p.with_name(f"{p.name}.damaged{n}"), n + 1
+                target, n = p.with_name(f"{p.name}.{tag}{n}"), n + 1
             p.rename(target)
             moved.append(target)
         else:

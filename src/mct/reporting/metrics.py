@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-import mct
+from mct import __version__
 
 
 def _jsonable(v: Any) -> Any:
@@ -155,7 +155,7 @@ def write_metadata(run_dir: str | Path, *, config: dict, world_size: int, backen
     meta = {
         "seed": config.get("seed"),
         "config": config,
-        "versions": {"mct": mct.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {"mct": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "git_commit": git_commit(),
         "world_size": world_size,
         "backend": backend,
@@ -172,11 +172,3 @@ def write_metadata(run_dir: str | Path, *, config: dict, world_size: int, backen
 def flatten_peaks(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
     """{'forward': {'total': 5, 'activations': 3}} -> {'peak_forward_total': 5, ...}"""
     return {f"peak_{phase}_{cat}": v for phase, cats in peaks.items() for cat, v in cats.items()}
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

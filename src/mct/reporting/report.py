@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mct.reporting.metrics import fmt_bytes, read_jsonl
+from mct.memory.tracker import format_bytes
+from mct.reporting.metrics import read_jsonl
 
 
 @dataclass
@@ -97,7 +98,7 @@ def report_table(run: RunData) -> str:
     lines = [f"{'step':>6} {'loss':>8} {'val_loss':>9} {'tokens/s':>10} {'peak':>11}"]
     for r in run.rows:
         peak = r.get("peak_bytes")
-        peak_s = fmt_bytes(peak) if isinstance(peak, int) else ""
+        peak_s = format_bytes(peak) if isinstance(peak, int) else ""
         lines.append(f"{_cell(r.get('step'), 'd', 6)} {_cell(r.get('loss'), '.4f', 8)} "
                      f"{_cell(r.get('val_loss'), '.4f', 9)} {_cell(r.get('tokens_per_s'), '.0f', 10)} {peak_s:>11}")
     def most(*keys: str) -> int:  # counters are cumulative: the largest value seen
@@ -130,3 +131,34 @@ def plot_title(run: RunData) -> str:
     if meta.get("world_size"):
         bits.append(f"{meta['world_size']} rank(s)")
     return ", ".join(bits)
+
+
+@dataclass
+class TrainSummary:
+    """What ``mct train`` prints at the end of a run (``summary_table``)."""
+
+    steps: int
+    final_loss: float
+    final_val_loss: float | None
+    first_val_loss: float | None
+    tokens_per_s: float
+    skipped_steps: int
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    run_dir: str = ""
+
+
+def summary_table(s: TrainSummary) -> str:
+    """Human-readable end-of-run summary."""
+    lines = [f"run dir       {s.run_dir}",
+             f"steps         {s.steps} ({s.skipped_steps} skipped)",
+             f"train loss    {s.final_loss:.4f}"]
+    if s.final_val_loss is not None:
+        lines.append(f"val loss      {s.first_val_loss:.4f} (first eval) -> {s.final_val_loss:.4f} (last)")
+    lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
+    if s.peaks:
+        cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
+        lines.append("peak memory by phase (this rank, last logged step):")
+        lines.append("  " + f"{'phase':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
+        for phase, v in s.peaks.items():
+            lines.append("  " + f"{phase:<10}" + "".join(f"{format_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
+    return "\n".join(lines)

@@ -3,8 +3,10 @@
 Never part of a config (a config is the run; a fault is an experiment on it). One
 fault or a comma-separated list; S and E count steps as ``metrics.jsonl``'s ``step``:
 
-- ``corrupt@S``: every parameter (master and working copies, every rank) is
-  multiplied by 1e3 right after the optimizer update of step S. Transient: fires
+- ``corrupt@S`` / ``corrupt@SxF``: every parameter (master and working copies, every
+  rank) is multiplied by 1e3 (or F, e.g. ``corrupt@5x1e5``) right after the optimizer
+  update of step S. Whether the next steps' gradients stay finite (a loss spike) or
+  overflow (skipped steps) depends on F, the model and the precision. Transient: fires
   once per process, not again when a rollback replays step S.
 - ``nan@S`` / ``nan@S-E``: the gradients of those steps are non-finite on rank 0,
   every time those steps run (persistent: no rollback gets past it).
@@ -26,7 +28,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 CORRUPT_FACTOR = 1e3
-_SPEC = re.compile(r"^(corrupt|nan|kill)@(\d+)(?:-(\d+))?(?::(\d+))?$")
+_SPEC = re.compile(r"^(corrupt|nan|kill)@(\d+)(?:-(\d+))?(?::(\d+))?(?:x(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?))?$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class Fault:
     """Last step (inclusive); equals ``start`` for a single step."""
     rank: int = 1
     """kill: the rank that dies."""
+    factor: float = CORRUPT_FACTOR
+    """corrupt: what every parameter is multiplied by."""
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -48,8 +52,10 @@ def parse_faults(text: str) -> list[Fault]:
             continue
         m = _SPEC.match(item)
         if not m:
-            raise ValueError(f"MCT_FAULT item {item!r} is not one of corrupt@S, nan@S, nan@S-E, kill@S[:RANK]")
-        kind, s, e, r = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            raise ValueError(f"MCT_FAULT item {item!r} is not one of corrupt@S[xF], nan@S, nan@S-E, kill@S[:RANK]")
+        kind, s, e, r, x = m.group(1), int(m.group(2)), m.group(3), m.group(4), m.group(5)
+        if x is not None and kind != "corrupt":
+            raise ValueError(f"MCT_FAULT item {item!r}: only corrupt takes a factor xF")
         if e is not None and kind != "nan":
             raise ValueError(f"MCT_FAULT item {item!r}: only nan takes a step range S-E")
         if r is not None and kind != "kill":
@@ -57,7 +63,8 @@ def parse_faults(text: str) -> list[Fault]:
         end = int(e) if e is not None else s
         if end < s:
             raise ValueError(f"MCT_FAULT item {item!r}: the range ends before it starts")
-        faults.append(Fault(kind, s, end, int(r) if r is not None else 1))
+        faults.append(Fault(kind, s, end, int(r) if r is not None else 1,
+                            float(x) if x is not None else CORRUPT_FACTOR))
     return faults
 
 
@@ -105,13 +112,14 @@ class FaultPlan:
 
     def after_update(self, step: int, engine: Any, skipped: bool) -> bool:
         """corrupt@S: after the (applied) update of step S multiply every master shard
-        by 1e3 and republish the working parameters, once. Returns whether it fired."""
+        by its factor and republish the working parameters, once. Returns whether it fired."""
         hits = [f for f in self._at("corrupt", step) if f not in self.fired]
         if not hits or skipped:
             return False
         self.fired.update(hits)
         with torch.no_grad(), engine._masters_resident(write_back=True):  # offloaded masters read back
             for m in engine.sharded.masters():
-                m.mul_(CORRUPT_FACTOR)
+                for f in hits:
+                    m.mul_(f.factor)
             engine.sharded.publish()
         return True

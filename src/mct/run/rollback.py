@@ -7,9 +7,14 @@ non-finite loss; a loss above ``train.loss_spike_factor`` x the median of the la
 x the median of recent good norms; ``train.max_consecutive_skips`` skipped steps in a
 row; the fp16 loss scale at its floor (``LossScaleFloorError``).
 
+A skipped step (non-finite gradients, no update) is not a pass: its loss, when
+finite, is judged by the spike detector like any other, and it never makes a state
+trusted.
+
 Rollback: restore the newest good state (a CPU copy of the engine's and the loop's
-state, taken every ``train.snapshot_every`` steps and trusted only once the step that
-starts from it passed detection). The window is the steps from that state to the
+state, taken every ``train.snapshot_every`` steps and trusted only once a step that
+starts from it applied an update and passed detection; a run of skipped steps keeps a
+snapshot taken inside it pending, so the rollback goes back to before the run). The window is the steps from that state to the
 divergence. First divergence of a window: replay it (a transient fault leaves no
 trace: the replay is bit-identical). Second: skip its batches (the data position moves
 past them, PaLM-style). Third and later: also multiply the LR by
@@ -21,11 +26,10 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -34,8 +38,33 @@ from mct.config import TrainConfig
 
 MIN_HISTORY = 5
 """Good steps needed before the spike detectors judge (the median of fewer is noise)."""
-REASON_CODES = ("", "nonfinite_loss", "loss_spike", "grad_norm", "consecutive_skips", "scale_floor", "budget")
-"""Verdicts of a step, agreed over ranks by MAX: a later one wins ('budget' is not a divergence)."""
+
+
+class Verdict(str, Enum):
+    """A step's verdict; agreed over ranks by MAX of the index in this order, so a later
+    one wins ('budget' is not a divergence: the budget loop handles it)."""
+
+    PASSED = ""
+    NONFINITE_LOSS = "nonfinite_loss"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM = "grad_norm"
+    CONSECUTIVE_SKIPS = "consecutive_skips"
+    SCALE_FLOOR = "scale_floor"
+    BUDGET = "budget"
+
+    @property
+    def code(self) -> int:
+        return list(Verdict).index(self)
+
+
+class Action(str, Enum):
+    """What a rollback does besides restoring the good state."""
+
+    REPLAY = "replay"
+    SKIP = "skip"
+    """Also skip the diverged window's batches."""
+    LR_CUT = "lr_cut"
+    """Also multiply the LR by ``train.lr_cut_factor``."""
 
 
 class TrainingStopped(RuntimeError):
@@ -46,8 +75,8 @@ class DivergenceDetector:
     """Running statistics of good steps and the divergence test.
 
     State: the last ``loss_spike_window`` good losses and gradient norms, and the count of
-    consecutive skipped steps. ``observe`` returns a reason code (see ``REASON_CODES``) or
-    '' and only updates the statistics when the step passed."""
+    consecutive skipped steps. ``observe`` returns the step's ``Verdict`` and only adds
+    to the statistics when the step applied an update and passed."""
 
     def __init__(self, tcfg: TrainConfig) -> None:
         self.tcfg = tcfg
@@ -56,35 +85,36 @@ class DivergenceDetector:
         self.consecutive_skips = 0
         self.detail = ""
 
-    def observe(self, loss: float, grad_norm: float, skipped: bool) -> str:
-        """Judge one finished step; returns '' (passed) or the reason code, with
-        ``self.detail`` saying it in words."""
+    def observe(self, loss: float, grad_norm: float, skipped: bool) -> Verdict:
+        """Judge one finished step; returns its Verdict, with ``self.detail`` saying a
+        failure in words. A skipped step's finite loss is judged by the spike test too."""
         t = self.tcfg
         if not math.isfinite(loss):
-            return self._fail("nonfinite_loss", f"non-finite loss {loss}")
-        if skipped:
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= t.max_consecutive_skips:
-                return self._fail("consecutive_skips", f"{self.consecutive_skips} consecutive skipped steps "
-                                  f"(non-finite gradients; train.max_consecutive_skips = {t.max_consecutive_skips})")
-            return ""
+            return self._fail(Verdict.NONFINITE_LOSS, f"non-finite loss {loss}")
         enough = min(MIN_HISTORY, t.loss_spike_window)
         if t.loss_spike_factor and len(self.losses) >= enough:
             med = statistics.median(self.losses)
             if loss > t.loss_spike_factor * med:
-                return self._fail("loss_spike", f"loss spike {loss:.4g} > train.loss_spike_factor "
+                what = "loss spike" if not skipped else "loss spike on a skipped step"
+                return self._fail(Verdict.LOSS_SPIKE, f"{what} {loss:.4g} > train.loss_spike_factor "
                                   f"{t.loss_spike_factor:g} x running median {med:.4g}")
+        if skipped:
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= t.max_consecutive_skips:
+                return self._fail(Verdict.CONSECUTIVE_SKIPS, f"{self.consecutive_skips} consecutive skipped steps "
+                                  f"(non-finite gradients; train.max_consecutive_skips = {t.max_consecutive_skips})")
+            return Verdict.PASSED
         if t.grad_norm_factor and len(self.norms) >= enough and math.isfinite(grad_norm):
             med = statistics.median(self.norms)
             if grad_norm > t.grad_norm_factor * med:
-                return self._fail("grad_norm", f"gradient norm explosion {grad_norm:.4g} > train.grad_norm_factor "
-                                  f"{t.grad_norm_factor:g} x running median {med:.4g}")
+                return self._fail(Verdict.GRAD_NORM, f"gradient norm explosion {grad_norm:.4g} > "
+                                  f"train.grad_norm_factor {t.grad_norm_factor:g} x running median {med:.4g}")
         self.consecutive_skips = 0
         self.losses.append(loss)
         self.norms.append(grad_norm)
-        return ""
+        return Verdict.PASSED
 
-    def _fail(self, code: str, detail: str) -> str:
+    def _fail(self, code: Verdict, detail: str) -> Verdict:
         self.detail = detail
         return code
 
@@ -121,8 +151,7 @@ class Snapshot:
 
 @dataclass
 class Decision:
-    action: str
-    """'replay', 'skip' or 'lr_cut'."""
+    action: Action
     restore: Snapshot
     window: tuple[int, int]
     """First and last step of the diverged window."""
@@ -130,35 +159,37 @@ class Decision:
 
 @dataclass
 class RollbackController:
-    """Rollback bookkeeping; persists across rollbacks (never restored by one).
-
-    ``data_offset`` is added to the step to get the data position (grows when a window
-    is skipped); ``lr_scale`` multiplies the LR schedule (shrinks on an LR cut)."""
+    """Rollback policy and its bookkeeping; persists across rollbacks (never restored
+    by one). ``decide`` returns a Decision; applying it (restoring the state, moving
+    the data position, cutting the LR) is the trainer's job."""
 
     tcfg: TrainConfig
     good: Snapshot | None = None
     pending: Snapshot | None = None
     total: int = 0
     per_window: dict[int, int] = field(default_factory=dict)
-    data_offset: int = 0
-    lr_scale: float = 1.0
 
     def maybe_snapshot(self, step: int, capture: Callable[[], tuple[dict, dict]]) -> None:
         """At the start of ``step``: take a pending snapshot when due (step 0, then
-        every ``snapshot_every``); it becomes the rollback target once ``step`` passes."""
+        every ``snapshot_every``); it becomes the rollback target once a step from it
+        applies an update and passes (``passed``)."""
         every = self.tcfg.snapshot_every
-        if every and (self.good is None or step % every == 0) and (self.good is None or self.good.step != step):
+        due = bool(every) and (self.good is None or step % every == 0)
+        if due and (self.good is None or self.good.step != step) and \
+                (self.pending is None or self.pending.step != step):
             engine_sd, loop_sd = capture()
             self.pending = Snapshot(step, cpu_copy(engine_sd), cpu_copy(loop_sd))
 
-    def passed(self, step: int) -> None:
-        if self.pending is not None and self.pending.step == step:
+    def passed(self, step: int, updated: bool) -> None:
+        """``step`` passed detection; ``updated``: it applied an update (a skipped step
+        trusts nothing: the pending snapshot waits for a step that updates)."""
+        if updated and self.pending is not None and self.pending.step <= step:
             self.good, self.pending = self.pending, None
 
     def decide(self, step: int, reason: str) -> Decision:
         """A divergence at ``step``: the action and the state to restore. Mutates the
-        counters, ``data_offset`` and ``lr_scale``. Raises TrainingStopped when the
-        rollback budget is spent or there is no good state to go back to."""
+        counters. Raises TrainingStopped when the rollback budget is spent or there is
+        no good state to go back to."""
         self.pending = None
         if self.good is None:
             why = "before any step passed" if self.tcfg.snapshot_every else "with train.snapshot_every = 0"
@@ -170,44 +201,13 @@ class RollbackController:
         n = self.per_window.get(start, 0) + 1
         self.per_window[start] = n
         self.total += 1
-        action = "replay" if n == 1 else "skip" if n == 2 else "lr_cut"
-        if action == "skip":
-            self.data_offset += step - start + 1
-        elif action == "lr_cut":
-            self.lr_scale *= self.tcfg.lr_cut_factor
+        action = Action.REPLAY if n == 1 else Action.SKIP if n == 2 else Action.LR_CUT
         return Decision(action, self.good, (start, step))
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the feedback loop (plain numbers)."""
-        return {"total": self.total, "per_window": {str(k): v for k, v in self.per_window.items()},
-                "data_offset": self.data_offset, "lr_scale": self.lr_scale}
+        """What a checkpoint keeps of the policy (plain numbers)."""
+        return {"total": self.total, "per_window": {str(k): v for k, v in self.per_window.items()}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.total, self.data_offset, self.lr_scale = int(sd["total"]), int(sd["data_offset"]), float(sd["lr_scale"])
+        self.total = int(sd["total"])
         self.per_window = {int(k): int(v) for k, v in sd["per_window"].items()}
-
-
-def truncate_jsonl(path: str | Path, last_step: int) -> None:
-    """Drop the rows of a metrics JSONL file whose ``step`` > ``last_step``, in place
-    (``os.truncate``: a writer holding the file open in append mode keeps working)."""
-    import json
-    p = Path(path)
-    if not p.is_file():
-        return
-    keep = 0
-    with open(p, "rb") as f:
-        for line in f:
-            if line.strip() and json.loads(line).get("step", -1) > last_step:
-                break
-            keep += len(line)
-    os.truncate(p, keep)
-
-
-def engine_state(engine: Any, tag: str = "snapshot") -> dict[str, Any]:
-    """The engine's state for a snapshot (``Engine.snapshot_state``: references, the
-    caller copies; under offload a handle to a copy in the offload store)."""
-    return engine.snapshot_state(tag)
-
-
-def load_engine_state(engine: Any, sd: dict[str, Any]) -> None:
-    engine.load_snapshot_state(sd)

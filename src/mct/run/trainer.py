@@ -1,129 +1,294 @@
-"""The training loop: schedule, evaluation, logging, checkpoints, stop conditions.
+"""The training run: ``Trainer`` builds what a run needs (task, data, engine, the
+Stateful components) and ``fit`` steps it to ``train.steps``; ``train(...)`` is the
+one-call form every rank's process runs (launched by torchrun or ``mct train --nproc N``).
 
-``train(cfg, run_dir)`` runs in every rank's process (launched by torchrun or
-``mct train --nproc N``); rank 0 prints and writes ``metrics.jsonl``. With
-``resume=True`` it continues the run in ``run_dir`` from its newest usable checkpoint
-(see ``mct.persistence``).
+The loop only calls components in order; each decides for itself (``should_*``) and
+owns its state. The feedback paths (rollback, budget fallback, stop on a signal) live
+in ``feedback.py``. Rank 0 prints and writes ``metrics.jsonl``. With ``resume=True`` the
+run in ``run_dir`` continues from its newest usable checkpoint (``mct.persistence``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mct.config import EngineConfig
-from mct.data import BatchSampler, Corpus, build_data
-from mct.dist import DistContext
+from mct.data import build_data
+from mct.data.sampler import DataPosition
+from mct.dist import DistContext, agree, broadcast_from_main
 from mct.engine import Engine
-from mct.reporting.events import append_event
-from mct.run.budget_loop import BudgetLoop
-from mct.run.feedback import Loop, agree_verdict, budget_fallback, preempt, roll_back, run_step
-from mct.planner import peak_check, resolve_auto
-from mct.reporting.metrics import MetricsWriter, flatten_peaks, fmt_bytes, write_metadata
-from mct.models.gpt import gpt_loss
 from mct.memory import host
-from mct.persistence import load_engine_state, save_checkpoint
-from mct.persistence.checkpoint import rng_state, set_rng_state
+from mct.memory.tracker import MemoryBudgetExceeded
+from mct.persistence.checkpoint import set_rng_state
+from mct.persistence.export import export_weights
 from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
-from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
-from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
-from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
+from mct.persistence.run_checkpoint import RunCheckpointer, upgrade_trainer_state
+from mct.persistence.run_dir import check_new_run_dir, checkpoints, newest_usable, set_aside_newer
+from mct.planner import resolve_auto
+from mct.precision import LossScaleFloorError
+from mct.reporting.events import append_event
+from mct.reporting.metrics import MetricsWriter, write_metadata
+from mct.reporting.report import TrainSummary, summary_table  # noqa: F401 - summary_table re-exported for the CLI
+from mct.run.budget_loop import BudgetLoop
+from mct.run.components import LoopCounters, Progress, StepLog, Validator, agree_verdict
+from mct.run.faults import FaultPlan
+from mct.run.feedback import Feedback
+from mct.run.rollback import DivergenceDetector, RollbackController, TrainingStopped, Verdict  # noqa: F401
+from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
+from mct.task import build_model as build_task_model, seeded, task_for
+from mct.task.gpt import (build_model, build_model_on_meta, make_optimizer, param_groups, seeded_gpt_loss,  # noqa: F401
+                          step_batches)
 
 
-@dataclass
-class LoopState:
-    """What the loop carries from step to step; saved in every checkpoint."""
-    step: int = 0
-    """Steps completed (skipped ones included), = the next step to run."""
-    opt_step: int = 0
-    """Optimizer updates applied: the LR schedule's position."""
-    skipped: int = 0
-    consecutive_skips: int = 0
-    first_val: float | None = None
-    last_val: float | None = None
-    rollbacks: int = 0
+class Trainer(Feedback):
+    """One rank's run. Stateful: ``state_dict()`` is ``{key: component.state_dict()}``
+    of the components below, what a run checkpoint saves and a resume restores.
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+    - ``counters`` (``loop``): steps done, optimizer steps, skips, validation losses;
+    - ``data`` (``data``): the data position and the windows a rollback skipped;
+    - ``schedule`` (``schedule``): the LR scale the rollback's LR cuts change;
+    - ``detector`` (``detector``): the divergence statistics;
+    - ``rollback`` (``rollback``): the rollback policy's counters.
+    """
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "LoopState":
-        return cls(**{k: d[k] for k in asdict(cls()) if k in d})
+    def __init__(self, cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None, *,
+                 progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> None:
+        """Raises ValueError (every rank alike) for a run dir that holds a run (new
+        runs), a changed corpus or no usable checkpoint (resumes), a config the engine
+        or planner rejects. A process started by a torchrun restart resumes by itself
+        (from scratch when the group died before its first checkpoint)."""
+        self.ctx = ctx = ctx or DistContext.current()
+        self.run_dir = Path(run_dir)
+        self.stop = stop or StopRequest()
+        self.progress_enabled = progress and ctx.is_main
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart and not resume:
+            resume = self._agree_restart(restart)
+        elif not resume:
+            agree(_error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
+        self.task = task_for(cfg)
+        self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
+        self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
+        if resume:
+            agree(_error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
+        self.loss_fn = seeded(self.task.loss_fn)
+        self.engine = self.build_engine(self.cfg)
+        tcfg = self.cfg.train
+        self.counters = LoopCounters()
+        self.data = DataPosition()
+        self.schedule = LRSchedule(tcfg)
+        self.detector = DivergenceDetector(tcfg)
+        self.rollback = RollbackController(tcfg)
+        self.checkpointer = RunCheckpointer(self.run_dir, tcfg, self.stateful(), is_main=ctx.is_main)
+        self.validator = Validator(tcfg, self.sampler, self.task.loss_fn)
+        predicted = self.choice["predicted_peak_bytes"] if self.choice else None
+        self.log = StepLog(self.cfg, ctx.world_size, ctx.rank, predicted)
+        self.budget = BudgetLoop.maybe(cfg, self.choice, ctx.world_size, self.task)
+        self.faults = FaultPlan.from_env()
+        if resume:
+            self._resume()
+        self.writer = MetricsWriter(self.run_dir, ctx.rank, tensorboard=tcfg.tensorboard)
+        if ctx.is_main and not resume:
+            write_metadata(self.run_dir, config=self.cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
+                           device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice})
 
+    # ---- Stateful ----
+    def stateful(self) -> dict[str, Any]:
+        return {"loop": self.counters, "data": self.data, "schedule": self.schedule, "detector": self.detector,
+                "rollback": self.rollback}
 
-@dataclass
-class TrainSummary:
-    steps: int
-    final_loss: float
-    final_val_loss: float | None
-    first_val_loss: float | None
-    tokens_per_s: float
-    skipped_steps: int
-    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
-    run_dir: str = ""
+    def state_dict(self) -> dict[str, Any]:
+        return {k: c.state_dict() for k, c in self.stateful().items()}
 
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, c in self.stateful().items():
+            c.load_state_dict(sd[k])
 
-def evaluate(engine: Engine, sampler: BatchSampler, cfg: EngineConfig, rank: int) -> float:
-    losses = [engine.eval_loss(sampler.val_batch(i, rank), gpt_loss) for i in range(cfg.train.eval_batches)]
-    return sum(losses) / len(losses)
+    def header(self) -> dict[str, Any]:
+        """The run's fixed facts a checkpoint records beside the components."""
+        return {"config": self.cfg.to_dict(), "world_size": self.ctx.world_size,
+                "global_micro_batches": self.cfg.data.grad_accum * self.ctx.world_size}
 
+    # ---- building ----
+    def build_engine(self, cfg: EngineConfig) -> Engine:
+        """A fresh model and engine for ``cfg``. Stage 3 and offload never hold the whole
+        model: it is built on meta and materialized a unit at a time."""
+        host.for_building(host.mode_of(cfg, self.ctx.device.type))  # before the model is built
+        task = task_for(cfg)
+        model, program = build_task_model(task, cfg, on_meta=cfg.zero.stage == 3 or cfg.offload.enabled)
+        optimizer = task.optimizer or make_optimizer(cfg)
+        groups = task.param_groups(model) if task.param_groups else None
+        return Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)
 
-def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
-          progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> TrainSummary:
-    """Train (every rank calls it). A new run refuses a ``run_dir`` that holds a run
-    (ValueError, checked by rank 0 before anything is written); ``resume`` continues the
-    run there from its newest usable checkpoint (``cfg`` from ``resume_config``). A
-    process started by a torchrun restart resumes by itself (from scratch when the group
-    died before its first checkpoint). ``stop``: the signal flag the loop looks at."""
-    ctx = ctx or DistContext.current()
-    run_dir = Path(run_dir)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart and not resume:
-        resume = _agree_restart(ctx, run_dir, restart)
-    elif not resume:
-        _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
-    auto_cfg = cfg
-    cfg, choice = resolve_auto(cfg, ctx.world_size, gpt_task(cfg),  # before anything is allocated
-                               device=ctx.device.type)
-    corpus, sampler = build_data(cfg, ctx.world_size)
-    if resume:
-        _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
+    def _metadata_extra(self) -> dict[str, Any]:
+        return {"corpus": self.corpus.metadata(),
+                "n_params": sum(p.numel() for p in self.engine.model.parameters()),
+                "rng": {"init_seed": "seed", "data": "numpy default_rng([seed, 0, step])",
+                        "val_data": "numpy default_rng([seed, 1, i])",
+                        "dropout": "torch.manual_seed(sha256('mct-dropout:seed:step:micro:rank'))"},
+                "model_state_bytes": self.engine.model_state_bytes()}
 
-    def rebuild(c: EngineConfig) -> Engine:
-        # the host allocator before the model is built (the engine sets it too, later)
-        host.for_building(host.mode_of(c, ctx.device.type))
-        # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
-        model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
-                          else (build_model(c), None))
-        return Engine(model, make_optimizer(c), c, param_groups=param_groups(model, c),
-                      ctx=ctx, init_program=program)
-    engine = rebuild(cfg)
-    model = engine.model
-    state, saved = _resume(engine, run_dir, ctx) if resume else (LoopState(), {})
-    writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
-    if ctx.is_main and not resume:
-        write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
-                       device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
-    lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
-              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
-              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, gpt_task(auto_cfg)))
-    lp.load_feedback_state(saved)
-    try:
-        summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
-        export_weights(lp.engine, run_dir / "model.safetensors", ctx)
-    finally:
-        writer.close()
-        lp.engine.close()  # offload files and the I/O thread
-    return summary
+    # ---- the loop ----
+    def fit(self) -> TrainSummary:
+        """Steps from ``counters.step`` to ``train.steps``; a checkpoint every
+        ``train.checkpoint_every`` steps and after the last; then the consolidated
+        weights to RUN_DIR/model.safetensors. Raises TrainingStopped (exit 3) or
+        Preempted (128 + signal). Closes the engine (offload files) either way."""
+        try:
+            summary = self._loop()
+            export_weights(self.engine, self.run_dir / "model.safetensors", self.ctx)
+        finally:
+            self.writer.close()
+            self.engine.close()
+        return summary
+
+    def _loop(self) -> TrainSummary:
+        tcfg, c = self.cfg.train, self.counters
+        self.bar = Progress(self.progress_enabled, tcfg.steps, c.step)
+        first, loss, t_start = c.step, float("nan"), time.perf_counter()
+        while c.step < tcfg.steps:
+            step, t0 = c.step, time.perf_counter()
+            out, verdict, lr, t_data = self._step(step)
+            code, signum = agree_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
+            agreed = list(Verdict)[code]
+            if agreed is not verdict:
+                self.detector.detail = f"{agreed.value} on another rank"
+            if agreed is Verdict.BUDGET:
+                self.budget_fallback(step)
+            elif agreed is not Verdict.PASSED:
+                self.roll_back(step, agreed)
+                self.bar.jump(c.step)
+            else:
+                loss = out.loss
+                self._passed(step, out, lr, t_data, time.perf_counter() - t0)
+            if signum:
+                self.preempt(signum)
+        self.bar.close()
+        if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
+            self.save_checkpoint()
+        self.stop.cancel_watchdog()
+        elapsed = time.perf_counter() - t_start
+        return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=c.last_val, first_val_loss=c.first_val,
+                            tokens_per_s=self.log.tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
+                            skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir))
+
+    def _step(self, step: int) -> tuple[Any, Verdict, float, float]:
+        """One training step with the faults of ``MCT_FAULT``: (StepResult or None, its
+        verdict, lr, data time)."""
+        rank = self.ctx.rank
+        self.rollback.maybe_snapshot(step, self.capture)
+        self.faults.before_step(step, rank)
+        t0 = time.perf_counter()
+        lr = self.schedule.lr(self.counters.opt_step)
+        for g in self.engine.optimizer.param_groups:
+            g["lr"] = lr
+        batches = step_batches(self.sampler, self.cfg, self.data.position(step), rank)
+        t_data = time.perf_counter() - t0
+        try:
+            out = self.engine.train_step(batches, self.faults.wrap_loss(self.loss_fn, step, rank))
+        except LossScaleFloorError as e:
+            self.detector.detail = str(e).split(";")[0]
+            return None, Verdict.SCALE_FLOOR, lr, t_data
+        except MemoryBudgetExceeded as e:
+            if self.budget is None:
+                raise
+            self.detector.detail = str(e)
+            return None, Verdict.BUDGET, lr, t_data
+        self.faults.after_update(step, self.engine, out.skipped)
+        return out, self.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data
+
+    def _passed(self, step: int, out: Any, lr: float, t_data: float, step_time: float) -> None:
+        """A step every rank judged passed: count it, trust what it confirms, then let
+        validation, metrics and the checkpointer each decide whether to act."""
+        c, last, updated = self.counters, step == self.cfg.train.steps - 1, not out.skipped
+        self.rollback.passed(step, updated)
+        if updated:
+            self.checkpointer.confirm()  # the newest checkpoint's state just stepped cleanly
+        c.skipped += out.skipped
+        c.opt_step += updated
+        c.step = step + 1
+        record = self.log.record(step, out, lr, t_data, step_time, rollbacks=self.rollback.total)
+        if self.validator.should_validate(step, last):
+            c.validated(self.validator.run(self.engine, self.ctx.rank))
+            record["val_loss"] = c.last_val
+        if self.log.should_log(step, last, record):
+            self.log.complete(record, out, {"skipped_steps": c.skipped,
+                                            "consecutive_skips": self.detector.consecutive_skips})
+            self.writer.log(record)
+        if self.checkpointer.should_save(c.step, last):
+            self.save_checkpoint(trusted=last and updated)
+        self.bar.advance(out.loss, c.last_val)
+
+    def save_checkpoint(self, trusted: bool = False) -> None:
+        """The checkpoint of ``counters.step`` completed steps (collective)."""
+        self.checkpointer.save(self.engine, self.counters.step, self.header(), trusted=trusted)
+
+    # ---- rollback snapshots ----
+    def capture(self) -> tuple[dict, dict]:
+        """The engine's and the loop's state for a rollback snapshot (under offload the
+        engine's copy stays in its store, under a tag the good snapshot does not hold)."""
+        good = self.rollback.good
+        held = good.engine.get("offload_snapshot", {}).get("tag") if good is not None else None
+        tag = "snapshot1" if held == "snapshot0" else "snapshot0"
+        return self.engine.snapshot_state(tag), {"loop": self.counters.state_dict(),
+                                                 "detector": self.detector.state_dict()}
+
+    def restore(self, engine_sd: dict, loop_sd: dict) -> None:
+        self.engine.load_snapshot_state(engine_sd)
+        self.counters.load_state_dict(loop_sd["loop"])
+        self.detector.load_state_dict(loop_sd["detector"])
+
+    # ---- resume ----
+    def _resume(self) -> None:
+        """Load the newest usable checkpoint (rank 0 picks it, warning about the newer
+        ones it skipped), the components (and RNG streams when the world size is
+        unchanged), set aside what is newer, rewind metrics past it and record the
+        resume in metadata.json."""
+        ctx, pick = self.ctx, None
+        if ctx.is_main:
+            try:
+                path, _, warning = newest_usable(self.run_dir, self.engine.layout()["units"])
+                pick = (str(path), warning)
+            except ValueError as e:
+                pick = str(e)
+        pick = broadcast_from_main(pick)
+        if isinstance(pick, str):
+            raise ValueError(pick)
+        path, warning = Path(pick[0]), pick[1]
+        if warning and ctx.is_main:
+            print(f"mct: warning: {warning}", file=sys.stderr)
+        trainer = upgrade_trainer_state(read_json(path / "trainer.json"))
+        meta = self.checkpointer.load(self.engine, path, trainer)
+        if meta["world_size"] == ctx.world_size:
+            set_rng_state(read_json(path / f"rank{ctx.rank}.json")["rng"])
+        step = self.counters.step
+        if ctx.is_main:
+            set_aside_newer(self.run_dir, step)
+            rewind_metrics(self.run_dir, step)
+            record_resume(self.run_dir, from_step=step, world_size=ctx.world_size, zero_stage=self.engine.stage,
+                          checkpoint=path.name, reason=warning)
+        self.engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
+
+    def _agree_restart(self, restart: int) -> bool:
+        """A restarted group: resume when the run has a complete checkpoint, else start
+        over in the same run dir (its metrics rows dropped first: the other ranks wait in
+        the broadcast). Returns whether to resume."""
+        has = None
+        if self.ctx.is_main:
+            found = checkpoints(self.run_dir)
+            has = bool(found)
+            if not has:
+                rewind_metrics(self.run_dir, 0)
+            append_event(self.run_dir, step=found[-1][0] if has else 0, kind="restart",
+                         action="resume from the newest checkpoint" if has else "start over (no checkpoint yet)",
+                         reason=f"torchrun restart {restart} after a worker died")
+        return bool(broadcast_from_main(has))
 
 
 def _error_of(check, *args) -> str | None:
@@ -134,214 +299,10 @@ def _error_of(check, *args) -> str | None:
     return None
 
 
-def _agree(ctx: DistContext, error: str | None) -> None:
-    """Raise rank 0's ``error`` as ValueError on every rank (so no rank goes on alone)."""
-    from mct.dist import broadcast_from_main
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ValueError(error)
-
-
-def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> tuple[LoopState, dict[str, Any]]:
-    """Load the newest usable checkpoint (rank 0 picks it, warning about damaged newer
-    ones), restore the loop state (and RNG streams when the world size is unchanged),
-    rewind metrics past it and record the resume in metadata.json."""
-    from mct.dist import broadcast_from_main
-    pick: tuple[str, str | None] | str | None = None
-    if ctx.is_main:
-        try:
-            path, _, warning = newest_usable(run_dir, engine.state_dict()["units"])
-            pick = (str(path), warning)
-        except ValueError as e:
-            pick = str(e)
-    pick = broadcast_from_main(pick)
-    if isinstance(pick, str):
-        raise ValueError(pick)
-    path, warning = Path(pick[0]), pick[1]
-    if warning and ctx.is_main:
-        print(f"mct: warning: {warning}", file=sys.stderr)
-    meta = load_engine_state(engine, path, verified=True)
-    saved = read_json(path / "trainer.json")
-    state = LoopState.from_json(saved)
-    if meta["world_size"] == ctx.world_size:
-        set_rng_state(read_json(path / f"rank{ctx.rank}.json")["rng"])
-    if ctx.is_main:
-        set_aside_newer(run_dir, state.step)
-        rewind_metrics(run_dir, state.step)
-        record_resume(run_dir, from_step=state.step, world_size=ctx.world_size, zero_stage=engine.stage,
-                      checkpoint=path.name, reason=warning)
-    engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
-    return state, saved
-
-
-def _agree_restart(ctx: DistContext, run_dir: Path, restart: int) -> bool:
-    """A restarted group: resume when the run has a complete checkpoint, else start
-    over in the same run dir (its metrics rows dropped first: the other ranks wait in
-    the broadcast). Returns whether to resume."""
-    from mct.dist import broadcast_from_main
-    from mct.persistence.run_dir import checkpoints
-    has = None
-    if ctx.is_main:
-        found = checkpoints(run_dir)
-        has = bool(found)
-        if not has:
-            rewind_metrics(run_dir, 0)
-        append_event(run_dir, step=found[-1][0] if has else 0, kind="restart",
-                     action="resume from the newest checkpoint" if has else "start over (no checkpoint yet)",
-                     reason=f"torchrun restart {restart} after a worker died")
-    return bool(broadcast_from_main(has))
-
-
-def save_run_checkpoint(engine: Engine, run_dir: Path, cfg: EngineConfig, state: LoopState,
-                        ctx: DistContext, extra: dict[str, Any] | None = None) -> None:
-    """Checkpoint the loop after ``state.step`` steps into RUN_DIR/checkpoints, then keep
-    the newest ``train.keep_checkpoints``. Collective; a complete one already there
-    (the run resumed at its last step) is kept as it is."""
-    from mct.dist import broadcast_from_main
-    path = step_dir(run_dir, state.step)
-    if broadcast_from_main((path / "meta.json").exists()):
-        return
-    trainer = {**state.to_json(), "config": cfg.to_dict(), "world_size": ctx.world_size,
-               "global_micro_batches": cfg.data.grad_accum * ctx.world_size, **(extra or {})}
-    save_checkpoint(path, engine, step=state.step, trainer=trainer, rank_state={"rng": rng_state()})
-    if ctx.is_main:
-        prune(run_dir, cfg.train.keep_checkpoints)
-
-
-def export_weights(engine: Engine, path: Path, ctx: DistContext) -> None:
-    """Consolidated fp32 weights (names as ``model.named_parameters()``), written by
-    rank 0 to a temporary file and renamed. Collective: every rank must call it."""
-    state = engine.full_state_dict()
-    if ctx.is_main:
-        from safetensors.torch import save_file
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
-        tmp.replace(path)
-
-
-def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> dict[str, Any]:
-    return {"corpus": corpus.metadata(),
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "rng": {"init_seed": "seed", "data": "numpy default_rng([seed, 0, step])",
-                    "val_data": "numpy default_rng([seed, 1, i])",
-                    "dropout": "torch.manual_seed(sha256('mct-dropout:seed:step:micro:rank'))"},
-            "model_state_bytes": engine.model_state_bytes()}
-
-
-def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummary:
-    """Steps from ``lp.state.step`` until ``train.steps``, with the divergence feedback
-    loop and the stop signal checked after every step; a checkpoint every
-    ``train.checkpoint_every`` steps and after the last. Raises TrainingStopped (exit 3)
-    or Preempted."""
-    cfg, ctx, state = lp.cfg, lp.ctx, lp.state
-    tcfg = cfg.train
-    tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * ctx.world_size
-    bar = None
-    if progress and ctx.is_main:
-        from tqdm import tqdm
-        bar = tqdm(total=tcfg.steps, initial=min(state.step, tcfg.steps), desc="train", unit="step",
-                   dynamic_ncols=True)
-    first = state.step
-    loss = float("nan")
-    t_start = time.perf_counter()
-    peaks: dict = {}
-    warned = False
-    while lp.state.step < tcfg.steps:
-        step = lp.state.step
-        t0 = time.perf_counter()
-        out, reason, lr, t_data = run_step(lp)
-        reason, signum = agree_verdict(lp, reason)
-        if reason == "budget":
-            budget_fallback(lp, step)
-        elif reason:
-            roll_back(lp, step, reason)
-            if bar is not None:
-                bar.n = lp.state.step
-                bar.refresh()
-        else:
-            state = lp.state
-            lp.rollback.passed(step)
-            loss = out.loss
-            state.skipped += out.skipped
-            state.consecutive_skips = lp.detector.consecutive_skips
-            state.opt_step += not out.skipped
-            state.rollbacks = lp.rollback.total
-            state.step = step + 1
-            step_time = time.perf_counter() - t0
-            record = {"step": step, "loss": loss, "lr": lr, "step_time_s": step_time,
-                      "tokens_per_s": tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
-                      "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
-                      "time_data_s": t_data, "rollbacks": lp.rollback.total}
-            last = step == tcfg.steps - 1
-            if tcfg.eval_every and (step % tcfg.eval_every == 0 or last):
-                state.last_val = evaluate(lp.engine, lp.sampler, cfg, ctx.rank)
-                state.first_val = state.last_val if state.first_val is None else state.first_val
-                record["val_loss"] = state.last_val
-            if step % tcfg.log_every == 0 or last or "val_loss" in record:
-                peaks = _add_step_metrics(record, out, lp, predicted, warn=step > 0 and not warned)
-                warned = warned or "peak_warning" in record
-                lp.writer.log(record)
-            if last or (tcfg.checkpoint_every and state.step % tcfg.checkpoint_every == 0):
-                _save_checkpoint(lp)
-            if bar is not None:
-                bar.update(1)
-                post = {"loss": f"{loss:.3f}"}
-                if state.last_val is not None:
-                    post["val"] = f"{state.last_val:.3f}"
-                bar.set_postfix(post)
-        if signum:
-            preempt(lp, signum, bar)
-    if bar is not None:
-        bar.close()
-    if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
-        _save_checkpoint(lp)
-    lp.stop.cancel_watchdog()
-    elapsed = time.perf_counter() - t_start
-    state = lp.state
-    return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=state.last_val,
-                        first_val_loss=state.first_val,
-                        tokens_per_s=tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
-                        skipped_steps=state.skipped, peaks=peaks, run_dir=str(lp.run_dir))
-
-
-def _add_step_metrics(record: dict, out: Any, lp: Loop, predicted: int | None, warn: bool) -> dict:
-    """The engine's per-step metrics and the error counters into ``record``; returns
-    the peaks by stage."""
-    m = dict(out.metrics)
-    peaks = m.pop("peaks")
-    m.pop("live")
-    record.update(m)
-    record.update(flatten_peaks(peaks))
-    record["memory"] = peaks
-    if predicted is not None:
-        record["predicted_peak_bytes"] = predicted
-        warning = peak_check(out.metrics["peak_bytes"], predicted)
-        if warning and warn:  # step 0 has no optimizer state yet
-            record["peak_warning"] = warning
-            print(f"mct: warning (rank {lp.ctx.rank}): {warning}", file=sys.stderr)
-    record["errors"] = {"skipped_steps": lp.state.skipped, "consecutive_skips": lp.detector.consecutive_skips,
-                        "nonfinite_loss": int(not math.isfinite(out.loss))}
-    return peaks
-
-
-def _save_checkpoint(lp: Loop) -> None:
-    """The checkpoint of ``lp.state.step`` completed steps (only ever called after a
-    step that passed the divergence checks, or from a restored good state)."""
-    save_run_checkpoint(lp.engine, lp.run_dir, lp.cfg, lp.state, lp.ctx, extra=lp.feedback_state())
-
-
-def summary_table(s: TrainSummary) -> str:
-    """Human-readable end-of-run summary."""
-    lines = [f"run dir       {s.run_dir}",
-             f"steps         {s.steps} ({s.skipped_steps} skipped)",
-             f"train loss    {s.final_loss:.4f}"]
-    if s.final_val_loss is not None:
-        lines.append(f"val loss      {s.first_val_loss:.4f} (first eval) -> {s.final_val_loss:.4f} (last)")
-    lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
-    if s.peaks:
-        cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
-        lines.append("peak memory by phase (this rank, last logged step):")
-        lines.append("  " + f"{'phase':<10}" + "".join(f"{c:>13}" for c in [*cats, "total"]))
-        for phase, v in s.peaks.items():
-            lines.append("  " + f"{phase:<10}" + "".join(f"{fmt_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
-    return "\n".join(lines)
+def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
+          progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> TrainSummary:
+    """Train (every rank calls it): ``Trainer(...).fit()``. A new run refuses a
+    ``run_dir`` that holds a run (ValueError, checked by rank 0 before anything is
+    written); ``resume`` continues the run there from its newest usable checkpoint
+    (``cfg`` from ``resume_config``). ``stop``: the signal flag the loop looks at."""
+    return Trainer(cfg, run_dir, ctx, progress=progress, resume=resume, stop=stop).fit()

@@ -210,11 +210,6 @@ def check_hyper(optimizer: torch.optim.Optimizer, param_groups: Any) -> list[dic
     return out
 
 
-def numel_of(record: dict[str, Any]) -> int:
-    """Elements of a unit record's global tensor (for readers without an engine)."""
-    return int(record["numel"]) if record["params"] else 0
-
-
 def param_slices(record: dict[str, Any]) -> list[tuple[str, tuple[int, ...], int, int]]:
     """(name, shape, start, end) of each parameter in a unit's global flat tensor."""
     return [(n, tuple(s), o, o + math.prod(s)) for n, s, o in record["params"]]

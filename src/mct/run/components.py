@@ -1,0 +1,131 @@
+"""The run's small components. Each owns its state (``state_dict`` /
+``load_state_dict`` where it has any) and decides for itself when it acts
+(``should_*``), so the loop in ``trainer.py`` only calls them in order."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from mct.config import EngineConfig, TrainConfig
+from mct.data.sampler import BatchSampler
+from mct.planner import peak_check
+from mct.reporting.metrics import flatten_peaks
+
+
+@dataclass
+class LoopCounters:
+    """Where the loop is; saved in every checkpoint (key ``loop``) and restored with a
+    rollback snapshot."""
+
+    step: int = 0
+    """Steps completed (skipped ones included), = the next step to run."""
+    opt_step: int = 0
+    """Optimizer updates applied: the LR schedule's position."""
+    skipped: int = 0
+    first_val: float | None = None
+    last_val: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k in asdict(self):
+            if k in sd:
+                setattr(self, k, sd[k])
+
+    def validated(self, loss: float) -> None:
+        self.last_val = loss
+        self.first_val = loss if self.first_val is None else self.first_val
+
+
+class Validator:
+    """Validation loss every ``train.eval_every`` steps and after the last one, over
+    ``train.eval_batches`` fixed batches of the validation split (no state change)."""
+
+    def __init__(self, tcfg: TrainConfig, sampler: BatchSampler, loss_fn: Callable) -> None:
+        self.tcfg, self.sampler, self.loss_fn = tcfg, sampler, loss_fn
+
+    def should_validate(self, step: int, last: bool) -> bool:
+        every = self.tcfg.eval_every
+        return bool(every) and (step % every == 0 or last)
+
+    def run(self, engine: Any, rank: int) -> float:
+        losses = [engine.eval_loss(self.sampler.val_batch(i, rank), self.loss_fn)
+                  for i in range(self.tcfg.eval_batches)]
+        return sum(losses) / len(losses)
+
+
+class StepLog:
+    """The metrics row of a step (keys in the README): written every
+    ``train.log_every`` steps, after the last one and whenever validation ran. Warns
+    once when the measured peak strays from the planner's prediction."""
+
+    def __init__(self, cfg: EngineConfig, world_size: int, rank: int, predicted: int | None) -> None:
+        self.tcfg, self.rank, self.predicted = cfg.train, rank, predicted
+        self.tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * world_size
+        self.warned = False
+        self.peaks: dict[str, dict[str, int]] = {}
+        """Peak bytes by phase and category of the last logged step."""
+
+    def should_log(self, step: int, last: bool, record: dict[str, Any]) -> bool:
+        return step % self.tcfg.log_every == 0 or last or "val_loss" in record
+
+    def record(self, step: int, out: Any, lr: float, t_data: float, step_time: float, rollbacks: int) -> dict:
+        return {"step": step, "loss": out.loss, "lr": lr, "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
+                "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
+                "time_data_s": t_data, "rollbacks": rollbacks}
+
+    def complete(self, record: dict[str, Any], out: Any, errors: dict[str, int]) -> None:
+        """Add the engine's per-step metrics, the peaks and the error counters."""
+        m = dict(out.metrics)
+        self.peaks = m.pop("peaks")
+        m.pop("live")
+        record.update(m)
+        record.update(flatten_peaks(self.peaks))
+        record["memory"] = self.peaks
+        if self.predicted is not None:
+            record["predicted_peak_bytes"] = self.predicted
+            warning = peak_check(out.metrics["peak_bytes"], self.predicted)
+            if warning and record["step"] > 0 and not self.warned:  # step 0 has no optimizer state yet
+                self.warned = True
+                record["peak_warning"] = warning
+                print(f"mct: warning (rank {self.rank}): {warning}", file=sys.stderr)
+        record["errors"] = {**errors, "nonfinite_loss": int(not math.isfinite(out.loss))}
+
+
+class Progress:
+    """The tqdm bar on rank 0 (nothing elsewhere, or with ``enabled`` False)."""
+
+    def __init__(self, enabled: bool, total: int, initial: int) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=min(initial, total), desc="train", unit="step", dynamic_ncols=True)
+
+    def advance(self, loss: float, val: float | None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({"loss": f"{loss:.3f}", **({"val": f"{val:.3f}"} if val is not None else {})})
+
+    def jump(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def agree_verdict(code: int, signum: int, comm: Any, device: torch.device) -> tuple[int, int]:
+    """Every rank's verdict code and stop signal, MAX-reduced: all ranks act alike."""
+    flags = torch.tensor([code, signum], dtype=torch.float64, device=device)
+    comm.all_reduce_(flags, "max")
+    return int(flags[0]), int(flags[1])
