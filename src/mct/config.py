@@ -14,8 +14,21 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
+
+
+class Name(str, Enum):
+    """A name of a fixed set (phases, verdicts, rollback actions). Equal to, hashed,
+    printed, formatted and JSON-encoded as its string value, so it goes wherever that
+    string went (metric keys, event records) unchanged."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -27,7 +27,7 @@ from mct.dist import DistContext
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory import host
-from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker
+from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
 from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
@@ -226,7 +226,7 @@ class Engine:
             mb = self._to_device(mb)
             t0 = time.perf_counter()
             self._phase_name = "forward"
-            with self.tracker.phase("forward", "activations"), self._phase("forward"), kernels:
+            with self.tracker.phase(Phase.FORWARD, "activations"), self._phase(Phase.FORWARD), kernels:
                 with self.precision.autocast(self.device.type):
                     loss = loss_fn(self.model, mb)
             if loss.dim() != 0:
@@ -234,7 +234,7 @@ class Engine:
             loss_sum += loss.detach().double()
             t1 = time.perf_counter()
             self._phase_name = "backward"
-            with self.tracker.phase("backward", "other"), self._phase("backward"), kernels:
+            with self.tracker.phase(Phase.BACKWARD, "other"), self._phase(Phase.BACKWARD), kernels:
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
@@ -244,7 +244,7 @@ class Engine:
         self._phase_name = "optimizer"
         start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
         try:
-            with self.tracker.phase("optimizer", "other"):
+            with self.tracker.phase(Phase.OPTIMIZER, "other"):
                 result = self._optimizer_step(loss_sum / len(micro))
         finally:  # also after LossScaleFloorError: the engine must stay usable
             self._phase_name = "idle"
@@ -258,7 +258,7 @@ class Engine:
         return result
 
     @contextlib.contextmanager
-    def _phase(self, phase: str):
+    def _phase(self, phase: Phase):
         if self.stage3 is not None and self.stage3.phase != phase:
             self.stage3.begin(phase)
         yield
@@ -354,8 +354,8 @@ class Engine:
         self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), self.tracker.phase("eval", "activations"):
-                with (self._phase("eval"), self.precision.kernels(self.device.type),
+            with torch.random.fork_rng(devices=devices), self.tracker.phase(Phase.EVAL, "activations"):
+                with (self._phase(Phase.EVAL), self.precision.kernels(self.device.type),
                       self.precision.autocast(self.device.type)):
                     loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
                 if self.stage3 is not None:

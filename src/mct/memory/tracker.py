@@ -37,6 +37,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from mct.config import Name
+
+class Phase(Name):
+    """Where a step is: what ``MemoryTracker.phase`` records peaks under (metric keys
+    ``peak_<phase>_<category>``) and what the stage-3 lifecycle gathers for."""
+
+    INIT = "init"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    EVAL = "eval"
+    IDLE = "idle"
+
+
 CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "offload", "other")
 """``offload``: the reusable buffers through which offloaded state streams (resident).
 Bytes parked in host memory or on disk are not live here: see ``offloaded()``."""

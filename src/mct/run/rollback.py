@@ -29,18 +29,17 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
 import torch
 
-from mct.config import TrainConfig
+from mct.config import Name, TrainConfig
 
 MIN_HISTORY = 5
 """Good steps needed before the spike detectors judge (the median of fewer is noise)."""
 
 
-class Verdict(str, Enum):
+class Verdict(Name):
     """A step's verdict; agreed over ranks by MAX of the index in this order, so a later
     one wins ('budget' is not a divergence: the budget loop handles it)."""
 
@@ -57,7 +56,7 @@ class Verdict(str, Enum):
         return list(Verdict).index(self)
 
 
-class Action(str, Enum):
+class Action(Name):
     """What a rollback does besides restoring the good state."""
 
     REPLAY = "replay"

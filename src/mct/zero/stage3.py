@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from mct.memory.tracker import Phase
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
 
@@ -33,7 +34,7 @@ class Stage3Lifecycle:
         self.comm, self.tracker, self.prefetch = comm, tracker, prefetch
         self.order = [name for name, _ in blocks if name in units_by_block]
         self.units = units_by_block
-        self.phase = "idle"
+        self.phase = Phase.IDLE
         self.gathers = 0
         hooked = [(name, block) for name, block in blocks if name in units_by_block]
         if root is not None and "root" in units_by_block:
@@ -74,15 +75,15 @@ class Stage3Lifecycle:
     def _pre_forward(self, name: str):
         def hook(module, args, kwargs):
             self.gather(name)
-            if self.phase == "forward":
+            if self.phase == Phase.FORWARD:
                 self._prefetch(name, +1)
         return hook
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
-            if self.phase in ("forward", "eval"):
+            if self.phase in (Phase.FORWARD, Phase.EVAL):
                 self.release(name)
-            if self.phase == "forward":
+            if self.phase == Phase.FORWARD:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
                     t.register_hook(self._pre_backward(name))
@@ -95,16 +96,16 @@ class Stage3Lifecycle:
         return hook
 
     # ---- step boundaries ----
-    def begin(self, phase: str) -> None:
+    def begin(self, phase: Phase) -> None:
         """Enter a phase. Forward/eval gather the root unit up front (the model's own
         pre-hook would too); backward gathers it only when the gradient reaches the
         model's outputs."""
         self.phase = phase
-        if phase != "backward":
+        if phase != Phase.BACKWARD:
             self.gather("root")
 
     def end_step(self) -> None:
         """After the step: every non-persistent unit's storage is freed."""
-        self.phase = "idle"
+        self.phase = Phase.IDLE
         for name in ["root", *self.order]:
             self.release(name)
