@@ -152,9 +152,9 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.task import gpt_task
+    from mct.task import task_for
     with torch.device("meta"):
-        n = sum(p.numel() for p in gpt_task(cfg).model_fn().parameters())
+        n = sum(p.numel() for p in task_for(cfg).model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
@@ -186,10 +186,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
-        from mct.task import gpt_task
+        from mct.task import task_for
         from mct.persistence.run_dir import check_new_run_dir
         # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, gpt_task(cfg),
+        resolve_auto(cfg, args.nproc * args.nnodes, task_for(cfg),
                      device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
         if not args.resume:
@@ -338,8 +338,8 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.model:
         work = load_workload(args.model, cfg)
     else:
-        from mct.task import gpt_task
-        work = gpt_task(cfg)
+        from mct.task import task_for
+        work = task_for(cfg)
     grid = _plan_grid(args)
     plan = make_plan(work, cfg, args.world_size, limit, **grid)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
