@@ -37,10 +37,17 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
-def _common(p: argparse.ArgumentParser, nproc: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = True) -> None:
     p.add_argument("--config", help="TOML config file; keys not in it keep the recipe's defaults")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set zero.stage=2")
+    p.add_argument("--model", metavar="SPEC", help="what is trained (= --set model.source=SPEC): 'gpt' (the "
+                   "built-in GPT of [model]), 'hf:DIR' (a local Hugging Face model directory; nothing is "
+                   "downloaded, no code from it runs) or 'package.module:factory' returning an nn.Module (it may "
+                   "define loss_fn, example_batch, optimizer, param_groups; docs/planner.md) (default: gpt)")
+    if init_from:
+        p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
+                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
     if nproc:
         p.add_argument("--nproc", type=int, default=1, help="local worker processes (launched with torchrun)")
 
@@ -71,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=10, help="steps to compare")
     pl = sub.add_parser("plan", help="predict per-rank peak memory of every configuration; pick one for a budget",
                         **kw)
-    _common(pl, nproc=False)
-    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference "
-                    "GPT); the module may define loss_fn, example_batch, optimizer, param_groups (docs/planner.md)")
+    _common(pl, nproc=False, init_from=False)
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -152,9 +157,9 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.task import gpt_task
+    from mct.task import task_for
     with torch.device("meta"):
-        n = sum(p.numel() for p in gpt_task(cfg).model_fn().parameters())
+        n = sum(p.numel() for p in task_for(cfg).model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
@@ -163,10 +168,20 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
                          f"offload.params=disk, or run `mct plan` for the memory a configuration needs")
 
 
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """--set overrides with --model / --init-from appended as model.source / train.init_from."""
+    extra = [f"model.source={args.model}"] if args.model else []
+    if getattr(args, "init_from", None):
+        extra.append(f"train.init_from={args.init_from}")
+    return [*args.set, *extra]
+
+
 def _train_config(args: argparse.Namespace):
     """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
     if not args.resume:
-        return load_config(args.config, args.set, defaults=CLI_RECIPE), args.run_dir
+        return load_config(args.config, _model_flags(args), defaults=CLI_RECIPE), args.run_dir
+    if args.model or args.init_from:
+        raise ValueError("--resume continues the run's own model and weights; drop --model/--init-from")
     if args.config:
         raise ValueError("--resume uses the run's recorded config; drop --config (change allowed keys with --set)")
     if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
@@ -186,10 +201,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
-        from mct.task import gpt_task
+        from mct.task import task_for
         from mct.persistence.run_dir import check_new_run_dir
-        # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, gpt_task(cfg),
+        # an impossible budget (or model source) fails here, in one line, before any launch
+        resolve_auto(cfg, args.nproc * args.nnodes, task_for(cfg),
                      device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
         if not args.resume:
@@ -302,7 +317,10 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
+    cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
+    if args.nproc > 1 and not _under_torchrun():
+        from mct.task import task_for
+        task_for(cfg)  # a bad model source fails here, in one line, before any launch
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
@@ -327,19 +345,16 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
     from mct.config import parse_bytes
-    from mct.planner import load_workload, make_plan
+    from mct.planner import make_plan
     from mct.reporting.plots import check_plot_path
-    cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
+    cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
         check_plot_path(args.plot)  # before minutes of planning
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
-    if args.model:
-        work = load_workload(args.model, cfg)
-    else:
-        from mct.task import gpt_task
-        work = gpt_task(cfg)
+    from mct.task import task_for
+    work = task_for(cfg)
     grid = _plan_grid(args)
     plan = make_plan(work, cfg, args.world_size, limit, **grid)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))

@@ -51,6 +51,8 @@ class Loop:
     batches: Callable[[int, int], list]
     """(data position, rank) -> this rank's micro-batches of that step."""
     loss_fn: Callable
+    eval_loss_fn: Callable | None = None
+    """(model, (input_ids, targets)) -> loss, for evaluation; None: the built-in GPT's."""
     rebuild: Callable[[EngineConfig], Engine] | None = None
     """A fresh engine (and model) for another configuration: the budget loop's fallback."""
     budget: BudgetLoop | None = None

@@ -37,6 +37,8 @@ from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set
 from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
 from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
 from mct.run.signals import StopRequest
+from mct.task import build_model as build_task_model, seeded, task_for
+from mct.persistence.init_from import load_pretrained
 
 
 @dataclass
@@ -72,8 +74,8 @@ class TrainSummary:
     run_dir: str = ""
 
 
-def evaluate(engine: Engine, sampler: BatchSampler, cfg: EngineConfig, rank: int) -> float:
-    losses = [engine.eval_loss(sampler.val_batch(i, rank), gpt_loss) for i in range(cfg.train.eval_batches)]
+def evaluate(engine: Engine, sampler: BatchSampler, cfg: EngineConfig, rank: int, loss_fn=gpt_loss) -> float:
+    losses = [engine.eval_loss(sampler.val_batch(i, rank), loss_fn) for i in range(cfg.train.eval_batches)]
     return sum(losses) / len(losses)
 
 
@@ -92,9 +94,12 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     elif not resume:
         _agree(ctx, _error_of(check_new_run_dir, run_dir) if ctx.is_main else None)
     auto_cfg = cfg
-    cfg, choice = resolve_auto(cfg, ctx.world_size, gpt_task(cfg),  # before anything is allocated
+    task = task_for(cfg)
+    cfg, choice = resolve_auto(cfg, ctx.world_size, task,  # before anything is allocated
                                device=ctx.device.type)
     corpus, sampler = build_data(cfg, ctx.world_size)
+    if task.vocab_size is not None:
+        corpus.check_vocab(task.vocab_size)
     if resume:
         _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 
@@ -102,11 +107,12 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         # the host allocator before the model is built (the engine sets it too, later)
         host.for_building(host.mode_of(c, ctx.device.type))
         # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
-        model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
-                          else (build_model(c), None))
-        return Engine(model, make_optimizer(c), c, param_groups=param_groups(model, c),
-                      ctx=ctx, init_program=program)
+        model, program = build_task_model(task, c, on_meta=c.zero.stage == 3 or c.offload.enabled)
+        return Engine(model, task.optimizer or make_optimizer(c), c, ctx=ctx, init_program=program,
+                      param_groups=task.param_groups(model) if task.param_groups else None)
     engine = rebuild(cfg)
+    if cfg.train.init_from and not resume:
+        load_pretrained(engine, cfg.train.init_from)
     model = engine.model
     state, saved = _resume(engine, run_dir, ctx) if resume else (LoopState(), {})
     writer = MetricsWriter(run_dir, ctx.rank, tensorboard=cfg.train.tensorboard)
@@ -114,8 +120,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
-              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
-              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, gpt_task(auto_cfg)))
+              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded(task.loss_fn), eval_loss_fn=task.loss_fn,
+              rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, task))
     lp.load_feedback_state(saved)
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
@@ -274,7 +280,7 @@ def _loop(lp: Loop, progress: bool, predicted: int | None = None) -> TrainSummar
                       "time_data_s": t_data, "rollbacks": lp.rollback.total}
             last = step == tcfg.steps - 1
             if tcfg.eval_every and (step % tcfg.eval_every == 0 or last):
-                state.last_val = evaluate(lp.engine, lp.sampler, cfg, ctx.rank)
+                state.last_val = evaluate(lp.engine, lp.sampler, cfg, ctx.rank, lp.eval_loss_fn or gpt_loss)
                 state.first_val = state.last_val if state.first_val is None else state.first_val
                 record["val_loss"] = state.last_val
             if step % tcfg.log_every == 0 or last or "val_loss" in record:
