@@ -48,7 +48,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     rnd = random.Random(0)
     corpus.write_text("".join(rnd.choice("abcdefgh ijkl\n") for _ in range(100_000)))
     return {"llama": str(save_tiny("llama", root / "llama")), "gpt2": str(save_tiny("gpt2", root / "gpt2")),
-            "corpus": str(corpus)}
+            "corpus": str(corpus), "two_ranks": str(root / "two_ranks"), "one_rank": str(root / "one_rank")}
 
 
 def _cfg(d: dict, kind: str, **sections) -> EngineConfig:
@@ -72,12 +72,23 @@ CASES = [("llama", {"zero": {"stage": s}}) for s in (0, 1, 2, 3)] + [
 ]
 
 
+def run_config(d: dict, steps: int, **data) -> dict:
+    """A `mct train` run of the tiny Llama from its weights, stage 3, selective checkpointing."""
+    return {"seed": 3, "model": {"source": f"hf:{d['llama']}", "seq_len": SEQ},
+            "data": {"path": d["corpus"], "micro_batch_size": 2, **data},
+            "train": {"steps": steps, "warmup_steps": 1, "eval_every": 0, "checkpoint_every": 1, "grad_clip": 1.0,
+                      "init_from": d["llama"]},
+            "zero": {"stage": 3}, "checkpointing": {"policy": "selective"}}
+
+
 def _verify_cases(rank: int, world: int, d: dict) -> list:
+    from mct.run.trainer import train
     from mct.verify.compare import run_verify
     out = []
     for kind, sections in CASES:
         sections = json.loads(json.dumps(sections).replace("WEIGHTS", d[kind]))
         out.append(run_verify(_cfg(d, kind, **sections), 2))
+    train(EngineConfig.from_dict(run_config(d, 2)), d["two_ranks"], progress=False)  # resharded below
     return out
 
 
@@ -92,6 +103,24 @@ def test_verify_hf_models_match_the_reference(reports, i):
     assert report.passed, report.table()
     if report.mode == "fp32":
         assert report.max_loss_rel <= 1e-5 and report.param_rel <= 1e-5
+
+
+def test_hf_run_of_two_ranks_resumes_on_one(hf_dirs, reports):
+    """2 ranks for 2 steps, then 1 rank (2 micro-batches: the same global batch) to step 3,
+    equals 1 rank from the start up to the order of the fp32 sums."""
+    from safetensors.torch import load_file
+    from mct.persistence.resume import resume_config
+    from mct.run.trainer import train
+    train(resume_config(hf_dirs["two_ranks"], ["train.steps=3"], 1), hf_dirs["two_ranks"], progress=False,
+          resume=True)
+    train(EngineConfig.from_dict(run_config(hf_dirs, 3, grad_accum=2)), hf_dirs["one_rank"], progress=False)
+    got = load_file(str(Path(hf_dirs["two_ranks"]) / "model.safetensors"))
+    want = load_file(str(Path(hf_dirs["one_rank"]) / "model.safetensors"))
+    start = load_file(str(Path(hf_dirs["llama"]) / "model.safetensors"))
+    assert set(got) == set(want) == set(start)
+    diff = sum(float((got[k] - want[k]).double().norm()) ** 2 for k in want) ** 0.5
+    moved = sum(float((want[k] - start[k]).double().norm()) ** 2 for k in want) ** 0.5
+    assert moved > 0.01 and diff <= 1e-5 * moved, (diff, moved)
 
 
 def _engine(d: dict, kind: str, **sections):

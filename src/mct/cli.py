@@ -94,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (--format hf: a new directory)")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one fp32 file, names as named_parameters; hf: a Hugging Face model directory "
+                        "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model")
+    e.add_argument("--dtype", default="fp32", help="--format hf: the weights' dtype, fp32 or bf16")
+    e.add_argument("--max-shard-size", default="2GB", help="--format hf: the largest safetensors file; more "
+                   "weights are split into shards listed by model.safetensors.index.json")
     return parser
 
 
@@ -308,8 +314,17 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
 
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.persistence.export import export
-    path, warning = export(args.source, args.out)
+    from mct.config import parse_bytes
+    if args.format == "hf":
+        from mct.persistence.hf_export import export_hf
+        path, warning = export_hf(args.source, args.out, args.dtype, parse_bytes(args.max_shard_size,
+                                                                                  "--max-shard-size"))
+    else:
+        if args.dtype != "fp32" or args.max_shard_size != "2GB":
+            raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
+                             "one file")
+        from mct.persistence.export import export
+        path, warning = export(args.source, args.out)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} from {path}")

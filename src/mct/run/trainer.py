@@ -38,6 +38,7 @@ from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CL
 from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
 from mct.run.signals import StopRequest
 from mct.task import build_model as build_task_model, seeded, task_for
+from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 
 
@@ -119,6 +120,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     if ctx.is_main and not resume:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
+        if task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
+            copy_hf_assets(task.hf_dir, run_dir / "hf")
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
               batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded(task.loss_fn), eval_loss_fn=task.loss_fn,
               rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, task))
@@ -126,6 +129,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     try:
         summary = _loop(lp, progress, predicted=choice["predicted_peak_bytes"] if choice else None)
         export_weights(lp.engine, run_dir / "model.safetensors", ctx)
+        if task.hf_dir and ctx.is_main:
+            write_run_hf(run_dir)
     finally:
         writer.close()
         lp.engine.close()  # offload files and the I/O thread
