@@ -88,3 +88,19 @@ def test_hf_export_and_run_hf_dir_give_the_runs_logits(root, base, capsys):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert main(["export", str(base), "--format", "hf", "--out", str(root / "bf16")]) == 2
     assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_sample_continues_the_prompt_with_the_runs_greedy_tokens(root, base, capsys):
+    from transformers import AutoModelForCausalLM
+    from mct.cli import main
+    assert main(["sample", str(base), "--prompt", "the quick", "--tokens", "5", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out[:-1]  # print's newline
+    ids = list(b"the quick")
+    model = AutoModelForCausalLM.from_pretrained(str(base / "hf")).eval()
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(model(torch.tensor([ids[-16:]])).logits[0, -1].argmax()))
+    assert text == bytes(ids).decode("utf-8", errors="replace")
+    assert main(["sample", str(base), "--tokens", "0"]) == 2
+    assert main(["sample", str(base), "--tokens", "8", "--seed", "1"]) == 0
+    capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report | export (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export | sample (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", help="--format hf: the weights' dtype, fp32 or bf16")
     e.add_argument("--max-shard-size", default="2GB", help="--format hf: the largest safetensors file; more "
                    "weights are split into shards listed by model.safetensors.index.json")
+    sm = sub.add_parser("sample", help="text from a run's final weights, with its tokenizer", **kw)
+    sm.add_argument("run_dir", help="a directory made by `mct train`")
+    sm.add_argument("--prompt", default="", help="text the sample continues (default: a newline)")
+    sm.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    sm.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     return parser
 
 
@@ -331,6 +337,12 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.run.sample import sample
+    print(sample(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.nproc > 1 and not _under_torchrun():
@@ -453,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
-               "export": cmd_export}[args.command]
+               "export": cmd_export, "sample": cmd_sample}[args.command]
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():
