@@ -109,8 +109,18 @@ def test_hf_run_of_two_ranks_resumes_on_one(hf_dirs, reports):
     """2 ranks for 2 steps, then 1 rank (2 micro-batches: the same global batch) to step 3,
     equals 1 rank from the start up to the order of the fp32 sums."""
     from safetensors.torch import load_file
+    from mct.persistence.export import consolidated_state
+    from mct.persistence.hf_export import export_hf
     from mct.persistence.resume import resume_config
     from mct.run.trainer import train
+    # the HF export reads each rank's stored chunk of a unit: the same values as the whole-unit export
+    step2 = Path(hf_dirs["two_ranks"]) / "checkpoints" / "step_00000002"
+    export_hf(step2, Path(hf_dirs["two_ranks"]).parent / "hf_two_ranks", max_shard_bytes=30_000)
+    exported = {}
+    for f in sorted((Path(hf_dirs["two_ranks"]).parent / "hf_two_ranks").glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    whole = consolidated_state(step2)
+    assert set(exported) == set(whole) and all(torch.equal(exported[k], whole[k]) for k in whole)
     train(resume_config(hf_dirs["two_ranks"], ["train.steps=3"], 1), hf_dirs["two_ranks"], progress=False,
           resume=True)
     train(EngineConfig.from_dict(run_config(hf_dirs, 3, grad_accum=2)), hf_dirs["one_rank"], progress=False)

@@ -7,8 +7,9 @@ directory) and the weights as safetensors: one ``model.safetensors``, or
 ``model-0000k-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` once
 they pass ``--max-shard-size``. The safetensors files are written by hand, tensor by
 tensor: the header first (every name, dtype and shape is known from the checkpoint's
-unit layouts), then each tensor's bytes as it is read, one checkpoint unit at a time.
-Peak memory is one unit's fp32 flat master plus one converted tensor, never the model.
+unit layouts), then each tensor's bytes as they are read from the DCP files, one stored
+chunk (the piece of a unit one rank wrote) at a time, converted 16 MiB at a time. Peak
+memory is the largest stored chunk plus 16 MiB, never the model.
 Everything goes to a temporary directory beside ``--out``, renamed when complete.
 """
 
@@ -20,7 +21,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -71,23 +72,62 @@ def _entries(checkpoint: Path) -> list[tuple[str, tuple[int, ...], str, int]]:
     return out
 
 
-def _tensors(checkpoint: Path, entries: list, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """Each entry's values in ``dtype``, reading one unit's flat master at a time."""
-    units = {u["name"]: u for u in read_json(checkpoint / "engine.json")["units"]}
-    current: tuple[str, torch.Tensor] | None = None
-    for name, shape, key, offset in entries:
-        if offset < 0:  # frozen: stored whole, in its own dtype
-            spec = read_json(checkpoint / "engine.json")["tensors"][key]
-            t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-            shards.load_full(checkpoint / "engine", {key: t})
-            yield t.to(dtype)
-            continue
-        if current is None or current[0] != key:
-            current = None  # the previous unit is freed before the next is read
-            flat = torch.empty(int(units[key[: -len("/master")]]["numel"]), dtype=torch.float32)
-            shards.load_full(checkpoint / "engine", {key: flat})
-            current = (key, flat)
-        yield current[1][offset:offset + math.prod(shape)].view(shape).to(dtype)
+class _Chunks:
+    """A checkpoint's 1-D unit tensors read one stored chunk (what one rank wrote) at a
+    time, straight from the DCP files: only the newest chunk is held."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        from mct.persistence.shards import SafeReader
+        self.dir = engine_dir
+        md = SafeReader(str(engine_dir)).read_metadata()
+        self.where: dict[str, list[tuple[int, int, object]]] = {}
+        for idx, info in md.storage_data.items():
+            spec = md.state_dict_metadata.get(idx.fqn)
+            if len(idx.offset) != 1 or not hasattr(spec, "chunks"):
+                continue
+            size = next(c.sizes[0] for c in spec.chunks if c.offsets[0] == idx.offset[0])
+            self.where.setdefault(idx.fqn, []).append((int(idx.offset[0]), int(size), info))
+        for chunks in self.where.values():
+            chunks.sort(key=lambda c: c[0])
+        self._held: tuple[str, int, torch.Tensor] | None = None
+
+    def pieces(self, key: str, start: int, end: int) -> Iterator[torch.Tensor]:
+        """Consecutive views covering elements [start, end) of ``key``."""
+        for c0, n, info in self.where[key]:
+            a, b = max(start, c0), min(end, c0 + n)
+            if a < b:
+                yield self._chunk(key, c0, info)[a - c0:b - c0]
+
+    def _chunk(self, key: str, c0: int, info) -> torch.Tensor:
+        from torch.distributed.checkpoint.filesystem import _create_file_view
+        if self._held is not None and self._held[:2] == (key, c0):
+            return self._held[2]
+        self._held = None  # the previous chunk is freed before the next is read
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"{self.dir}: chunk {key}@{c0} is stored transformed ({info.transform_descriptors}); "
+                             f"export it with --out FILE.safetensors")
+        with open(self.dir / info.relative_path, "rb") as f:
+            t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        self._held = (key, c0, t.reshape(-1))
+        return self._held[2]
+
+
+PIECE = 1 << 22
+"""Elements converted to the export dtype at a time (16 MiB of fp32)."""
+
+
+def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """One entry's values in ``dtype``, in pieces of at most ``PIECE`` elements."""
+    name, shape, key, offset = entry
+    if offset < 0:  # frozen: stored whole, in its own dtype
+        spec = read_json(checkpoint / "engine.json")["tensors"][key]
+        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        shards.load_full(checkpoint / "engine", {key: t})
+        yield t.reshape(-1).to(dtype)
+        return
+    for piece in chunks.pieces(key, offset, offset + math.prod(shape)):
+        for i in range(0, piece.numel(), PIECE):
+            yield piece[i:i + PIECE].to(dtype)  # no copy when dtype is already fp32
 
 
 def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
@@ -105,13 +145,13 @@ def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
     return files
 
 
-def _write_safetensors(path: Path, names_shapes: list[tuple[str, tuple[int, ...]]], st_dtype: str,
-                       element: int, tensors: Iterator[torch.Tensor]) -> int:
-    """Write one safetensors file: the header, then each tensor from ``tensors`` in
-    order. Returns the data bytes written."""
+def _write_safetensors(path: Path, entries: list[tuple], st_dtype: str, element: int,
+                       pieces: Callable[[tuple], Iterator[torch.Tensor]]) -> int:
+    """Write one safetensors file: the header, then each entry's bytes as ``pieces``
+    yields them. Returns the data bytes written."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in names_shapes:
+    for name, shape, _, _ in entries:
         n = math.prod(shape) * element
         header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -120,8 +160,9 @@ def _write_safetensors(path: Path, names_shapes: list[tuple[str, tuple[int, ...]
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _ in names_shapes:
-            f.write(next(tensors).contiguous().view(torch.uint8).numpy().tobytes())
+        for entry in entries:
+            for piece in pieces(entry):
+                f.write(memoryview(piece.contiguous().view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
     return offset
@@ -133,11 +174,12 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
     element = torch.empty((), dtype=torch_dtype).element_size()
     entries = _entries(checkpoint)
     files = _plan_files(entries, element, max_shard_bytes)
-    stream = _tensors(checkpoint, entries, torch_dtype)
+    chunks = _Chunks(checkpoint / "engine")
     weight_map, total = {}, 0
     for k, indices in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        total += _write_safetensors(out / fname, [entries[i][:2] for i in indices], st_dtype, element, stream)
+        total += _write_safetensors(out / fname, [entries[i] for i in indices], st_dtype, element,
+                                    lambda e: _pieces(checkpoint, e, chunks, torch_dtype))
         weight_map.update({entries[i][0]: fname for i in indices})
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
