@@ -196,3 +196,32 @@ def test_hf_source_mistakes_are_one_line(hf_dirs, tmp_path, capsys):
                      "--set", "model.seq_len=16" if "model.seq_len=64" not in args else "seed=1", *args])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith("mct: error: ") and "\n" not in err and words in err, (args, err)
+
+
+def cached_gpt2():
+    """A factory for --model: GPT-2 as from_config builds it, KV cache on (use_cache=True)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def test_selective_checkpointing_of_a_cached_hf_model_matches_no_checkpointing():
+    """The crash 'aten.slice.Tensor encountered during backward but not found in storage'
+    came from the KV cache growing between forward and recompute: the default loss of
+    a pkg.module:factory model turns it off, in the engine and the planner alike."""
+    import mct
+    from mct.planner import dry_run
+    from mct.task.tokens import token_loss
+    x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = (x, torch.roll(x, -1, 1))
+    states = {}
+    for policy in ("none", "selective"):
+        torch.manual_seed(0)
+        cfg = EngineConfig.from_dict({"checkpointing": {"policy": policy}})
+        engine = mct.Engine(cached_gpt2(), lambda g: torch.optim.SGD(g, lr=0.1), cfg)
+        torch.manual_seed(1)
+        engine.train_step(batch, token_loss)
+        states[policy] = engine.full_state_dict()
+    assert all(torch.equal(states["none"][k], v) for k, v in states["selective"].items())
+    run = dry_run(cached_gpt2, token_loss, batch, EngineConfig.from_dict({"checkpointing": {"policy": "selective"}}), 1)
+    assert run.peak > 0
