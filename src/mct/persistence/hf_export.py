@@ -128,6 +128,7 @@ def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype)
     for piece in chunks.pieces(key, offset, offset + math.prod(shape)):
         for i in range(0, piece.numel(), PIECE):
             yield piece[i:i + PIECE].to(dtype)  # no copy when dtype is already fp32
+        del piece  # no view keeps this chunk alive while the next one is read
 
 
 def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
@@ -163,6 +164,7 @@ def _write_safetensors(path: Path, entries: list[tuple], st_dtype: str, element:
         for entry in entries:
             for piece in pieces(entry):
                 f.write(memoryview(piece.contiguous().view(torch.uint8).numpy()))
+                del piece  # (a view of the stored chunk: see _pieces)
         f.flush()
         os.fsync(f.fileno())
     return offset

@@ -58,24 +58,30 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
 
 
 class _SafetensorsSource:
-    """Shapes and ranged reads of tensors in safetensors files (lazily opened)."""
+    """Shapes and ranged reads of tensors in safetensors files. A file is opened (memory
+    mapped) for one read and closed after it: the pages a read touched leave the
+    process's resident set with the mapping."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         from safetensors import safe_open
         self.files = files
-        self._open = {f: safe_open(str(f), framework="pt") for f in set(files.values())}
-        self.shapes = {k: tuple(self._open[f].get_slice(k).get_shape()) for k, f in files.items()}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in set(files.values()):
+            with safe_open(str(f), framework="pt") as handle:
+                self.shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()
+                                    if files.get(k) == f})
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor, reading the rows around them."""
-        sl = self._open[self.files[name]].get_slice(name)
+        from safetensors import safe_open
         shape = self.shapes[name]
-        if len(shape) == 0:
-            return self._open[self.files[name]].get_tensor(name).reshape(1).float()[start:end]
-        row = math.prod(shape[1:])
-        r0, r1 = start // row, -(-end // row)
-        rows = sl[r0:r1].reshape(-1)
-        return rows[start - r0 * row:end - r0 * row].float()
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            if len(shape) == 0:
+                return handle.get_tensor(name).reshape(1).float()[start:end]
+            row = math.prod(shape[1:])
+            r0, r1 = start // row, -(-end // row)
+            rows = handle.get_slice(name)[r0:r1].reshape(-1)
+            return rows[start - r0 * row:end - r0 * row].float().clone()
 
 
 class _CheckpointSource:
@@ -167,7 +173,7 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
     ``Engine.load_state_dict``): every rank calls it. Raises ValueError, the engine
     untouched, for a bad source or names/shapes that do not match the model."""
     source = open_source(path)
-    state = engine.state_dict()
+    state = engine.state_dict()  # under offload: copies of the masters (filled in place below)
     in_units = {name: tuple(shape) for unit in state["units"] for name, shape, _ in unit["params"]}
     frozen = [(n, p) for n, p in engine.model.named_parameters() if n not in in_units]
     source_of = check_names(engine.model, {**in_units, **{n: tuple(p.shape) for n, p in frozen}}, source.shapes,
@@ -178,7 +184,9 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
         piece = tensors[key]
         lo = state["extents"][key][0]
         hi = lo + piece.numel()
-        new = torch.zeros(piece.shape, dtype=torch.float32)  # alignment gaps hold zeros
+        # Offloaded masters come as copies: fill them. Resident ones are the live state, which
+        # must not change before load_state_dict has validated everything: fill a new tensor.
+        new = piece if engine.config.offload.enabled else torch.zeros(piece.shape, dtype=torch.float32)
         for name, shape, offset in unit["params"]:
             a, b = max(lo, offset), min(hi, offset + math.prod(shape))
             if a < b:
