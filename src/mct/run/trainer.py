@@ -123,7 +123,8 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         if task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
             copy_hf_assets(task.hf_dir, run_dir / "hf")
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
-              batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded(task.loss_fn), eval_loss_fn=task.loss_fn,
+              batches=lambda position, rank: step_batches(sampler, cfg, position, rank),
+              loss_fn=seeded(task.loss_fn), eval_loss_fn=task.loss_fn,
               rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, task))
     lp.load_feedback_state(saved)
     try:
