@@ -104,3 +104,27 @@ def test_sample_continues_the_prompt_with_the_runs_greedy_tokens(root, base, cap
     assert main(["sample", str(base), "--tokens", "0"]) == 2
     assert main(["sample", str(base), "--tokens", "8", "--seed", "1"]) == 0
     capsys.readouterr()
+
+
+def test_init_from_a_run_a_safetensors_file_and_a_sharded_hf_dir(root, base):
+    """Fine-tuning sources: an mct run dir (its newest checkpoint), a .safetensors file,
+    and a sharded HF directory (model.safetensors.index.json), each read slice by slice."""
+    import mct
+    from safetensors.torch import load_file
+    from mct.cli import main
+    from mct.persistence.init_from import load_pretrained
+    from mct.task import build_model, task_for
+    final = load_file(str(base / "model.safetensors"))
+    sharded = root / "sharded"
+    assert main(["export", str(base), "--format", "hf", "--out", str(sharded), "--max-shard-size", "30KB"]) == 0
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    for source in (base, base / "model.safetensors", sharded):
+        cfg = EngineConfig.from_dict({"model": {"source": f"hf:{root / 'gpt2'}", "seq_len": 16},
+                                      "zero": {"stage": 3}, "offload": {"optimizer": "cpu"}})
+        task = task_for(cfg)
+        model, program = build_model(task, cfg, on_meta=True)
+        engine = mct.Engine(model, lambda g: torch.optim.SGD(g, lr=0.0), cfg, init_program=program)
+        load_pretrained(engine, source)
+        got = engine.full_state_dict()
+        assert set(got) == set(final) and all(torch.equal(got[k], final[k]) for k in final), source
+        engine.close()

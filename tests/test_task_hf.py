@@ -190,7 +190,8 @@ def test_hf_source_mistakes_are_one_line(hf_dirs, tmp_path, capsys):
              (["--model", f"hf:{hf_dirs['llama']}", "--set", "model.n_layer=8"], "only the built-in GPT reads it"),
              (["--model", f"hf:{hf_dirs['gpt2']}", "--set", "model.seq_len=64"], "longer than the 32 positions"),
              (["--model", f"hf:{hf_dirs['gpt2']}", "--init-from", hf_dirs["llama"]], "missing"),
-             (["--model", f"hf:{hf_dirs['gpt2']}", "--init-from", str(tmp_path / "x.bin")], "no such directory")]
+             (["--model", f"hf:{hf_dirs['gpt2']}", "--init-from", str(tmp_path / "x.bin")], "no such directory"),
+             (["--model", "tests.planner_models:hf_gpt2"], "embeds 101")]  # byte ids >= its vocabulary
     for args, words in cases:
         code = main(["verify", "--steps", "1", "--set", f"data.path={hf_dirs['corpus']}",
                      "--set", "model.seq_len=16" if "model.seq_len=64" not in args else "seed=1", *args])

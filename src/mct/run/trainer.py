@@ -37,7 +37,7 @@ from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set
 from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
 from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
 from mct.run.signals import StopRequest
-from mct.task import build_model as build_task_model, seeded, task_for
+from mct.task import build_model as build_task_model, check_tokens, seeded, task_for
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 
@@ -99,8 +99,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     cfg, choice = resolve_auto(cfg, ctx.world_size, task,  # before anything is allocated
                                device=ctx.device.type)
     corpus, sampler = build_data(cfg, ctx.world_size)
-    if task.vocab_size is not None:
-        corpus.check_vocab(task.vocab_size)
+    check_tokens(task, corpus)
     if resume:
         _agree(ctx, _error_of(check_corpus, run_dir, corpus.fingerprint) if ctx.is_main else None)
 

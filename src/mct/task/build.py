@@ -32,6 +32,16 @@ def task_for(cfg: EngineConfig) -> Task:
     return load_workload(source, cfg)
 
 
+def check_tokens(task: Task, corpus: Any) -> None:
+    """Raise ValueError (one line) when ``corpus`` (a ``mct.data.Corpus``) holds token
+    ids the Task's model cannot embed (a byte corpus into a model with fewer than 256
+    ids, or a dataset tokenized for another model). No-op when the vocabulary is unknown."""
+    if task.vocab_size is not None and corpus.min_vocab_size > task.vocab_size:
+        raise ValueError(f"corpus {corpus.source!r} has token ids up to {corpus.min_vocab_size - 1}, but the "
+                         f"model ({task.label}) embeds {task.vocab_size}; train on data tokenized for this model "
+                         f"(mct prepare --tokenizer MODEL_DIR) or use a model with a larger vocabulary")
+
+
 def build_model(task: Task, cfg: EngineConfig, on_meta: bool) -> tuple[nn.Module, InitProgram | None]:
     """``task.model_fn()`` seeded from ``cfg.seed`` (identical on every rank). With
     ``on_meta`` it is built on the meta device with the program that gives each

@@ -31,7 +31,7 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
-from mct.task import build_model, seeded, task_for
+from mct.task import build_model, check_tokens, seeded, task_for
 from mct.task.gpt import make_optimizer, step_batches
 from mct.data import build_data
 
@@ -92,8 +92,7 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     ctx = ctx or DistContext.current()
     task = task_for(cfg)
     corpus, sampler = build_data(cfg, ctx.world_size)
-    if task.vocab_size is not None:
-        corpus.check_vocab(task.vocab_size)
+    check_tokens(task, corpus)
     model, _ = build_model(task, cfg, on_meta=False)
     optimizer = task.optimizer or make_optimizer(cfg)
     ref = None
