@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,hf]'
 	touch $@
 
 install: $(VENV)/.installed

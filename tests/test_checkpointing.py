@@ -290,6 +290,20 @@ def test_find_blocks_by_default_and_by_class_name():
     assert [n for n, _ in find_blocks(model, ["MLP"])] == [f"blocks.{i}.mlp" for i in range(TINY.n_layer)]
 
 
+def test_find_blocks_prefers_the_longest_list_of_one_repeated_class():
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # a longer mixed list (heads of different kinds) next to the layer stack
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2),
+                                              torch.nn.ReLU()])
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    assert [n for n, _ in find_blocks(Stack())] == ["layers.0", "layers.1", "layers.2"]
+    mixed = torch.nn.Module()
+    mixed.only = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
+    assert [n for n, _ in find_blocks(mixed)] == ["only.0", "only.1"]  # the fallback: no repeated list
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="checkpointing.policy"):
         CheckpointingConfig(policy="bogus")

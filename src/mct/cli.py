@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report | export (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export | sample (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -37,10 +37,17 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
-def _common(p: argparse.ArgumentParser, nproc: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = True) -> None:
     p.add_argument("--config", help="TOML config file; keys not in it keep the recipe's defaults")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set zero.stage=2")
+    p.add_argument("--model", metavar="SPEC", help="what is trained (= --set model.source=SPEC): 'gpt' (the "
+                   "built-in GPT of [model]), 'hf:DIR' (a local Hugging Face model directory; nothing is "
+                   "downloaded, no code from it runs) or 'package.module:factory' returning an nn.Module (it may "
+                   "define loss_fn, example_batch, optimizer, param_groups; docs/planner.md) (default: gpt)")
+    if init_from:
+        p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
+                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
     if nproc:
         p.add_argument("--nproc", type=int, default=1, help="local worker processes (launched with torchrun)")
 
@@ -71,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=10, help="steps to compare")
     pl = sub.add_parser("plan", help="predict per-rank peak memory of every configuration; pick one for a budget",
                         **kw)
-    _common(pl, nproc=False)
-    pl.add_argument("--model", help="'package.module:factory' returning an nn.Module (default: the reference "
-                    "GPT); the module may define loss_fn, example_batch, optimizer, param_groups (docs/planner.md)")
+    _common(pl, nproc=False, init_from=False)
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -89,7 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (--format hf: a new directory)")
+    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one fp32 file, names as named_parameters; hf: a Hugging Face model directory "
+                        "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model")
+    e.add_argument("--dtype", default="fp32", help="--format hf: the weights' dtype, fp32 or bf16")
+    e.add_argument("--max-shard-size", default="2GB", help="--format hf: the largest safetensors file; more "
+                   "weights are split into shards listed by model.safetensors.index.json")
+    sm = sub.add_parser("sample", help="text from a run's final weights, with its tokenizer", **kw)
+    sm.add_argument("run_dir", help="a directory made by `mct train`")
+    sm.add_argument("--prompt", default="", help="text the sample continues (default: a newline)")
+    sm.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    sm.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     return parser
 
 
@@ -163,10 +180,20 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
                          f"offload.params=disk, or run `mct plan` for the memory a configuration needs")
 
 
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """--set overrides with --model / --init-from appended as model.source / train.init_from."""
+    extra = [f"model.source={args.model}"] if args.model else []
+    if getattr(args, "init_from", None):
+        extra.append(f"train.init_from={args.init_from}")
+    return [*args.set, *extra]
+
+
 def _train_config(args: argparse.Namespace):
     """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
     if not args.resume:
-        return load_config(args.config, args.set, defaults=CLI_RECIPE), args.run_dir
+        return load_config(args.config, _model_flags(args), defaults=CLI_RECIPE), args.run_dir
+    if args.model or args.init_from:
+        raise ValueError("--resume continues the run's own model and weights; drop --model/--init-from")
     if args.config:
         raise ValueError("--resume uses the run's recorded config; drop --config (change allowed keys with --set)")
     if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
@@ -188,7 +215,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         from mct.planner import resolve_auto
         from mct.task import task_for
         from mct.persistence.run_dir import check_new_run_dir
-        # an impossible budget fails here, in one line, before any launch
+        # an impossible budget (or model source) fails here, in one line, before any launch
         resolve_auto(cfg, args.nproc * args.nnodes, task_for(cfg),
                      device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
@@ -293,16 +320,34 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
 
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.persistence.export import export
-    path, warning = export(args.source, args.out)
+    from mct.config import parse_bytes
+    if args.format == "hf":
+        from mct.persistence.hf_export import export_hf
+        path, warning = export_hf(args.source, args.out, args.dtype, parse_bytes(args.max_shard_size,
+                                                                                  "--max-shard-size"))
+    else:
+        if args.dtype != "fp32" or args.max_shard_size != "2GB":
+            raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
+                             "one file")
+        from mct.persistence.export import export
+        path, warning = export(args.source, args.out)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} from {path}")
     return 0
 
 
+def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.run.sample import sample
+    print(sample(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed))
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
+    cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
+    if args.nproc > 1 and not _under_torchrun():
+        from mct.task import task_for
+        task_for(cfg)  # a bad model source fails here, in one line, before any launch
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
@@ -327,19 +372,16 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
     from mct.config import parse_bytes
-    from mct.planner import load_workload, make_plan
+    from mct.planner import make_plan
     from mct.reporting.plots import check_plot_path
-    cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
+    cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
         check_plot_path(args.plot)  # before minutes of planning
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
-    if args.model:
-        work = load_workload(args.model, cfg)
-    else:
-        from mct.task import task_for
-        work = task_for(cfg)
+    from mct.task import task_for
+    work = task_for(cfg)
     grid = _plan_grid(args)
     plan = make_plan(work, cfg, args.world_size, limit, **grid)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
@@ -423,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
-               "export": cmd_export}[args.command]
+               "export": cmd_export, "sample": cmd_sample}[args.command]
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():

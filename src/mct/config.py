@@ -89,8 +89,14 @@ class ModelConfig:
     """'sdpa' (fused scaled_dot_product_attention), 'explicit' (matmuls around an fp32
     softmax) or 'auto': explicit for bf16/fp16 on CPUs with native low-precision matrix
     units, SDPA elsewhere (docs/precision.md has the measurements)."""
+    source: str = "gpt"
+    """What is trained: 'gpt' (the built-in GPT of the keys above), 'hf:DIR' (a local
+    Hugging Face model directory; nothing is downloaded, no code from it runs) or
+    'pkg.module:factory' (a function returning an nn.Module). Only seq_len applies to
+    every source; the other keys of [model] are the built-in GPT's."""
 
     def __post_init__(self) -> None:
+        self._check_source()
         for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
             _check_range(f"model.{k}", getattr(self, k), 1)
         if self.d_model % self.n_head:
@@ -99,6 +105,28 @@ class ModelConfig:
             _fail("model.dropout", self.dropout, "must be in [0, 1)")
         if self.attention not in ("auto", "sdpa", "explicit"):
             _fail("model.attention", self.attention, "choose 'auto', 'sdpa' or 'explicit'")
+
+    def _check_source(self) -> None:
+        """The source's syntax, and no GPT-only key changed with another source (it would
+        be silently ignored)."""
+        src = self.source
+        if src == "gpt":
+            return
+        if src.startswith("hf:"):
+            if not src[3:].strip():
+                _fail("model.source", src, "name a local directory after 'hf:', e.g. hf:./my-llama")
+        elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", src):
+            _fail("model.source", src, "choose 'gpt', 'hf:DIR' or 'package.module:factory'")
+        defaults = ModelConfig()
+        changed = [k for k in GPT_ONLY_KEYS if getattr(self, k) != getattr(defaults, k)]
+        if changed:
+            _fail(f"model.{changed[0]}", getattr(self, changed[0]),
+                  f"only the built-in GPT reads it, and model.source = {src!r} brings its own architecture; "
+                  f"remove model.{changed[0]} (model.seq_len is the one [model] key every source uses)")
+
+
+GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "dropout", "attention")
+"""[model] keys that configure the built-in GPT and mean nothing to another model.source."""
 
 
 @dataclass(kw_only=True)
@@ -162,6 +190,9 @@ class TrainConfig:
     """The third rollback of the same window multiplies the learning rate by this factor (in (0, 1])."""
     preempt_timeout_s: float = 30.0
     """On SIGTERM/SIGINT: seconds allowed to write the checkpoint of the last completed step before exiting."""
+    init_from: str = ""
+    """Pretrained weights the run starts from: a Hugging Face model directory, a .safetensors file, or an
+    mct run dir or checkpoint; each rank reads only its shards' slices. '' = the model's own initialization."""
 
     def __post_init__(self) -> None:
         _check_range("train.steps", self.steps, 1)

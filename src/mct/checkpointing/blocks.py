@@ -11,19 +11,24 @@ import torch.nn as nn
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
     """Return the model's blocks as ``(qualified_name, module)`` in ``named_modules`` order.
 
-    With ``class_names`` empty: the children of the longest ``nn.ModuleList`` (ties go
-    to the first one met). Otherwise: every module whose class name is listed; a match
+    With ``class_names`` empty: the children of the longest ``nn.ModuleList`` whose
+    children are all of one class (the repeated layers of any transformer: an HF
+    model's decoder layers), else of the longest ``nn.ModuleList``; ties go to the first
+    one met. Otherwise: every module whose class name is listed; a match
     nested inside another match is skipped (blocks do not nest). Returns ``[]`` when no
     ModuleList exists. Raises ValueError for a class name the model does not contain,
     listing the class names it does contain. Mutates nothing.
     """
     if class_names:
         return _blocks_by_class(model, class_names)
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    # A list of one repeated class is the model's layer stack; a mixed list (heads,
+    # adapters) is only the fallback.
+    repeated = [(n, m) for n, m in lists if len({type(c) for c in m}) == 1]
     best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if best is None or len(module) > len(best[1]):
-                best = (name, module)
+    for name, module in repeated or lists:
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
     if best is None:
         return []
     prefix = f"{best[0]}." if best[0] else ""

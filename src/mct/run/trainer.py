@@ -41,7 +41,9 @@ from mct.run.feedback import Feedback
 from mct.run.rollback import DivergenceDetector, RollbackController, TrainingStopped, Verdict  # noqa: F401
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
-from mct.task import build_model as build_task_model, seeded, task_for
+from mct.persistence.hf_export import copy_hf_assets, write_run_hf
+from mct.persistence.init_from import load_pretrained
+from mct.task import build_model as build_task_model, check_tokens, seeded, task_for
 from mct.task.gpt import (build_model, build_model_on_meta, make_optimizer, param_groups, seeded_gpt_loss,  # noqa: F401
                           step_batches)
 
@@ -75,10 +77,13 @@ class Trainer(Feedback):
         self.task = task_for(cfg)
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
+        check_tokens(self.task, self.corpus)
         if resume:
             agree(_error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
         self.loss_fn = seeded(self.task.loss_fn)
         self.engine = self.build_engine(self.cfg)
+        if self.cfg.train.init_from and not resume:
+            load_pretrained(self.engine, self.cfg.train.init_from)
         tcfg = self.cfg.train
         self.counters = LoopCounters()
         self.data = DataPosition()
@@ -97,6 +102,8 @@ class Trainer(Feedback):
         if ctx.is_main and not resume:
             write_metadata(self.run_dir, config=self.cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                            device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice})
+            if self.task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
+                copy_hf_assets(self.task.hf_dir, self.run_dir / "hf")
 
     # ---- Stateful ----
     def stateful(self) -> dict[str, Any]:
@@ -120,7 +127,7 @@ class Trainer(Feedback):
         """A fresh model and engine for ``cfg``. Stage 3 and offload never hold the whole
         model: it is built on meta and materialized a unit at a time."""
         host.for_building(host.mode_of(cfg, self.ctx.device.type))  # before the model is built
-        task = task_for(cfg)
+        task = self.task  # the model does not depend on the stage, policy or offload a config picks
         model, program = build_task_model(task, cfg, on_meta=cfg.zero.stage == 3 or cfg.offload.enabled)
         optimizer = task.optimizer or make_optimizer(cfg)
         groups = task.param_groups(model) if task.param_groups else None
@@ -143,6 +150,8 @@ class Trainer(Feedback):
         try:
             summary = self._loop()
             export_weights(self.engine, self.run_dir / "model.safetensors", self.ctx)
+            if self.task.hf_dir and self.ctx.is_main:
+                write_run_hf(self.run_dir)
         finally:
             self.writer.close()
             self.engine.close()

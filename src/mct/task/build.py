@@ -12,15 +12,34 @@ import torch.nn as nn
 
 from mct.config import EngineConfig
 from mct.offload.meta_init import InitProgram, record_init
+from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
 from mct.task.seeding import seed_everything
 from mct.task.spec import LossFn, Task
 
 
 def task_for(cfg: EngineConfig) -> Task:
-    """The Task ``cfg`` trains: the built-in GPT of ``[model]``. New model sources plug
-    in here (the run loop never names a model)."""
-    return gpt_task(cfg)
+    """The Task ``cfg`` trains, by ``model.source``: 'gpt' (the built-in GPT of
+    ``[model]``), 'hf:DIR' (``mct.task.hf``) or 'pkg.module:factory'
+    (``mct.task.factory``). New model sources plug in here (the run loop never names a
+    model). Raises ValueError (one line) for a source that cannot be loaded."""
+    source = cfg.model.source
+    if source == "gpt":
+        return gpt_task(cfg)
+    if source.startswith("hf:"):
+        from mct.task.hf import hf_task  # imports transformers, an optional dependency
+        return hf_task(cfg, source[3:])
+    return load_workload(source, cfg)
+
+
+def check_tokens(task: Task, corpus: Any) -> None:
+    """Raise ValueError (one line) when ``corpus`` (a ``mct.data.Corpus``) holds token
+    ids the Task's model cannot embed (a byte corpus into a model with fewer than 256
+    ids, or a dataset tokenized for another model). No-op when the vocabulary is unknown."""
+    if task.vocab_size is not None and corpus.min_vocab_size > task.vocab_size:
+        raise ValueError(f"corpus {corpus.source!r} has token ids up to {corpus.min_vocab_size - 1}, but the "
+                         f"model ({task.label}) embeds {task.vocab_size}; train on data tokenized for this model "
+                         f"(mct prepare --tokenizer MODEL_DIR) or use a model with a larger vocabulary")
 
 
 def build_model(task: Task, cfg: EngineConfig, on_meta: bool) -> tuple[nn.Module, InitProgram | None]:

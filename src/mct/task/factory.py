@@ -51,4 +51,27 @@ def load_workload(path: str, cfg: EngineConfig) -> Task:
         hooks[name] = hook
     batch = hooks["example_batch"](cfg) if hooks["example_batch"] else token_batch(cfg)
     return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or token_loss, batch=batch,
-                    optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path)
+                optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path,
+                vocab_size=_vocab_of(factory))
+
+
+def _vocab_of(factory: Callable) -> int | None:
+    """The token ids the model embeds: its input embeddings (``get_input_embeddings()``,
+    else its first ``nn.Embedding``), found on a construction on the meta device; None
+    when it has none or cannot be built there (the factory's own errors surface later)."""
+    import torch
+    import torch.nn as nn
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:  # noqa: BLE001 - reported by the run that builds it for real
+        return None
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        emb = None
+    if not isinstance(emb, nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None

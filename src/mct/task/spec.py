@@ -27,3 +27,10 @@ class Task:
     optimizer: OptimizerFactory | None = None
     param_groups: ParamGroupsFn | None = None
     label: str = "model"
+    vocab_size: int | None = None
+    """Token ids the model embeds (the corpus must stay below it); None: not known."""
+    max_positions: int | None = None
+    """The longest sequence the model can embed; None: unbounded or not known."""
+    hf_dir: str | None = None
+    """The Hugging Face directory the model comes from (config.json and tokenizer files
+    that an HF export writes back); None for other sources."""

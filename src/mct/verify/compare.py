@@ -31,7 +31,8 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
-from mct.task.gpt import build_model, make_optimizer, param_groups, seeded_gpt_loss, step_batches
+from mct.task import build_model, check_tokens, seeded, task_for
+from mct.task.gpt import make_optimizer, step_batches
 from mct.data import build_data
 
 PARAM_TOL_LOW_PRECISION = 5e-2
@@ -89,15 +90,25 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     """Every rank runs the engine; rank 0 also runs the reference over all ranks'
     micro-batches. Returns the report on rank 0, None elsewhere."""
     ctx = ctx or DistContext.current()
-    _, sampler = build_data(cfg, ctx.world_size)
-    model = build_model(cfg)
+    task = task_for(cfg)
+    corpus, sampler = build_data(cfg, ctx.world_size)
+    check_tokens(task, corpus)
+    model, _ = build_model(task, cfg, on_meta=False)
+    optimizer = task.optimizer or make_optimizer(cfg)
     ref = None
     if ctx.is_main:
         ref_model = copy.deepcopy(model)
-        ref = ReferenceTrainer(ref_model, make_optimizer(cfg), grad_clip=cfg.train.grad_clip,
-                               param_groups=param_groups(ref_model, cfg))
-    engine = Engine(model, make_optimizer(cfg), cfg, ctx=ctx,
-                    param_groups=param_groups(model, cfg))
+        ref = ReferenceTrainer(ref_model, optimizer, grad_clip=cfg.train.grad_clip,
+                               param_groups=task.param_groups(ref_model) if task.param_groups else None)
+    engine = Engine(model, optimizer, cfg, ctx=ctx,
+                    param_groups=task.param_groups(model) if task.param_groups else None)
+    if cfg.train.init_from:
+        from mct.persistence.init_from import load_pretrained
+        load_pretrained(engine, cfg.train.init_from)
+        loaded = engine.full_state_dict()  # collective: every rank
+        if ref is not None:
+            ref.load_weights(loaded)
+    loss_fn = seeded(task.loss_fn)
     loss_tol, param_tol = TOLERANCES[cfg.precision.mode]
     report = VerifyReport(cfg.precision.mode, loss_tol=loss_tol, param_tol=param_tol)
     opt_step = 0
@@ -105,7 +116,7 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
         lr = lr_at(opt_step, cfg.train)
         for g in engine.optimizer.param_groups:
             g["lr"] = lr
-        out = engine.train_step(step_batches(sampler, cfg, step, ctx.rank, ctx.device), seeded_gpt_loss)
+        out = engine.train_step(step_batches(sampler, cfg, step, ctx.rank, ctx.device), loss_fn)
         if ref is not None:
             for g in ref.optimizer.param_groups:
                 g["lr"] = lr
@@ -114,7 +125,7 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
                 report.rows.append((step, out.loss, float("nan"), 0.0, True))
                 report.grad_norms.append((out.grad_norm, float("nan")))
             else:
-                r = ref.step(per_rank, seeded_gpt_loss)
+                r = ref.step(per_rank, loss_fn)
                 report.rows.append((step, out.loss, r.loss, _rel(out.loss, r.loss), False))
                 report.grad_norms.append((out.grad_norm, r.grad_norm))
         opt_step += not out.skipped

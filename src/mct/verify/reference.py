@@ -79,5 +79,17 @@ class ReferenceTrainer:
         finally:
             self.model.train(was)
 
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (names as ``named_parameters()``, every one of them) into the
+        model in place (tied parameters are one entry). Raises ValueError for a missing
+        or unexpected name or a wrong shape, before changing anything."""
+        params = dict(self.model.named_parameters())
+        if set(params) != set(state) or any(params[k].shape != state[k].shape for k in params):
+            bad = sorted(set(params) ^ set(state)) or [k for k in params if params[k].shape != state[k].shape]
+            raise ValueError(f"reference weights do not match the model: {bad[:3]}")
+        for k, p in params.items():
+            p.copy_(state[k])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}

@@ -1,0 +1,244 @@
+"""``mct export RUN_DIR --format hf --out DIR``: a Hugging Face model directory from a
+run's sharded checkpoint, that ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
+
+The directory gets the run's ``config.json`` and tokenizer files (kept in
+``RUN_DIR/hf/`` from the start of the run, else read from the model's source
+directory) and the weights as safetensors: one ``model.safetensors``, or
+``model-0000k-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` once
+they pass ``--max-shard-size``. The safetensors files are written by hand, tensor by
+tensor: the header first (every name, dtype and shape is known from the checkpoint's
+unit layouts), then each tensor's bytes as they are read from the DCP files, one stored
+chunk (the piece of a unit one rank wrote) at a time, converted 16 MiB at a time. Peak
+memory is the largest stored chunk plus 16 MiB, never the model.
+Everything goes to a temporary directory beside ``--out``, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from mct.persistence import shards
+from mct.persistence.checkpoint import FROZEN
+from mct.persistence.export import pick_checkpoint
+from mct.persistence.files import fsync_dir, read_json
+from mct.task.hf import TOKENIZER_FILES
+
+DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16")}
+"""--dtype -> (torch dtype, safetensors dtype, config.json dtype)."""
+
+
+def copy_hf_assets(source_dir: str | Path, dest: str | Path) -> None:
+    """Copy config.json and the tokenizer files ``source_dir`` has into ``dest``
+    (created). Raises ValueError (one line) when config.json cannot be copied."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        src = Path(source_dir) / name
+        if src.is_file():
+            try:
+                shutil.copyfile(src, dest / name)
+            except OSError as e:
+                raise ValueError(f"cannot copy {src} into {dest} ({e.strerror or e})") from None
+
+
+def _assets_of(checkpoint: Path) -> Path:
+    """Where the config and tokenizer of the run that wrote ``checkpoint`` are."""
+    kept = checkpoint.parent.parent / "hf"
+    if (kept / "config.json").is_file():
+        return kept
+    source = read_json(checkpoint / "trainer.json").get("config", {}).get("model", {}).get("source", "gpt")
+    if not source.startswith("hf:"):
+        raise ValueError(f"--format hf needs a run of a Hugging Face model (--model hf:DIR); the run of "
+                         f"{checkpoint} trained model.source = {source!r}: export it with --out FILE.safetensors")
+    if not (Path(source[3:]) / "config.json").is_file():
+        raise ValueError(f"--format hf: the run's config.json is neither in {kept} nor in its source {source[3:]!r}")
+    return Path(source[3:])
+
+
+def _entries(checkpoint: Path) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(name, shape, checkpoint key, offset in it) of every parameter, in unit order."""
+    info = read_json(checkpoint / "engine.json")
+    out = [(n, tuple(s), f"{u['name']}/master", o) for u in info["units"] for n, s, o in u["params"]]
+    out += [(k[len(FROZEN):], tuple(spec["shape"]), k, -1) for k, spec in info["tensors"].items()
+            if k.startswith(FROZEN)]
+    return out
+
+
+class _Chunks:
+    """A checkpoint's 1-D unit tensors read one stored chunk (what one rank wrote) at a
+    time, straight from the DCP files: only the newest chunk is held."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        from mct.persistence.shards import SafeReader
+        self.dir = engine_dir
+        md = SafeReader(str(engine_dir)).read_metadata()
+        self.where: dict[str, list[tuple[int, int, object]]] = {}
+        for idx, info in md.storage_data.items():
+            spec = md.state_dict_metadata.get(idx.fqn)
+            if len(idx.offset) != 1 or not hasattr(spec, "chunks"):
+                continue
+            size = next(c.sizes[0] for c in spec.chunks if c.offsets[0] == idx.offset[0])
+            self.where.setdefault(idx.fqn, []).append((int(idx.offset[0]), int(size), info))
+        for chunks in self.where.values():
+            chunks.sort(key=lambda c: c[0])
+        self._held: tuple[str, int, torch.Tensor] | None = None
+
+    def pieces(self, key: str, start: int, end: int) -> Iterator[torch.Tensor]:
+        """Consecutive views covering elements [start, end) of ``key``."""
+        for c0, n, info in self.where[key]:
+            a, b = max(start, c0), min(end, c0 + n)
+            if a < b:
+                yield self._chunk(key, c0, info)[a - c0:b - c0]
+
+    def _chunk(self, key: str, c0: int, info) -> torch.Tensor:
+        from torch.distributed.checkpoint.filesystem import _create_file_view
+        if self._held is not None and self._held[:2] == (key, c0):
+            return self._held[2]
+        self._held = None  # the previous chunk is freed before the next is read
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"{self.dir}: chunk {key}@{c0} is stored transformed ({info.transform_descriptors}); "
+                             f"export it with --out FILE.safetensors")
+        with open(self.dir / info.relative_path, "rb") as f:
+            t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        self._held = (key, c0, t.reshape(-1))
+        return self._held[2]
+
+
+PIECE = 1 << 22
+"""Elements converted to the export dtype at a time (16 MiB of fp32)."""
+
+
+def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """One entry's values in ``dtype``, in pieces of at most ``PIECE`` elements."""
+    name, shape, key, offset = entry
+    if offset < 0:  # frozen: stored whole, in its own dtype
+        spec = read_json(checkpoint / "engine.json")["tensors"][key]
+        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        shards.load_full(checkpoint / "engine", {key: t})
+        yield t.reshape(-1).to(dtype)
+        return
+    for piece in chunks.pieces(key, offset, offset + math.prod(shape)):
+        for i in range(0, piece.numel(), PIECE):
+            yield piece[i:i + PIECE].to(dtype)  # no copy when dtype is already fp32
+        del piece  # no view keeps this chunk alive while the next one is read
+
+
+def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
+    """Entry indices per file, in order, each file at most ``max_bytes`` (a larger
+    tensor gets a file of its own)."""
+    files: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, _, _) in enumerate(entries):
+        n = math.prod(shape) * element
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += n
+    return files
+
+
+def _write_safetensors(path: Path, entries: list[tuple], st_dtype: str, element: int,
+                       pieces: Callable[[tuple], Iterator[torch.Tensor]]) -> int:
+    """Write one safetensors file: the header, then each entry's bytes as ``pieces``
+    yields them. Returns the data bytes written."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _, _ in entries:
+        n = math.prod(shape) * element
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for entry in entries:
+            for piece in pieces(entry):
+                f.write(memoryview(piece.contiguous().view(torch.uint8).numpy()))
+                del piece  # (a view of the stored chunk: see _pieces)
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> None:
+    """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``."""
+    torch_dtype, st_dtype, config_dtype = DTYPES[dtype]
+    element = torch.empty((), dtype=torch_dtype).element_size()
+    entries = _entries(checkpoint)
+    files = _plan_files(entries, element, max_shard_bytes)
+    chunks = _Chunks(checkpoint / "engine")
+    weight_map, total = {}, 0
+    for k, indices in enumerate(files):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        total += _write_safetensors(out / fname, [entries[i] for i in indices], st_dtype, element,
+                                    lambda e: _pieces(checkpoint, e, chunks, torch_dtype))
+        weight_map.update({entries[i][0]: fname for i in indices})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    copy_hf_assets(assets, out)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config["dtype"] = config_dtype  # what the weights hold; from_pretrained reads it
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
+              max_shard_bytes: int = 2 * 10**9) -> tuple[Path, str | None]:
+    """``mct export SOURCE --format hf --out DIR``: the HF directory of the newest usable
+    checkpoint of a run (or of a checkpoint directory). ``out`` must not exist or be an
+    empty directory; it appears complete or not at all. Returns (checkpoint used,
+    warning or None). Raises ValueError (one line) for a bad source, target or dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(DTYPES)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {str(out)!r} exists and is not an empty directory; pass a new directory")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
+    path, warning = pick_checkpoint(source)
+    assets = _assets_of(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_hf(path, tmp, assets, dtype, max_shard_bytes)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ValueError(f"--out {str(out)!r}: cannot write ({e.strerror or e})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(out.parent)
+    return path, warning
+
+
+def write_run_hf(run_dir: str | Path, dtype: str = "fp32", max_shard_bytes: int = 2 * 10**9) -> Path:
+    """``RUN_DIR/hf/``: the HF directory of the run's newest checkpoint, next to the
+    config and tokenizer files kept there since the run started (rank 0, at the end of
+    a run of an ``hf:`` model). Written beside it and swapped in. Returns its path."""
+    run_dir = Path(run_dir)
+    path, _ = pick_checkpoint(run_dir)
+    dest = run_dir / "hf"
+    tmp = run_dir / f".hf.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_hf(path, tmp, _assets_of(path), dtype, max_shard_bytes)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(run_dir)
+    return dest
