@@ -5,6 +5,7 @@ logits; `mct sample` prints text from the run's weights."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -45,8 +46,19 @@ def _cfg(root: Path, kind: str = "gpt2", **train_keys) -> dict:
 @pytest.fixture(scope="module")
 def base(root) -> Path:
     run = root / "base"
-    train(EngineConfig.from_dict(_cfg(root)), run, progress=False)
+    with _one_thread():  # as the CLI run it is compared with: bit-identity is per thread count
+        train(EngineConfig.from_dict(_cfg(root)), run, progress=False)
     return run
+
+
+@contextlib.contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _flags(d: dict) -> list[str]:
@@ -64,7 +76,8 @@ def test_killed_hf_run_resumes_bit_identical(root, base):
     proc = subprocess.run([sys.executable, "-m", "mct", "train", "--run-dir", str(run), "--no-progress",
                            *_flags(_cfg(root))], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    train(resume_config(run, [], 1), run, progress=False, resume=True)
+    with _one_thread():
+        train(resume_config(run, [], 1), run, progress=False, resume=True)
     assert (run / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
 
 
