@@ -32,9 +32,17 @@ def test_offload_config_rejects_mistakes_naming_the_key(section, match):
         EngineConfig.from_dict(section)
 
 
-def test_offload_dir_that_does_not_exist_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="is not a directory"):
-        DiskStore(str(tmp_path / "missing"))
+def test_missing_offload_dir_is_created_and_removed_with_the_last_store(tmp_path):
+    root = tmp_path / "a" / "b"
+    first, second = DiskStore(str(root), name="rank0"), DiskStore(str(root), name="rank1")
+    assert root.is_dir() and first.dir.startswith(str(root)) and second.dir.startswith(str(root))
+    first.close()
+    assert root.is_dir()  # rank 1's folder is still in it
+    second.close()
+    assert list(tmp_path.iterdir()) == []  # every folder mct made is gone, tmp_path stays
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot be created"):
+        DiskStore(str(tmp_path / "file" / "sub"))
 
 
 # ---- stores and the stream ----

@@ -302,6 +302,8 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load_config(args.config, args.set, defaults=CLI_RECIPE)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")

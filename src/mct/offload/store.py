@@ -12,7 +12,8 @@ from a host tensor the caller owns, so a record is never read whole unless asked
   with ``os.preadv``/``os.pwritev`` into and out of the caller's buffer: nothing maps a
   whole file, and the only process memory used is the caller's buffers. The folder is
   private to the store (``tempfile.mkdtemp`` inside ``root``) and removed by ``close``
-  (or when the store is garbage collected).
+  (or when the store is garbage collected). A missing ``root`` is created, and removed
+  again once the last store in it is closed.
 - ``NullStore``: sizes only, for dry runs on fake tensors (the planner).
 """
 
@@ -89,26 +90,25 @@ class HostStore:
 
 class DiskStore:
     """Records in one file under a private folder in ``root`` ('' = system temp dir).
-    Raises ValueError when ``root`` cannot hold a folder (missing, not writable)."""
+    Raises ValueError when ``root`` cannot hold a folder (not creatable, not writable)."""
 
     tier = "disk"
 
     def __init__(self, root: str = "", *, name: str = "state") -> None:
-        """``name`` ends the folder's and names the file's name (e.g. 'rank0')."""
-        if root and not os.path.isdir(root):
-            raise ValueError(f"offload.dir = {root!r} is not a directory: create it or leave it '' "
-                             f"for the system temporary directory")
+        """``name`` ends the folder's and names the file's name (e.g. 'rank0'). A missing
+        ``root`` is created (and removed again by the last store that leaves it empty)."""
+        created = _make_root(root) if root else False
         try:
             self.dir = tempfile.mkdtemp(prefix="mct-offload-", suffix=f"-{name}", dir=root or None)
         except OSError as e:
-            raise ValueError(f"offload.dir = {root!r}: cannot create a folder there ({e}); "
+            raise ValueError(f"offload.dir = {root!r}: cannot create a folder there ({e.strerror or e}); "
                              f"choose a writable directory") from None
         self.path = os.path.join(self.dir, "state.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._size = 0
         self.records: dict[str, Record] = {}
         # The folder goes with the store even if close() is never called.
-        self._finalizer = weakref.finalize(self, _remove, self._fd, self.dir)
+        self._finalizer = weakref.finalize(self, _remove, self._fd, self.dir, root if created else "")
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
         """Reserve record ``key`` at the end of the file (sparse until written)."""
@@ -182,12 +182,48 @@ class NullStore:
         pass
 
 
-def _remove(fd: int, folder: str) -> None:
+_CREATED = ".mct-created"
+"""Marks an offload.dir that mct created: the last store to leave it empty removes it."""
+
+
+def _make_root(root: str) -> bool:
+    """Create the missing ``root`` (with parents) and mark it as mct's; the marker lists
+    the folders created, deepest first. Returns whether mct made ``root`` (this call or
+    another rank's store); raises ValueError naming the path when it cannot."""
+    if os.path.isdir(root):
+        return os.path.exists(os.path.join(root, _CREATED))
+    path = os.path.abspath(root)
+    missing = []
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, _CREATED), "w") as f:
+            f.write("".join(m + "\n" for m in missing))
+    except OSError as e:
+        raise ValueError(f"offload.dir = {root!r} does not exist and cannot be created ({e.strerror or e}); "
+                         f"create it, or leave it '' for the system temporary directory") from None
+    return True
+
+
+def _remove(fd: int, folder: str, created_root: str = "") -> None:
     try:
         os.close(fd)
     except OSError:
         pass
     shutil.rmtree(folder, ignore_errors=True)
+    if created_root:  # mct made offload.dir: remove it once no rank's folder is left in it
+        marker = os.path.join(created_root, _CREATED)
+        try:
+            if set(os.listdir(created_root)) <= {_CREATED}:
+                with open(marker) as f:
+                    made = f.read().split("\n")
+                os.unlink(marker)
+                for d in [m for m in made if m]:  # deepest first; stops at one that holds something
+                    os.rmdir(d)
+        except OSError:
+            pass  # another rank's store still uses it, removed it first, or a parent is not empty
 
 
 def make_store(tier: str, *, root: str, device: torch.device, name: str,
