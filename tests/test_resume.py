@@ -134,7 +134,7 @@ def test_resume_refuses_a_changed_corpus(base, tmp_path, capfd):
     shutil.copytree(corpus, tmp_path / "saved")
     try:
         (corpus / "f00.txt").write_text("changed")
-        assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+        assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=8"]) == 2
         assert "corpus at data.path changed" in capfd.readouterr().err
     finally:
         shutil.rmtree(corpus)

@@ -7,6 +7,7 @@ User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -54,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "epilog": "Config keys default to the field defaults in mct/config.py, except "
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
-    _common(t)
+    _common(t, nproc=False)
+    t.add_argument("--nproc", type=int, default=None,
+                   help="local worker processes, launched with torchrun (default: 1); with --resume, the "
+                        "run's recorded number of local ranks unless given (another number reshards)")
     t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
                                      "(default: runs/<timestamp>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
@@ -89,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
-    e.add_argument("--out", required=True, help="the .safetensors file to write")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (a new file, or a regular "
+                                                "file with --force; never a run's own files)")
+    e.add_argument("--force", action="store_true", help="replace --out if it is an existing regular file")
     return parser
 
 
@@ -179,9 +185,19 @@ def _train_config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     for flag, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
                              ("--max-restarts", args.max_restarts, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
+    recorded = args.nproc is None and args.resume and not _under_torchrun()
+    if args.nproc is None:
+        args.nproc = _recorded_nproc(args.resume, args.nnodes) if recorded else 1
     cfg, run_dir = _train_config(args)
+    if args.resume and not _under_torchrun() and _nothing_left(args.resume, cfg):
+        return 0
+    if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
+        _note(f"--resume without --nproc: continuing on the run's recorded {args.nproc} local ranks "
+              f"(pass --nproc M to reshard)")
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
@@ -203,6 +219,38 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return _train_worker(cfg, run_dir, args)
 
 
+def _recorded_nproc(run_dir: str, nnodes: int) -> int:
+    """Local ranks per machine of the run in ``run_dir``, as its newest checkpoint (or
+    else its metadata.json) records them. Raises ValueError."""
+    from mct.persistence.resume import recorded_world_size
+    world = recorded_world_size(run_dir)
+    if world % nnodes:
+        raise ValueError(f"--resume {run_dir!r}: the run has {world} ranks, which --nnodes {nnodes} cannot split "
+                         f"evenly; pass --nproc to reshard")
+    return world // nnodes
+
+
+def _nothing_left(run_dir: str, cfg) -> bool:
+    """True (after one line saying so) when the run already completed ``train.steps``
+    and wrote its weights; without them the resume goes on and writes them."""
+    from mct.persistence.resume import run_trainer_state
+    from mct.persistence.run_dir import newest_usable
+    done = run_trainer_state(run_dir)["step"]
+    if done < cfg.train.steps or not (Path(run_dir) / "model.safetensors").is_file():
+        return False
+    done = newest_usable(run_dir)[1]["step"]  # the one a resume would load (raises if none is usable)
+    if done < cfg.train.steps:
+        return False
+    _note(f"--resume {run_dir!r}: the run already completed {done} steps (train.steps = {cfg.train.steps}); "
+          f"nothing to do (raise it with --set train.steps=N to train further)")
+    return True
+
+
+def _note(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mct: {msg}", file=sys.stderr)
+
+
 def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     """One training process (alone, or a rank under torchrun). Every way it ends is an
     exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
@@ -219,7 +267,9 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
         run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         existed = Path(run_dir).exists()
         try:
-            summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume), stop=stop)
+            with _run_lock(run_dir, ctx, new=not args.resume):
+                summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume),
+                                stop=stop)
         except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
             oom = _is_out_of_memory(e)
             if not (oom or isinstance(e, ValueError)):
@@ -253,6 +303,31 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     if line and not link.active and (is_main or (code == 2 and every_rank)):  # a user error may be one rank's
         print(line, file=sys.stderr)
     return code
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: str, ctx, new: bool):
+    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
+    is a ValueError on every rank, before anything is written). A new run's directory
+    is checked first, so the lock is never taken in a directory that holds a run."""
+    from mct.dist import broadcast_from_main
+    from mct.persistence.run_dir import RunLock, check_new_run_dir
+    lock, error = None, None
+    if ctx.is_main:
+        try:
+            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                check_new_run_dir(run_dir)
+            lock = RunLock(run_dir)
+        except ValueError as e:
+            error = str(e)
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ValueError(error)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class _OutOfMemory(Exception):
@@ -294,7 +369,7 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.persistence.export import export
-    path, warning = export(args.source, args.out)
+    path, warning = export(args.source, args.out, force=args.force)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} from {path}")

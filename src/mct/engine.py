@@ -12,9 +12,10 @@ default process group when one is initialized and runs as a single process other
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -372,6 +373,41 @@ class Engine:
             trainable = self.sharded.full_state()
         return {n: (trainable[n] if n in trainable else p.detach().float().clone())
                 for n, p in self.model.named_parameters()}
+
+    def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 tensor) of every parameter, as ``full_state_dict`` but one flat
+        unit gathered at a time (its masters read from the offload store if there):
+        a tensor is a view valid until the next unit's first item (copy it to keep
+        it). Trainable parameters in unit order, then the others. Collective under
+        ZeRO: every rank must iterate to the end; mutates nothing."""
+        seen = set()
+        for i, u in enumerate(self.sharded.units):
+            master = self.offload.master_of(i) if self.offload is not None else contextlib.nullcontext(u.master)
+            with master as m:
+                full = self.sharded.gather_unit(u, m)
+            for name, shape, off in zip(u.names, u.layout.shapes, u.layout.offsets):
+                seen.add(name)
+                yield name, full[off:off + math.prod(shape)].view(shape)
+            del full
+        for n, p in self.model.named_parameters():
+            if n not in seen:
+                yield n, p.detach().float()
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter ``full_state_items`` yields, without reading state."""
+        shapes = {n: tuple(s) for u in self.sharded.units for n, s in zip(u.names, u.layout.shapes)}
+        return {**shapes, **{n: tuple(p.shape) for n, p in self.model.named_parameters() if n not in shapes}}
+
+    def layout(self) -> dict[str, Any]:
+        """This rank's state layout without reading any state (cheap under offload):
+        ``units`` (as in ``state_dict()``) and ``extents`` ({``<unit>/master``: [offset,
+        global numel]}: every per-element tensor of a unit has its master's extent).
+        Not collective."""
+        from mct.zero import state as zstate
+        units = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
+        extents = {zstate.key(u, zstate.MASTER): [zstate.extent(u, self.comm.rank)[0], u.layout.numel]
+                   for u in self.sharded.units}
+        return {"units": units, "extents": extents}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""

@@ -317,6 +317,21 @@ class OffloadedState:
                 u.master.untyped_storage().resize_(0)
                 self.tracker.refresh(u.master)
 
+    @contextlib.contextmanager
+    def master_of(self, i: int) -> Iterator[torch.Tensor]:
+        """Unit ``i``'s fp32 master shard for reading, for the duration: the resident one,
+        or a copy read from the store (one unit's shard in memory, freed on exit)."""
+        u = self.units[i]
+        if u.master_is_view:
+            yield u.master
+            return
+        out = torch.empty(u.layout.shard_numel, dtype=torch.float32, device=self.device)
+        self.fetch(self.store, f"u{i}.master", out)
+        try:
+            yield out
+        finally:
+            del out
+
     # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
     def snapshot(self, tag: str) -> dict[str, Any]:
         """Copy every unit's master and optimizer state into records ``<tag>.u<i>.*`` of

@@ -31,6 +31,7 @@ from mct.models.gpt import gpt_loss
 from mct.memory import host
 from mct.persistence import load_engine_state, save_checkpoint
 from mct.persistence.checkpoint import rng_state, set_rng_state
+from mct.persistence.export import export_engine
 from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set_aside_newer, step_dir
@@ -209,14 +210,9 @@ def save_run_checkpoint(engine: Engine, run_dir: Path, cfg: EngineConfig, state:
 
 
 def export_weights(engine: Engine, path: Path, ctx: DistContext) -> None:
-    """Consolidated fp32 weights (names as ``model.named_parameters()``), written by
-    rank 0 to a temporary file and renamed. Collective: every rank must call it."""
-    state = engine.full_state_dict()
-    if ctx.is_main:
-        from safetensors.torch import save_file
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
-        tmp.replace(path)
+    """Consolidated fp32 weights (names as ``model.named_parameters()``), streamed one
+    unit at a time by rank 0 through a temporary file. Collective: every rank calls it."""
+    export_engine(engine, path)
 
 
 def _metadata_extra(corpus: Corpus, model: torch.nn.Module, engine: Engine) -> dict[str, Any]:
