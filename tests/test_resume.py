@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from mct.cli import main
 from mct.config import EngineConfig
 from mct.persistence.files import file_digest
 from mct.persistence.resume import resume_config
-from mct.persistence.run_dir import checkpoints, step_dir
+from mct.persistence.run_dir import LOCK_FILE, RunLock, checkpoints, step_dir
 from mct.run.trainer import train
 from tests.distributed import run_distributed
 
@@ -167,6 +168,24 @@ def test_a_run_dir_is_never_reused(base, tmp_path, capfd):
         assert main(["train", "--run-dir", str(bad), "--set", "train.steps=1"]) == 2
         err = capfd.readouterr().err.strip()
         assert why in err and "\n" not in err
+
+
+def test_a_run_dir_in_use_is_refused_in_one_line_and_left_unchanged(base, tmp_path, capfd):
+    assert not (base / LOCK_FILE).exists()  # a finished run holds no lock
+    run = _copy(base, tmp_path)
+    before = _tree(run)
+    lock = RunLock(run)  # as a run training in it holds
+    try:
+        for argv in (["--resume", str(run), "--set", "train.steps=8"], ["--run-dir", str(tmp_path / "new")]):
+            if argv[0] == "--run-dir":
+                lock.release()
+                lock = RunLock(tmp_path / "new")  # a second new run racing the first for one directory
+            assert main(["train", "--no-progress", *argv]) == 2
+            err = capfd.readouterr().err.strip()
+            assert "is in use by a running mct" in err and f"pid {os.getpid()}" in err and "\n" not in err, err
+    finally:
+        lock.release()
+    assert _tree(run) == before and list((tmp_path / "new").iterdir()) == []
 
 
 def test_export_equals_the_final_weights(base, tmp_path, capfd):
