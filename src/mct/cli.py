@@ -187,6 +187,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                              ("--max-restarts", args.max_restarts, 0)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.rdzv_endpoint is not None and not _under_torchrun():
+        _check_rdzv_endpoint(args.rdzv_endpoint)
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
     recorded = args.nproc is None and args.resume and not _under_torchrun()
@@ -217,6 +219,34 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                        max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                        rdzv_id=args.rdzv_id)
     return _train_worker(cfg, run_dir, args)
+
+
+def _check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
+    """Raise ValueError unless ``endpoint`` is HOST:PORT with a port in 1..65535 and a
+    host that resolves within ``timeout_s`` (torchrun would raise a traceback, or retry
+    an unknown host for minutes)."""
+    import socket
+    import threading
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1..65535, "
+                         f"e.g. node0:29400")
+    found: list = []
+    resolver = threading.Thread(target=lambda: found.append(_resolves(socket, host, int(port))), daemon=True)
+    resolver.start()
+    resolver.join(timeout_s)
+    if not found or not found[0]:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve"
+                         f"{'' if found else f' within {timeout_s:.0f} s'}; pass the name or address of the "
+                         f"machine that hosts the rendezvous")
+
+
+def _resolves(socket, host: str, port: int) -> bool:
+    try:
+        return bool(socket.getaddrinfo(host, port))
+    except OSError:
+        return False
 
 
 def _recorded_nproc(run_dir: str, nnodes: int) -> int:

@@ -103,7 +103,8 @@ class Engine:
                 if not p.requires_grad:
                     p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
-        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
+        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,
+                            key="zero.units" if cfg.zero.units else "checkpointing.blocks")
         self.stage = int(cfg.zero.stage)
         # (offload takes each unit's masters, state and shards as it is built)
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
