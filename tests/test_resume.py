@@ -188,6 +188,15 @@ def test_a_run_dir_in_use_is_refused_in_one_line_and_left_unchanged(base, tmp_pa
     assert _tree(run) == before and list((tmp_path / "new").iterdir()) == []
 
 
+def test_resume_with_no_steps_left_says_so_exits_0_and_records_nothing(base, tmp_path, capfd):
+    run = _copy(base, tmp_path)
+    before = _tree(run)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    err = capfd.readouterr().err.strip()
+    assert "already completed 6 steps" in err and "nothing to do" in err and "\n" not in err, err
+    assert _tree(run) == before  # no resume record, no event, no rewritten metrics or checkpoint
+
+
 def test_export_equals_the_final_weights(base, tmp_path, capfd):
     out = tmp_path / "w.safetensors"
     assert main(["export", str(base), "--out", str(out)]) == 0

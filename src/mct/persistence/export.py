@@ -139,8 +139,6 @@ def check_target(out: Path, force: bool) -> None:
                     "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
                     else "not a regular file")
             raise ValueError(f"--out {shown} is {kind}; mct export writes only regular files: pass a new file name")
-        if not force:
-            raise ValueError(f"--out {shown} already exists; pass --force to replace it, or a new file name")
     parent = out.parent.resolve()
     for folder in [parent, *parent.parents]:
         if (folder / MANIFEST).is_file():
@@ -150,6 +148,8 @@ def check_target(out: Path, force: bool) -> None:
             if folder != parent or name in BOOKKEEPING or (name.startswith("metrics") and name.endswith(".jsonl")):
                 raise ValueError(f"--out {shown} is part of run {str(folder)!r}'s own files; pass another "
                                  f"name (e.g. {str(folder / 'export.safetensors')!r}) or another directory")
+    if os.path.lexists(out) and not force:
+        raise ValueError(f"--out {shown} already exists; pass --force to replace it, or a new file name")
 
 
 def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple[Path, str | None]:
@@ -158,6 +158,7 @@ def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple
     time). Returns (checkpoint used, warning or None). Raises ValueError (one line) for
     a bad source or target (see ``check_target``) or a failed write (path and bytes)."""
     out = Path(out)
+    check_target(out, force=True)  # what no --force allows, before reading the source
     path, warning = pick_checkpoint(source)
     check_target(out, force)
     writer = SafetensorsWriter(out, _checkpoint_specs(path))
