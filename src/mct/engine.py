@@ -401,14 +401,15 @@ class Engine:
 
     def layout(self) -> dict[str, Any]:
         """This rank's state layout without reading any state (cheap under offload):
-        ``units`` (as in ``state_dict()``) and ``extents`` ({``<unit>/master``: [offset,
-        global numel]}: every per-element tensor of a unit has its master's extent).
-        Not collective."""
+        ``units`` (as in ``state_dict()``), ``extents`` ({``<unit>/master``: [offset,
+        global numel]}: every per-element tensor of a unit has its master's extent) and
+        ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
         from mct.zero import state as zstate
         units = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
         extents = {zstate.key(u, zstate.MASTER): [zstate.extent(u, self.comm.rank)[0], u.layout.numel]
                    for u in self.sharded.units}
-        return {"units": units, "extents": extents}
+        local = {zstate.key(u, zstate.MASTER): zstate.extent(u, self.comm.rank)[1] for u in self.sharded.units}
+        return {"units": units, "extents": extents, "local_numel": local}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
@@ -448,13 +449,42 @@ class Engine:
             sd["tensors"] = {k: v.clone() if k.endswith("/master") else v for k, v in sd["tensors"].items()}
         return sd
 
+    def streamed_state_dict(self) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
+        """``state_dict()`` for writing out piece by piece: (state, readers). The same
+        entries and keys; under offload each stored piece is a meta-device placeholder
+        (shape, dtype) and ``readers[key]()`` reads it from the store into a new CPU
+        tensor when it is written, so a save holds one piece, not the local state.
+        Without offload: (``state_dict()``, {}). Not collective; mutates nothing."""
+        if self.offload is None:
+            return self.state_dict(), {}
+        from mct.zero import state as zstate
+        self.offload.stream.drain()
+        sd = self._state_header()
+        tensors, extents, readers = {}, {}, {}
+        for i, u in enumerate(self.sharded.units):
+            off, n = zstate.extent(u, self.comm.rank)
+            for what, t, read in self.offload.unit_pieces(i, n):
+                k = zstate.key(u, what)
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"optimizer state {what!r} of unit {u.name!r} is a {type(t).__name__}, not "
+                                     f"a tensor: only tensor state can be checkpointed; use a torch.optim optimizer")
+                tensors[k] = t
+                if t.dim() == 1 and t.numel() == n and (what == zstate.MASTER or read is not None):
+                    extents[k] = [off, u.layout.numel]
+                if read is not None:
+                    readers[k] = read
+        return {**sd, "tensors": tensors, "extents": extents}, readers
+
+    def _state_header(self) -> dict[str, Any]:
+        from mct.zero import state as zstate
+        return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
+                "param_groups": zstate.group_hyper(self.optimizer),
+                "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]}
+
     def _state_dict(self) -> dict[str, Any]:
         from mct.zero import state as zstate
         tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)
-        return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
-                "param_groups": zstate.group_hyper(self.optimizer),
-                "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)],
-                "tensors": tensors, "extents": extents}
+        return {**self._state_header(), "tensors": tensors, "extents": extents}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` of an engine with the same model, optimizer set-up

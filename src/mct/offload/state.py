@@ -332,6 +332,30 @@ class OffloadedState:
         finally:
             del out
 
+    def unit_pieces(self, i: int, n: int) -> list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]]:
+        """Unit ``i``'s state for a streamed save, without reading the store: (what,
+        tensor, reader) for ``master`` and each ``optim/<name>`` (scalars first, as
+        torch's optimizers order them). A stored piece is a meta-device placeholder of
+        its first ``n`` elements with a ``reader()`` that reads them into a new CPU
+        tensor; resident ones (a master that is a view, scalars) are themselves, no reader."""
+        u = self.units[i]
+        out: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]] = []
+
+        def stored(key: str, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+            def read() -> torch.Tensor:
+                t = torch.empty(n, dtype=dtype)
+                self.stream.fetch(Item(key, self.store, key, 0, n), t)
+                return t
+            return torch.empty(n, dtype=dtype, device="meta"), read
+        out.append(("master", u.master.detach()[:n], None) if u.master_is_view
+                   else ("master", *stored(f"u{i}.master", torch.float32)))
+        st = self.states[i]
+        if st is not None:
+            out += [(f"optim/{k}", v.detach() if isinstance(v, torch.Tensor) else v, None)
+                    for k, v in st.scalars.items()]
+            out += [(f"optim/{k}", *stored(f"u{i}.{k}", dt)) for k, dt in st.elementwise.items()]
+        return out
+
     # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
     def snapshot(self, tag: str) -> dict[str, Any]:
         """Copy every unit's master and optimizer state into records ``<tag>.u<i>.*`` of

@@ -22,7 +22,7 @@ import shutil
 import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -34,12 +34,17 @@ from mct.persistence.files import check_digest, file_digest, fsync_dir, read_jso
 
 class Checkpointable(Protocol):
     """What a checkpoint needs of an engine (``mct.Engine`` is one): its state as
-    ``state_dict()`` pieces, their loader, the communicator and the step counter."""
+    ``state_dict()`` pieces (``streamed_state_dict()``: read one at a time as they are
+    written), their loader, its ``layout()``, the communicator and the step counter."""
 
     comm: Any
     steps_done: int
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    def streamed_state_dict(self) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]: ...
+
+    def layout(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -81,8 +86,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- save ----
-def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]]]:
-    sd = engine.state_dict()
+def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]],
+                                                   dict[str, Callable[[], torch.Tensor]]]:
+    sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
     for name, p in engine.model.named_parameters():
         if not p.requires_grad:  # not in the engine's state (never changes), but export needs it
@@ -90,7 +96,7 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}
-    return info, tensors, extents
+    return info, tensors, extents, readers
 
 
 def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trainer: dict[str, Any] | None = None,
@@ -109,8 +115,8 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
             path.mkdir(parents=True)
     _agree(engine, error)
-    info, tensors, extents = _engine_pieces(engine)
-    shards.save_pieces(tensors, extents, path / "engine")
+    info, tensors, extents, readers = _engine_pieces(engine)
+    shards.save_pieces(tensors, extents, path / "engine", readers=readers, device=engine.device)
     write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
     mine = [path / f"rank{rank}.json", *sorted((path / "engine").glob(f"__{rank}_*"))]
     if rank == 0:

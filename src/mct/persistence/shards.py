@@ -19,11 +19,13 @@ import io
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -77,7 +79,22 @@ def _mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]]) -> dict[str, Any]:
+class _StreamingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that a key with a reader is written from
+    ``reader()`` (its state-dict entry is a meta-device placeholder of the same shape):
+    DCP resolves one write item at a time, so one piece is read and held at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self.readers = readers
+
+    def resolve_data(self, write_item: Any) -> Any:
+        read = self.readers.get(write_item.index.fqn)
+        return super().resolve_data(write_item) if read is None else read()
+
+
+def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
+          device: torch.device | None = None) -> dict[str, Any]:
     """Pieces that cover only part of their global tensor become DTensors (Shard(0))."""
     partial = {k for k, t in tensors.items() if k in extents and t.numel() != extents[k][1]}
     if _distributed():  # every rank must wrap the same keys (a rank may hold all of a tiny unit)
@@ -87,20 +104,33 @@ def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]]) -> di
     if not partial:
         return dict(tensors)
     from torch.distributed.tensor import DTensor, Shard
-    mesh = _mesh(next(iter(tensors.values())).device)
+    mesh = _mesh(device or next(t.device for t in tensors.values() if t.device.type != "meta"))
     return {k: (DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
                 if k in partial else t) for k, t in tensors.items()}
 
 
-def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> None:
+def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path, *,
+                readers: dict[str, Callable[[], torch.Tensor]] | None = None,
+                device: torch.device | None = None) -> None:
     """Collective when a process group is up: every rank passes its pieces (the same
     keys everywhere) and DCP writes ``__<rank>_0.distcp`` files plus ``.metadata``
     into ``path``. Tensors are written from where they are (views are copied one at a
-    time), so the save holds at most one extra piece."""
+    time); a key in ``readers`` is a meta placeholder whose data ``readers[key]()``
+    returns when it is written. So the save holds at most one extra piece. ``device``:
+    the mesh's device (default: that of the first real tensor). Raises OSError (a
+    failed write on any rank, on every rank) with DCP's wrapping removed."""
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
-    wrapped = _wrap(tensors, extents)
-    with _quiet():
-        dcp.save(wrapped, storage_writer=writer, no_dist=not _distributed())
+    wrapped = _wrap(tensors, extents, device)
+    try:
+        with _quiet():
+            dcp.save(wrapped, storage_writer=writer, planner=_StreamingPlanner(readers or {}),
+                     no_dist=not _distributed())
+    except CheckpointException as e:  # a rank's write failed: surface its OSError (a full disk, ...)
+        errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        failure = next((f for f in errors if isinstance(f, OSError)), None)
+        if failure is None:
+            raise
+        raise OSError(failure.errno, failure.strerror or str(failure), failure.filename) from None
 
 
 def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> dict[str, torch.Tensor]:
