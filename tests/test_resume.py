@@ -197,6 +197,36 @@ def test_resume_with_no_steps_left_says_so_exits_0_and_records_nothing(base, tmp
     assert _tree(run) == before  # no resume record, no event, no rewritten metrics or checkpoint
 
 
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+    import resource
+    import signal
+
+    from mct.persistence import shards
+    real, calls = shards.save_pieces, []
+
+    def second_save_hits_a_full_disk(*args, **kwargs):
+        # a file-size limit fails the write as a full disk does (EFBIG where a disk gives ENOSPC)
+        calls.append(1)
+        if len(calls) < 2:
+            return real(*args, **kwargs)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, handler)
+    monkeypatch.setattr(shards, "save_pieces", second_save_hits_a_full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError) as e:
+        train(EngineConfig.from_dict(tiny_run(_write_corpus(tmp_path / "corpus"), steps=4)), run, progress=False)
+    msg = str(e.value)
+    assert f"cannot write {step_dir(run, 4)}" in msg and "bytes needed" in msg and "\n" not in msg, msg
+    assert [s for s, _ in checkpoints(run, complete_only=False)] == [2]  # the torn one is gone, step 2 is whole
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
 def test_export_equals_the_final_weights(base, tmp_path, capfd):
     out = tmp_path / "w.safetensors"
     assert main(["export", str(base), "--out", str(out)]) == 0

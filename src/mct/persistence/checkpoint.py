@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mct.persistence import shards
-from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_json
+from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_failure, write_json
 
 
 
@@ -104,7 +104,10 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
     """Write a complete checkpoint into directory ``path`` (created; a leftover without a
     manifest is replaced; a complete one is an error). Collective: every rank calls it,
     and returns once the manifest is in place. ``trainer`` (rank 0's, JSON-ready) and
-    ``rank_state`` (each rank's, JSON-ready) are stored as given."""
+    ``rank_state`` (each rank's, JSON-ready) are stored as given. A failed write on any
+    rank (a full disk, a read-only place) removes ``path`` again and raises ValueError
+    on every rank naming the path and the bytes needed: older checkpoints stay as
+    they were, the newest complete one is still the newest."""
     path = Path(path)
     rank, comm = engine.comm.rank, engine.comm
     error = None
@@ -113,27 +116,70 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             error = f"{path} already holds a complete checkpoint; save to a new directory"
         else:
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
-            path.mkdir(parents=True)
+            error = _attempt(lambda: path.mkdir(parents=True), path, 0)
     _agree(engine, error)
     info, tensors, extents, readers = _engine_pieces(engine)
-    shards.save_pieces(tensors, extents, path / "engine", readers=readers, device=engine.device)
-    write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
-    mine = [path / f"rank{rank}.json", *sorted((path / "engine").glob(f"__{rank}_*"))]
-    if rank == 0:
-        write_json(path / "engine.json", info)
-        mine += [path / "engine.json", path / "engine" / ".metadata"]
-        if trainer is not None:
-            write_json(path / "trainer.json", {"step": step, **trainer})
-            mine.append(path / "trainer.json")
+    need = sum(comm.all_gather_object(sum(t.numel() * t.element_size() for t in tensors.values())))
+    _agree_written(engine, path, _free_space_error(path, need) if rank == 0 else None)  # before a byte is written
+    mine = [path / f"rank{rank}.json"]
+
+    def write_mine() -> None:
+        shards.save_pieces(tensors, extents, path / "engine", readers=readers, device=engine.device)
+        write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
+        mine.extend(sorted((path / "engine").glob(f"__{rank}_*")))
+        if rank == 0:
+            write_json(path / "engine.json", info)
+            mine.extend([path / "engine.json", path / "engine" / ".metadata"])
+            if trainer is not None:
+                write_json(path / "trainer.json", {"step": step, **trainer})
+                mine.append(path / "trainer.json")
+    _agree_written(engine, path, _attempt(write_mine, path, need))
     digests = comm.all_gather_object({str(f.relative_to(path)): file_digest(f) for f in mine})
+    error = None
     if rank == 0:
-        fsync_dir(path / "engine")
-        write_json(path / MANIFEST, {
-            "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
-            "precision": engine.config.precision.mode, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "files": {k: v for d in digests for k, v in sorted(d.items())}})
-        fsync_dir(path.parent)
-    comm.barrier()
+        def write_manifest() -> None:
+            fsync_dir(path / "engine")
+            write_json(path / MANIFEST, {
+                "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
+                "precision": engine.config.precision.mode,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": {k: v for d in digests for k, v in sorted(d.items())}})
+            fsync_dir(path.parent)
+        error = _attempt(write_manifest, path, need)
+    _agree_written(engine, path, error)
+
+
+def _free_space_error(path: Path, need: int) -> str | None:
+    """The one-line error when the file system of ``path`` has less room than ``need``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return None
+    return (f"cannot write {path} ({need:,} bytes needed, {free:,} free): no space left on device; free space "
+            f"there or choose another place; the newest complete checkpoint is unchanged")
+
+
+def _attempt(write: Callable[[], None], path: Path, need: int) -> str | None:
+    """Run ``write``; the one-line message of an OSError it raised, else None."""
+    try:
+        write()
+    except OSError as e:
+        return str(write_failure(path, need, e)) + "; the newest complete checkpoint is unchanged"
+    return None
+
+
+def _agree_written(engine: Checkpointable, path: Path, error: str | None) -> None:
+    """Every rank learns whether any rank failed to write; then rank 0 removes the torn
+    ``path`` and every rank raises the first failure as ValueError."""
+    errors = [e for e in engine.comm.all_gather_object(error) if e is not None]
+    if errors:
+        if engine.comm.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        engine.comm.barrier()
+        raise ValueError(errors[0])
 
 
 # ---- check ----

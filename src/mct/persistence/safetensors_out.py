@@ -14,7 +14,6 @@ the temporary and raises ValueError naming the path and the bytes needed.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mct.persistence.files import fsync_dir
+from mct.persistence.files import fsync_dir, write_failure
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
@@ -41,14 +40,6 @@ def _header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[byte
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text, offsets
-
-
-def write_failure(path: Path, nbytes: int, e: OSError) -> ValueError:
-    """The one-line error for a write of ``nbytes`` to ``path`` that failed with ``e``."""
-    why = e.strerror or str(e)
-    hint = ("free space there or choose another place" if e.errno in (errno.ENOSPC, errno.EDQUOT)
-            else "choose a place you can write to")
-    return ValueError(f"cannot write {path} ({nbytes:,} bytes needed): {why}; {hint}")
 
 
 class SafetensorsWriter:

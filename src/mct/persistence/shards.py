@@ -15,6 +15,7 @@ unpickler that only builds DCP's own metadata classes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import pickle
 import warnings
@@ -125,12 +126,32 @@ def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
         with _quiet():
             dcp.save(wrapped, storage_writer=writer, planner=_StreamingPlanner(readers or {}),
                      no_dist=not _distributed())
-    except CheckpointException as e:  # a rank's write failed: surface its OSError (a full disk, ...)
-        errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-        failure = next((f for f in errors if isinstance(f, OSError)), None)
+    except (CheckpointException, RuntimeError) as e:  # a rank's write failed: surface it as an OSError
+        failure = _write_error(e)
         if failure is None:
             raise
-        raise OSError(failure.errno, failure.strerror or str(failure), failure.filename) from None
+        raise failure from None
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed DCP save (a full disk, a size limit, a read-only
+    place), looking through DCP's per-rank wrapping and exception chains; torch's zip
+    writer reports a short write as a RuntimeError 'unexpected pos'. None: not a write
+    failure (a bug to surface as it is)."""
+    todo = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()] if isinstance(
+        e, CheckpointException) else [e]
+    seen = []
+    while todo:
+        err = todo.pop()
+        if err is None or any(err is s for s in seen):
+            continue
+        seen.append(err)
+        if isinstance(err, OSError):
+            return err
+        todo += [err.__cause__, err.__context__]
+    if any("unexpected pos" in str(err) for err in seen):
+        return OSError(errno.EIO, "a short write (the disk is full, or a file-size limit was hit)")
+    return None
 
 
 def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> dict[str, torch.Tensor]:
