@@ -518,6 +518,41 @@ class Engine:
             self.sharded.publish()
         self._set_counters(state["scaler"], steps)
 
+    def load_state_streamed(self, header: dict[str, Any], read_units: Callable[[list[int]], tuple[dict, dict]]) -> None:
+        """``load_state_dict`` for state read a unit at a time. ``header``: what
+        ``state_dict()`` holds but ``tensors``/``extents``, plus ``keys`` (every tensor
+        key); ``read_units(indices)`` returns (tensors, extents) of those units. Without
+        offload every unit is read at once and loaded by ``load_state_dict``. Under
+        offload each unit is read, checked and staged in the store before the next
+        (one unit in memory), and replaces the live state only once all passed: a
+        failure raises ValueError, the engine untouched. Collective as ``read_units``."""
+        if self.offload is None:
+            tensors, extents = read_units(list(range(len(self.sharded.units))))
+            return self.load_state_dict({**header, "tensors": tensors, "extents": extents})
+        from mct.zero import state as zstate
+        mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
+        steps = zstate.check_header({**header, "tensors": {}, "extents": {}}, self.STATE_FORMAT, mine)
+        hyper = zstate.check_hyper(self.optimizer, header["param_groups"])
+        LossScaler.from_config(self.config.precision).load_state_dict(header["scaler"])  # validates only
+        zstate.check_keys(self.sharded.units, header["keys"])
+        elementwise, scalars, on_device = [], [], []
+        for i, (u, g) in enumerate(zip(self.sharded.units, self.sharded.group_of_unit)):
+            tensors, extents = read_units([i])
+            zstate.check_units([u], self.optimizer, self.comm.rank, tensors, extents)
+            per = {k[len(u.name) + 1:]: t for k, t in tensors.items() if k in extents or k.endswith(zstate.MASTER)}
+            self.offload.stage_unit(i, per, zstate.extent(u, self.comm.rank)[1])
+            elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})
+            scalars.append({k.split("/optim/")[1]: t for k, t in tensors.items() if "/optim/" in k and k not in extents})
+            group = self.optimizer.param_groups[g]
+            on_device.append(bool(group.get("fused") or group.get("capturable")))
+        # Everything checked and staged: from here on only mutation.
+        index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
+        self.optimizer.load_state_dict({"state": {}, "param_groups": [
+            {**h, "params": [index[id(p)] for p in grp["params"]]} for h, grp in zip(hyper, self.optimizer.param_groups)]})
+        self.optimizer.state.clear()
+        self.offload.commit_staged(elementwise, scalars, on_device)
+        self._set_counters(header["scaler"], steps)
+
     def _set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
         self.scaler.load_state_dict(scaler)
         self.steps_done = steps_done

@@ -356,6 +356,49 @@ class OffloadedState:
             out += [(f"optim/{k}", *stored(f"u{i}.{k}", dt)) for k, dt in st.elementwise.items()]
         return out
 
+    # ---- a streamed load: staged in the store, then swapped in ----
+    STAGE = "load"
+
+    def stage_unit(self, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
+        """Write unit ``i``'s loaded ``master`` and per-element ``optim/<name>`` pieces
+        (``n`` elements each; the shard's padding becomes zeros) into staging records
+        ``load.u<i>.*``; the live state is untouched until ``commit_staged``."""
+        S = self.units[i].layout.shard_numel
+        for what, t in pieces.items():
+            key = f"{self.STAGE}.u{i}.{what.removeprefix('optim/')}"
+            if key in self.store.records and self.store.records[key].dtype != t.dtype:
+                self.store.records.pop(key)  # a stale staging record of another dtype: its space is forgotten
+            self._ensure(key, S, t.dtype)
+            put_record(self.store, key, t.detach().reshape(-1)[:n])
+            if S > n:
+                put_record(self.store, key, torch.zeros(S - n, dtype=t.dtype), offset=n)
+
+    def commit_staged(self, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
+                      on_device: list[bool]) -> None:
+        """Make the staged state live: each unit's staged records swap places with the
+        live ones (a resident master is read back in), its optimizer state becomes
+        ``elementwise`` (names, dtypes) and ``scalars``; then the working parameters
+        and stage-3 parameter shards are rebuilt from the masters. Call between steps."""
+        self.stream.drain()
+        for i, u in enumerate(self.units):
+            if u.master_is_view:
+                self.fetch(self.store, f"{self.STAGE}.u{i}.master", u.master)
+            else:
+                self.store.swap(f"{self.STAGE}.u{i}.master", f"u{i}.master")
+            for k, dt in elementwise[i].items():
+                self._ensure(f"u{i}.{k}", u.layout.shard_numel, dt)
+                self.store.swap(f"{self.STAGE}.u{i}.{k}", f"u{i}.{k}")
+            self.states[i] = (UnitState(dict(elementwise[i]), {
+                k: (v.to(self.device) if on_device[i] else v.clone()) if isinstance(v, torch.Tensor) else v
+                for k, v in scalars[i].items()}) if elementwise[i] or scalars[i] else None)
+        for key in [k for k in self.store.records if k.startswith(f"{self.STAGE}.")]:
+            self.store.release(key)  # host memory freed; a file range kept for the next load
+        for i, u in enumerate(self.units):
+            self._refresh_params(i, u)
+        self._publish()
+        self.end_step()
+        self.report_offloaded()
+
     # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
     def snapshot(self, tag: str) -> dict[str, Any]:
         """Copy every unit's master and optimizer state into records ``<tag>.u<i>.*`` of

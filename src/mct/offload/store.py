@@ -77,6 +77,16 @@ class HostStore:
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         out.copy_(self._tensors[key][lo:hi])
 
+    def swap(self, a: str, b: str) -> None:
+        """Exchange what records ``a`` and ``b`` hold (no data moves)."""
+        self._tensors[a], self._tensors[b] = self._tensors[b], self._tensors[a]
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        """Forget record ``key`` and free its memory."""
+        self._tensors.pop(key, None)
+        self.records.pop(key, None)
+
     def write(self, key: str, lo: int, src: torch.Tensor) -> None:
         self._tensors[key][lo:lo + src.numel()].copy_(src)
 
@@ -121,6 +131,13 @@ class DiskStore:
 
     def host_view(self, key: str, lo: int, hi: int) -> None:
         return None  # nothing is addressable without a read
+
+    def swap(self, a: str, b: str) -> None:
+        """Exchange what records ``a`` and ``b`` hold (their file ranges; no data moves)."""
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        """Keep record ``key``'s file range reserved for its next use (the file only grows)."""
 
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor ``out`` ([hi - lo] of the record's dtype) from the file.
@@ -167,6 +184,12 @@ class NullStore:
 
     def host_view(self, key: str, lo: int, hi: int) -> None:
         return None
+
+    def swap(self, a: str, b: str) -> None:
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        self.records.pop(key, None)
 
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         pass
@@ -250,8 +273,9 @@ class UnitState:
         self.elementwise, self.scalars = elementwise, scalars
 
 
-def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
-    """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
+def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22, offset: int = 0) -> None:
+    """Synchronously write a whole tensor (any device) into a record from element
+    ``offset`` on, a chunk at a time."""
     flat = t.detach().reshape(-1)
     for a in range(0, flat.numel(), chunk):
-        store.write(key, a, flat[a:a + chunk].to("cpu"))
+        store.write(key, offset + a, flat[a:a + chunk].to("cpu"))

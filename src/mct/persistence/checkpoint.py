@@ -46,6 +46,9 @@ class Checkpointable(Protocol):
 
     def layout(self) -> dict[str, Any]: ...
 
+    def load_state_streamed(self, header: dict[str, Any],
+                            read_units: Callable[[list[int]], tuple[dict, dict]]) -> None: ...
+
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 FORMAT = "mct.checkpoint/1"
@@ -245,36 +248,41 @@ def check_layout(path: Path, saved: Any, units: list[dict[str, Any]]) -> None:
 # ---- load ----
 def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: bool = False) -> dict[str, Any]:
     """Load ``engine`` from checkpoint ``path`` (any world size and stage). Checks the
-    checkpoint first (on rank 0, unless ``verified``), then reads into fresh tensors,
-    then ``engine.load_state_dict``: any failure raises ValueError on every rank with
-    the engine untouched. Collective. Returns the manifest."""
+    checkpoint first (on rank 0, unless ``verified``), then hands the engine a reader
+    of its pieces (``engine.load_state_streamed``: an offloaded engine reads and stages
+    one unit at a time; others read all into fresh tensors): any failure raises
+    ValueError on every rank with the engine untouched. Collective. Returns the manifest."""
     path = Path(path)
-    units = engine.state_dict()["units"]
+    layout = engine.layout()
     error = None
     if engine.comm.rank == 0 and not verified:
         try:
-            verify_checkpoint(path, units)
+            verify_checkpoint(path, layout["units"])
         except ValueError as e:
             error = str(e)
     _agree(engine, error)
     meta = read_manifest(path)
     info = read_json(path / "engine.json")
-    check_layout(path, info.get("units"), units)
-    mine = engine.state_dict()
-    template, extents = {}, {}
-    for k, spec in info["tensors"].items():
-        if k.startswith(FROZEN):
-            continue
-        dtype = getattr(torch, spec["dtype"])
-        unit = k.rsplit("/optim/", 1)[0].removesuffix("/master")
-        if spec["per_element"]:
-            extents[k] = mine["extents"][f"{unit}/master"]
-            template[k] = torch.empty(mine["tensors"][f"{unit}/master"].numel(), dtype=dtype, device=engine.device)
-        else:
-            template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
-    tensors = shards.load_pieces(template, extents, path / "engine")
-    engine.load_state_dict({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
-                            "tensors": tensors, "extents": extents})
+    check_layout(path, info.get("units"), layout["units"])
+    specs = {k: spec for k, spec in info["tensors"].items() if not k.startswith(FROZEN)}
+    names = [u["name"] for u in layout["units"]]
+
+    def read_units(indices: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        wanted = {names[i] for i in indices}
+        template, extents = {}, {}
+        for k, spec in specs.items():
+            unit = k.rsplit("/optim/", 1)[0].removesuffix("/master")
+            if unit not in wanted:
+                continue
+            dtype = getattr(torch, spec["dtype"])
+            if spec["per_element"]:
+                extents[k] = layout["extents"][f"{unit}/master"]
+                template[k] = torch.empty(layout["local_numel"][f"{unit}/master"], dtype=dtype, device=engine.device)
+            else:
+                template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
+        return shards.load_pieces(template, extents, path / "engine"), extents
+    engine.load_state_streamed({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
+                                "keys": list(specs)}, read_units)
     return meta
 
 

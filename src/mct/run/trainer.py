@@ -151,7 +151,7 @@ def _resume(engine: Engine, run_dir: Path, ctx: DistContext) -> tuple[LoopState,
     pick: tuple[str, str | None] | str | None = None
     if ctx.is_main:
         try:
-            path, _, warning = newest_usable(run_dir, engine.state_dict()["units"])
+            path, _, warning = newest_usable(run_dir, engine.layout()["units"])
             pick = (str(path), warning)
         except ValueError as e:
             pick = str(e)

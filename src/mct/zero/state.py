@@ -101,17 +101,15 @@ def check_header(state: Any, fmt: str, units: list[dict[str, Any]]) -> int:
     return steps
 
 
-def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
-                tensors: dict[str, Any], extents: dict[str, Any]) -> None:
-    """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
-    rank's pieces for ``units`` (missing or unexpected keys, wrong extent, shape, dtype,
-    non-finite masters). Reads only; mutates nothing."""
+def check_keys(units: list[FlatParamUnit], keys: Any) -> None:
+    """Raise ValueError unless ``keys`` (of a state's tensors) are a master per unit and
+    the same optimizer state names for every unit. Reads only the names."""
     expected = {key(u, MASTER) for u in units}
-    optim_keys = {k for k in tensors if "/optim/" in k}
-    unknown = sorted(set(tensors) - expected - optim_keys)
+    optim_keys = {k for k in keys if "/optim/" in k}
+    unknown = sorted(set(keys) - expected - optim_keys)
     if unknown:
         raise ValueError(f"unexpected tensors {unknown[:3]}: the state was saved from a different model")
-    missing = sorted(expected - set(tensors))
+    missing = sorted(expected - set(keys))
     if missing:
         raise ValueError(f"missing tensors {missing[:3]}: the state was saved from a different model")
     names = {u.name for u in units}
@@ -123,6 +121,15 @@ def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ra
     if len(per_unit) > 1:
         raise ValueError(f"optimizer state differs between units ({sorted(map(sorted, per_unit))}): "
                          f"the state is incomplete")
+
+
+def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
+                tensors: dict[str, Any], extents: dict[str, Any]) -> None:
+    """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
+    rank's pieces for ``units`` (missing or unexpected keys, wrong extent, shape, dtype,
+    non-finite masters). Reads only; mutates nothing."""
+    check_keys(units, tensors)
+    optim_keys = {k for k in tensors if "/optim/" in k}
     for u in units:
         off, n = extent(u, rank)
         want = [off, u.layout.numel]
