@@ -324,6 +324,9 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
             code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
         elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
             code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+        elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
+            code, line = 2, (f"mct: error: cannot write {e.filename or f'in {run_dir}'} ({e.strerror}); free space "
+                             f"there or choose another place; the newest complete checkpoint is unchanged")
         else:
             raise
     finally:
@@ -369,6 +372,14 @@ def _peer_gone(e: Exception) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and any(k in text for k in (
         "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
+
+
+def _place_failed(e: BaseException) -> bool:
+    """An OSError of the file system refusing a write: full, over quota, read-only,
+    not permitted, or a file-size limit."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                  errno.EPERM, errno.EFBIG)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
