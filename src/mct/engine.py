@@ -536,15 +536,21 @@ class Engine:
         LossScaler.from_config(self.config.precision).load_state_dict(header["scaler"])  # validates only
         zstate.check_keys(self.sharded.units, header["keys"])
         elementwise, scalars, on_device = [], [], []
-        for i, (u, g) in enumerate(zip(self.sharded.units, self.sharded.group_of_unit)):
-            tensors, extents = read_units([i])
-            zstate.check_units([u], self.optimizer, self.comm.rank, tensors, extents)
-            per = {k[len(u.name) + 1:]: t for k, t in tensors.items() if k in extents or k.endswith(zstate.MASTER)}
-            self.offload.stage_unit(i, per, zstate.extent(u, self.comm.rank)[1])
-            elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})
-            scalars.append({k.split("/optim/")[1]: t for k, t in tensors.items() if "/optim/" in k and k not in extents})
-            group = self.optimizer.param_groups[g]
-            on_device.append(bool(group.get("fused") or group.get("capturable")))
+        try:
+            for i, (u, g) in enumerate(zip(self.sharded.units, self.sharded.group_of_unit)):
+                tensors, extents = read_units([i])
+                zstate.check_units([u], self.optimizer, self.comm.rank, tensors, extents)
+                per = {k[len(u.name) + 1:]: t for k, t in tensors.items()
+                       if k in extents or k.endswith(zstate.MASTER)}
+                self.offload.stage_unit(i, per, zstate.extent(u, self.comm.rank)[1])
+                elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})
+                scalars.append({k.split("/optim/")[1]: t for k, t in tensors.items()
+                                if "/optim/" in k and k not in extents})
+                group = self.optimizer.param_groups[g]
+                on_device.append(bool(group.get("fused") or group.get("capturable")))
+        except BaseException:
+            self.offload.drop_staged()
+            raise
         # Everything checked and staged: from here on only mutation.
         index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
         self.optimizer.load_state_dict({"state": {}, "param_groups": [

@@ -246,9 +246,9 @@ class OffloadedState:
         if state is None:  # first step: the optimizer just created this chunk's state
             elementwise = {k: v.dtype for k, v in post.items()
                            if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() > 0}
-            if a == 0:
+            if a == 0:  # (records may exist already: a state restored from before the first step)
                 for k, dt in elementwise.items():
-                    self.store.allocate(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
+                    self._ensure(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
         else:
             elementwise = state.elementwise
         scalars = {k: v for k, v in post.items() if k not in elementwise}
@@ -367,11 +367,17 @@ class OffloadedState:
         for what, t in pieces.items():
             key = f"{self.STAGE}.u{i}.{what.removeprefix('optim/')}"
             if key in self.store.records and self.store.records[key].dtype != t.dtype:
-                self.store.records.pop(key)  # a stale staging record of another dtype: its space is forgotten
+                self.store.release(key)  # a leftover of another dtype (a load that failed part-way)
             self._ensure(key, S, t.dtype)
             put_record(self.store, key, t.detach().reshape(-1)[:n])
             if S > n:
                 put_record(self.store, key, torch.zeros(S - n, dtype=t.dtype), offset=n)
+
+    def drop_staged(self) -> None:
+        """Release every staging record (after a commit, or a load that failed): host
+        memory is freed, a file range is kept for the next load."""
+        for key in [k for k in self.store.records if k.startswith(f"{self.STAGE}.")]:
+            self.store.release(key)
 
     def commit_staged(self, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
                       on_device: list[bool]) -> None:
@@ -391,8 +397,7 @@ class OffloadedState:
             self.states[i] = (UnitState(dict(elementwise[i]), {
                 k: (v.to(self.device) if on_device[i] else v.clone()) if isinstance(v, torch.Tensor) else v
                 for k, v in scalars[i].items()}) if elementwise[i] or scalars[i] else None)
-        for key in [k for k in self.store.records if k.startswith(f"{self.STAGE}.")]:
-            self.store.release(key)  # host memory freed; a file range kept for the next load
+        self.drop_staged()
         for i, u in enumerate(self.units):
             self._refresh_params(i, u)
         self._publish()

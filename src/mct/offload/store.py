@@ -117,6 +117,7 @@ class DiskStore:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._size = 0
         self.records: dict[str, Record] = {}
+        self._spare: dict[str, Record] = {}  # released records: their file ranges, reused by key
         # The folder goes with the store even if close() is never called.
         self._finalizer = weakref.finalize(self, _remove, self._fd, self.dir, root if created else "")
 
@@ -124,6 +125,10 @@ class DiskStore:
         """Reserve record ``key`` at the end of the file (sparse until written)."""
         if key in self.records:
             raise ValueError(f"offload record {key!r} already exists")
+        spare = self._spare.pop(key, None)
+        if spare is not None and spare.nbytes >= numel * dtype.itemsize:  # its old range fits: no growth
+            self.records[key] = Record(numel, dtype, spare.offset)
+            return
         rec = Record(numel, dtype, self._size)
         self.records[key] = rec
         self._size += -(-rec.nbytes // _ALIGN) * _ALIGN
@@ -137,7 +142,11 @@ class DiskStore:
         self.records[a], self.records[b] = self.records[b], self.records[a]
 
     def release(self, key: str) -> None:
-        """Keep record ``key``'s file range reserved for its next use (the file only grows)."""
+        """Forget record ``key``; its file range is kept for the next record of that key
+        (the file never shrinks, so a repeated load does not grow it either)."""
+        rec = self.records.pop(key, None)
+        if rec is not None:
+            self._spare[key] = rec
 
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor ``out`` ([hi - lo] of the record's dtype) from the file.
