@@ -82,16 +82,32 @@ def _mesh(device: torch.device):
 
 class _StreamingPlanner(DefaultSavePlanner):
     """DCP's default save planner, except that a key with a reader is written from
-    ``reader()`` (its state-dict entry is a meta-device placeholder of the same shape):
-    DCP resolves one write item at a time, so one piece is read and held at a time."""
+    ``reader()`` (its state-dict entry is a meta-device placeholder of the same shape).
+
+    DCP resolves one write item at a time, but its file writer keeps a reference to
+    every tensor it wrote until the file is closed (``tensor_dict``, used only for its
+    safetensors format), so whatever this planner hands out for the write (a piece read
+    from the store, or the copy of a view that DCP would otherwise make itself) is
+    emptied (storage resized to 0) when the next item is resolved: the one before has
+    been written by then. One piece is held at a time."""
 
     def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
         super().__init__()
         self.readers = readers
+        self._handed: torch.Tensor | None = None
 
     def resolve_data(self, write_item: Any) -> Any:
+        if self._handed is not None:  # written: free it (DCP's own reference keeps an empty tensor)
+            self._handed.untyped_storage().resize_(0)
+            self._handed = None
         read = self.readers.get(write_item.index.fqn)
-        return super().resolve_data(write_item) if read is None else read()
+        data = super().resolve_data(write_item) if read is None else read()
+        if isinstance(data, torch.Tensor) and (read is not None or data.device.type != "cpu"
+                                               or data.untyped_storage().nbytes() != data.nbytes):
+            # a view of live state (or a device tensor) DCP would copy to the host itself: copy it here
+            data = data if read is not None else data.to("cpu", copy=True)
+            self._handed = data
+        return data
 
 
 def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
@@ -120,7 +136,10 @@ def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
     returns when it is written. So the save holds at most one extra piece. ``device``:
     the mesh's device (default: that of the first real tensor). Raises OSError (a
     failed write on any rank, on every rank) with DCP's wrapping removed."""
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    # per_thread_copy_ahead=0: DCP's serial loader (one item resolved, then written) on CUDA
+    # too; its overlapping loader would resolve ahead, and the planner frees what it handed out
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1,
+                                  per_thread_copy_ahead=0)
     wrapped = _wrap(tensors, extents, device)
     try:
         with _quiet():
