@@ -405,11 +405,7 @@ class Engine:
         global numel]}: every per-element tensor of a unit has its master's extent) and
         ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
         from mct.zero import state as zstate
-        units = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
-        extents = {zstate.key(u, zstate.MASTER): [zstate.extent(u, self.comm.rank)[0], u.layout.numel]
-                   for u in self.sharded.units}
-        local = {zstate.key(u, zstate.MASTER): zstate.extent(u, self.comm.rank)[1] for u in self.sharded.units}
-        return {"units": units, "extents": extents, "local_numel": local}
+        return zstate.layout(self.sharded.units, self.sharded.group_of_unit, self.comm.rank)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
@@ -457,23 +453,9 @@ class Engine:
         Without offload: (``state_dict()``, {}). Not collective; mutates nothing."""
         if self.offload is None:
             return self.state_dict(), {}
-        from mct.zero import state as zstate
-        self.offload.stream.drain()
-        sd = self._state_header()
-        tensors, extents, readers = {}, {}, {}
-        for i, u in enumerate(self.sharded.units):
-            off, n = zstate.extent(u, self.comm.rank)
-            for what, t, read in self.offload.unit_pieces(i, n):
-                k = zstate.key(u, what)
-                if not isinstance(t, torch.Tensor):
-                    raise ValueError(f"optimizer state {what!r} of unit {u.name!r} is a {type(t).__name__}, not "
-                                     f"a tensor: only tensor state can be checkpointed; use a torch.optim optimizer")
-                tensors[k] = t
-                if t.dim() == 1 and t.numel() == n and (what == zstate.MASTER or read is not None):
-                    extents[k] = [off, u.layout.numel]
-                if read is not None:
-                    readers[k] = read
-        return {**sd, "tensors": tensors, "extents": extents}, readers
+        from mct.offload.persist import streamed_pieces
+        tensors, extents, readers = streamed_pieces(self.offload, self.comm.rank)
+        return {**self._state_header(), "tensors": tensors, "extents": extents}, readers
 
     def _state_header(self) -> dict[str, Any]:
         from mct.zero import state as zstate
@@ -535,22 +517,9 @@ class Engine:
         hyper = zstate.check_hyper(self.optimizer, header["param_groups"])
         LossScaler.from_config(self.config.precision).load_state_dict(header["scaler"])  # validates only
         zstate.check_keys(self.sharded.units, header["keys"])
-        elementwise, scalars, on_device = [], [], []
-        try:
-            for i, (u, g) in enumerate(zip(self.sharded.units, self.sharded.group_of_unit)):
-                tensors, extents = read_units([i])
-                zstate.check_units([u], self.optimizer, self.comm.rank, tensors, extents)
-                per = {k[len(u.name) + 1:]: t for k, t in tensors.items()
-                       if k in extents or k.endswith(zstate.MASTER)}
-                self.offload.stage_unit(i, per, zstate.extent(u, self.comm.rank)[1])
-                elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})
-                scalars.append({k.split("/optim/")[1]: t for k, t in tensors.items()
-                                if "/optim/" in k and k not in extents})
-                group = self.optimizer.param_groups[g]
-                on_device.append(bool(group.get("fused") or group.get("capturable")))
-        except BaseException:
-            self.offload.drop_staged()
-            raise
+        from mct.offload.persist import stage_units
+        elementwise, scalars, on_device = stage_units(self.offload, self.sharded.group_of_unit, self.optimizer,
+                                                      self.comm.rank, read_units)
         # Everything checked and staged: from here on only mutation.
         index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
         self.optimizer.load_state_dict({"state": {}, "param_groups": [

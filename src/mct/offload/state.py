@@ -37,6 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import OffloadConfig
+from mct.offload import persist
 from mct.offload.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from mct.offload.store import DiskStore, HostStore, NullStore, Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
@@ -332,77 +333,19 @@ class OffloadedState:
         finally:
             del out
 
+    # ---- checkpoints streamed piece by piece (see persist.py) ----
     def unit_pieces(self, i: int, n: int) -> list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]]:
-        """Unit ``i``'s state for a streamed save, without reading the store: (what,
-        tensor, reader) for ``master`` and each ``optim/<name>`` (scalars first, as
-        torch's optimizers order them). A stored piece is a meta-device placeholder of
-        its first ``n`` elements with a ``reader()`` that reads them into a new CPU
-        tensor; resident ones (a master that is a view, scalars) are themselves, no reader."""
-        u = self.units[i]
-        out: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]] = []
-
-        def stored(key: str, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-            def read() -> torch.Tensor:
-                t = torch.empty(n, dtype=dtype)
-                self.stream.fetch(Item(key, self.store, key, 0, n), t)
-                return t
-            return torch.empty(n, dtype=dtype, device="meta"), read
-        out.append(("master", u.master.detach()[:n], None) if u.master_is_view
-                   else ("master", *stored(f"u{i}.master", torch.float32)))
-        st = self.states[i]
-        if st is not None:
-            out += [(f"optim/{k}", v.detach() if isinstance(v, torch.Tensor) else v, None)
-                    for k, v in st.scalars.items()]
-            out += [(f"optim/{k}", *stored(f"u{i}.{k}", dt)) for k, dt in st.elementwise.items()]
-        return out
-
-    # ---- a streamed load: staged in the store, then swapped in ----
-    STAGE = "load"
+        return persist.unit_pieces(self, i, n)
 
     def stage_unit(self, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
-        """Write unit ``i``'s loaded ``master`` and per-element ``optim/<name>`` pieces
-        (``n`` elements each; the shard's padding becomes zeros) into staging records
-        ``load.u<i>.*``; the live state is untouched until ``commit_staged``."""
-        S = self.units[i].layout.shard_numel
-        for what, t in pieces.items():
-            key = f"{self.STAGE}.u{i}.{what.removeprefix('optim/')}"
-            if key in self.store.records and self.store.records[key].dtype != t.dtype:
-                self.store.release(key)  # a leftover of another dtype (a load that failed part-way)
-            self._ensure(key, S, t.dtype)
-            put_record(self.store, key, t.detach().reshape(-1)[:n])
-            if S > n:
-                put_record(self.store, key, torch.zeros(S - n, dtype=t.dtype), offset=n)
+        persist.stage_unit(self, i, pieces, n)
 
     def drop_staged(self) -> None:
-        """Release every staging record (after a commit, or a load that failed): host
-        memory is freed, a file range is kept for the next load."""
-        for key in [k for k in self.store.records if k.startswith(f"{self.STAGE}.")]:
-            self.store.release(key)
+        persist.drop_staged(self)
 
     def commit_staged(self, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
                       on_device: list[bool]) -> None:
-        """Make the staged state live: each unit's staged records swap places with the
-        live ones (a resident master is read back in), its optimizer state becomes
-        ``elementwise`` (names, dtypes) and ``scalars``; then the working parameters
-        and stage-3 parameter shards are rebuilt from the masters. Call between steps."""
-        self.stream.drain()
-        for i, u in enumerate(self.units):
-            if u.master_is_view:
-                self.fetch(self.store, f"{self.STAGE}.u{i}.master", u.master)
-            else:
-                self.store.swap(f"{self.STAGE}.u{i}.master", f"u{i}.master")
-            for k, dt in elementwise[i].items():
-                self._ensure(f"u{i}.{k}", u.layout.shard_numel, dt)
-                self.store.swap(f"{self.STAGE}.u{i}.{k}", f"u{i}.{k}")
-            self.states[i] = (UnitState(dict(elementwise[i]), {
-                k: (v.to(self.device) if on_device[i] else v.clone()) if isinstance(v, torch.Tensor) else v
-                for k, v in scalars[i].items()}) if elementwise[i] or scalars[i] else None)
-        self.drop_staged()
-        for i, u in enumerate(self.units):
-            self._refresh_params(i, u)
-        self._publish()
-        self.end_step()
-        self.report_offloaded()
+        persist.commit_staged(self, elementwise, scalars, on_device)
 
     # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
     def snapshot(self, tag: str) -> dict[str, Any]:

@@ -41,6 +41,15 @@ def unit_record(unit: FlatParamUnit, group: int) -> dict[str, Any]:
             "params": [[n, list(s), o] for n, s, o in zip(unit.names, unit.layout.shapes, unit.layout.offsets)]}
 
 
+def layout(units: list[FlatParamUnit], group_of_unit: list[int], rank: int) -> dict[str, Any]:
+    """``units`` (``unit_record`` each), ``extents`` ({``<unit>/master``: [offset, global
+    numel]}) and ``local_numel`` ({``<unit>/master``: elements ``rank`` holds}): what a
+    checkpoint needs to know of a rank's state without reading any of it."""
+    return {"units": [unit_record(u, g) for u, g in zip(units, group_of_unit)],
+            "extents": {key(u, MASTER): [extent(u, rank)[0], u.layout.numel] for u in units},
+            "local_numel": {key(u, MASTER): extent(u, rank)[1] for u in units}}
+
+
 def key(unit: FlatParamUnit, what: str) -> str:
     """State key of a unit's tensor: ``<unit>/master`` or ``<unit>/optim/<state key>``."""
     return f"{unit.name}/{what}"
