@@ -7,7 +7,6 @@ User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -188,14 +187,19 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.rdzv_endpoint is not None and not _under_torchrun():
-        _check_rdzv_endpoint(args.rdzv_endpoint)
+        from mct.run.launch import check_rdzv_endpoint
+        check_rdzv_endpoint(args.rdzv_endpoint)
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
+    from mct.persistence.resume import finished_step, recorded_local_ranks
     recorded = args.nproc is None and args.resume and not _under_torchrun()
     if args.nproc is None:
-        args.nproc = _recorded_nproc(args.resume, args.nnodes) if recorded else 1
+        args.nproc = recorded_local_ranks(args.resume, args.nnodes) if recorded else 1
     cfg, run_dir = _train_config(args)
-    if args.resume and not _under_torchrun() and _nothing_left(args.resume, cfg):
+    done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
+    if done is not None:  # a resume with no steps left leaves the run as it is
+        _note(f"--resume {args.resume!r}: the run already completed {done} steps (train.steps = "
+              f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")
         return 0
     if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
         _note(f"--resume without --nproc: continuing on the run's recorded {args.nproc} local ranks "
@@ -221,61 +225,6 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return _train_worker(cfg, run_dir, args)
 
 
-def _check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
-    """Raise ValueError unless ``endpoint`` is HOST:PORT with a port in 1..65535 and a
-    host that resolves within ``timeout_s`` (torchrun would raise a traceback, or retry
-    an unknown host for minutes)."""
-    import socket
-    import threading
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1..65535, "
-                         f"e.g. node0:29400")
-    found: list = []
-    resolver = threading.Thread(target=lambda: found.append(_resolves(socket, host, int(port))), daemon=True)
-    resolver.start()
-    resolver.join(timeout_s)
-    if not found or not found[0]:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve"
-                         f"{'' if found else f' within {timeout_s:.0f} s'}; pass the name or address of the "
-                         f"machine that hosts the rendezvous")
-
-
-def _resolves(socket, host: str, port: int) -> bool:
-    try:
-        return bool(socket.getaddrinfo(host, port))
-    except OSError:
-        return False
-
-
-def _recorded_nproc(run_dir: str, nnodes: int) -> int:
-    """Local ranks per machine of the run in ``run_dir``, as its newest checkpoint (or
-    else its metadata.json) records them. Raises ValueError."""
-    from mct.persistence.resume import recorded_world_size
-    world = recorded_world_size(run_dir)
-    if world % nnodes:
-        raise ValueError(f"--resume {run_dir!r}: the run has {world} ranks, which --nnodes {nnodes} cannot split "
-                         f"evenly; pass --nproc to reshard")
-    return world // nnodes
-
-
-def _nothing_left(run_dir: str, cfg) -> bool:
-    """True (after one line saying so) when the run already completed ``train.steps``
-    and wrote its weights; without them the resume goes on and writes them."""
-    from mct.persistence.resume import run_trainer_state
-    from mct.persistence.run_dir import newest_usable
-    done = run_trainer_state(run_dir)["step"]
-    if done < cfg.train.steps or not (Path(run_dir) / "model.safetensors").is_file():
-        return False
-    done = newest_usable(run_dir)[1]["step"]  # the one a resume would load (raises if none is usable)
-    if done < cfg.train.steps:
-        return False
-    _note(f"--resume {run_dir!r}: the run already completed {done} steps (train.steps = {cfg.train.steps}); "
-          f"nothing to do (raise it with --set train.steps=N to train further)")
-    return True
-
-
 def _note(msg: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"mct: {msg}", file=sys.stderr)
@@ -285,7 +234,7 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     """One training process (alone, or a rank under torchrun). Every way it ends is an
     exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
-    from mct.run.launch import WorkerLink
+    from mct.run.launch import WorkerLink, run_dir_lock
     from mct.memory.tracker import MemoryBudgetExceeded
     from mct.run.signals import Preempted, StopRequest
     from mct.run.trainer import TrainingStopped, summary_table, train
@@ -297,7 +246,7 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
         run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         existed = Path(run_dir).exists()
         try:
-            with _run_lock(run_dir, ctx, new=not args.resume):
+            with run_dir_lock(run_dir, ctx, new=not args.resume):
                 summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume),
                                 stop=stop)
         except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
@@ -336,31 +285,6 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     if line and not link.active and (is_main or (code == 2 and every_rank)):  # a user error may be one rank's
         print(line, file=sys.stderr)
     return code
-
-
-@contextlib.contextmanager
-def _run_lock(run_dir: str, ctx, new: bool):
-    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
-    is a ValueError on every rank, before anything is written). A new run's directory
-    is checked first, so the lock is never taken in a directory that holds a run."""
-    from mct.dist import broadcast_from_main
-    from mct.persistence.run_dir import RunLock, check_new_run_dir
-    lock, error = None, None
-    if ctx.is_main:
-        try:
-            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                check_new_run_dir(run_dir)
-            lock = RunLock(run_dir)
-        except ValueError as e:
-            error = str(e)
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ValueError(error)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 class _OutOfMemory(Exception):

@@ -163,3 +163,25 @@ def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_
     write_json(path, meta)
     append_event(run_dir, step=from_step, kind="resume", action=f"restore {checkpoint}",
                  reason=reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}")
+
+
+def recorded_local_ranks(run_dir: str | Path, nnodes: int = 1) -> int:
+    """Local ranks per machine of the run in ``run_dir`` (``recorded_world_size`` split
+    over ``nnodes`` machines). Raises ValueError when it does not split evenly."""
+    world = recorded_world_size(run_dir)
+    if world % nnodes:
+        raise ValueError(f"--resume {str(run_dir)!r}: the run has {world} ranks, which --nnodes {nnodes} cannot "
+                         f"split evenly; pass --nproc to reshard")
+    return world // nnodes
+
+
+def finished_step(run_dir: str | Path, steps: int) -> int | None:
+    """The steps the run completed when it has nothing left to do for ``train.steps =
+    steps`` (its newest usable checkpoint is at or past them and model.safetensors was
+    written), else None: a resume goes on (and writes the weights if they are missing).
+    Raises ValueError when no checkpoint is usable."""
+    from mct.persistence.run_dir import newest_usable
+    if run_trainer_state(run_dir)["step"] < steps or not (Path(run_dir) / "model.safetensors").is_file():
+        return None
+    done = newest_usable(run_dir)[1]["step"]  # the one a resume would load
+    return done if done >= steps else None
