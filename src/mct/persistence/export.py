@@ -143,13 +143,25 @@ def check_target(out: Path, force: bool) -> None:
     for folder in [parent, *parent.parents]:
         if (folder / MANIFEST).is_file():
             raise ValueError(f"--out {shown} is inside checkpoint {str(folder)!r}; write the export elsewhere")
-        if (folder / "metadata.json").is_file() and (folder / "checkpoints").is_dir():
+        if _is_run_dir(folder):
             name = out.name
             if folder != parent or name in BOOKKEEPING or (name.startswith("metrics") and name.endswith(".jsonl")):
                 raise ValueError(f"--out {shown} is part of run {str(folder)!r}'s own files; pass another "
                                  f"name (e.g. {str(folder / 'export.safetensors')!r}) or another directory")
     if os.path.lexists(out) and not force:
         raise ValueError(f"--out {shown} already exists; pass --force to replace it, or a new file name")
+
+
+def _is_run_dir(folder: Path) -> bool:
+    """A directory made by `mct train`: a checkpoints/ folder, or a metadata.json that is
+    a run's (a JSON object with its config and world size)."""
+    if (folder / "checkpoints").is_dir() and (folder / "metadata.json").exists():
+        return True
+    try:
+        meta = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else None
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "config" in meta and "world_size" in meta
 
 
 def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple[Path, str | None]:
