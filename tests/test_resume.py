@@ -195,6 +195,11 @@ def test_resume_with_no_steps_left_says_so_exits_0_and_records_nothing(base, tmp
     err = capfd.readouterr().err.strip()
     assert "already completed 6 steps" in err and "nothing to do" in err and "\n" not in err, err
     assert _tree(run) == before  # no resume record, no event, no rewritten metrics or checkpoint
+    (run / "model.safetensors").unlink()  # stopped between its last checkpoint and its export
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "wrote" in capfd.readouterr().err
+    assert _tree(run).keys() == before.keys()
+    assert (run / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_newest_complete_checkpoint(tmp_path, monkeypatch):

@@ -198,7 +198,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg, run_dir = _train_config(args)
     done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
     if done is not None:  # a resume with no steps left leaves the run as it is
-        _note(f"--resume {args.resume!r}: the run already completed {done} steps (train.steps = "
+        _finish_weights(Path(args.resume), done[1])
+        _note(f"--resume {args.resume!r}: the run already completed {done[0]} steps (train.steps = "
               f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")
         return 0
     if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
@@ -223,6 +224,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                        max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                        rdzv_id=args.rdzv_id)
     return _train_worker(cfg, run_dir, args)
+
+
+def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
+    """A run stopped between its last checkpoint and its weights export: write
+    ``model.safetensors`` from that checkpoint (the same bytes the run would have written)."""
+    from mct.persistence.export import export_checkpoint
+    if not (run_dir / "model.safetensors").is_file():
+        export_checkpoint(checkpoint, run_dir / "model.safetensors")
+        _note(f"wrote {run_dir / 'model.safetensors'} from {checkpoint.name}")
 
 
 def _note(msg: str) -> None:

@@ -173,12 +173,20 @@ def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple
     check_target(out, force=True)  # what no --force allows, before reading the source
     path, warning = pick_checkpoint(source)
     check_target(out, force)
-    writer = SafetensorsWriter(out, _checkpoint_specs(path))
+    export_checkpoint(path, out)
+    return path, warning
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> None:
+    """Write the verified ``checkpoint``'s consolidated fp32 weights to ``out`` (replaced
+    once complete; no target checks: ``export`` makes them for a user's ``--out``). One
+    unit in memory at a time. Raises ValueError (one line) when the write fails."""
+    checkpoint = Path(checkpoint)
+    writer = SafetensorsWriter(out, _checkpoint_specs(checkpoint))
     try:
-        for name, t in _checkpoint_items(path):
+        for name, t in _checkpoint_items(checkpoint):
             writer.put(name, t)
     except BaseException:
         writer.abort()
         raise
     writer.commit()
-    return path, warning

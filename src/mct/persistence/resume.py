@@ -175,13 +175,12 @@ def recorded_local_ranks(run_dir: str | Path, nnodes: int = 1) -> int:
     return world // nnodes
 
 
-def finished_step(run_dir: str | Path, steps: int) -> int | None:
-    """The steps the run completed when it has nothing left to do for ``train.steps =
-    steps`` (its newest usable checkpoint is at or past them and model.safetensors was
-    written), else None: a resume goes on (and writes the weights if they are missing).
-    Raises ValueError when no checkpoint is usable."""
+def finished_step(run_dir: str | Path, steps: int) -> tuple[int, Path] | None:
+    """(steps completed, checkpoint) when the run has nothing left to do for
+    ``train.steps = steps``: its newest usable checkpoint is at or past them. None: a
+    resume has steps to run. Raises ValueError when no checkpoint is usable."""
     from mct.persistence.run_dir import newest_usable
-    if run_trainer_state(run_dir)["step"] < steps or not (Path(run_dir) / "model.safetensors").is_file():
+    if run_trainer_state(run_dir)["step"] < steps:  # cheap: the full check only when it may be done
         return None
-    done = newest_usable(run_dir)[1]["step"]  # the one a resume would load
-    return done if done >= steps else None
+    path, meta, _ = newest_usable(run_dir)  # the one a resume would load
+    return (meta["step"], path) if meta["step"] >= steps else None
