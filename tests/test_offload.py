@@ -190,6 +190,8 @@ def _two_rank_offload(rank: int, world: int, tmp: str) -> dict:
         out[key] = _compare(rank, world, stage, mode, offload, adamw, 1.0, tmp, reference)
     # stage 3 with small units kept gathered (persistent): published like stages 1/2
     out["persistent"] = _compare(rank, world, 3, "bf16", {"optimizer": "disk"}, adamw, 1.0, tmp, None, 20000)
+    from tests.test_persistence_streaming import two_rank_checks
+    out["streamed"] = two_rank_checks(rank, world, tmp)  # in this job: no second process start-up
     return out
 
 
@@ -201,7 +203,13 @@ def two_rank(tmp_path_factory):
 def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank):
     for results in two_rank:
         for key, r in results.items():
-            assert r["steps_equal"] and r["state_equal"], key
+            if key != "streamed":
+                assert r["steps_equal"] and r["state_equal"], key
+
+
+def test_two_rank_offloaded_checkpoint_and_export_stream_exactly(two_rank):
+    for results in two_rank:  # see tests/test_persistence_streaming.py: two_rank_checks
+        assert all(results["streamed"].values()), results["streamed"]
 
 
 def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_rank):

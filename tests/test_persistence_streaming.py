@@ -86,3 +86,32 @@ def test_an_offloaded_load_that_fails_in_a_later_unit_leaves_the_engine_untouche
     assert b.train_step(batches(6, 0), gpt_loss).loss == c.train_step(batches(6, 0), gpt_loss).loss
     for e in (a, b, c):
         e.close()
+
+
+def two_rank_checks(rank: int, world: int, tmp: str) -> dict[str, bool]:
+    """Run inside a 2-rank job (tests/test_offload.py's): a stage-3 engine with optimizer
+    and parameters on disk saves, a fresh one loads it (each rank reading and staging
+    its own element ranges unit by unit) and takes the same next step; the streamed
+    weights export equals ``save_file`` of the full state dict, byte for byte."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from mct.persistence.export import export_engine
+    a, b = _engine(Path(tmp) / "a"), _engine(Path(tmp) / "b")
+    a.train_step(batches(0, rank), gpt_loss)
+    a.save(f"{tmp}/streamed")
+    export_engine(a, f"{tmp}/streamed.safetensors")
+    want_file = False
+    if rank == 0:
+        save_file({k: v.clone() for k, v in a.full_state_dict().items()}, f"{tmp}/want.safetensors")
+        want_file = Path(f"{tmp}/streamed.safetensors").read_bytes() == Path(f"{tmp}/want.safetensors").read_bytes()
+    else:
+        a.full_state_dict()  # collective
+    want = a.train_step(batches(1, rank), gpt_loss)
+    b.load(f"{tmp}/streamed")
+    got = b.train_step(batches(1, rank), gpt_loss)
+    a.close()
+    b.close()
+    return {"export_equals_save_file": want_file or rank != 0,
+            "load_then_step_equal": (got.loss, got.grad_norm) == (want.loss, want.grad_norm)}
