@@ -230,9 +230,14 @@ def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
     """A run stopped between its last checkpoint and its weights export: write
     ``model.safetensors`` from that checkpoint (the same bytes the run would have written)."""
     from mct.persistence.export import export_checkpoint
-    if not (run_dir / "model.safetensors").is_file():
-        export_checkpoint(checkpoint, run_dir / "model.safetensors")
-        _note(f"wrote {run_dir / 'model.safetensors'} from {checkpoint.name}")
+    from mct.persistence.run_dir import RunLock
+    lock = RunLock(run_dir)  # not while the run itself may be writing it
+    try:
+        if not (run_dir / "model.safetensors").is_file():
+            export_checkpoint(checkpoint, run_dir / "model.safetensors")
+            _note(f"wrote {run_dir / 'model.safetensors'} from {checkpoint.name}")
+    finally:
+        lock.release()
 
 
 def _note(msg: str) -> None:
