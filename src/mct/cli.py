@@ -231,6 +231,8 @@ def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
     ``model.safetensors`` from that checkpoint (the same bytes the run would have written)."""
     from mct.persistence.export import export_checkpoint
     from mct.persistence.run_dir import RunLock
+    if (run_dir / "model.safetensors").is_file():
+        return
     lock = RunLock(run_dir)  # not while the run itself may be writing it
     try:
         if not (run_dir / "model.safetensors").is_file():
