@@ -1,4 +1,5 @@
-"""Checkpoint save and load of mct (stages 0-3) beside DCP save of an FSDP2 model.
+"""Checkpoint save, load and weights export of mct (stages 0-3, and offloaded) beside DCP
+save of an FSDP2 model.
 
     PYTHONPATH=src:. python benchmarks/checkpoint.py [--layers 4] [--d-model 256] [--repeats 3]
 
@@ -6,8 +7,11 @@ Two spawned gloo ranks on CPU, fp32 AdamW, a GPT of the given size. For each var
 after two training steps (so optimizer state exists):
 
   mct0..mct3   Engine at zero.stage 0..3; ``mct.persistence.save_checkpoint`` (DCP
-               with element-range pieces, JSON, manifest with sha256), then load of a
-               fresh engine at the same stage through ``load_engine_state``
+               with element-range pieces, JSON, manifest with sha256), then load into a
+               fresh engine at the same stage (built before the measurement) through
+               ``load_engine_state``, then the model.safetensors export (``export_engine``)
+  mct3-cpu, mct3-disk   the same at stage 3 in bf16 with optimizer state and parameters
+               offloaded (saves read one stored piece at a time, loads stage one unit)
   fsdp2        fully_shard per block and root; ``dcp.save`` of ``get_state_dict(model,
                optimizer)``, then ``dcp.load`` + ``set_state_dict`` on a fresh FSDP2 model
 
@@ -17,8 +21,9 @@ on disk, and each rank's peak resident memory (Linux VmHWM, reset through
 save, with glibc returning every large free to the system at once
 (MALLOC_MMAP_THRESHOLD_), so that resident memory follows live memory; "+MiB" is the
 peak's rise over the resident memory just before the call (after one warm-up save and
-load, so imports do not count). The target: a save's rise stays within the step's rise
-plus one unit (master + two Adam moments of the largest unit): nothing is gathered.
+load, so imports do not count). The target: the rise of a save, a load and an export
+stays within the step's rise plus one unit (master + two Adam moments of the largest
+unit): nothing is gathered or read whole.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from mct.config import EngineConfig, ModelConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups  # noqa: E402
 from mct.persistence import load_engine_state, save_checkpoint  # noqa: E402
+from mct.persistence.export import export_engine  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 LR, WD, SEED, MICRO_BATCH = 1e-3, 0.1, 1337, 8
@@ -93,20 +99,26 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _mct(stage: int, cfg: ModelConfig, rank: int):
-    ecfg = EngineConfig.from_dict({"model": vars(cfg), "zero": {"stage": stage}, "memory": {"track": False}})
-    torch.manual_seed(SEED)
-    model = GPT(cfg)
-    engine = Engine(model, adamw, ecfg, param_groups=optimizer_groups(model, WD))
+def _mct(variant: str, cfg: ModelConfig, rank: int, root: str):
+    """``mct<stage>`` (fp32, resident) or ``mct<stage>-<tier>`` (bf16, optimizer and, at stage
+    3, parameters offloaded to the tier, as the 27-layer run of issue 20)."""
+    stage, _, tier = variant.removeprefix("mct").partition("-")
+    d: dict[str, Any] = {"model": vars(cfg), "zero": {"stage": int(stage)}, "memory": {"track": False}}
+    if tier:
+        d["precision"] = {"mode": "bf16"}
+        d["offload"] = {"optimizer": tier, "params": tier if stage == "3" else "none", "dir": f"{root}/offload"}
+    ecfg = EngineConfig.from_dict(d)
+
+    def fresh() -> Engine:
+        torch.manual_seed(SEED)
+        model = GPT(cfg)
+        return Engine(model, adamw, ecfg, param_groups=optimizer_groups(model, WD))
+    engine = fresh()
     step = lambda i: engine.train_step(batch(i, rank, cfg), gpt_loss)  # noqa: E731
     save = lambda path: save_checkpoint(path, engine, step=engine.steps_done)  # noqa: E731
-
-    def load(path: Path) -> None:
-        torch.manual_seed(SEED)
-        m = GPT(cfg)
-        load_engine_state(Engine(m, adamw, ecfg, param_groups=optimizer_groups(m, WD)), path)
+    export = lambda path: export_engine(engine, path / "model.safetensors")  # noqa: E731
     unit = max(u.layout.numel for u in engine.sharded.units) * 4 * 3  # master + two Adam moments
-    return step, save, load, unit
+    return step, save, (fresh, load_engine_state), export, unit
 
 
 def _fsdp2(cfg: ModelConfig, rank: int):
@@ -134,67 +146,91 @@ def _fsdp2(cfg: ModelConfig, rank: int):
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
-    def load(path: Path) -> None:
+    def load_fresh():
         m, o = build()
         gpt_loss(m, batch(0, rank, cfg)).backward()  # optimizer state must exist to load into
         o.step()
         o.zero_grad(set_to_none=True)
+        return m, o
+
+    def load(mo, path: Path) -> None:
+        m, o = mo
         msd, osd = get_state_dict(m, o)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(path))
         set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return step, save, load, None
+    return step, save, (load_fresh, load), None, None
 
 
-def rank_main(rank: int, world: int, cfg: ModelConfig, repeats: int, root: str) -> list[dict[str, Any]]:
+def rank_main(rank: int, world: int, cfg: ModelConfig, repeats: int, root: str,
+              variants: list[str]) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     rows = []
-    for name in ("mct0", "mct1", "mct2", "mct3", "fsdp2"):
-        step = save = load = None
+    for name in variants:
         gc.collect()  # the previous variant's engine (hooks make reference cycles) goes first
-        step, save, load, unit = _mct(int(name[-1]), cfg, rank) if name.startswith("mct") else _fsdp2(cfg, rank)
+        step, save, (fresh, load), export, unit = (_mct(name, cfg, rank, root) if name.startswith("mct")
+                                                   else _fsdp2(cfg, rank))
         for i in range(2):
             step(i)
         save(Path(root) / f"{name}_warmup")  # first-call costs (imports, planner caches) excluded
-        load(Path(root) / f"{name}_warmup")
+        target = fresh()
+        load(target, Path(root) / f"{name}_warmup")
         _, step_peak, step_extra = _measure(lambda: step(2))
-        saves, loads, save_peak, save_extra, size = [], [], 0, 0, 0
+        saves, loads, size = [], [], 0
+        save_peak = save_extra = load_extra = export_extra = 0
+        export_s = []
         for r in range(repeats):
             path = Path(root) / f"{name}_{r}"
             t, peak, extra = _measure(lambda: save(path))
             saves.append(t)
             save_peak, save_extra = max(save_peak, peak), max(save_extra, extra)
             size = _dir_bytes(path)
-            loads.append(_measure(lambda: load(path))[0])
+            t, _, extra = _measure(lambda: load(target, path))
+            loads.append(t)
+            load_extra = max(load_extra, extra)
+            if export is not None:
+                t, _, extra = _measure(lambda: export(path))
+                export_s.append(t)
+                export_extra = max(export_extra, extra)
+        if hasattr(target, "close"):
+            target.close()  # the trained engine's offload files go with it at the next gc.collect()
         rows.append({"variant": name, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+                     "export_s": statistics.median(export_s) if export_s else None,
                      "size": size, "step_peak": step_peak, "save_peak": save_peak, "step_extra": step_extra,
-                     "save_extra": save_extra, "unit_bytes": unit})
+                     "save_extra": save_extra, "load_extra": load_extra,
+                     "export_extra": export_extra if export_s else None, "unit_bytes": unit})
     return rows
 
 
-COLUMNS = [("variant", "variant"), ("save_s", "save s"), ("load_s", "load s"), ("size_mib", "size MiB"),
-           ("step_peak_mib", "step peak MiB"), ("save_peak_mib", "save peak MiB"),
-           ("step_extra_mib", "step +MiB"), ("save_extra_mib", "save +MiB"), ("unit_mib", "unit MiB"),
-           ("check", "save <= step + unit")]
+COLUMNS = [("variant", "variant"), ("save_s", "save s"), ("load_s", "load s"), ("export_s", "export s"),
+           ("size_mib", "size MiB"), ("step_peak_mib", "step peak MiB"), ("save_peak_mib", "save peak MiB"),
+           ("step_extra_mib", "step +MiB"), ("save_extra_mib", "save +MiB"), ("load_extra_mib", "load +MiB"),
+           ("export_extra_mib", "export +MiB"), ("unit_mib", "unit MiB"), ("check", "<= step + unit")]
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict[str, Any]]:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         all_ranks = [p[i] for p in per_rank]
-        step_peak = max(r["step_peak"] for r in all_ranks)
-        save_peak = max(r["save_peak"] for r in all_ranks)
         unit = r0["unit_bytes"]
+
+        def worst(key: str) -> float | None:
+            values = [r[key] for r in all_ranks if r.get(key) is not None]
+            return float(mib(max(values))) if values else None
+        # the rise during a save, a load and an export, over the rank's resident memory at rest,
+        # stays within the step's own rise over rest plus one unit: nothing is gathered or read whole
+        ok = None if unit is None else all(
+            r[k] is None or r[k] <= r["step_extra"] + unit for r in all_ranks
+            for k in ("save_extra", "load_extra", "export_extra"))
         rows.append({"variant": r0["variant"], "save_s": max(r["save_s"] for r in all_ranks),
-                     "load_s": max(r["load_s"] for r in all_ranks), "size_mib": float(mib(r0["size"])),
-                     "step_peak_mib": float(mib(step_peak)), "save_peak_mib": float(mib(save_peak)),
-                     "step_extra_mib": float(mib(max(r["step_extra"] for r in all_ranks))),
-                     "save_extra_mib": float(mib(max(r["save_extra"] for r in all_ranks))),
+                     "load_s": max(r["load_s"] for r in all_ranks),
+                     "export_s": max((r["export_s"] for r in all_ranks if r["export_s"] is not None), default=None),
+                     "size_mib": float(mib(r0["size"])), "step_peak_mib": worst("step_peak"),
+                     "save_peak_mib": worst("save_peak"), "step_extra_mib": worst("step_extra"),
+                     "save_extra_mib": worst("save_extra"), "load_extra_mib": worst("load_extra"),
+                     "export_extra_mib": worst("export_extra"),
                      "unit_mib": None if unit is None else float(mib(unit)),
-                     # the peak during a save, over the rank's resident memory at rest, stays within
-                     # the step's own rise over rest plus one unit: nothing is gathered
-                     "check": None if unit is None else ("PASS" if all(
-                         r["save_extra"] <= r["step_extra"] + unit for r in all_ranks) else "MISS")})
+                     "check": None if ok is None else ("PASS" if ok else "MISS")})
     return rows
 
 
@@ -204,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d-model", type=int, default=256, help="model.d_model")
     ap.add_argument("--repeats", type=int, default=3, help="saves and loads per variant (median)")
     ap.add_argument("--world", type=int, default=2, help="ranks (spawned gloo processes)")
+    ap.add_argument("--variants", default="mct0,mct1,mct2,mct3,mct3-cpu,mct3-disk,fsdp2",
+                    help="comma-separated: mct<stage> (fp32), mct<stage>-cpu|disk (bf16, offloaded), fsdp2")
     ap.add_argument("--json", default="checkpoint", help="result name (benchmarks/results/NAME.json) or a .json path")
     args = ap.parse_args(argv)
     import os
@@ -211,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ModelConfig(n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64))
     root = tempfile.mkdtemp(prefix="mct-ckpt-bench-")
     try:
-        per_rank = run_distributed(rank_main, args.world, cfg, args.repeats, root, timeout=1800.0)
+        per_rank = run_distributed(rank_main, args.world, cfg, args.repeats, root, args.variants.split(","),
+                                   timeout=1800.0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(per_rank)

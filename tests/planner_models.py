@@ -62,6 +62,11 @@ class TiedFrozenReused(nn.Module):
         return self.head(x)
 
 
+def raising() -> nn.Module:
+    """A factory whose own code fails: `mct plan --model` says so in one line."""
+    raise RuntimeError("a factory that fails")
+
+
 def tied_frozen_reused() -> nn.Module:
     return TiedFrozenReused()
 

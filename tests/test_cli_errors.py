@@ -81,8 +81,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("offload-tier-unknown", [*TRAIN, "--set", "offload.optimizer=nvme"], "offload.optimizer = 'nvme'"),
     ("offload-params-not-stage-3", [*TRAIN, "--set", "offload.optimizer=disk", "--set", "offload.params=disk"],
      "set zero.stage = 3"),
-    ("offload-dir-missing", [*TRAIN, "--set", "offload.optimizer=disk", "--set", "offload.dir=/nonexistent/mct"],
-     "/nonexistent/mct"),
+    ("offload-dir-under-a-file", [*TRAIN, "--set", "offload.optimizer=disk", "--set",
+                                  "offload.dir={tmp}/broken.toml/offload"], "cannot be created"),
     ("host-malloc-unknown", [*TRAIN, "--set", "memory.host_malloc=jemalloc"], "memory.host_malloc = 'jemalloc'"),
     ("plan-offload-unknown", ["plan", "--offloads", "params=disk"], "--offloads 'params=disk'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
@@ -104,6 +104,34 @@ CASES: list[tuple[str, list[str], str]] = [
     ("report-no-metrics", ["report", "{tmp}"], "has no metrics.jsonl"),
     ("report-all-lines-damaged", ["report", "{tmp}/damaged_run"], "has no readable step"),
     ("report-plot-format", ["report", "{tmp}/damaged_run", "--plot", "{tmp}/r.gif"], "unknown image format"),
+    # the probe of issue 20: sizes beyond 64 bits, bad resume dirs, exports onto what is not theirs, launch
+    ("batch-beyond-64-bits", [*TRAIN, "--set", "data.micro_batch_size=99999999999999999999999"],
+     "data.micro_batch_size = 99999999999999999999999 is not allowed: must fit in 64 bits"),
+    ("d-model-beyond-64-bits", [*TRAIN, "--set", "model.d_model=99999999999999999999999"], "model.d_model"),
+    ("vocab-beyond-64-bits", [*TRAIN, "--set", "model.vocab_size=99999999999999999999999"], "model.vocab_size"),
+    ("vocab-beyond-64-bits-nproc-2", [*TRAIN, "--nproc", "2", "--set", "model.vocab_size=99999999999999999999999"],
+     "model.vocab_size"),
+    ("logits-overflow-64-bits", [*TRAIN, "--set", "data.micro_batch_size=4611686018427387904"],
+     "beyond 64-bit sizes"),
+    ("run-dir-empty", [*TRAIN, "--run-dir", ""], "--run-dir '' is empty"),
+    ("zero-units-not-found", [*TRAIN, "--set", "zero.units=Nope"], "zero.units = ['Nope']"),
+    ("verify-nproc-zero", ["verify", *TINY, "--nproc", "0"], "--nproc must be >= 1"),
+    ("plan-budget-below-one-byte", ["plan", "--budget", "0.5B"], "less than one byte"),
+    ("plan-model-raises", ["plan", "--model", "tests.planner_models:raising"],
+     "raised RuntimeError: a factory that fails"),
+    ("rdzv-endpoint-no-port", ["train", "--nnodes", "2", "--rdzv-endpoint", "node0:port", *TINY], "HOST:PORT"),
+    ("rdzv-endpoint-unresolvable", ["train", "--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400",
+                                    *TINY], "does not resolve"),
+    ("resume-metadata-wrong-shape", ["train", "--resume", "{tmp}/list_meta_run"], "holds a JSON list"),
+    ("resume-metadata-wrong-shape-nproc-2", ["train", "--nproc", "2", "--resume", "{tmp}/list_meta_run"],
+     "holds a JSON list"),
+    ("resume-checkpoints-deleted", ["train", "--resume", "{tmp}/emptied_run"], "so they were deleted"),
+    ("export-onto-symlink", ["export", "{tmp}/emptied_run", "--out", "{tmp}/link", "--force"], "a symbolic link"),
+    ("export-onto-fifo", ["export", "{tmp}/emptied_run", "--out", "{tmp}/fifo", "--force"], "a FIFO"),
+    ("export-onto-run-metadata", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/metadata.json",
+                                  "--force"], "own files"),
+    ("export-into-checkpoints", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/checkpoints/w"],
+     "own files"),
 ]
 
 
@@ -120,6 +148,11 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     (tmp / "nan.toml").write_text("[train]\nlr = nan\n")
     (tmp / "damaged_run").mkdir()
     (tmp / "damaged_run" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.1\n[1, 2]\n')
+    (tmp / "list_meta_run" / "checkpoints").mkdir(parents=True)
+    (tmp / "list_meta_run" / "metadata.json").write_text("[1, 2]\n")
+    (tmp / "emptied_run" / "checkpoints").mkdir(parents=True)  # a run that saved every 2 steps, all deleted
+    (tmp / "emptied_run" / "metadata.json").write_text('{"world_size": 1, "config": {"train": {"checkpoint_every": 2}}}')
+    (tmp / "link").symlink_to(tmp / "broken.toml")
     return {"tmp": str(tmp), "corpus": str(corpus), "run": str(tmp / "run")}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from mct.cli import main
 from mct.config import EngineConfig
 from mct.persistence.files import file_digest
 from mct.persistence.resume import resume_config
-from mct.persistence.run_dir import checkpoints, step_dir
+from mct.persistence.run_dir import LOCK_FILE, RunLock, checkpoints, step_dir
 from mct.run.trainer import train
 from tests.distributed import run_distributed
 
@@ -134,7 +135,7 @@ def test_resume_refuses_a_changed_corpus(base, tmp_path, capfd):
     shutil.copytree(corpus, tmp_path / "saved")
     try:
         (corpus / "f00.txt").write_text("changed")
-        assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+        assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=8"]) == 2
         assert "corpus at data.path changed" in capfd.readouterr().err
     finally:
         shutil.rmtree(corpus)
@@ -167,6 +168,68 @@ def test_a_run_dir_is_never_reused(base, tmp_path, capfd):
         assert main(["train", "--run-dir", str(bad), "--set", "train.steps=1"]) == 2
         err = capfd.readouterr().err.strip()
         assert why in err and "\n" not in err
+
+
+def test_a_run_dir_in_use_is_refused_in_one_line_and_left_unchanged(base, tmp_path, capfd):
+    assert not (base / LOCK_FILE).exists()  # a finished run holds no lock
+    run = _copy(base, tmp_path)
+    before = _tree(run)
+    lock = RunLock(run)  # as a run training in it holds
+    try:
+        for argv in (["--resume", str(run), "--set", "train.steps=8"], ["--run-dir", str(tmp_path / "new")]):
+            if argv[0] == "--run-dir":
+                lock.release()
+                lock = RunLock(tmp_path / "new")  # a second new run racing the first for one directory
+            assert main(["train", "--no-progress", *argv]) == 2
+            err = capfd.readouterr().err.strip()
+            assert "is in use by a running mct" in err and f"pid {os.getpid()}" in err and "\n" not in err, err
+    finally:
+        lock.release()
+    assert _tree(run) == before and list((tmp_path / "new").iterdir()) == []
+
+
+def test_resume_with_no_steps_left_says_so_exits_0_and_records_nothing(base, tmp_path, capfd):
+    run = _copy(base, tmp_path)
+    before = _tree(run)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    err = capfd.readouterr().err.strip()
+    assert "already completed 6 steps" in err and "nothing to do" in err and "\n" not in err, err
+    assert _tree(run) == before  # no resume record, no event, no rewritten metrics or checkpoint
+    (run / "model.safetensors").unlink()  # stopped between its last checkpoint and its export
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert "wrote" in capfd.readouterr().err
+    assert _tree(run).keys() == before.keys()
+    assert (run / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+    import resource
+    import signal
+
+    from mct.persistence import shards
+    real, calls = shards.save_pieces, []
+
+    def second_save_hits_a_full_disk(*args, **kwargs):
+        # a file-size limit fails the write as a full disk does (EFBIG where a disk gives ENOSPC)
+        calls.append(1)
+        if len(calls) < 2:
+            return real(*args, **kwargs)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, handler)
+    monkeypatch.setattr(shards, "save_pieces", second_save_hits_a_full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError) as e:
+        train(EngineConfig.from_dict(tiny_run(_write_corpus(tmp_path / "corpus"), steps=4)), run, progress=False)
+    msg = str(e.value)
+    assert f"cannot write {step_dir(run, 4)}" in msg and "bytes needed" in msg and "\n" not in msg, msg
+    assert [s for s, _ in checkpoints(run, complete_only=False)] == [2]  # the torn one is gone, step 2 is whole
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
 
 
 def test_export_equals_the_final_weights(base, tmp_path, capfd):

@@ -1,5 +1,6 @@
-"""SIGKILL at a random moment, then `mct train --resume`: the run ends bit-identical
-(model.safetensors bytes, per-step losses) to one never interrupted, at every stage."""
+"""SIGKILL at a random moment, then `mct train --resume` (without --nproc: the run's own
+rank count): the run ends bit-identical (model.safetensors bytes, per-step losses) to one
+never interrupted, at every stage."""
 
 from __future__ import annotations
 
@@ -109,8 +110,11 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, stage, nproc):
     mct = [sys.executable, "-m", "mct", "train", "--nproc", str(nproc), "--no-progress"]
     k = _kill_at_random_step([*mct, "--config", str(tmp_path / "c.toml"), "--run-dir", str(run)], run, 10, rng)
     assert checkpoints(run), f"no checkpoint after {k} rows (seed {seed})"
-    out = subprocess.run([*mct, "--resume", str(run)], env=_env(), capture_output=True, text=True, timeout=300)
+    # without --nproc: the run's own rank count (a 2-rank run on 1 rank would not be bit-identical)
+    resume = [sys.executable, "-m", "mct", "train", "--no-progress", "--resume", str(run)]
+    out = subprocess.run(resume, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"continuing on the run's recorded {nproc} local ranks" in out.stderr) == (nproc > 1), out.stderr
     why = f"killed after {k} metrics rows (random seed {seed})"
     assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes(), why
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in _rows(run)] == \

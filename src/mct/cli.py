@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "epilog": "Config keys default to the field defaults in mct/config.py, except "
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
-    _common(t)
+    _common(t, nproc=False)
+    t.add_argument("--nproc", type=int, default=None,
+                   help="local worker processes, launched with torchrun (default: 1); with --resume, the "
+                        "run's recorded number of local ranks unless given (another number reshards)")
     t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
                                      "(default: runs/<timestamp>)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest complete "
@@ -94,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
-    e.add_argument("--out", required=True, help="the .safetensors file to write (--format hf: a new directory)")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (a new file, or a regular file "
+                                                "with --force; never a run's own files); --format hf: a new directory")
+    e.add_argument("--force", action="store_true", help="replace --out if it is an existing regular file")
     e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: one fp32 file, names as named_parameters; hf: a Hugging Face model directory "
                         "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model")
@@ -206,9 +211,27 @@ def _train_config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     for flag, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
                              ("--max-restarts", args.max_restarts, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.rdzv_endpoint is not None and not _under_torchrun():
+        from mct.run.launch import check_rdzv_endpoint
+        check_rdzv_endpoint(args.rdzv_endpoint)
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
+    from mct.persistence.resume import finished_step, recorded_local_ranks
+    recorded = args.nproc is None and args.resume and not _under_torchrun()
+    if args.nproc is None:
+        args.nproc = recorded_local_ranks(args.resume, args.nnodes) if recorded else 1
     cfg, run_dir = _train_config(args)
+    done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
+    if done is not None:  # a resume with no steps left leaves the run as it is
+        _finish_weights(Path(args.resume), done[1])
+        _note(f"--resume {args.resume!r}: the run already completed {done[0]} steps (train.steps = "
+              f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")
+        return 0
+    if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
+        _note(f"--resume without --nproc: continuing on the run's recorded {args.nproc} local ranks "
+              f"(pass --nproc M to reshard)")
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
@@ -230,11 +253,32 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return _train_worker(cfg, run_dir, args)
 
 
+def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
+    """A run stopped between its last checkpoint and its weights export: write
+    ``model.safetensors`` from that checkpoint (the same bytes the run would have written)."""
+    from mct.persistence.export import export_checkpoint
+    from mct.persistence.run_dir import RunLock
+    if (run_dir / "model.safetensors").is_file():
+        return
+    lock = RunLock(run_dir)  # not while the run itself may be writing it
+    try:
+        if not (run_dir / "model.safetensors").is_file():
+            export_checkpoint(checkpoint, run_dir / "model.safetensors")
+            _note(f"wrote {run_dir / 'model.safetensors'} from {checkpoint.name}")
+    finally:
+        lock.release()
+
+
+def _note(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mct: {msg}", file=sys.stderr)
+
+
 def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
     """One training process (alone, or a rank under torchrun). Every way it ends is an
     exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
     from mct.dist import broadcast_from_main, init_distributed, teardown
-    from mct.run.launch import WorkerLink
+    from mct.run.launch import WorkerLink, run_dir_lock
     from mct.memory.tracker import MemoryBudgetExceeded
     from mct.run.signals import Preempted, StopRequest
     from mct.run.trainer import TrainingStopped, summary_table, train
@@ -246,7 +290,9 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
         run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         existed = Path(run_dir).exists()
         try:
-            summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume), stop=stop)
+            with run_dir_lock(run_dir, ctx, new=not args.resume):
+                summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume),
+                                stop=stop)
         except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
             oom = _is_out_of_memory(e)
             if not (oom or isinstance(e, ValueError)):
@@ -271,6 +317,9 @@ def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
             code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
         elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
             code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+        elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
+            code, line = 2, (f"mct: error: cannot write {e.filename or f'in {run_dir}'} ({e.strerror}); free space "
+                             f"there or choose another place; the newest complete checkpoint is unchanged")
         else:
             raise
     finally:
@@ -291,6 +340,14 @@ def _peer_gone(e: Exception) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and any(k in text for k in (
         "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
+
+
+def _place_failed(e: BaseException) -> bool:
+    """An OSError of the file system refusing a write: full, over quota, read-only,
+    not permitted, or a file-size limit."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                  errno.EPERM, errno.EFBIG)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
@@ -330,7 +387,7 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
                              "one file")
         from mct.persistence.export import export
-        path, warning = export(args.source, args.out)
+        path, warning = export(args.source, args.out, force=args.force)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} from {path}")
@@ -344,6 +401,8 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.nproc > 1 and not _under_torchrun():
         from mct.task import task_for

@@ -43,7 +43,10 @@ def parse_bytes(text: str | int, key: str = "memory.budget") -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"{key} must be a positive size like '2GiB', '512MiB' or '1.5GB', got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:  # '0.5B' rounds to nothing: not a budget anyone means
+        raise ValueError(f"{key} = {text!r} is less than one byte; pass a size like '2GiB'")
+    return n
 
 
 def check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -407,10 +410,29 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
+        self._check_tensor_sizes()
         if self.offload.params != "none" and self.zero.stage not in (3, "auto"):
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
                   f"on every rank: set zero.stage = 3 or offload.params = 'none'")
+
+    def _check_tensor_sizes(self) -> None:
+        """Raise ValueError when the sizes make a tensor of the built-in GPT (logits,
+        embedding, MLP weight, attention scores; or all its parameters) too large for
+        64-bit byte counts: torch
+        would fail deep inside with an overflow, not name the key."""
+        m, b = self.model, self.data
+        for keys, numel in ((("data.micro_batch_size", "model.seq_len", "model.vocab_size"),
+                             b.micro_batch_size * m.seq_len * m.vocab_size),
+                            (("model.vocab_size", "model.d_model"), m.vocab_size * m.d_model),
+                            (("model.d_model",), 4 * m.d_model * m.d_model),
+                            (("model.n_layer", "model.d_model"), 12 * m.n_layer * m.d_model * m.d_model),
+                            (("data.micro_batch_size", "model.n_head", "model.seq_len"),
+                             b.micro_batch_size * m.n_head * m.seq_len * m.seq_len)):
+            if numel >= 2**60:
+                values = ", ".join(f"{k} = {getattr(getattr(self, k.split('.')[0]), k.split('.')[1])}" for k in keys)
+                raise ValueError(f"{values} need {numel:.3g} elements in one tensor (or all parameters), beyond 64-bit sizes: "
+                                 f"use realistic sizes (`mct plan` shows what a configuration needs)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "EngineConfig":
@@ -459,6 +481,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 raise ValueError(f"{key} = {value!r} is not allowed: must be a finite number")
             return float(value)
         if t is int and isinstance(value, int) and not isinstance(value, bool):
+            if not -2**63 <= value < 2**63:  # torch sizes and seeds are 64-bit; beyond is a typo, not a size
+                raise ValueError(f"{key} = {value!r} is not allowed: must fit in 64 bits (|value| < 2**63)")
             return value
         if t in (str, bool) and type(value) is t:
             return value

@@ -12,9 +12,10 @@ default process group when one is initialized and runs as a single process other
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -102,7 +103,8 @@ class Engine:
                 if not p.requires_grad:
                     p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
-        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks)
+        units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,
+                            key="zero.units" if cfg.zero.units else "checkpointing.blocks")
         self.stage = int(cfg.zero.stage)
         # (offload takes each unit's masters, state and shards as it is built)
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
@@ -373,6 +375,38 @@ class Engine:
         return {n: (trainable[n] if n in trainable else p.detach().float().clone())
                 for n, p in self.model.named_parameters()}
 
+    def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 tensor) of every parameter, as ``full_state_dict`` but one flat
+        unit gathered at a time (its masters read from the offload store if there):
+        a tensor is a view valid until the next unit's first item (copy it to keep
+        it). Trainable parameters in unit order, then the others. Collective under
+        ZeRO: every rank must iterate to the end; mutates nothing."""
+        seen = set()
+        for i, u in enumerate(self.sharded.units):
+            master = self.offload.master_of(i) if self.offload is not None else contextlib.nullcontext(u.master)
+            with master as m:
+                full = self.sharded.gather_unit(u, m)
+            for name, shape, off in zip(u.names, u.layout.shapes, u.layout.offsets):
+                seen.add(name)
+                yield name, full[off:off + math.prod(shape)].view(shape)
+            del full
+        for n, p in self.model.named_parameters():
+            if n not in seen:
+                yield n, p.detach().float()
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter ``full_state_items`` yields, without reading state."""
+        shapes = {n: tuple(s) for u in self.sharded.units for n, s in zip(u.names, u.layout.shapes)}
+        return {**shapes, **{n: tuple(p.shape) for n, p in self.model.named_parameters() if n not in shapes}}
+
+    def layout(self) -> dict[str, Any]:
+        """This rank's state layout without reading any state (cheap under offload):
+        ``units`` (as in ``state_dict()``), ``extents`` ({``<unit>/master``: [offset,
+        global numel]}: every per-element tensor of a unit has its master's extent) and
+        ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
+        from mct.zero import state as zstate
+        return zstate.layout(self.sharded.units, self.sharded.group_of_unit, self.comm.rank)
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
         with self._masters_resident(write_back=True):
@@ -411,21 +445,28 @@ class Engine:
             sd["tensors"] = {k: v.clone() if k.endswith("/master") else v for k, v in sd["tensors"].items()}
         return sd
 
-    def layout(self) -> dict[str, Any]:
-        """The layout ``state_dict()`` would have, without reading any state: the units
-        (name, group, global numel, shapes) under ``"units"``. Cheap (no copies, no store
-        reads, even under offload); what a checkpoint is checked against before a load."""
+    def streamed_state_dict(self) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
+        """``state_dict()`` for writing out piece by piece: (state, readers). The same
+        entries and keys; under offload each stored piece is a meta-device placeholder
+        (shape, dtype) and ``readers[key]()`` reads it from the store into a new CPU
+        tensor when it is written, so a save holds one piece, not the local state.
+        Without offload: (``state_dict()``, {}). Not collective; mutates nothing."""
+        if self.offload is None:
+            return self.state_dict(), {}
+        from mct.offload.persist import streamed_pieces
+        tensors, extents, readers = streamed_pieces(self.offload, self.comm.rank)
+        return {**self._state_header(), "tensors": tensors, "extents": extents}, readers
+
+    def _state_header(self) -> dict[str, Any]:
         from mct.zero import state as zstate
-        return {"format": self.STATE_FORMAT,
+        return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
+                "param_groups": zstate.group_hyper(self.optimizer),
                 "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]}
 
     def _state_dict(self) -> dict[str, Any]:
         from mct.zero import state as zstate
         tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)
-        return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
-                "param_groups": zstate.group_hyper(self.optimizer),
-                "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)],
-                "tensors": tensors, "extents": extents}
+        return {**self._state_header(), "tensors": tensors, "extents": extents}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` of an engine with the same model, optimizer set-up
@@ -458,6 +499,34 @@ class Engine:
             self._register_optimizer_state()
             self.sharded.publish()
         self._set_counters(state["scaler"], steps)
+
+    def load_state_streamed(self, header: dict[str, Any], read_units: Callable[[list[int]], tuple[dict, dict]]) -> None:
+        """``load_state_dict`` for state read a unit at a time. ``header``: what
+        ``state_dict()`` holds but ``tensors``/``extents``, plus ``keys`` (every tensor
+        key); ``read_units(indices)`` returns (tensors, extents) of those units. Without
+        offload every unit is read at once and loaded by ``load_state_dict``. Under
+        offload each unit is read, checked and staged in the store before the next
+        (one unit in memory), and replaces the live state only once all passed: a
+        failure raises ValueError, the engine untouched. Collective as ``read_units``."""
+        if self.offload is None:
+            tensors, extents = read_units(list(range(len(self.sharded.units))))
+            return self.load_state_dict({**header, "tensors": tensors, "extents": extents})
+        from mct.zero import state as zstate
+        mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
+        steps = zstate.check_header({**header, "tensors": {}, "extents": {}}, self.STATE_FORMAT, mine)
+        hyper = zstate.check_hyper(self.optimizer, header["param_groups"])
+        LossScaler.from_config(self.config.precision).load_state_dict(header["scaler"])  # validates only
+        zstate.check_keys(self.sharded.units, header["keys"])
+        from mct.offload.persist import stage_units
+        elementwise, scalars, on_device = stage_units(self.offload, self.sharded.group_of_unit, self.optimizer,
+                                                      self.comm.rank, read_units)
+        # Everything checked and staged: from here on only mutation.
+        index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
+        self.optimizer.load_state_dict({"state": {}, "param_groups": [
+            {**h, "params": [index[id(p)] for p in grp["params"]]} for h, grp in zip(hyper, self.optimizer.param_groups)]})
+        self.optimizer.state.clear()
+        self.offload.commit_staged(elementwise, scalars, on_device)
+        self._set_counters(header["scaler"], steps)
 
     def _set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
         self.scaler.load_state_dict(scaler)

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 
-def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+def find_blocks(model: nn.Module, class_names: list[str] | None = None,
+                key: str = "checkpointing.blocks") -> list[tuple[str, nn.Module]]:
     """Return the model's blocks as ``(qualified_name, module)`` in ``named_modules`` order.
 
     With ``class_names`` empty: the children of the longest ``nn.ModuleList`` whose
@@ -17,10 +18,11 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     one met. Otherwise: every module whose class name is listed; a match
     nested inside another match is skipped (blocks do not nest). Returns ``[]`` when no
     ModuleList exists. Raises ValueError for a class name the model does not contain,
-    listing the class names it does contain. Mutates nothing.
+    naming the config ``key`` that listed it and the class names the model does contain.
+    Mutates nothing.
     """
     if class_names:
-        return _blocks_by_class(model, class_names)
+        return _blocks_by_class(model, class_names, key)
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     # A list of one repeated class is the model's layer stack; a mixed list (heads,
     # adapters) is only the fallback.
@@ -35,12 +37,12 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     return [(f"{prefix}{i}", child) for i, child in enumerate(best[1])]
 
 
-def _blocks_by_class(model: nn.Module, class_names: list[str]) -> list[tuple[str, nn.Module]]:
+def _blocks_by_class(model: nn.Module, class_names: list[str], key: str) -> list[tuple[str, nn.Module]]:
     present = {type(m).__name__ for m in model.modules()}
     unknown = [c for c in class_names if c not in present]
     if unknown:
         raise ValueError(
-            f"checkpointing.blocks = {class_names!r}: {unknown!r} not found in the model; "
+            f"{key} = {class_names!r}: {unknown!r} not found in the model; "
             f"its module class names are: {', '.join(sorted(present))}")
     wanted = set(class_names)
     found: list[tuple[str, nn.Module]] = []

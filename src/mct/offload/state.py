@@ -37,6 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import OffloadConfig
+from mct.offload import persist
 from mct.offload.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from mct.offload.store import DiskStore, HostStore, NullStore, Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
@@ -246,9 +247,9 @@ class OffloadedState:
         if state is None:  # first step: the optimizer just created this chunk's state
             elementwise = {k: v.dtype for k, v in post.items()
                            if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() > 0}
-            if a == 0:
+            if a == 0:  # (records may exist already: a state restored from before the first step)
                 for k, dt in elementwise.items():
-                    self.store.allocate(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
+                    self._ensure(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
         else:
             elementwise = state.elementwise
         scalars = {k: v for k, v in post.items() if k not in elementwise}
@@ -316,6 +317,35 @@ class OffloadedState:
                         put_record(self.param_store, f"u{i}.param", u.master.to(u.param_dtype))
                 u.master.untyped_storage().resize_(0)
                 self.tracker.refresh(u.master)
+
+    @contextlib.contextmanager
+    def master_of(self, i: int) -> Iterator[torch.Tensor]:
+        """Unit ``i``'s fp32 master shard for reading, for the duration: the resident one,
+        or a copy read from the store (one unit's shard in memory, freed on exit)."""
+        u = self.units[i]
+        if u.master_is_view:
+            yield u.master
+            return
+        out = torch.empty(u.layout.shard_numel, dtype=torch.float32, device=self.device)
+        self.fetch(self.store, f"u{i}.master", out)
+        try:
+            yield out
+        finally:
+            del out
+
+    # ---- checkpoints streamed piece by piece (see persist.py) ----
+    def unit_pieces(self, i: int, n: int) -> list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]]:
+        return persist.unit_pieces(self, i, n)
+
+    def stage_unit(self, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
+        persist.stage_unit(self, i, pieces, n)
+
+    def drop_staged(self) -> None:
+        persist.drop_staged(self)
+
+    def commit_staged(self, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
+                      on_device: list[bool]) -> None:
+        persist.commit_staged(self, elementwise, scalars, on_device)
 
     # ---- rollback snapshots, kept in the store (never the whole state in memory) ----
     def snapshot(self, tag: str) -> dict[str, Any]:

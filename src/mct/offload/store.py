@@ -12,7 +12,8 @@ from a host tensor the caller owns, so a record is never read whole unless asked
   with ``os.preadv``/``os.pwritev`` into and out of the caller's buffer: nothing maps a
   whole file, and the only process memory used is the caller's buffers. The folder is
   private to the store (``tempfile.mkdtemp`` inside ``root``) and removed by ``close``
-  (or when the store is garbage collected).
+  (or when the store is garbage collected). A missing ``root`` is created, and removed
+  again once the last store in it is closed.
 - ``NullStore``: sizes only, for dry runs on fake tensors (the planner).
 """
 
@@ -76,6 +77,16 @@ class HostStore:
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         out.copy_(self._tensors[key][lo:hi])
 
+    def swap(self, a: str, b: str) -> None:
+        """Exchange what records ``a`` and ``b`` hold (no data moves)."""
+        self._tensors[a], self._tensors[b] = self._tensors[b], self._tensors[a]
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        """Forget record ``key`` and free its memory."""
+        self._tensors.pop(key, None)
+        self.records.pop(key, None)
+
     def write(self, key: str, lo: int, src: torch.Tensor) -> None:
         self._tensors[key][lo:lo + src.numel()].copy_(src)
 
@@ -89,31 +100,35 @@ class HostStore:
 
 class DiskStore:
     """Records in one file under a private folder in ``root`` ('' = system temp dir).
-    Raises ValueError when ``root`` cannot hold a folder (missing, not writable)."""
+    Raises ValueError when ``root`` cannot hold a folder (not creatable, not writable)."""
 
     tier = "disk"
 
     def __init__(self, root: str = "", *, name: str = "state") -> None:
-        """``name`` ends the folder's and names the file's name (e.g. 'rank0')."""
-        if root and not os.path.isdir(root):
-            raise ValueError(f"offload.dir = {root!r} is not a directory: create it or leave it '' "
-                             f"for the system temporary directory")
+        """``name`` ends the folder's and names the file's name (e.g. 'rank0'). A missing
+        ``root`` is created (and removed again by the last store that leaves it empty)."""
+        created = _make_root(root) if root else False
         try:
             self.dir = tempfile.mkdtemp(prefix="mct-offload-", suffix=f"-{name}", dir=root or None)
         except OSError as e:
-            raise ValueError(f"offload.dir = {root!r}: cannot create a folder there ({e}); "
+            raise ValueError(f"offload.dir = {root!r}: cannot create a folder there ({e.strerror or e}); "
                              f"choose a writable directory") from None
         self.path = os.path.join(self.dir, "state.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._size = 0
         self.records: dict[str, Record] = {}
+        self._spare: dict[str, Record] = {}  # released records: their file ranges, reused by key
         # The folder goes with the store even if close() is never called.
-        self._finalizer = weakref.finalize(self, _remove, self._fd, self.dir)
+        self._finalizer = weakref.finalize(self, _remove, self._fd, self.dir, root if created else "")
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
         """Reserve record ``key`` at the end of the file (sparse until written)."""
         if key in self.records:
             raise ValueError(f"offload record {key!r} already exists")
+        spare = self._spare.pop(key, None)
+        if spare is not None and spare.nbytes >= numel * dtype.itemsize:  # its old range fits: no growth
+            self.records[key] = Record(numel, dtype, spare.offset)
+            return
         rec = Record(numel, dtype, self._size)
         self.records[key] = rec
         self._size += -(-rec.nbytes // _ALIGN) * _ALIGN
@@ -121,6 +136,17 @@ class DiskStore:
 
     def host_view(self, key: str, lo: int, hi: int) -> None:
         return None  # nothing is addressable without a read
+
+    def swap(self, a: str, b: str) -> None:
+        """Exchange what records ``a`` and ``b`` hold (their file ranges; no data moves)."""
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        """Forget record ``key``; its file range is kept for the next record of that key
+        (the file never shrinks, so a repeated load does not grow it either)."""
+        rec = self.records.pop(key, None)
+        if rec is not None:
+            self._spare[key] = rec
 
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor ``out`` ([hi - lo] of the record's dtype) from the file.
@@ -168,6 +194,12 @@ class NullStore:
     def host_view(self, key: str, lo: int, hi: int) -> None:
         return None
 
+    def swap(self, a: str, b: str) -> None:
+        self.records[a], self.records[b] = self.records[b], self.records[a]
+
+    def release(self, key: str) -> None:
+        self.records.pop(key, None)
+
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         pass
 
@@ -182,12 +214,48 @@ class NullStore:
         pass
 
 
-def _remove(fd: int, folder: str) -> None:
+_CREATED = ".mct-created"
+"""Marks an offload.dir that mct created: the last store to leave it empty removes it."""
+
+
+def _make_root(root: str) -> bool:
+    """Create the missing ``root`` (with parents) and mark it as mct's; the marker lists
+    the folders created, deepest first. Returns whether mct made ``root`` (this call or
+    another rank's store); raises ValueError naming the path when it cannot."""
+    if os.path.isdir(root):
+        return os.path.exists(os.path.join(root, _CREATED))
+    path = os.path.abspath(root)
+    missing = []
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, _CREATED), "w") as f:
+            f.write("".join(m + "\n" for m in missing))
+    except OSError as e:
+        raise ValueError(f"offload.dir = {root!r} does not exist and cannot be created ({e.strerror or e}); "
+                         f"create it, or leave it '' for the system temporary directory") from None
+    return True
+
+
+def _remove(fd: int, folder: str, created_root: str = "") -> None:
     try:
         os.close(fd)
     except OSError:
         pass
     shutil.rmtree(folder, ignore_errors=True)
+    if created_root:  # mct made offload.dir: remove it once no rank's folder is left in it
+        marker = os.path.join(created_root, _CREATED)
+        try:
+            if set(os.listdir(created_root)) <= {_CREATED}:
+                with open(marker) as f:
+                    made = f.read().split("\n")
+                os.unlink(marker)
+                for d in [m for m in made if m]:  # deepest first; stops at one that holds something
+                    os.rmdir(d)
+        except OSError:
+            pass  # another rank's store still uses it, removed it first, or a parent is not empty
 
 
 def make_store(tier: str, *, root: str, device: torch.device, name: str,
@@ -214,8 +282,9 @@ class UnitState:
         self.elementwise, self.scalars = elementwise, scalars
 
 
-def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22) -> None:
-    """Synchronously write a whole tensor (any device) into a record, a chunk at a time."""
+def put_record(store: Store, key: str, t: torch.Tensor, chunk: int = 1 << 22, offset: int = 0) -> None:
+    """Synchronously write a whole tensor (any device) into a record from element
+    ``offset`` on, a chunk at a time."""
     flat = t.detach().reshape(-1)
     for a in range(0, flat.numel(), chunk):
-        store.write(key, a, flat[a:a + chunk].to("cpu"))
+        store.write(key, offset + a, flat[a:a + chunk].to("cpu"))

@@ -20,24 +20,23 @@ import base64
 import random
 import shutil
 import os
-import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
 from mct.dist import agree
 from mct.persistence import shards
+from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_failure, write_json
 from mct.reporting.events import utc_now
-from mct.persistence.files import check_digest, file_digest, fsync_dir, read_json, write_json
 
 
 
 class Checkpointable(Protocol):
     """What a checkpoint needs of an engine (``mct.Engine`` is one): its state as
-    ``state_dict()`` pieces, their loader, the cheap ``layout()`` to check a checkpoint
-    against, the communicator and the step counter."""
+    ``state_dict()`` pieces (``streamed_state_dict()``: read one at a time as they are
+    written), their loader, its ``layout()``, the communicator and the step counter."""
 
     comm: Any
     steps_done: int
@@ -45,6 +44,13 @@ class Checkpointable(Protocol):
     def layout(self) -> dict[str, Any]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    def streamed_state_dict(self) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]: ...
+
+    def layout(self) -> dict[str, Any]: ...
+
+    def load_state_streamed(self, header: dict[str, Any],
+                            read_units: Callable[[list[int]], tuple[dict, dict]]) -> None: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -79,8 +85,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- save ----
-def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]]]:
-    sd = engine.state_dict()
+def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]],
+                                                   dict[str, Callable[[], torch.Tensor]]]:
+    sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
     for name, p in engine.model.named_parameters():
         if not p.requires_grad:  # not in the engine's state (never changes), but export needs it
@@ -88,7 +95,7 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}
-    return info, tensors, extents
+    return info, tensors, extents, readers
 
 
 def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trainer: dict[str, Any] | None = None,
@@ -96,7 +103,10 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
     """Write a complete checkpoint into directory ``path`` (created; a leftover without a
     manifest is replaced; a complete one is an error). Collective: every rank calls it,
     and returns once the manifest is in place. ``trainer`` (rank 0's, JSON-ready) and
-    ``rank_state`` (each rank's, JSON-ready) are stored as given."""
+    ``rank_state`` (each rank's, JSON-ready) are stored as given. A failed write on any
+    rank (a full disk, a read-only place) removes ``path`` again and raises ValueError
+    on every rank naming the path and the bytes needed: older checkpoints stay as
+    they were, the newest complete one is still the newest."""
     path = Path(path)
     rank, comm = engine.comm.rank, engine.comm
     error = None
@@ -105,27 +115,70 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             error = f"{path} already holds a complete checkpoint; save to a new directory"
         else:
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
-            path.mkdir(parents=True)
+            error = _attempt(lambda: path.mkdir(parents=True), path, 0)
     agree(error)
-    info, tensors, extents = _engine_pieces(engine)
-    shards.save_pieces(tensors, extents, path / "engine")
-    write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
-    mine = [path / f"rank{rank}.json", *sorted((path / "engine").glob(f"__{rank}_*"))]
-    if rank == 0:
-        write_json(path / "engine.json", info)
-        mine += [path / "engine.json", path / "engine" / ".metadata"]
-        if trainer is not None:
-            write_json(path / "trainer.json", {"step": step, **trainer})
-            mine.append(path / "trainer.json")
+    info, tensors, extents, readers = _engine_pieces(engine)
+    need = sum(comm.all_gather_object(sum(t.numel() * t.element_size() for t in tensors.values())))
+    _agree_written(engine, path, _free_space_error(path, need) if rank == 0 else None)  # before a byte is written
+    mine = [path / f"rank{rank}.json"]
+
+    def write_mine() -> None:
+        shards.save_pieces(tensors, extents, path / "engine", readers=readers, device=engine.device)
+        write_json(path / f"rank{rank}.json", {"step": step, "rank": rank, **(rank_state or {})})
+        mine.extend(sorted((path / "engine").glob(f"__{rank}_*")))
+        if rank == 0:
+            write_json(path / "engine.json", info)
+            mine.extend([path / "engine.json", path / "engine" / ".metadata"])
+            if trainer is not None:
+                write_json(path / "trainer.json", {"step": step, **trainer})
+                mine.append(path / "trainer.json")
+    _agree_written(engine, path, _attempt(write_mine, path, need))
     digests = comm.all_gather_object({str(f.relative_to(path)): file_digest(f) for f in mine})
+    error = None
     if rank == 0:
-        fsync_dir(path / "engine")
-        write_json(path / MANIFEST, {
-            "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
-            "precision": engine.config.precision.mode, "time": utc_now(),
-            "files": {k: v for d in digests for k, v in sorted(d.items())}})
-        fsync_dir(path.parent)
-    comm.barrier()
+        def write_manifest() -> None:
+            fsync_dir(path / "engine")
+            write_json(path / MANIFEST, {
+                "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
+                "precision": engine.config.precision.mode,
+                "time": utc_now(),
+                "files": {k: v for d in digests for k, v in sorted(d.items())}})
+            fsync_dir(path.parent)
+        error = _attempt(write_manifest, path, need)
+    _agree_written(engine, path, error)
+
+
+def _free_space_error(path: Path, need: int) -> str | None:
+    """The one-line error when the file system of ``path`` has less room than ``need``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return None
+    return (f"cannot write {path} ({need:,} bytes needed, {free:,} free): no space left on device; free space "
+            f"there or choose another place; the newest complete checkpoint is unchanged")
+
+
+def _attempt(write: Callable[[], None], path: Path, need: int) -> str | None:
+    """Run ``write``; the one-line message of an OSError it raised, else None."""
+    try:
+        write()
+    except OSError as e:
+        return str(write_failure(path, need, e)) + "; the newest complete checkpoint is unchanged"
+    return None
+
+
+def _agree_written(engine: Checkpointable, path: Path, error: str | None) -> None:
+    """Every rank learns whether any rank failed to write; then rank 0 removes the torn
+    ``path`` and every rank raises the first failure as ValueError."""
+    errors = [e for e in engine.comm.all_gather_object(error) if e is not None]
+    if errors:
+        if engine.comm.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        engine.comm.barrier()
+        raise ValueError(errors[0])
 
 
 # ---- check ----
@@ -191,36 +244,41 @@ def check_layout(path: Path, saved: Any, units: list[dict[str, Any]]) -> None:
 # ---- load ----
 def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: bool = False) -> dict[str, Any]:
     """Load ``engine`` from checkpoint ``path`` (any world size and stage). Checks the
-    checkpoint first (on rank 0, unless ``verified``), then reads into fresh tensors,
-    then ``engine.load_state_dict``: any failure raises ValueError on every rank with
-    the engine untouched. Collective. Returns the manifest."""
+    checkpoint first (on rank 0, unless ``verified``), then hands the engine a reader
+    of its pieces (``engine.load_state_streamed``: an offloaded engine reads and stages
+    one unit at a time; others read all into fresh tensors): any failure raises
+    ValueError on every rank with the engine untouched. Collective. Returns the manifest."""
     path = Path(path)
-    units = engine.layout()["units"]
+    layout = engine.layout()
     error = None
     if engine.comm.rank == 0 and not verified:
         try:
-            verify_checkpoint(path, units)
+            verify_checkpoint(path, layout["units"])
         except ValueError as e:
             error = str(e)
     agree(error)
     meta = read_manifest(path)
     info = read_json(path / "engine.json")
-    check_layout(path, info.get("units"), units)
-    mine = engine.state_dict()
-    template, extents = {}, {}
-    for k, spec in info["tensors"].items():
-        if k.startswith(FROZEN):
-            continue
-        dtype = getattr(torch, spec["dtype"])
-        unit = k.rsplit("/optim/", 1)[0].removesuffix("/master")
-        if spec["per_element"]:
-            extents[k] = mine["extents"][f"{unit}/master"]
-            template[k] = torch.empty(mine["tensors"][f"{unit}/master"].numel(), dtype=dtype, device=engine.device)
-        else:
-            template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
-    tensors = shards.load_pieces(template, extents, path / "engine")
-    engine.load_state_dict({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
-                            "tensors": tensors, "extents": extents})
+    check_layout(path, info.get("units"), layout["units"])
+    specs = {k: spec for k, spec in info["tensors"].items() if not k.startswith(FROZEN)}
+    names = [u["name"] for u in layout["units"]]
+
+    def read_units(indices: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        wanted = {names[i] for i in indices}
+        template, extents = {}, {}
+        for k, spec in specs.items():
+            unit = k.rsplit("/optim/", 1)[0].removesuffix("/master")
+            if unit not in wanted:
+                continue
+            dtype = getattr(torch, spec["dtype"])
+            if spec["per_element"]:
+                extents[k] = layout["extents"][f"{unit}/master"]
+                template[k] = torch.empty(layout["local_numel"][f"{unit}/master"], dtype=dtype, device=engine.device)
+            else:
+                template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
+        return shards.load_pieces(template, extents, path / "engine"), extents
+    engine.load_state_streamed({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
+                                "keys": list(specs)}, read_units)
     return meta
 
 

@@ -1,24 +1,28 @@
-"""``mct export``: consolidated fp32 weights from a checkpoint, in one process.
+"""Consolidated fp32 weights (safetensors), streamed: from a checkpoint (``mct export``,
+one process) or from a live engine (a run's ``model.safetensors``, collective).
 
-No process group and no model are needed: each unit's global flat master is read from
-DCP (whatever world size wrote it), cut into its parameters by the unit layout saved in
-``engine.json``, and freed before the next; peak memory is the model's fp32 weights plus
-one unit. The file holds the names of ``model.named_parameters()``, as the run's own
-``model.safetensors``.
+From a checkpoint no process group and no model are needed: each unit's global flat
+master is read from DCP (whatever world size wrote it), cut into its parameters by the
+unit layout saved in ``engine.json``, written, and freed before the next. From an
+engine, one unit is all-gathered at a time. Either way peak memory is one unit, not the
+model; the file holds the names of ``model.named_parameters()`` and is written through
+a temporary and a rename (see ``safetensors_out``).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Protocol
 
 import torch
 
 from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN, MANIFEST, verify_checkpoint
-from mct.persistence.files import fsync_dir, read_json
-from mct.persistence.run_dir import newest_usable
+from mct.persistence.files import read_json
+from mct.persistence.run_dir import LOCK_FILE, newest_usable
+from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.zero.state import param_slices
 
 
@@ -33,62 +37,156 @@ def pick_checkpoint(source: str | Path) -> tuple[Path, str | None]:
         verify_checkpoint(src)
         return src, None
     if (src / "checkpoints").is_dir() or (src / "metadata.json").is_file():
-        path, _, warning = newest_usable(src)
+        path, _, warning = newest_usable(src, using="exporting")
         return path, warning
     raise ValueError(f"{str(src)!r} is neither a run directory nor a complete checkpoint (no {MANIFEST})")
 
 
 def consolidated_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter in fp32, names as ``model.named_parameters()``, from a verified
-    checkpoint. Reads one unit at a time."""
-    checkpoint = Path(checkpoint)
+    checkpoint, all in memory (``export`` streams the same tensors to a file instead)."""
+    return {name: t.clone() for name, t in _checkpoint_items(Path(checkpoint))}
+
+
+def _checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     info = read_json(checkpoint / "engine.json")
-    out: dict[str, torch.Tensor] = {}
+    specs = {name: (torch.float32, shape) for unit in info["units"] for name, shape, _, _ in param_slices(unit)}
+    for key, spec in info["tensors"].items():
+        if key.startswith(FROZEN):
+            specs[key[len(FROZEN):]] = (torch.float32, tuple(spec["shape"]))
+    return specs
+
+
+def _checkpoint_items(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, fp32 tensor) from a verified checkpoint, one unit read at a time: each
+    tensor is a view valid until the next unit is read."""
+    info = read_json(checkpoint / "engine.json")
     for unit in info["units"]:
         flat = torch.empty(int(unit["numel"]), dtype=torch.float32)
         shards.load_full(checkpoint / "engine", {f"{unit['name']}/master": flat})
         for name, shape, start, end in param_slices(unit):
-            out[name] = flat[start:end].view(shape).clone()
+            yield name, flat[start:end].view(shape)
         del flat
     for key, spec in info["tensors"].items():
         if key.startswith(FROZEN):
             t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
             shards.load_full(checkpoint / "engine", {key: t})
-            out[key[len(FROZEN):]] = t.float()
-    return out
+            yield key[len(FROZEN):], t.float()
 
 
-def export(source: str | Path, out: str | Path) -> tuple[Path, str | None]:
-    """Write the consolidated fp32 weights of ``source`` (run or checkpoint directory)
-    to the safetensors file ``out`` (temp file, fsync, rename). Returns (checkpoint
-    used, warning or None). Raises ValueError (one line) for a bad source or target."""
-    out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a directory; pass a file name such as model.safetensors")
+class Exportable(Protocol):
+    """What ``export_engine`` needs of an engine (``mct.Engine`` is one)."""
+
+    comm: Any
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def export_engine(engine: Exportable, path: str | Path) -> None:
+    """Write the engine's consolidated fp32 weights (names as ``named_parameters()``)
+    to the safetensors file ``path`` (replaced once the new one is complete): one unit
+    gathered at a time, rank 0 writing each tensor as it arrives. Collective: every
+    rank calls it. Raises ValueError on every rank (one line: path and bytes needed)
+    when rank 0 cannot write, the old file untouched and no temporary left."""
+    main = engine.comm.rank == 0
+    writer, error = None, None
+    if main:
+        try:
+            writer = SafetensorsWriter(path, {n: (torch.float32, s) for n, s in engine.parameter_shapes().items()})
+        except ValueError as e:
+            error = str(e)
+    _agree(engine, error)  # no rank starts gathering while rank 0 cannot write
+    for name, t in engine.full_state_items():  # every rank takes part in each gather
+        if writer is not None and error is None:
+            try:
+                writer.put(name, t)
+            except ValueError as e:
+                error, writer = str(e), None
+    if writer is not None:
+        try:
+            writer.commit()
+        except ValueError as e:
+            error = str(e)
+    _agree(engine, error)
+
+
+def _agree(engine: Exportable, error: str | None) -> None:
+    first = engine.comm.all_gather_object(error)[0]
+    if first is not None:
+        raise ValueError(first)
+
+
+BOOKKEEPING = ("metadata.json", "events.jsonl", "model.safetensors", LOCK_FILE)
+"""Files of a run directory that only the run writes (with metrics*.jsonl)."""
+
+
+def check_target(out: Path, force: bool) -> None:
+    """Raise ValueError (one line) unless ``out`` may receive an export: a new file in an
+    existing directory, or (``force``) an existing regular file; never a symlink, FIFO,
+    device or directory, and never a file of a run's own bookkeeping (its metadata,
+    metrics, events, model.safetensors, or anything in its subfolders or checkpoints)."""
+    shown = repr(str(out))
+    if out.is_dir() and not out.is_symlink():
+        raise ValueError(f"--out {shown} is a directory; pass a file name such as model.safetensors")
     if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
-    path, warning = pick_checkpoint(source)
-    state = consolidated_state(path)
-    from safetensors.torch import save_file
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        raise ValueError(f"--out {shown}: directory {str(out.parent)!r} does not exist")
+    if os.path.lexists(out):
+        mode = os.lstat(out).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "not a regular file")
+            raise ValueError(f"--out {shown} is {kind}; mct export writes only regular files: pass a new file name")
+    parent = out.parent.resolve()
+    for folder in [parent, *parent.parents]:
+        if (folder / MANIFEST).is_file():
+            raise ValueError(f"--out {shown} is inside checkpoint {str(folder)!r}; write the export elsewhere")
+        if _is_run_dir(folder):
+            name = out.name
+            if folder != parent or name in BOOKKEEPING or (name.startswith("metrics") and name.endswith(".jsonl")):
+                raise ValueError(f"--out {shown} is part of run {str(folder)!r}'s own files; pass another "
+                                 f"name (e.g. {str(folder / 'export.safetensors')!r}) or another directory")
+    if os.path.lexists(out) and not force:
+        raise ValueError(f"--out {shown} already exists; pass --force to replace it, or a new file name")
+
+
+def _is_run_dir(folder: Path) -> bool:
+    """A directory made by `mct train`: a checkpoints/ folder, or a metadata.json that is
+    a run's (a JSON object with its config and world size)."""
+    if (folder / "checkpoints").is_dir() and (folder / "metadata.json").exists():
+        return True
     try:
-        save_file(state, str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"--out {str(out)!r}: cannot write ({e.strerror or e})") from None
-    fsync_dir(out.parent)
+        meta = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else None
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "config" in meta and "world_size" in meta
+
+
+def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple[Path, str | None]:
+    """Write the consolidated fp32 weights of ``source`` (run or checkpoint directory)
+    to the safetensors file ``out`` (a temporary, fsync, rename; one unit in memory at a
+    time). Returns (checkpoint used, warning or None). Raises ValueError (one line) for
+    a bad source or target (see ``check_target``) or a failed write (path and bytes)."""
+    out = Path(out)
+    check_target(out, force=True)  # what no --force allows, before reading the source
+    path, warning = pick_checkpoint(source)
+    check_target(out, force)
+    export_checkpoint(path, out)
     return path, warning
 
 
-def export_weights(engine: Any, path: Path, ctx: Any) -> None:
-    """Consolidated fp32 weights of a live engine (names as ``model.named_parameters()``),
-    written by rank 0 to a temporary file and renamed. Collective: every rank must call it."""
-    state = engine.full_state_dict()
-    if ctx.is_main:
-        from safetensors.torch import save_file
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
-        tmp.replace(path)
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> None:
+    """Write the verified ``checkpoint``'s consolidated fp32 weights to ``out`` (replaced
+    once complete; no target checks: ``export`` makes them for a user's ``--out``). One
+    unit in memory at a time. Raises ValueError (one line) when the write fails."""
+    checkpoint = Path(checkpoint)
+    writer = SafetensorsWriter(out, _checkpoint_specs(checkpoint))
+    try:
+        for name, t in _checkpoint_items(checkpoint):
+            writer.put(name, t)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.commit()

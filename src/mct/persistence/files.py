@@ -7,6 +7,7 @@ final name holds either the old content or the new, never a torn mix.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,15 +25,29 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably (temp file, fsync, rename, directory fsync)."""
+    """Write ``data`` to ``path`` durably (temp file, fsync, rename, directory fsync).
+    On failure (OSError, e.g. a full disk) the temporary is removed and ``path`` is as
+    it was; the OSError propagates."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def write_failure(path: str | os.PathLike, nbytes: int, e: OSError) -> ValueError:
+    """The one-line error for a write of about ``nbytes`` to ``path`` that failed with ``e``."""
+    why = e.strerror or str(e)
+    hint = ("free space there or choose another place" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "choose a place you can write to")
+    return ValueError(f"cannot write {path} ({nbytes:,} bytes needed): {why}; {hint}")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

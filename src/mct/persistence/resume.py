@@ -17,6 +17,7 @@ from typing import Any
 from mct.config import EngineConfig, apply_overrides
 from mct.reporting.events import append_event, utc_now
 from mct.persistence.files import read_json, write_atomic, write_json
+from mct.persistence.checkpoint import read_manifest
 from mct.persistence.run_dir import checkpoints
 
 FIXED = ("seed", "model", "data", "precision", "train.lr", "train.warmup_steps", "train.weight_decay",
@@ -35,23 +36,64 @@ def _changed(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str
     return out
 
 
+def read_run_metadata(run_dir: str | Path) -> dict[str, Any]:
+    """The run's metadata.json as a dict. Raises ValueError naming the file when it is
+    missing, unreadable, or not a JSON object with the fields a resume reads."""
+    path = Path(run_dir) / "metadata.json"
+    if not Path(run_dir).is_dir() or not path.is_file():
+        raise ValueError(f"--resume {str(run_dir)!r} is not a run directory (no metadata.json); pass the "
+                         f"--run-dir of an earlier `mct train`")
+    meta = read_json(path)
+    bad = None
+    if not isinstance(meta, dict):
+        bad = f"holds a JSON {type(meta).__name__}, not an object"
+    elif not isinstance(meta.get("config", {}), dict) or not isinstance(meta.get("resumes", []), list):
+        bad = "'config' or 'resumes' has the wrong type"
+    elif not isinstance(meta.get("corpus") or {}, dict):
+        bad = "'corpus' has the wrong type"
+    if bad:
+        raise ValueError(f"{path}: {bad}; it was damaged (restore it from a backup to resume)")
+    return meta
+
+
 def run_trainer_state(run_dir: str | Path) -> dict[str, Any]:
     """trainer.json of the newest complete checkpoint whose trainer.json reads (the
     full check of the checkpoint happens when it is loaded). Raises ValueError."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir() or not (run_dir / "metadata.json").is_file():
-        raise ValueError(f"--resume {str(run_dir)!r} is not a run directory (no metadata.json); pass the "
-                         f"--run-dir of an earlier `mct train`")
+    meta = read_run_metadata(run_dir)
     found = checkpoints(run_dir)
     for _, path in reversed(found):
         try:
             state = read_json(path / "trainer.json")
             EngineConfig.from_dict(state["config"])
+            if not isinstance(state.get("step"), int) or not isinstance(state.get("global_micro_batches"), int):
+                raise TypeError("no step")
             return state
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
-    raise ValueError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'} "
-                     f"({len(found)} found); the run saved none (train.checkpoint_every = 0 and it did not finish)")
+    every = (meta.get("config") or {}).get("train", {}).get("checkpoint_every")
+    why = (f"{len(found)} complete one(s), none with a readable trainer.json" if found else
+           f"the run saves every {every} steps, so they were deleted or it stopped before its first"
+           if isinstance(every, int) and every > 0 else
+           "the run saved none (train.checkpoint_every = 0 and it did not finish)")
+    raise ValueError(f"--resume {str(run_dir)!r}: no usable checkpoint in {run_dir / 'checkpoints'} ({why}); "
+                     f"start a new run with --run-dir")
+
+
+def recorded_world_size(run_dir: str | Path) -> int:
+    """The number of ranks the run last ran on: its newest complete checkpoint's world
+    size, else the last resume's or the start's in metadata.json. Raises ValueError."""
+    meta = read_run_metadata(run_dir)
+    for _, path in reversed(checkpoints(run_dir)):
+        try:
+            return int(read_manifest(path)["world_size"])
+        except ValueError:
+            continue
+    last = (meta.get("resumes") or [meta])[-1]
+    world = last.get("world_size") if isinstance(last, dict) else None
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{Path(run_dir) / 'metadata.json'}: no valid world_size; pass --nproc")
+    return world
 
 
 def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) -> EngineConfig:
@@ -79,7 +121,7 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
 def check_corpus(run_dir: str | Path, fingerprint: str) -> None:
     """Raise ValueError if the corpus now at ``data.path`` is not the one the run
     started with (its fingerprint in metadata.json): the samples would differ."""
-    saved = (read_json(Path(run_dir) / "metadata.json").get("corpus") or {}).get("fingerprint")
+    saved = (read_run_metadata(run_dir).get("corpus") or {}).get("fingerprint")
     if saved is not None and saved != fingerprint:
         raise ValueError(f"the corpus at data.path changed since the run in {run_dir} started (fingerprint "
                          f"{fingerprint[:12]} != {saved[:12]}); restore it, or start a new run with --run-dir")
@@ -127,9 +169,30 @@ def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_
     zero_stage, and the checkpoint used) and a ``resume`` event to events.jsonl
     (``reason``: e.g. the damaged checkpoints that were skipped)."""
     path = Path(run_dir) / "metadata.json"
-    meta = read_json(path)
+    meta = read_run_metadata(run_dir)
     meta.setdefault("resumes", []).append({"time": utc_now(), "from_step": from_step, "world_size": world_size,
                                            "zero_stage": zero_stage, "checkpoint": checkpoint})
     write_json(path, meta)
     append_event(run_dir, step=from_step, kind="resume", action=f"restore {checkpoint}",
                  reason=reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}")
+
+
+def recorded_local_ranks(run_dir: str | Path, nnodes: int = 1) -> int:
+    """Local ranks per machine of the run in ``run_dir`` (``recorded_world_size`` split
+    over ``nnodes`` machines). Raises ValueError when it does not split evenly."""
+    world = recorded_world_size(run_dir)
+    if world % nnodes:
+        raise ValueError(f"--resume {str(run_dir)!r}: the run has {world} ranks, which --nnodes {nnodes} cannot "
+                         f"split evenly; pass --nproc to reshard")
+    return world // nnodes
+
+
+def finished_step(run_dir: str | Path, steps: int) -> tuple[int, Path] | None:
+    """(steps completed, checkpoint) when the run has nothing left to do for
+    ``train.steps = steps``: its newest usable checkpoint is at or past them. None: a
+    resume has steps to run. Raises ValueError when no checkpoint is usable."""
+    from mct.persistence.run_dir import newest_usable
+    if run_trainer_state(run_dir)["step"] < steps:  # cheap: the full check only when it may be done
+        return None
+    path, meta, _ = newest_usable(run_dir)  # the one a resume would load
+    return (meta["step"], path) if meta["step"] >= steps else None

@@ -8,6 +8,7 @@ whether a directory may receive a new run (no collectives; callers pick the rank
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import uuid
@@ -64,12 +65,14 @@ def is_trusted(path: Path) -> bool:
         return True  # no readable trainer.json: verify_checkpoint says what is wrong
 
 
-def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None) -> tuple[Path, dict, str | None]:
+def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None, *,
+                  using: str = "resuming from") -> tuple[Path, dict, str | None]:
     """The newest complete checkpoint that passes ``verify_checkpoint`` (against
     ``units`` when given), trusted ones first: one whose state was never confirmed by a
     later step is chosen only when no trusted one is usable. Returns (path, manifest,
     warning): the warning is one line naming each newer checkpoint that was skipped and
-    why, or None. Raises ValueError (one line) when no checkpoint is usable."""
+    why, ending ``<using> step_N``, or None. Raises ValueError (one line) when no
+    checkpoint is usable."""
     found = list(reversed(checkpoints(run_dir)))
     trusted = [c for c in found if is_trusted(c[1])]
     order = trusted + [c for c in found if c not in trusted]
@@ -82,7 +85,7 @@ def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None
             skipped.append((step, f"{path.name} ({e})"))
             continue
         newer = [text for s, text in sorted(skipped, reverse=True) if s > step]
-        warning = f"skipped checkpoint(s) {'; '.join(newer)}; resuming from {path.name}" if newer else None
+        warning = f"skipped checkpoint(s) {'; '.join(newer)}; {using} {path.name}" if newer else None
         return path, meta, warning
     if skipped:
         raise ValueError(f"no usable checkpoint in {run_dir}: {'; '.join(text for _, text in skipped)}")
@@ -156,3 +159,55 @@ def check_new_run_dir(run_dir: str | Path) -> None:
                 p.rmdir()
             except OSError:
                 pass
+
+
+LOCK_FILE = ".lock"
+"""In a run directory while a process trains in it (removed when it stops)."""
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held by the process that runs
+    the run (rank 0) for as long as it trains, so a second run or ``--resume`` on the
+    same directory is refused before it changes anything. The lock dies with the
+    process (a killed run leaves no stale lock); ``release`` also removes the file."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        """Take the lock, creating ``run_dir`` if missing. Raises ValueError (one line)
+        when another process holds it or the directory cannot hold the lock file."""
+        import fcntl
+        self.path = Path(run_dir) / LOCK_FILE
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ValueError(f"cannot lock run dir {str(run_dir)!r} ({e.strerror or e}); pass a directory "
+                                 f"you can write to") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise ValueError(f"run dir {str(run_dir)!r} is in use by a running mct (pid {holder}); wait for "
+                                 f"it to finish or stop it, or pass another directory") from None
+            try:  # the holder before us may have removed the file after we opened it: retry on the new one
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self._fd < 0:
+            return
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = -1

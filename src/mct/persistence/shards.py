@@ -15,15 +15,18 @@ unpickler that only builds DCP's own metadata classes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -77,7 +80,38 @@ def _mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]]) -> dict[str, Any]:
+class _StreamingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that a key with a reader is written from
+    ``reader()`` (its state-dict entry is a meta-device placeholder of the same shape).
+
+    DCP resolves one write item at a time, but its file writer keeps a reference to
+    every tensor it wrote until the file is closed (``tensor_dict``, used only for its
+    safetensors format), so whatever this planner hands out for the write (a piece read
+    from the store, or the copy of a view that DCP would otherwise make itself) is
+    emptied (storage resized to 0) when the next item is resolved: the one before has
+    been written by then. One piece is held at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self.readers = readers
+        self._handed: torch.Tensor | None = None
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if self._handed is not None:  # written: free it (DCP's own reference keeps an empty tensor)
+            self._handed.untyped_storage().resize_(0)
+            self._handed = None
+        read = self.readers.get(write_item.index.fqn)
+        data = super().resolve_data(write_item) if read is None else read()
+        if isinstance(data, torch.Tensor) and (read is not None or data.device.type != "cpu"
+                                               or data.untyped_storage().nbytes() != data.nbytes):
+            # a view of live state (or a device tensor) DCP would copy to the host itself: copy it here
+            data = data if read is not None else data.to("cpu", copy=True)
+            self._handed = data
+        return data
+
+
+def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
+          device: torch.device | None = None) -> dict[str, Any]:
     """Pieces that cover only part of their global tensor become DTensors (Shard(0))."""
     partial = {k for k, t in tensors.items() if k in extents and t.numel() != extents[k][1]}
     if _distributed():  # every rank must wrap the same keys (a rank may hold all of a tiny unit)
@@ -87,20 +121,56 @@ def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]]) -> di
     if not partial:
         return dict(tensors)
     from torch.distributed.tensor import DTensor, Shard
-    mesh = _mesh(next(iter(tensors.values())).device)
+    mesh = _mesh(device or next(t.device for t in tensors.values() if t.device.type != "meta"))
     return {k: (DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
                 if k in partial else t) for k, t in tensors.items()}
 
 
-def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> None:
+def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path, *,
+                readers: dict[str, Callable[[], torch.Tensor]] | None = None,
+                device: torch.device | None = None) -> None:
     """Collective when a process group is up: every rank passes its pieces (the same
     keys everywhere) and DCP writes ``__<rank>_0.distcp`` files plus ``.metadata``
     into ``path``. Tensors are written from where they are (views are copied one at a
-    time), so the save holds at most one extra piece."""
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
-    wrapped = _wrap(tensors, extents)
-    with _quiet():
-        dcp.save(wrapped, storage_writer=writer, no_dist=not _distributed())
+    time); a key in ``readers`` is a meta placeholder whose data ``readers[key]()``
+    returns when it is written. So the save holds at most one extra piece. ``device``:
+    the mesh's device (default: that of the first real tensor). Raises OSError (a
+    failed write on any rank, on every rank) with DCP's wrapping removed."""
+    # per_thread_copy_ahead=0: DCP's serial loader (one item resolved, then written) on CUDA
+    # too; its overlapping loader would resolve ahead, and the planner frees what it handed out
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1,
+                                  per_thread_copy_ahead=0)
+    wrapped = _wrap(tensors, extents, device)
+    try:
+        with _quiet():
+            dcp.save(wrapped, storage_writer=writer, planner=_StreamingPlanner(readers or {}),
+                     no_dist=not _distributed())
+    except (CheckpointException, RuntimeError) as e:  # a rank's write failed: surface it as an OSError
+        failure = _write_error(e)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed DCP save (a full disk, a size limit, a read-only
+    place), looking through DCP's per-rank wrapping and exception chains; torch's zip
+    writer reports a short write as a RuntimeError 'unexpected pos'. None: not a write
+    failure (a bug to surface as it is)."""
+    todo = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()] if isinstance(
+        e, CheckpointException) else [e]
+    seen = []
+    while todo:
+        err = todo.pop()
+        if err is None or any(err is s for s in seen):
+            continue
+        seen.append(err)
+        if isinstance(err, OSError):
+            return err
+        todo += [err.__cause__, err.__context__]
+    if any("unexpected pos" in str(err) for err in seen):
+        return OSError(errno.EIO, "a short write (the disk is full, or a file-size limit was hit)")
+    return None
 
 
 def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path) -> dict[str, torch.Tensor]:

@@ -55,7 +55,15 @@ def load_run(run_dir: str | Path) -> RunData:
         rows, warnings = read_jsonl(path)
     except OSError as e:
         raise ValueError(f"{str(path)!r} cannot be read ({e.strerror or e}); check its permissions") from None
-    rows = [r for r in rows if isinstance(r.get("step"), int)] or rows
+    stepped = [r for r in rows if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    if stepped and len(stepped) < len(rows):
+        warnings.append(f"{path}: skipped {len(rows) - len(stepped)} row(s) without an integer 'step'")
+    rows = stepped or rows
+    bad = [r["step"] for r in stepped if any(k in r and r[k] is not None and not isinstance(r[k], (int, float))
+                                             for k in ("loss", "val_loss", "tokens_per_s", "peak_bytes"))]
+    if bad:
+        warnings.append(f"{path}: non-numeric loss, val_loss, tokens_per_s or peak_bytes at step(s) "
+                        f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
     if not rows:
         why = f"; {len(warnings)} damaged line(s), the first: {warnings[0]}" if warnings else ""
         raise ValueError(f"{str(path)!r} has no readable step: the run logged nothing{why}")

@@ -16,6 +16,7 @@ than Linux: watches the parent pid), and records its pid and exit for the launch
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -242,3 +243,55 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     if torchrun_rc != 0 and log.is_file():
         sys.stderr.write(log.read_text(errors="replace"))
     return torchrun_rc
+
+
+def check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
+    """Raise ValueError unless ``endpoint`` is HOST:PORT with a port in 1..65535 and a
+    host that resolves within ``timeout_s`` (torchrun would raise a traceback, or retry
+    an unknown host for minutes)."""
+    import socket
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT with a port in 1..65535, "
+                         f"e.g. node0:29400")
+    found: list = []
+    resolver = threading.Thread(target=lambda: found.append(_resolves(socket, host, int(port))), daemon=True)
+    resolver.start()
+    resolver.join(timeout_s)
+    if not found or not found[0]:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve"
+                         f"{'' if found else f' within {timeout_s:.0f} s'}; pass the name or address of the "
+                         f"machine that hosts the rendezvous")
+
+
+def _resolves(socket, host: str, port: int) -> bool:
+    try:
+        return bool(socket.getaddrinfo(host, port))
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str, ctx, new: bool):
+    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
+    is a ValueError on every rank, before anything is written). A new run's directory
+    is checked first, so the lock is never taken in a directory that holds a run."""
+    from mct.dist import broadcast_from_main
+    from mct.persistence.run_dir import RunLock, check_new_run_dir
+    lock, error = None, None
+    if ctx.is_main:
+        try:
+            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                check_new_run_dir(run_dir)
+            lock = RunLock(run_dir)
+        except ValueError as e:
+            error = str(e)
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ValueError(error)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

@@ -24,7 +24,7 @@ from mct.engine import Engine
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded
 from mct.persistence.checkpoint import set_rng_state
-from mct.persistence.export import export_weights
+from mct.persistence.export import export_engine
 from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_checkpoint import RunCheckpointer, upgrade_trainer_state
@@ -149,7 +149,7 @@ class Trainer(Feedback):
         Preempted (128 + signal). Closes the engine (offload files) either way."""
         try:
             summary = self._loop()
-            export_weights(self.engine, self.run_dir / "model.safetensors", self.ctx)
+            export_engine(self.engine, self.run_dir / "model.safetensors")
             if self.task.hf_dir and self.ctx.is_main:
                 write_run_hf(self.run_dir)
         finally:

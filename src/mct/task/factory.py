@@ -40,16 +40,20 @@ def load_workload(path: str, cfg: EngineConfig) -> Task:
         module = importlib.import_module(mod_name)
     except ImportError as e:
         raise ValueError(f"--model {path!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
+    except Exception as e:  # noqa: BLE001 - user code: a syntax error or a raise at import is one line
+        raise ValueError(f"--model {path!r}: importing {mod_name!r} failed ({_first_line(e)}); fix the module") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {path!r}: {mod_name} has no function {attr!r} returning an nn.Module")
+    factory = _user_code(path, f"{mod_name}.{attr}()", factory)
     hooks: dict[str, Callable | None] = {}
     for name in ("loss_fn", "example_batch", "optimizer", "param_groups"):
         hook = getattr(module, name, None)
         if hook is not None and not callable(hook):
             raise ValueError(f"--model {path!r}: {mod_name}.{name} must be a function, got {type(hook).__name__}")
         hooks[name] = hook
-    batch = hooks["example_batch"](cfg) if hooks["example_batch"] else token_batch(cfg)
+    batch = _user_code(path, f"{mod_name}.example_batch()", hooks["example_batch"])(cfg) if hooks["example_batch"] \
+        else token_batch(cfg)
     return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or token_loss, batch=batch,
                 optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path,
                 vocab_size=_vocab_of(factory))
@@ -75,3 +79,21 @@ def _vocab_of(factory: Callable) -> int | None:
     if not isinstance(emb, nn.Embedding):
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return emb.num_embeddings if emb is not None else None
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _user_code(path: str, what: str, fn: Callable) -> Callable:
+    """``fn`` whose exceptions become one-line ValueErrors naming ``--model path`` (a
+    ValueError of its own passes as it is: it already is a user-facing message)."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - user code
+            raise ValueError(f"--model {path!r}: {what} raised {_first_line(e)}") from None
+    return call

@@ -173,11 +173,17 @@ class ShardedModel:
         Collective: every rank must call it."""
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
-            full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=u.master.device)
-            self.comm.all_gather(u.master.contiguous(), full) if u.layout.world > 1 else full.copy_(u.master)
+            full = self.gather_unit(u, u.master)
             for name, shape, off in zip(u.names, u.layout.shapes, u.layout.offsets):
                 out[name] = full[off:off + math.prod(shape)].view(shape).clone()
         return out
+
+    def gather_unit(self, u: FlatParamUnit, master: torch.Tensor) -> torch.Tensor:
+        """Unit ``u``'s whole padded fp32 flat tensor from this rank's ``master`` shard
+        (a new tensor). Collective when the unit is sharded: every rank calls it."""
+        full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=master.device)
+        self.comm.all_gather(master.contiguous(), full) if u.layout.world > 1 else full.copy_(master)
+        return full
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set the master slices (and working parameters) from full fp32 tensors."""

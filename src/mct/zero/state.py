@@ -41,6 +41,15 @@ def unit_record(unit: FlatParamUnit, group: int) -> dict[str, Any]:
             "params": [[n, list(s), o] for n, s, o in zip(unit.names, unit.layout.shapes, unit.layout.offsets)]}
 
 
+def layout(units: list[FlatParamUnit], group_of_unit: list[int], rank: int) -> dict[str, Any]:
+    """``units`` (``unit_record`` each), ``extents`` ({``<unit>/master``: [offset, global
+    numel]}) and ``local_numel`` ({``<unit>/master``: elements ``rank`` holds}): what a
+    checkpoint needs to know of a rank's state without reading any of it."""
+    return {"units": [unit_record(u, g) for u, g in zip(units, group_of_unit)],
+            "extents": {key(u, MASTER): [extent(u, rank)[0], u.layout.numel] for u in units},
+            "local_numel": {key(u, MASTER): extent(u, rank)[1] for u in units}}
+
+
 def key(unit: FlatParamUnit, what: str) -> str:
     """State key of a unit's tensor: ``<unit>/master`` or ``<unit>/optim/<state key>``."""
     return f"{unit.name}/{what}"
@@ -101,17 +110,15 @@ def check_header(state: Any, fmt: str, units: list[dict[str, Any]]) -> int:
     return steps
 
 
-def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
-                tensors: dict[str, Any], extents: dict[str, Any]) -> None:
-    """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
-    rank's pieces for ``units`` (missing or unexpected keys, wrong extent, shape, dtype,
-    non-finite masters). Reads only; mutates nothing."""
+def check_keys(units: list[FlatParamUnit], keys: Any) -> None:
+    """Raise ValueError unless ``keys`` (of a state's tensors) are a master per unit and
+    the same optimizer state names for every unit. Reads only the names."""
     expected = {key(u, MASTER) for u in units}
-    optim_keys = {k for k in tensors if "/optim/" in k}
-    unknown = sorted(set(tensors) - expected - optim_keys)
+    optim_keys = {k for k in keys if "/optim/" in k}
+    unknown = sorted(set(keys) - expected - optim_keys)
     if unknown:
         raise ValueError(f"unexpected tensors {unknown[:3]}: the state was saved from a different model")
-    missing = sorted(expected - set(tensors))
+    missing = sorted(expected - set(keys))
     if missing:
         raise ValueError(f"missing tensors {missing[:3]}: the state was saved from a different model")
     names = {u.name for u in units}
@@ -123,6 +130,15 @@ def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ra
     if len(per_unit) > 1:
         raise ValueError(f"optimizer state differs between units ({sorted(map(sorted, per_unit))}): "
                          f"the state is incomplete")
+
+
+def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
+                tensors: dict[str, Any], extents: dict[str, Any]) -> None:
+    """Raise ValueError naming the first fault if ``tensors``/``extents`` are not this
+    rank's pieces for ``units`` (missing or unexpected keys, wrong extent, shape, dtype,
+    non-finite masters). Reads only; mutates nothing."""
+    check_keys(units, tensors)
+    optim_keys = {k for k in tensors if "/optim/" in k}
     for u in units:
         off, n = extent(u, rank)
         want = [off, u.layout.numel]
