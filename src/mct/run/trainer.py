@@ -37,6 +37,7 @@ from mct.persistence.run_dir import check_new_run_dir, newest_usable, prune, set
 from mct.run.rollback import TrainingStopped  # noqa: F401 - re-exported: the CLI catches it from here
 from mct.task.gpt import build_model, build_model_on_meta, gpt_task, make_optimizer, param_groups, seeded_gpt_loss, step_batches  # noqa: F401 - re-exported
 from mct.run.signals import StopRequest
+from mct.task.build import builds_on_meta
 
 
 @dataclass
@@ -102,8 +103,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
         # the host allocator before the model is built (the engine sets it too, later)
         host.for_building(host.mode_of(c, ctx.device.type))
         # Stage 3 and offload never hold the whole model: it is built on meta, a unit at a time.
-        model, program = (build_model_on_meta(c) if c.zero.stage == 3 or c.offload.enabled
-                          else (build_model(c), None))
+        model, program = build_model_on_meta(c) if builds_on_meta(c) else (build_model(c), None)
         return Engine(model, make_optimizer(c), c, param_groups=param_groups(model, c),
                       ctx=ctx, init_program=program)
     engine = rebuild(cfg)
