@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mct.checkpointing import find_blocks
-from mct.checkpointing.blocks import primary
+from mct.checkpointing.blocks import first_tensor, primary
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES
 from mct.planner.dry_run import DryRun, dry_run, fake_batch, materialize_fake, meta_model
@@ -215,7 +215,7 @@ Label = tuple  # (phase, block index or 'head', occurrence)
 
 class Windows:
     """Peaks of a dry run's steps in windows between block events: a block's forward
-    starts (also when backward recomputes it), or a gradient reaches a block's output.
+    starts (also when backward recomputes it), a gradient reaches a block's output or input.
     A phase's peak is the largest of its windows; extrapolating each window on its own
     keeps the full depth's peak where it is even when another moment of the phase grows
     faster with depth (stage 1's reduction at the end of backward against the
@@ -236,8 +236,17 @@ class Windows:
         holder = model.get_submodule(self.stack.path) if self.stack.path else model
         blocks = [b for item in holder for b in (list(item.children()) if isinstance(item, PlannerSegment) else [item])]
         for k, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda *_, k=k: self._event(k))
+            block.register_forward_pre_hook(lambda _m, args, kwargs, k=k: self._enter(args, kwargs, k),
+                                            with_kwargs=True)
             block.register_forward_hook(lambda _m, _a, out, k=k: self._watch_grads(out, k))
+
+    def _enter(self, args: tuple, kwargs: dict, k: int) -> None:
+        """A block's forward starts; the gradient reaching its input will end its backward
+        (the window after the first block's is the end of backward: the reductions)."""
+        self._event(k)
+        x = first_tensor((args, kwargs))
+        if x is not None:
+            self._watch_grads(x, k)
 
     def _watch_grads(self, out: Any, k: int) -> None:
         if torch.is_grad_enabled():
@@ -306,7 +315,7 @@ def extend(a: DryRun, b: DryRun, wa: Windows, wb: Windows, shape: Shape, n_param
     def ext(x: int, y: int) -> int:
         return x + shape.m * (y - x)
     first, steady = (_extend_step(x, y, shape) for x, y in zip(wa.steps[:2], wb.steps[:2]))
-    if first is None or steady is None or set(steady) != set(a.phases) or set(first) != set(a.first_step_phases):
+    if first is None or steady is None or set(steady) != set(PHASES) or set(first) != set(PHASES):
         return None
     init = {c: ext(v, b.init.get(c, 0)) for c, v in a.init.items()}
     offloaded = {t: ext(v, b.offloaded.get(t, 0)) for t, v in a.offloaded.items()}
