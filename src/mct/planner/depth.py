@@ -155,9 +155,11 @@ def _called_equally(model: nn.Module, blocks: list[nn.Module], work: Task) -> bo
     return calls[0] > 0 and len(set(calls)) == 1
 
 
-def shape_for(stack: Stack, cfg: EngineConfig) -> Shape | None:
-    """The shallow copies for ``cfg``'s checkpointing policy, or None when they would be
-    no shallower than the model itself (a full dry run costs no more). The smaller copy
+def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Shape | None:
+    """The shallow copies for ``cfg``'s checkpointing policy, or None when dry-running
+    both would cost no fewer blocks than the model itself (a full dry run then costs no
+    more; sqrt's copies hold about 5 sqrt(n) blocks, so it gains from about 40;
+    ``cheaper_only=False`` keeps them anyway, as long as they are shallower). The smaller copy
     holds a first, a middle and a last period (blocks next to the stack's ends run
     differently: stage 3 prefetches a neighbour; the first and last segment differ),
     the larger one a middle period more; the full model has ``m`` more than the
@@ -167,7 +169,8 @@ def shape_for(stack: Stack, cfg: EngineConfig) -> Shape | None:
         p = math.ceil(math.sqrt(n))
         r = n - p * ((n - 1) // p)  # the last segment (1..p blocks); the others hold p each
         m = (n - p - r) // p - 1
-        return Shape(2 * p + r, p, m, ((p, p, r), (p, p, p, r))) if m >= 2 else None
+        cheaper = 2 * (2 * p + r) + p < n or not cheaper_only  # ~5 sqrt(n) blocks dry-run: deep models only
+        return Shape(2 * p + r, p, m, ((p, p, r), (p, p, p, r))) if m >= 2 and cheaper else None
     if policy in ("none", "all", "selective"):
         p = 1
     elif policy == "every_k":
@@ -176,7 +179,7 @@ def shape_for(stack: Stack, cfg: EngineConfig) -> Shape | None:
         return None
     a = 3 * p + n % p
     m = (n - a) // p
-    return Shape(a, p, m) if m >= 2 else None
+    return Shape(a, p, m) if m >= 2 and (2 * a + p < n or not cheaper_only) else None
 
 
 def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None):
@@ -215,7 +218,8 @@ Label = tuple  # (phase, block index or 'head', occurrence)
 
 class Windows:
     """Peaks of a dry run's steps in windows between block events: a block's forward
-    starts (also when backward recomputes it), a gradient reaches a block's output or input.
+    starts (also when backward recomputes it), a gradient reaches a block's output or the
+    first block's input.
     A phase's peak is the largest of its windows; extrapolating each window on its own
     keeps the full depth's peak where it is even when another moment of the phase grows
     faster with depth (stage 1's reduction at the end of backward against the
@@ -241,10 +245,12 @@ class Windows:
             block.register_forward_hook(lambda _m, _a, out, k=k: self._watch_grads(out, k))
 
     def _enter(self, args: tuple, kwargs: dict, k: int) -> None:
-        """A block's forward starts; the gradient reaching its input will end its backward
-        (the window after the first block's is the end of backward: the reductions)."""
+        """A block's forward starts. The gradient reaching the first block's input ends
+        the stack's backward: what follows (the reductions) is a window of its own. (Other
+        blocks' inputs are their predecessors' outputs, already watched: a second hook
+        there would start a window labelled with the wrong block.)"""
         self._event(k)
-        x = first_tensor((args, kwargs))
+        x = first_tensor((args, kwargs)) if k == 0 else None
         if x is not None:
             self._watch_grads(x, k)
 
@@ -329,14 +335,16 @@ def extend(a: DryRun, b: DryRun, wa: Windows, wb: Windows, shape: Shape, n_param
 
 
 def extrapolated(work: Task, cfg: EngineConfig, world: int, batch: Any, *, stack: Stack, n_params: int,
-                 construction: dict[str, int] | None, meta_init: bool) -> DryRun | None:
+                 construction: dict[str, int] | None, meta_init: bool, shape: Shape | None = None
+                 ) -> DryRun | None:
     """``cfg``'s dry run of the ``stack.n``-block model from two shallow copies (see the
     module docstring), or None when the policy gives no shallower copy or the copies do
     not repeat. ``construction``: the bytes (by category, and 'total') at the peak of
     building the whole model as its factory does (None: built on meta); the
     initialization peak is the larger of it and the copies' extrapolated one, which
-    start from a model built on meta. Raises ValueError as ``dry_run``."""
-    shape = shape_for(stack, cfg)
+    start from a model built on meta. ``shape``: the copies (default ``shape_for``).
+    Raises ValueError as ``dry_run``."""
+    shape = shape or shape_for(stack, cfg)
     if shape is None:
         return None
     run_cfg = copy_config(cfg, stack, shape)
