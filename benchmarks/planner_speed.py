@@ -99,21 +99,26 @@ def accuracy(quick: bool) -> list[dict]:
     return rows
 
 
-def grids() -> list[dict]:
+def grids(sqrt: bool) -> list[dict]:
     """The issue's targets: the default grid of the 6.4B GPT on 64 ranks, and the bf16
-    rows of a 70B-class Llama on 512 ranks (micro-batch 1 at its 4096 window)."""
+    rows of a 70B-class Llama on 512 ranks (micro-batch 1 at its 4096 window); the sqrt
+    rows timed apart (``sqrt``: at all), as their copies hold ~5 sqrt(n) blocks."""
     from benchmarks.planner_models import example_batch, llama_70b
-    out = []
-    work, cfg = gpt(32, 4096)
-    plan, w, c = timed(lambda: make_plan(work, cfg, 64, None, advise=False))
-    out.append({"grid": "gpt 6.4B, 64 ranks, 4 stages x 4 policies x 2 precisions", "rows": len(plan.rows),
-                "wall_s": round(w, 1), "cpu_s": round(c, 1)})
+    gpt_work, gpt_cfg = gpt(32, 4096)
     cfg = EngineConfig.from_dict({"data": {"micro_batch_size": 1}, "precision": {"mode": "bf16"}})
-    work = Task(model_fn=llama_70b, loss_fn=token_loss, batch=example_batch(cfg), label="llama_70b")
-    plan, w, c = timed(lambda: make_plan(work, cfg, 512, None, precisions=("bf16",), advise=False))
-    out.append({"grid": "llama 70B, 512 ranks, 4 stages x 4 policies, bf16", "rows": len(plan.rows),
-                "wall_s": round(w, 1), "cpu_s": round(c, 1),
-                "peaks_GiB": {f"{r['stage']}/{r['policy']}": round(r["peak"] / 2**30, 2) for r in plan.rows}})
+    llama = Task(model_fn=llama_70b, loss_fn=token_loss, batch=example_batch(cfg), label="llama_70b")
+    out = []
+    for name, work, base, world, precisions in (("gpt 6.4B (32 x 4096)", gpt_work, gpt_cfg, 64, ("fp32", "bf16")),
+                                                ("llama 70B (80 x 8192, GQA 64/8)", llama, cfg, 512, ("bf16",))):
+        for policies in (("none", "selective", "all"), ("sqrt",))[:2 if sqrt else 1]:
+            plan, w, c = timed(lambda: make_plan(work, base, world, None, policies=policies, precisions=precisions,
+                                                 advise=False))
+            out.append({"grid": f"{name}, {world} ranks, stages 0-3 x {'/'.join(policies)} x {'/'.join(precisions)}",
+                        "rows": len(plan.rows), "wall_s": round(w, 1), "cpu_s": round(c, 1),
+                        "peaks_GiB": {f"{r['stage']}/{r['policy']}/{r['precision']}": round(r["peak"] / 2**30, 2)
+                                      for r in plan.rows}})
+            print(f"{out[-1]['grid']}: {out[-1]['rows']} rows in {out[-1]['wall_s']} s wall, {out[-1]['cpu_s']} s CPU",
+                  flush=True)
     return out
 
 
@@ -123,23 +128,25 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="d_model values at depth 16")
     ap.add_argument("--world", type=int, default=64)
     ap.add_argument("--grids", action="store_true", help="also time the two grids of the issue")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the size/depth sweep and the accuracy runs")
+    ap.add_argument("--no-sqrt", action="store_true", help="grids without their sqrt rows")
     ap.add_argument("--quick", action="store_true", help="fewer accuracy configurations")
     args = ap.parse_args()
     info = cpu()
     print(f"CPU: {info['model']}; flags {' '.join(info['flags']) or '-'}; {info['cores']} cores; "
           f"load {info['loadavg'][0]:.1f} (shared machine: wall seconds are noisy, CPU seconds less so)")
     choice = (3, "all", "bf16")
-    sweep = [side_by_side(n, 4096, args.world, choice) for n in args.depths]
-    sweep += [side_by_side(16, d, args.world, choice) for d in args.sizes]
-    cols = [(k, k) for k in ("d_model", "n_layer", "params_B", "world", "config", "full_s", "full_cpu_s",
-                             "extrap_s", "extrap_cpu_s", "speedup", "steady_diff_B", "first_diff_B", "init_diff_B")]
-    print(format_table(sweep, cols))
-    acc = accuracy(args.quick)
-    print(format_table(acc, [(k, k) for k in ("config", "steady_err_pct", "first_err_pct", "init_err_pct")]))
-    grid = grids() if args.grids else []
-    for g in grid:
-        print(f"{g['grid']}: {g['rows']} rows in {g['wall_s']} s wall, {g['cpu_s']} s CPU")
-    path = write_json("planner_speed", {"cpu": cpu() | {"loadavg_at_start": info["loadavg"]}, "sweep": sweep,
+    sweep, acc = [], []
+    if not args.no_sweep:
+        sweep = [side_by_side(n, 4096, args.world, choice) for n in args.depths]
+        sweep += [side_by_side(16, d, args.world, choice) for d in args.sizes]
+        cols = [(k, k) for k in ("d_model", "n_layer", "params_B", "world", "config", "full_s", "full_cpu_s",
+                                 "extrap_s", "extrap_cpu_s", "speedup", "steady_diff_B", "first_diff_B", "init_diff_B")]
+        print(format_table(sweep, cols), flush=True)
+        acc = accuracy(args.quick)
+        print(format_table(acc, [(k, k) for k in ("config", "steady_err_pct", "first_err_pct", "init_err_pct")]))
+    grid = grids(not args.no_sqrt) if args.grids else []
+    path = write_json("planner_speed_grids" if args.no_sweep else "planner_speed", {"cpu": cpu() | {"loadavg_at_start": info["loadavg"]}, "sweep": sweep,
                                         "accuracy": acc, "grids": grid})
     print(f"wrote {path}")
 
