@@ -25,9 +25,10 @@ occurs nowhere else, and a forward on the meta device calls each block equally o
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -46,11 +47,13 @@ SEGMENT = "PlannerSegment"
 @dataclass(frozen=True)
 class Stack:
     """The repeated blocks of a model: the ModuleList at ``path`` (a qualified name,
-    '' for the model itself) holds ``n`` identical blocks of class ``block_class``."""
+    '' for the model itself) holds ``n`` identical blocks of class ``block_class``.
+    ``model``: the model on the meta device, built once: shallow copies are cut from it."""
 
     path: str
     n: int
     block_class: str
+    model: nn.Module = field(compare=False, repr=False, default_factory=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,9 @@ class PlannerSegment(nn.Module):
 
 def find_stack(work: Task, cfg: EngineConfig) -> Stack | None:
     """The model's repeated blocks when depth extrapolation is sound for it (module
-    docstring), else None. Builds the model on the meta device and runs one forward
-    there (nothing allocated). Raises ValueError for a factory that gives no module."""
+    docstring), else None. Builds the model on the meta device and runs one forward of a
+    4-block copy on fake tensors (nothing allocated). Raises ValueError for a factory
+    that gives no module."""
     model = meta_model(work.model_fn)
     names = cfg.zero.units or cfg.checkpointing.blocks
     if cfg.zero.units and cfg.checkpointing.blocks and cfg.zero.units != cfg.checkpointing.blocks:
@@ -111,9 +115,11 @@ def find_stack(work: Task, cfg: EngineConfig) -> Stack | None:
         return None
     if sum(type(m) is cls for m in model.modules()) != len(blocks) or _shares_parameters(model, holder):
         return None
-    if not _called_equally(model, [m for _, m in blocks], work):
-        return None
-    return Stack(path, len(blocks), cls.__name__)
+    stack = Stack(path, len(blocks), cls.__name__, model)
+    # the copies' forward, once: a model that re-uses a block, or cannot run cut, is not extrapolated
+    probe = shallow(stack, min(4, stack.n), None)()
+    kept = list(probe.get_submodule(path) if path else probe)
+    return stack if _called_equally(probe, kept, work) else None
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -182,23 +188,29 @@ def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Sha
     return Shape(a, p, m) if m >= 2 and (2 * a + p < n or not cheaper_only) else None
 
 
-def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None):
-    """``reshape`` for ``dry_run``: the meta model with only its first ``depth`` blocks,
-    grouped into ``PlannerSegment``s of the given sizes when ``segments`` is set."""
-    def reshape(model: nn.Module) -> nn.Module:
-        holder = model.get_submodule(stack.path) if stack.path else model
-        assert isinstance(holder, nn.ModuleList) and len(holder) == stack.n, (stack, type(holder))
-        kept = list(holder)[:depth]
+def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None) -> Callable[[], nn.Module]:
+    """``build`` for ``dry_run``: a deep copy of ``stack.model`` (meta) with only its first
+    ``depth`` blocks, grouped into ``PlannerSegment``s of the given sizes when
+    ``segments`` is set. The built model is left as it was."""
+    def build() -> nn.Module:
+        model = stack.model
+        full = model.get_submodule(stack.path) if stack.path else model
+        assert isinstance(full, nn.ModuleList) and len(full) == stack.n, (stack, type(full))
+        kept = list(full)[:depth]
         if segments is not None:
             starts = [sum(segments[:i]) for i in range(len(segments))]
             kept = [PlannerSegment(kept[s:s + size]) for s, size in zip(starts, segments)]
-        new = nn.ModuleList(kept)
+        cut = nn.ModuleList(kept)
         if not stack.path:
-            return new
+            return copy.deepcopy(cut)
         parent, _, name = stack.path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, name, new)
-        return model
-    return reshape
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, name, cut)  # copied with the cut stack, then the full one put back
+        try:
+            return copy.deepcopy(model)
+        finally:
+            setattr(owner, name, full)
+    return build
 
 
 def copy_config(cfg: EngineConfig, stack: Stack, shape: Shape) -> EngineConfig:
@@ -351,7 +363,7 @@ def extrapolated(work: Task, cfg: EngineConfig, world: int, batch: Any, *, stack
     segments = shape.segments or (None, None)
     wa, wb = Windows(stack), Windows(stack)
     a, b = (dry_run(work.model_fn, work.loss_fn, batch, run_cfg, world, optimizer=work.optimizer,
-                    param_groups=work.param_groups, meta_init=meta_init, reshape=shallow(stack, depth, seg),
+                    param_groups=work.param_groups, meta_init=meta_init, build=shallow(stack, depth, seg),
                     observer=w)
             for depth, seg, w in ((shape.a, segments[0], wa), (shape.a + shape.p, segments[1], wb)))
     run = extend(a, b, wa, wb, shape, n_params)

@@ -133,7 +133,7 @@ class FakeInit:
 
 def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig, world_size: int, *,
             optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None,
-            meta_init: bool = False, reshape: Callable[[nn.Module], nn.Module] | None = None,
+            meta_init: bool = False, build: Callable[[], nn.Module] | None = None,
             observer: Any = None) -> DryRun:
     """Build the engine for ``config`` on rank 0 of ``world_size`` simulated ranks and
     run two training steps of ``batch`` (one micro-batch, or a list: gradient
@@ -141,9 +141,9 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     ``param_groups(model)`` are what ``mct.Engine`` would be given (None: its defaults).
     ``meta_init``: the model is built on meta and the engine materializes it unit by
     unit (what ``mct train`` does at stage 3 and with offload; else the whole model is
-    built first, as ``mct.Engine(model_fn())``). ``reshape(model)``: applied to the model
-    built on meta before anything is counted (the depth extrapolation's shallower
-    copies); it returns the model to train. ``observer``: ``attach(model, tracker)`` is
+    built first, as ``mct.Engine(model_fn())``). ``build()``: a model on the meta device
+    to train instead of ``model_fn``'s (the depth extrapolation's shallow copies).
+    ``observer``: ``attach(model, tracker)`` is
     called once the engine is built, ``end_step(peaks)`` after each step (the depth
     extrapolation's windows). Returns the tracked bytes (``DryRun``).
     Raises ValueError for configs the engine rejects (the same messages) and for a bad
@@ -153,8 +153,9 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     ctx = DistContext.simulated(world_size)
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
+    copied = build() if build is not None else None  # a deep copy of meta tensors: outside the fake mode
     with mode:
-        model, program = _build(model_fn, mode, tracker, meta_init, reshape)
+        model, program = _build(model_fn, tracker, meta_init, copied)
         with tracker.phase("init", "params"):  # the same stage again: its peak is kept
             n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             groups = param_groups(model) if param_groups is not None else None
@@ -182,19 +183,19 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
                   n_params=n_params, offloaded=offloaded)
 
 
-def _build(model_fn: ModelFn, mode: FakeTensorMode, tracker: MemoryTracker, meta_init: bool,
-           reshape: Callable[[nn.Module], nn.Module] | None) -> tuple[nn.Module, FakeInit | None]:
-    """The model of a dry run, built inside ``mode``, and the init program the engine
+def _build(model_fn: ModelFn, tracker: MemoryTracker, meta_init: bool,
+           copied: nn.Module | None) -> tuple[nn.Module, FakeInit | None]:
+    """The model of a dry run (call inside its fake mode) and the init program the engine
     gets. Built as the user builds it (its constructor's temporaries counted) unless
-    ``meta_init`` or ``reshape`` need the meta device or the constructor needs values."""
-    if not meta_init and reshape is None:
+    ``meta_init`` or a ``copied`` meta model need the meta device or the constructor
+    needs values."""
+    if not meta_init and copied is None:
         with tracker.phase("init", "params"):
             model = fake_built_model(model_fn)
         if model is not None:
             return model, None
-    model = meta_model(model_fn)  # outside any tracker stage: meta storages are not counted
-    if reshape is not None:
-        model = reshape(model)
+    # outside any tracker stage: meta storages are not counted
+    model = copied if copied is not None else meta_model(model_fn)
     tracker.reset_peaks()
     if meta_init:
         materialize_fake(model)  # not counted: the engine materializes (registers) unit by unit

@@ -11,7 +11,7 @@ import torch
 
 from mct.config import EngineConfig
 from mct.planner.depth import Stack, find_stack
-from mct.planner.dry_run import construction_peak, meta_model
+from mct.planner.dry_run import construction_peak
 from mct.task.spec import Task
 from mct.task.spec import Task as Workload  # noqa: F401 - re-exported
 
@@ -31,16 +31,14 @@ class PlannedTask(Task):
 def prepare(work: Task, cfg: EngineConfig, extrapolate: bool = True) -> Task:
     """``work`` as a ``PlannedTask`` when its depth can be extrapolated (and
     ``extrapolate``), else ``work`` itself. Builds the model on meta and on fake
-    tensors once (nothing allocated). Raises ValueError for a factory that returns
+    tensors once (nothing allocated); the plan's shallow copies are cut from the first. Raises ValueError for a factory that returns
     no nn.Module."""
     if isinstance(work, PlannedTask) or not extrapolate:
         return work
     stack = find_stack(work, cfg)
     if stack is None:
         return work
-    model = meta_model(work.model_fn)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    del model
+    n_params = sum(p.numel() for p in {id(p): p for p in stack.model.parameters()}.values())
     base = {f.name: getattr(work, f.name) for f in fields(Task)}
     return PlannedTask(**base, stack=stack, n_params=n_params, construction=construction_peak(work.model_fn))
 
