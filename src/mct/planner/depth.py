@@ -7,10 +7,10 @@ repeats with the period of the checkpointing plan: one block for none/all/select
 ``k`` blocks for every_k, one segment of ``ceil(sqrt(n))`` blocks for sqrt. So the
 engine runs (on fake tensors, as ``dry_run``) on a copy with the first ``a`` blocks and
 on one with the first ``a + p`` blocks, and every number of the ``n``-block model (each
-phase's peak, by category; the first step; initialization; offloaded bytes) is
-``A + m (B - A)`` with ``m = (n - a) / p``. The engine's code is what runs; only the
-depth is shortened. Exact where the block stack repeats (tested against full dry runs,
-to the byte for the steady state; docs/planner.md).
+window of each step's phases, by category (``Windows``); initialization; offloaded
+bytes) is ``A + m (B - A)`` with ``m = (n - a) / p``. The engine's code is what runs;
+only the depth is shortened. Exact where the block stack repeats (tested against full
+dry runs, to the byte; docs/planner.md).
 
 ``sqrt`` plans its segments from the depth, so a shallow copy would get other
 segments: its copies hold the full model's segments as modules of their own (``PlannerSegment``,
@@ -19,8 +19,9 @@ checkpointed with policy 'all'), the blocks inside them stay the ZeRO units.
 A model is extrapolated only when that is sound: its blocks are the children of one
 ModuleList, identical in class, parameter and buffer names, shapes, dtypes and
 requires_grad, share no parameter with each other or the rest of the model, their class
-occurs nowhere else, and a forward on the meta device calls each block equally often
-(a model that re-uses a block gets a full dry run). Anything else: a full dry run.
+occurs nowhere else, and a no-grad forward of a 4-block copy on fake tensors runs and
+calls each block equally often (a model that re-uses a block gets a full dry run).
+Anything else: a full dry run.
 """
 
 from __future__ import annotations
@@ -282,7 +283,9 @@ class Windows:
         if self._label is not None and self._label[0] in peaks:
             step[self._label] = dict(peaks[self._label[0]])
         begun = [ph for ph in PHASES if ph in peaks and (self._label is None or ph != self._label[0])]
-        for ph in begun if phase is None else [phase] if phase in begun else []:
+        if phase is not None:  # an event: only its own phase can have begun since the last one
+            begun = [phase] if phase in begun else []
+        for ph in begun:
             step[(ph, "head", self._next((ph, "head")))] = dict(peaks[ph])
 
     def _event(self, k: int) -> None:

@@ -145,7 +145,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     to train instead of ``model_fn``'s (the depth extrapolation's shallow copies).
     ``observer``: ``attach(model, tracker)`` is
     called once the engine is built, ``end_step(peaks)`` after each step (the depth
-    extrapolation's windows). Returns the tracked bytes (``DryRun``).
+    extrapolation's ``Windows``, which reset the tracker's peaks at every block event:
+    the returned phases then hold only each phase's last window; the observer has all). Returns the tracked bytes (``DryRun``).
     Raises ValueError for configs the engine rejects (the same messages) and for a bad
     factory."""
     from mct.engine import Engine  # the engine imports the memory runtime, not the planner
