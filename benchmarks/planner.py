@@ -7,6 +7,8 @@ the reference GPT; stages 0-3 x none/selective/all x fp32/bf16 on 1-4 ranks.
     PYTHONPATH=src:. python benchmarks/planner.py [--worlds 1 2 3 4] [--models hf_gpt2 ...]
 
 Prints a table and the worst error; writes benchmarks/results/planner.json.
+``--speed [...]`` runs benchmarks/planner_speed.py instead (seconds per configuration
+against model size and depth, full dry run beside depth extrapolation).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def measure_all(rank: int, world: int, names: list[str]) -> list[dict]:
 
 
 def main() -> None:
+    if "--speed" in sys.argv:
+        from benchmarks.planner_speed import main as speed
+        sys.argv.remove("--speed")
+        return speed()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--models", nargs="+", default=list(models()))

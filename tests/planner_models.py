@@ -4,6 +4,7 @@ docs/planner.md: ``factory()``, optional ``loss_fn``/``example_batch``/``optimiz
 
 - ``hf_gpt2``: a Hugging Face ``GPT2LMHeadModel`` built from a tiny config (nothing is
   downloaded), dropout on, tied embeddings, forward returning an object with ``.loss``;
+- ``hf_llama``: a Hugging Face ``LlamaForCausalLM`` (GQA, rotary, gated MLP), tiny;
 - ``tied_frozen_reused``: a tied input/output embedding, a frozen projection, one block
   applied twice per forward, buffers, and odd sizes (nothing divisible by the world).
 """
@@ -65,6 +66,18 @@ class TiedFrozenReused(nn.Module):
 def raising() -> nn.Module:
     """A factory whose own code fails: `mct plan --model` says so in one line."""
     raise RuntimeError("a factory that fails")
+
+
+def hf_llama(n_layer: int = 7) -> nn.Module:
+    """A tiny Llama of transformers: grouped-query attention (4 query, 2 key/value
+    heads), gated MLP, rotary positions, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=44, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                      attn_implementation="sdpa", tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
 
 
 def tied_frozen_reused() -> nn.Module:

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
     pl.add_argument("--offloads", default=None, help="offload choices to plan, comma-separated: none, optimizer=cpu|disk, "
                     "optimizer+params=cpu|disk (default: the config's own offload setting)")
+    pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
+                    "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
+                    "where the blocks repeat, docs/planner.md)")
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
@@ -442,7 +445,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args)
-    plan = make_plan(work, cfg, args.world_size, limit, **grid)
+    plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.plot:
         from mct.reporting.plots import plot_plan

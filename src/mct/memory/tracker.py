@@ -311,6 +311,11 @@ class MemoryTracker:
             self._fold_cuda_peak()
         return {name: dict(snap) for name, snap in self._peaks.items()}
 
+    @property
+    def current_phase(self) -> str | None:
+        """The innermost phase now entered (None outside every phase)."""
+        return self._phase_stack[-1] if self._phase_stack else None
+
     def peak_total(self) -> int:
         """Max total live bytes since reset_peaks() (0 when disabled)."""
         if self._cuda and self.enabled:

@@ -48,15 +48,17 @@ def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineC
 def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
          world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
-         precisions: tuple = PRECISIONS, offloads: tuple | None = None) -> Plan:
+         precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True) -> Plan:
     """Every ZeRO stage x checkpointing policy x precision (x offload label: 'none',
     'optimizer=cpu|disk', 'optimizer+params=cpu|disk'; default the config's own) of the
     grid dry-run for this model on ``world_size`` ranks (other keys as in ``config``), as plain data: the rows
     that ``mct plan`` prints and the recommendation for a per-rank ``budget`` (bytes or
-    a size like '24GiB'; default ``memory.budget``). Raises ValueError as
-    ``predict_peak``, or for a bad budget."""
+    a size like '24GiB'; default ``memory.budget``). ``extrapolate``: a deep model's
+    repeated blocks are dry-run at two small depths and extended (exact where they
+    repeat; ``mct.planner.depth``); False: every configuration at full depth. Raises
+    ValueError as ``predict_peak``, or for a bad budget."""
     cfg = _config(config)
     limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
     work = Workload(model_fn, loss_fn, batch, optimizer, param_groups)
     return make_plan(work, cfg, world_size, limit, stages=stages, policies=policies, precisions=precisions,
-                     offloads=offloads)
+                     offloads=offloads, extrapolate=extrapolate)

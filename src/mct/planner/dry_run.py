@@ -115,36 +115,64 @@ def fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
     return tree_map(convert, batch)
 
 
+class FakeInit:
+    """The planner's side of ``InitProgram`` (``mct.offload.meta_init``): a model built on
+    the meta device, its parameters made fake before the engine sees it but counted only
+    from the moment the engine materializes them (``materialize``: buffers and frozen
+    parameters first, then one unit at a time), as ``mct train`` builds stage 3 and
+    offload. Values are not replayed: a dry run needs none."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+
+    def materialize(self, params: list[torch.Tensor], device: torch.device | str = "cpu") -> None:
+        """Count ``params`` (fake tensors) as live 'params' from now on. Mutates the tracker only."""
+        for p in params:
+            self.tracker.register(p, "params")
+
+
 def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig, world_size: int, *,
-            optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None) -> DryRun:
+            optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None,
+            meta_init: bool = False, build: Callable[[], nn.Module] | None = None,
+            observer: Any = None) -> DryRun:
     """Build the engine for ``config`` on rank 0 of ``world_size`` simulated ranks and
     run two training steps of ``batch`` (one micro-batch, or a list: gradient
     accumulation) with ``loss_fn``, all on fake tensors. ``optimizer`` and
     ``param_groups(model)`` are what ``mct.Engine`` would be given (None: its defaults).
-    Returns the tracked bytes (``DryRun``). Raises ValueError for configs the engine
-    rejects (the same messages) and for a bad factory."""
+    ``meta_init``: the model is built on meta and the engine materializes it unit by
+    unit (what ``mct train`` does at stage 3 and with offload; else the whole model is
+    built first, as ``mct.Engine(model_fn())``). ``build()``: a model on the meta device
+    to train instead of ``model_fn``'s (the depth extrapolation's shallow copies).
+    ``observer``: ``attach(model, tracker)`` is
+    called once the engine is built, ``end_step(peaks)`` after each step (the depth
+    extrapolation's ``Windows``, which reset the tracker's peaks at every block event:
+    the returned phases then hold only each phase's last window; the observer has all). Returns the tracked bytes (``DryRun``).
+    Raises ValueError for configs the engine rejects (the same messages) and for a bad
+    factory."""
     from mct.engine import Engine  # the engine imports the memory runtime, not the planner
     cfg = _planning_config(config)
     ctx = DistContext.simulated(world_size)
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
+    copied = build() if build is not None else None  # a deep copy of meta tensors: outside the fake mode
     with mode:
-        with tracker.phase("init", "params"):
-            model = fake_built_model(model_fn)
-        if model is None:  # built on meta outside any tracker stage: meta storages are not counted
-            model = meta_model(model_fn)
-            tracker.reset_peaks()
-            with tracker.phase("init", "params"):
-                materialize_fake(model)
+        model, program = _build(model_fn, tracker, meta_init, copied)
         with tracker.phase("init", "params"):  # the same stage again: its peak is kept
             n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             groups = param_groups(model) if param_groups is not None else None
-            engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx)
+            engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx,
+                            init_program=program)  # type: ignore[arg-type] - FakeInit has its protocol
             del groups
         init = tracker.peaks()["init"]
         data = fake_batch(batch, mode)
+        if observer is not None:
+            observer.attach(model, tracker)
         first = engine.train_step(data, loss_fn).metrics["peaks"]
+        if observer is not None:
+            observer.end_step(first)
         steady = engine.train_step(data, loss_fn).metrics["peaks"]
+        if observer is not None:
+            observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
@@ -154,6 +182,28 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
                   n_params=n_params, offloaded=offloaded)
+
+
+def _build(model_fn: ModelFn, tracker: MemoryTracker, meta_init: bool,
+           copied: nn.Module | None) -> tuple[nn.Module, FakeInit | None]:
+    """The model of a dry run (call inside its fake mode) and the init program the engine
+    gets. Built as the user builds it (its constructor's temporaries counted) unless
+    ``meta_init`` or a ``copied`` meta model need the meta device or the constructor
+    needs values."""
+    if not meta_init and copied is None:
+        with tracker.phase("init", "params"):
+            model = fake_built_model(model_fn)
+        if model is not None:
+            return model, None
+    # outside any tracker stage: meta storages are not counted
+    model = copied if copied is not None else meta_model(model_fn)
+    tracker.reset_peaks()
+    if meta_init:
+        materialize_fake(model)  # not counted: the engine materializes (registers) unit by unit
+        return model, FakeInit(tracker)
+    with tracker.phase("init", "params"):
+        materialize_fake(model)
+    return model, None
 
 
 def _planning_config(config: EngineConfig) -> EngineConfig:
@@ -166,3 +216,16 @@ def _planning_config(config: EngineConfig) -> EngineConfig:
     d = config.to_dict()
     d["memory"] = {**d["memory"], "track": True, "enforce": False}
     return EngineConfig.from_dict(d)
+
+
+def construction_peak(model_fn: ModelFn) -> dict[str, int] | None:
+    """Bytes by category (and 'total') at the peak of building ``model_fn()`` as the
+    user builds it, on fake tensors (its constructor's temporaries included); None when
+    the constructor needs values (a dry run then builds on meta, which has none)."""
+    tracker = MemoryTracker("cpu", count_fake=True)
+    with FakeTensorMode(), tracker.phase("init", "params"):
+        model = fake_built_model(model_fn)
+    built = model is not None
+    del model
+    peak = tracker.peaks()["init"]
+    return {c: peak.get(c, 0) for c in (*CATEGORIES, "total")} if built else None

@@ -20,13 +20,16 @@ fits without it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
+from mct.planner.depth import extrapolated
 from mct.planner.dry_run import DryRun, dry_run
-from mct.planner.workload import Workload, batch_size, micro_batches, smaller_batch
+from mct.planner.workload import PlannedTask, Workload, batch_size, micro_batches, prepare, smaller_batch
+from mct.task.build import builds_on_meta
 
 STAGES = (0, 1, 2, 3)
 POLICIES = ("none", "selective", "sqrt", "all")
@@ -83,9 +86,18 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
 
 
 def predict(work: Workload, cfg: EngineConfig, world: int) -> DryRun:
-    """The dry run of ``work`` under ``cfg`` on ``world`` ranks (see ``dry_run``)."""
-    return dry_run(work.model_fn, work.loss_fn, micro_batches(work.batch, cfg.data.grad_accum), cfg, world,
-                   optimizer=work.optimizer, param_groups=work.param_groups)
+    """The dry run of ``work`` under ``cfg`` on ``world`` ranks, with the model built as
+    ``mct train`` builds it (on meta at stage 3 and with offload: ``builds_on_meta``).
+    Extrapolated from two shallow copies when ``work`` is a ``PlannedTask`` with
+    repeated blocks (``mct.planner.depth``), else a full ``dry_run``."""
+    batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
+    if isinstance(work, PlannedTask) and work.stack is not None:
+        run = extrapolated(work, cfg, world, batch, stack=work.stack, n_params=work.n_params,
+                           construction=work.construction, meta_init=meta_init)
+        if run is not None:
+            return run
+    return dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
+                   param_groups=work.param_groups, meta_init=meta_init)
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
@@ -124,18 +136,23 @@ class Plan:
 
 def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
               policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None,
-              advise: bool = True) -> Plan:
+              advise: bool = True, extrapolate: bool = True) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision (ties: the
     lower peak, then the lower stage). Parameter offload is planned at stage 3 only.
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
+    ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
+    extended (``mct.planner.depth``; exact where the blocks repeat); False: every
+    configuration is dry-run at full depth. What every configuration shares (the
+    model's structure, its construction) is found once (``prepare``).
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     offloads = tuple(offloads) if offloads else (offload_label(cfg),)
     for label in offloads:
         offload_keys(label)  # a bad label fails before minutes of planning
+    work = prepare(work, cfg, extrapolate)
     rows, n_params = [], 0
     for precision in precisions:
         for offload in offloads:
@@ -186,8 +203,7 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
-        smaller = Workload(work.model_fn, work.loss_fn, smaller_batch(work.batch, b), work.optimizer,
-                           work.param_groups, work.label)
+        smaller = dataclasses.replace(work, batch=smaller_batch(work.batch, b))
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break

@@ -1,13 +1,46 @@
-"""Batch shapes a dry run steps on. What the planner plans is a ``mct.task.Task``
-(``Workload`` is its name here, kept for callers of ``mct.planner``)."""
+"""What the planner plans: a ``mct.task.Task`` (``Workload`` is its name here, kept for
+callers of ``mct.planner``), prepared once per plan (``prepare``: what every
+configuration of the grid shares), and the batch shapes a dry run steps on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from mct.config import EngineConfig
+from mct.planner.depth import Stack, find_stack
+from mct.planner.dry_run import construction_peak
+from mct.task.spec import Task
 from mct.task.spec import Task as Workload  # noqa: F401 - re-exported
+
+
+@dataclass(frozen=True)
+class PlannedTask(Task):
+    """A Task with what every configuration of a plan shares, found once: the model's
+    repeated blocks (``stack``; None: every configuration gets a full dry run), its
+    parameter count, and the peak of building it as its factory does
+    (``construction``, see ``dry_run.construction_peak``)."""
+
+    stack: Stack | None = None
+    n_params: int = 0
+    construction: dict[str, int] | None = None
+
+
+def prepare(work: Task, cfg: EngineConfig, extrapolate: bool = True) -> Task:
+    """``work`` as a ``PlannedTask`` when its depth can be extrapolated (and
+    ``extrapolate``), else ``work`` itself. Builds the model on meta and on fake
+    tensors once (nothing allocated); the plan's shallow copies are cut from the first. Raises ValueError for a factory that returns
+    no nn.Module."""
+    if isinstance(work, PlannedTask) or not extrapolate:
+        return work
+    stack = find_stack(work, cfg)
+    if stack is None:
+        return work
+    n_params = sum(p.numel() for p in {id(p): p for p in stack.model.parameters()}.values())
+    base = {f.name: getattr(work, f.name) for f in fields(Task)}
+    return PlannedTask(**base, stack=stack, n_params=n_params, construction=construction_peak(work.model_fn))
 
 
 def micro_batches(batch: Any, grad_accum: int) -> Any:

@@ -43,7 +43,7 @@ from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
-from mct.task import build_model as build_task_model, check_tokens, seeded, task_for
+from mct.task import build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
 from mct.task.gpt import (build_model, build_model_on_meta, make_optimizer, param_groups, seeded_gpt_loss,  # noqa: F401
                           step_batches)
 
@@ -128,7 +128,7 @@ class Trainer(Feedback):
         model: it is built on meta and materialized a unit at a time."""
         host.for_building(host.mode_of(cfg, self.ctx.device.type))  # before the model is built
         task = self.task  # the model does not depend on the stage, policy or offload a config picks
-        model, program = build_task_model(task, cfg, on_meta=cfg.zero.stage == 3 or cfg.offload.enabled)
+        model, program = build_task_model(task, cfg, on_meta=builds_on_meta(cfg))
         optimizer = task.optimizer or make_optimizer(cfg)
         groups = task.param_groups(model) if task.param_groups else None
         return Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)

@@ -42,6 +42,13 @@ def check_tokens(task: Task, corpus: Any) -> None:
                          f"(mct prepare --tokenizer MODEL_DIR) or use a model with a larger vocabulary")
 
 
+def builds_on_meta(cfg: EngineConfig) -> bool:
+    """Does a run of ``cfg`` build its model on the meta device and materialize it a unit
+    at a time? Stage 3 and offload never hold the whole model (``mct train``, and the
+    planner's prediction of its initialization, both ask here)."""
+    return cfg.zero.stage == 3 or cfg.offload.enabled
+
+
 def build_model(task: Task, cfg: EngineConfig, on_meta: bool) -> tuple[nn.Module, InitProgram | None]:
     """``task.model_fn()`` seeded from ``cfg.seed`` (identical on every rank). With
     ``on_meta`` it is built on the meta device with the program that gives each
