@@ -222,6 +222,14 @@ def test_val_batches_come_from_val_only_and_ignore_training_draws(corpus):
         assert 0 <= o <= corpus.val.size - 17
 
 
+def test_val_batches_are_the_same_on_any_world_size(corpus):
+    # a run resharded to another number of ranks validates on the same samples
+    one, three = _sampler(corpus, world_size=1), _sampler(corpus, world_size=3)
+    for i in range(3):
+        assert np.array_equal(one.val_offsets(i), three.val_offsets(i))
+        assert all(torch.equal(a, b) for a, b in zip(one.val_batch(i), three.val_batch(i, rank=2)))
+
+
 def test_sampler_rejects_out_of_range_rank_micro_and_step(corpus):
     s = _sampler(corpus)
     with pytest.raises(ValueError, match="rank = 2 is not allowed: must be an integer in \\[0, 2\\)"):

@@ -25,7 +25,8 @@ class BatchSampler:
     offsets from a generator seeded by (seed, step); rank r, micro-batch m takes slice
     ``(r * grad_accum + m) * B ... + B``. So any process can rebuild any rank's batch, a
     run resumes at any step, and no two ranks or micro-batches share a window in a step.
-    Validation draws from ``corpus.val`` on its own seed stream (seed, i).
+    Validation batch i draws from ``corpus.val`` on its own seed stream (seed, i), the same
+    on every world size.
     """
 
     def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, grad_accum: int,
@@ -63,12 +64,13 @@ class BatchSampler:
         return flat.reshape(self.world_size, self.grad_accum, self.micro_batch_size)
 
     def val_offsets(self, i: int) -> np.ndarray:
-        """Window offsets of validation batch ``i`` for all ranks, shape [world_size, B].
+        """Window offsets of validation batch ``i``, shape [micro_batch_size]: the same on
+        any world size (a resumed or resharded run validates on the same samples).
         Distinct when the split has enough windows, else drawn with replacement."""
         check_int("validation batch index", i, 0)
         rng = np.random.default_rng([self._seed_key, _VAL_STREAM, i])
-        n, k = self._positions(self.corpus.val), self.world_size * self.micro_batch_size
-        return rng.choice(n, size=k, replace=k > n).reshape(self.world_size, self.micro_batch_size)
+        n, k = self._positions(self.corpus.val), self.micro_batch_size
+        return rng.choice(n, size=k, replace=k > n)
 
     def _windows(self, tokens: np.ndarray, offsets: np.ndarray,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +95,11 @@ class BatchSampler:
 
     def val_batch(self, i: int, rank: int = 0,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Validation batch ``i`` of ``rank``: fixed for a seed, from the val split only."""
+        """Validation batch ``i``: fixed for a seed, from the val split only, the same on
+        every rank and world size (``rank`` is checked, not used: the Validator spreads
+        batches over ranks)."""
         check_int("rank", rank, 0, self.world_size)
-        return self._windows(self.corpus.val, self.val_offsets(i)[rank], device)
-
+        return self._windows(self.corpus.val, self.val_offsets(i), device)
 
 def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
     """Corpus and sampler from a config; checks token ids against model.vocab_size."""

@@ -44,8 +44,11 @@ class LoopCounters:
 
 
 class Validator:
-    """Validation loss every ``train.eval_every`` steps and after the last one, over
-    ``train.eval_batches`` fixed batches of the validation split (no state change)."""
+    """Validation loss every ``train.eval_every`` steps and after the last one: the mean
+    over ``train.eval_batches`` fixed batches of the validation split (no state change),
+    the same batches on any world size. When the ranks divide the batches, rank r takes
+    batches r, r + W, ...; otherwise every rank evaluates every batch (the same mean,
+    W times the work)."""
 
     def __init__(self, tcfg: TrainConfig, sampler: BatchSampler, loss_fn: Callable) -> None:
         self.tcfg, self.sampler, self.loss_fn = tcfg, sampler, loss_fn
@@ -54,9 +57,11 @@ class Validator:
         every = self.tcfg.eval_every
         return bool(every) and (step % every == 0 or last)
 
-    def run(self, engine: Any, rank: int) -> float:
-        losses = [engine.eval_loss(self.sampler.val_batch(i, rank), self.loss_fn)
-                  for i in range(self.tcfg.eval_batches)]
+    def run(self, engine: Any, rank: int, world: int) -> float:
+        """The validation loss (collective: ``eval_loss`` averages over ranks)."""
+        n = self.tcfg.eval_batches
+        mine = range(rank, n, world) if n % world == 0 else range(n)
+        losses = [engine.eval_loss(self.sampler.val_batch(i, rank), self.loss_fn) for i in mine]
         return sum(losses) / len(losses)
 
 

@@ -224,7 +224,7 @@ class Trainer(Feedback):
         c.step = step + 1
         record = self.log.record(step, out, lr, t_data, step_time, rollbacks=self.rollback.total)
         if self.validator.should_validate(step, last):
-            c.validated(self.validator.run(self.engine, self.ctx.rank))
+            c.validated(self.validator.run(self.engine, self.ctx.rank, self.ctx.world_size))
             record["val_loss"] = c.last_val
         if self.log.should_log(step, last, record):
             self.log.complete(record, out, {"skipped_steps": c.skipped,
