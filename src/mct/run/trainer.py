@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mct.config import EngineConfig
-from mct.data import BatchSampler, Corpus, build_data
+from mct.data import BatchSampler, Corpus, build_data, copy_tokenizer
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.reporting.events import append_event
@@ -113,6 +113,7 @@ def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None
     if ctx.is_main and not resume:
         write_metadata(run_dir, config=cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                        device=str(ctx.device), extra={**_metadata_extra(corpus, model, engine), "plan": choice})
+        copy_tokenizer(corpus, run_dir)
     lp = Loop(cfg, engine, sampler, writer, ctx, run_dir, stop or StopRequest(), state, save=_save_checkpoint,
               batches=lambda position, rank: step_batches(sampler, cfg, position, rank), loss_fn=seeded_gpt_loss,
               rebuild=rebuild, budget=BudgetLoop.maybe(auto_cfg, choice, ctx.world_size, gpt_task(auto_cfg)))
