@@ -140,8 +140,9 @@ def _from_file(spec: str) -> Tokenizer:
     if eos is None:  # documents need a separator: add one, recorded in the dataset's tokenizer.json
         hf.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
         eos = hf.token_to_id(EOS_TOKEN)
-    return Tokenizer(kind="file", json=hf.to_str(), vocab_size=hf.get_vocab_size(with_added_tokens=True),
-                     eos_id=int(eos), source=spec)
+    # ids may be sparse: the model needs max id + 1 rows, not the number of tokens
+    vocab_size = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+    return Tokenizer(kind="file", json=hf.to_str(), vocab_size=vocab_size, eos_id=int(eos), source=spec)
 
 
 def parse_train_vocab(spec: str) -> int:
