@@ -140,6 +140,14 @@ def _walk_sorted(root: Path, skip_dir) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def stdlib_sources() -> list[Path]:
+    """The files of the default corpus (``data.path = ''``), in its order: to prepare the
+    same documents with another tokenizer (benchmarks/tokenizer_bpb.py)."""
+    docs, source = _stdlib_documents()
+    root = Path(source.split(":", 1)[1])
+    return [root / name for name, _ in docs]
+
+
 def _stdlib_documents() -> tuple[list[tuple[str, np.ndarray]], str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
