@@ -17,7 +17,7 @@ from mct.data import load_corpus
 from mct.data import prepare as prepare_mod
 from mct.data.prepare import prepare
 from mct.data.prepared import DocumentSpans, open_prepared
-from mct.data.tokenizer import Encoder, Tokenizer, bytes_to_unicode
+from mct.data.tokenizer import Encoder, Tokenizer, bytes_to_unicode, copy_tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ 你好 \U0001F600", "spells <|endoftext|> and </s> as text",
          "tabs\tand\r\nnewlines\n\n", "a" * 300, "import os\nprint(os.sep)\n"]
@@ -163,7 +163,8 @@ def test_training_on_a_prepared_dataset_records_it_and_copies_its_tokenizer(tmp_
     run = tmp_path / "run"
     assert main(_train_args(tmp_path / "ds", run, "model.vocab_size=300")) == 0
     meta = json.loads((run / "metadata.json").read_text())
-    assert meta["corpus"]["dataset"]["vocab_size"] == vocab and meta["corpus"]["dataset"]["documents"] == 48
+    recorded = meta["corpus"]["dataset"]
+    assert recorded["vocab_size"] == vocab and recorded["documents"] == 48 and recorded["inputs"] == 26
     assert (run / "tokenizer.json").read_bytes() == (tmp_path / "ds" / "tokenizer.json").read_bytes()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r][-1] == 1 and np.isfinite(rows[-1].get("loss", 0.0))
@@ -204,3 +205,17 @@ def test_prepare_argument_errors_are_one_line(tmp_path, capfd):
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mct: error: ") and why in err[0], (args, err)
         assert not (tmp_path / "new").exists()
+
+
+def test_a_byte_corpus_run_gets_the_byte_tokenizer_and_a_bin_none(tmp_path):
+    from tokenizers import Tokenizer as HF
+    (tmp_path / "c").mkdir()
+    for i in range(4):
+        (tmp_path / "c" / f"{i}.txt").write_text(f"héllo {i} ✓ " * 20)
+    text = load_corpus(str(tmp_path / "c"), seed=0, val_fraction=0.3, seq_len=8)
+    (tmp_path / "run").mkdir()
+    hf = HF.from_file(str(copy_tokenizer(text, tmp_path / "run")))
+    assert hf.get_vocab_size() == 256 and hf.decode(text.train[:200].tolist()) == text.train[:200].tobytes().decode()
+    np.arange(1000, dtype="<u2").tofile(tmp_path / "t.bin")
+    tokens = load_corpus(str(tmp_path / "t.bin"), seed=0, val_fraction=0.3, seq_len=8, doc_bytes=100)
+    assert copy_tokenizer(tokens, tmp_path / "run2") is None

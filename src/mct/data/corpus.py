@@ -268,8 +268,16 @@ def _prepared_corpus(path: Path, seed: int, val_fraction: float) -> Corpus:
     return Corpus(train=DocumentSpans(ds.tokens, starts[train_idx], lengths[train_idx]),
                   val=DocumentSpans(ds.tokens, starts[val_idx], lengths[val_idx]),
                   train_files=_DocNames(train_idx), val_files=_DocNames(val_idx), fingerprint=fp.hexdigest(),
-                  source=str(path), min_vocab_size=int(ds.meta["vocab_size"]), dataset=ds.meta,
+                  source=str(path), min_vocab_size=int(ds.meta["vocab_size"]), dataset=_dataset_summary(ds),
                   tokenizer_path=str(path / "tokenizer.json"))
+
+
+def _dataset_summary(ds: Any) -> dict[str, Any]:
+    """meta.json for run metadata, its per-input list cut to a count (a directory of a
+    million files would bloat metadata.json); ``meta_sha256`` identifies the full file."""
+    inputs = ds.meta.get("inputs") or []
+    return {**{k: v for k, v in ds.meta.items() if k != "inputs"}, "inputs": len(inputs),
+            "input_bytes": sum(int(i.get("bytes", 0)) for i in inputs), "meta_sha256": ds.meta_sha256}
 
 
 def _check_split_sizes(corpus: Corpus, seq_len: int) -> Corpus:
