@@ -219,3 +219,16 @@ def test_a_byte_corpus_run_gets_the_byte_tokenizer_and_a_bin_none(tmp_path):
     np.arange(1000, dtype="<u2").tofile(tmp_path / "t.bin")
     tokens = load_corpus(str(tmp_path / "t.bin"), seed=0, val_fraction=0.3, seq_len=8, doc_bytes=100)
     assert copy_tokenizer(tokens, tmp_path / "run2") is None
+
+
+def test_a_lossy_tokenizer_is_prepared_with_a_warning(tmp_path, capfd):
+    from tokenizers import Tokenizer as HF, normalizers
+    hf = HF.from_file(str(_sparse_tokenizer_json(tmp_path / "tokenizer.json")))
+    hf.normalizer = normalizers.Lowercase()  # loses case: decode(encode("Hi")) == "hi"
+    hf.save(str(tmp_path / "lossy.json"))
+    inputs = _inputs(tmp_path / "in", ["Upper Case", "lower case"])
+    assert main(["prepare", *inputs, "--out", str(tmp_path / "ds"), "--tokenizer", str(tmp_path / "lossy.json"),
+                 "--workers", "1", "--no-progress"]) == 0
+    err = capfd.readouterr().err
+    assert "mct: warning: the tokenizer did not decode" in err and "not lossless" in err
+    assert json.loads((tmp_path / "ds" / "meta.json").read_text())["roundtrip"]["mismatched"] >= 1

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
     e.add_argument("--out", required=True, help="the .safetensors file to write")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
-                        "(docs/data.md)", **kw)
+                        "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="text files (one document each), .jsonl / .jsonl.gz files (one document per line), "
                          "or directories of them")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'bytes' (UTF-8 bytes + EOS, vocab 257), a tokenizer.json file or a directory holding one, "
                          "or train:VOCAB (a byte-level BPE of VOCAB ids trained here on the inputs)")
     pr.add_argument("--text-field", default="text", metavar="NAME", help="the JSON field holding a record's text")
-    pr.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+    pr.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
                     help="encoding processes (default: the CPU cores, at most 8)")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -433,19 +433,13 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.data.prepare import prepare
+    from mct.data.prepare import prepare, summary
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                    workers=args.workers, progress=not args.no_progress)
-    mb = sum(i["bytes"] for i in meta["inputs"]) / 1e6
-    print(f"prepared {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, "
-          f"vocab_size {meta['vocab_size']}, eos_id {meta['eos_id']}); skipped {meta['skipped_empty']} empty, "
-          f"{meta['skipped_binary']} non-text; {mb:.1f} MB in {meta['seconds']:.1f} s "
-          f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s); train with --set data.path={args.out} "
-          f"--set model.vocab_size={meta['vocab_size']}")
-    rt = meta["roundtrip"]
-    if rt["mismatched"]:
-        _warn(f"the tokenizer did not decode {rt['mismatched']} of {rt['checked']} checked documents back to their "
-              f"text (it normalizes or drops characters); the dataset is not lossless")
+    line, warning = summary(meta, args.out)
+    print(line)
+    if warning:
+        _warn(warning)
     return 0
 
 

@@ -161,3 +161,18 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
     finally:
         bar.close()
     return {**meta, "seconds": time.perf_counter() - t0}
+
+
+def summary(meta: dict[str, Any], out: str) -> tuple[str, str | None]:
+    """(the line `mct prepare` prints, a warning or None) for ``prepare``'s result."""
+    mb = sum(i["bytes"] for i in meta["inputs"]) / 1e6
+    line = (f"prepared {out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}, "
+            f"vocab_size {meta['vocab_size']}, eos_id {meta['eos_id']}); skipped {meta['skipped_empty']} empty, "
+            f"{meta['skipped_binary']} non-text; {mb:.1f} MB in {meta['seconds']:.1f} s "
+            f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s); train with --set data.path={out} "
+            f"--set model.vocab_size={meta['vocab_size']}")
+    rt = meta["roundtrip"]
+    warning = (f"the tokenizer did not decode {rt['mismatched']} of {rt['checked']} checked documents back to "
+               f"their text (it normalizes or drops characters); the dataset is not lossless"
+               if rt["mismatched"] else None)
+    return line, warning
