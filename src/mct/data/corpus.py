@@ -79,8 +79,9 @@ class Corpus:
     ``name#index`` for pieces of one file, ``doc<index>`` in a prepared dataset).
     ``fingerprint``: sha256 over names, sizes, split and content (prepared: over
     meta.json and the split). ``min_vocab_size``: largest token id + 1 (prepared: the
-    tokenizer's vocab size). ``dataset``: a prepared dataset's meta.json, and
-    ``tokenizer_path`` its tokenizer.json (None for other sources)."""
+    tokenizer's vocab size). ``dataset``: a prepared dataset's meta.json (its input
+    list cut to a count), and ``tokenizer_path`` its tokenizer.json (None for other
+    sources)."""
 
     train: np.ndarray | DocumentSpans
     val: np.ndarray | DocumentSpans
