@@ -2,7 +2,7 @@
 default corpus (the Python standard library's sources) as bytes vs as a trained 8k BPE.
 
     PYTHONPATH=src:. python benchmarks/tokenizer_bpb.py [--steps 300] [--vocab 8192]
-        [--eval-batches 16] [--json PATH]
+        [--eval-batches 16] [--skip-default] [--json PATH]
 
 Both runs read the same documents: the default corpus's files are prepared twice with
 `mct prepare` (``bytes``, vocab 257 with EOS, and ``train:VOCAB``), in the same order,
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--skip-default", action="store_true", help="leave out the default job's row")
     ap.add_argument("--json", default=str(RESULTS_DIR / "tokenizer_bpb.json"))
     args = ap.parse_args()
     from mct.data import load_corpus
@@ -69,10 +70,11 @@ def main() -> None:
                          "tokens_per_byte": tokens_per_byte, "text_bytes_per_window": 128 / tokens_per_byte,
                          "bpb": r["val_loss"] * tokens_per_byte / math.log(2), "train_s": r["seconds"],
                          "prepare_s": meta["seconds"]})
-        r = _train("", 256, tmp_p / "run_default", args.steps, args.eval_batches)
-        rows.append({"data": "default job (bytes, no EOS)", "vocab": 256, "val_loss": r["val_loss"],
-                     "tokens_per_byte": 1.0, "text_bytes_per_window": 128.0, "bpb": r["val_loss"] / math.log(2),
-                     "train_s": r["seconds"]})
+        if not args.skip_default:
+            r = _train("", 256, tmp_p / "run_default", args.steps, args.eval_batches)
+            rows.append({"data": "default job (bytes, no EOS)", "vocab": 256, "val_loss": r["val_loss"],
+                         "tokens_per_byte": 1.0, "text_bytes_per_window": 128.0, "bpb": r["val_loss"] / math.log(2),
+                         "train_s": r["seconds"]})
     cols = [("data", "data"), ("vocab", "vocab"), ("val_loss", "val loss (nats/token)"),
             ("tokens_per_byte", "tokens/byte"), ("text_bytes_per_window", "bytes/window"), ("bpb", "val bits/byte"),
             ("prepare_s", "prepare s"), ("train_s", "train s")]
