@@ -1,4 +1,4 @@
-"""Command line: mct train | plan | verify | report | export | sample (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export | sample | prepare (also ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -115,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sm.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     sm.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
+                        "(docs/data.md)", formatter_class=_DefaultsFormatter)
+    pr.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="text files (one document each), .jsonl / .jsonl.gz files (one document per line), "
+                         "or directories of them")
+    pr.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create (must not exist)")
+    pr.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                    help="'bytes' (UTF-8 bytes + EOS, vocab 257), a tokenizer.json file or a directory holding one, "
+                         "or train:VOCAB (a byte-level BPE of VOCAB ids trained here on the inputs)")
+    pr.add_argument("--text-field", default="text", metavar="NAME", help="the JSON field holding a record's text")
+    pr.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
+                    help="encoding processes (default: the CPU cores, at most 8)")
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -523,11 +536,23 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
+    from mct.data.prepare import prepare, summary
+    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                   workers=args.workers, progress=not args.no_progress)
+    line, warning = summary(meta, args.out)
+    print(line)
+    if warning:
+        _warn(warning)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
-               "export": cmd_export, "sample": cmd_sample}[args.command]
+               "export": cmd_export, "sample": cmd_sample,
+               "prepare": cmd_prepare}[args.command]
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():

@@ -135,7 +135,8 @@ GPT_ONLY_KEYS = ("n_layer", "n_head", "d_model", "vocab_size", "dropout", "atten
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """Text file, directory of text files, or uint16 .bin of tokens; '' = the Python stdlib sources."""
+    """Text file, directory of text files, uint16 .bin of tokens, or a dataset directory made by
+    `mct prepare` (docs/data.md); '' = the Python stdlib sources."""
     micro_batch_size: int = 16
     """Sequences per rank per micro-batch."""
     grad_accum: int = 1

@@ -1,7 +1,10 @@
-"""What the model reads: corpus sources and tokenizer (``corpus``), the document-level
-train/validation split, and the stateless window sampler (``sampler``)."""
+"""What the model reads: inputs (``sources``), tokenizers (``tokenizer``), the prepared
+dataset format (``prepared``) and the ``mct prepare`` pipeline (``prepare``); corpus
+loading with the document-level train/validation split (``corpus``), and the stateless
+window sampler (``sampler``)."""
 
 from mct.data.corpus import ByteTokenizer, Corpus, load_corpus
 from mct.data.sampler import BatchSampler, build_data
+from mct.data.tokenizer import copy_tokenizer
 
-__all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "build_data", "load_corpus"]
+__all__ = ["BatchSampler", "ByteTokenizer", "Corpus", "build_data", "copy_tokenizer", "load_corpus"]

@@ -13,6 +13,11 @@ Corpus sources (``data.path``):
 - a directory: every UTF-8 file without NUL bytes under it (recursive, sorted, hidden
   names skipped) is one document. A directory holding a single text file is cut like a file.
 - a ``.bin``: uint16 little-endian tokens (memory-mapped), cut into documents like a file.
+- a prepared dataset (a directory made by ``mct prepare``, see ``prepared.py``):
+  memory-mapped; its documents are split by ``doc_hash(seed, index)`` (vectorized, so a
+  start costs milliseconds for millions of documents) and each split is a
+  ``DocumentSpans`` view, never a copy. The fingerprint comes from meta.json (which
+  holds the sha256 of the tokens, the tokenizer and every input), never from the tokens.
 
 Each document goes to validation when ``sha256(seed, name)`` maps below ``val_fraction``
 (stable across processes and Python runs), with at least one document on each side.
@@ -28,12 +33,13 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from mct.config import check_int
+from mct.data.prepared import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
 
 
 DOC_BYTES = 64 * 1024
@@ -68,20 +74,30 @@ class ByteTokenizer:
 @dataclass(frozen=True, kw_only=True)
 class Corpus:
     """Tokens split by document. ``train``/``val``: 1-D uint8 (text) or uint16 (.bin)
-    arrays, documents concatenated in sorted order. ``*_files``: document names
-    (relative paths, or ``name#index`` for pieces of one file). ``fingerprint``: sha256
-    over names, sizes, split and content. ``min_vocab_size``: largest token id + 1."""
+    arrays, documents concatenated in sorted order, or ``DocumentSpans`` views of a
+    prepared dataset (uint16/uint32). ``*_files``: document names (relative paths,
+    ``name#index`` for pieces of one file, ``doc<index>`` in a prepared dataset).
+    ``fingerprint``: sha256 over names, sizes, split and content (prepared: over
+    meta.json and the split). ``min_vocab_size``: largest token id + 1 (prepared: the
+    tokenizer's vocab size). ``dataset``: a prepared dataset's meta.json (its input
+    list cut to a count), and ``tokenizer_path`` its tokenizer.json (None for other
+    sources)."""
 
-    train: np.ndarray
-    val: np.ndarray
-    train_files: list[str]
-    val_files: list[str]
+    train: np.ndarray | DocumentSpans
+    val: np.ndarray | DocumentSpans
+    train_files: Sequence[str]
+    val_files: Sequence[str]
     fingerprint: str
     source: str
     min_vocab_size: int
+    dataset: dict[str, Any] | None = None
+    tokenizer_path: str | None = None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if any token id is >= ``vocab_size``."""
+        if self.dataset is not None and self.min_vocab_size > vocab_size:
+            raise ValueError(f"the dataset {self.source!r} has a tokenizer of {self.min_vocab_size} ids, but "
+                             f"model.vocab_size = {vocab_size}; set model.vocab_size >= {self.min_vocab_size}")
         if self.min_vocab_size > vocab_size:
             raise ValueError(f"corpus {self.source!r} has token ids up to {self.min_vocab_size - 1}, "
                              f"but model.vocab_size = {vocab_size}; set model.vocab_size >= "
@@ -92,7 +108,8 @@ class Corpus:
         return {"source": self.source, "fingerprint": self.fingerprint,
                 "train_tokens": int(self.train.size), "val_tokens": int(self.val.size),
                 "train_files": len(self.train_files), "val_files": len(self.val_files),
-                "dtype": str(self.train.dtype), "min_vocab_size": self.min_vocab_size}
+                "dtype": str(self.train.dtype), "min_vocab_size": self.min_vocab_size,
+                **({"dataset": self.dataset} if self.dataset is not None else {})}
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -122,6 +139,14 @@ def _walk_sorted(root: Path, skip_dir) -> list[Path]:
         # regular files only: reading a FIFO or device found in the tree would block or never end
         found += [Path(dirpath, f) for f in filenames if not f.startswith(".") and Path(dirpath, f).is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_sources() -> list[Path]:
+    """The files of the default corpus (``data.path = ''``), in its order: to prepare the
+    same documents with another tokenizer (benchmarks/tokenizer_bpb.py)."""
+    docs, source = _stdlib_documents()
+    root = Path(source.split(":", 1)[1])
+    return [root / name for name, _ in docs]
 
 
 def _stdlib_documents() -> tuple[list[tuple[str, np.ndarray]], str]:
@@ -200,14 +225,69 @@ def split_hash(seed: int, name: str) -> float:
 
 def _assign(names: list[str], seed: int, val_fraction: float) -> list[bool]:
     """True = validation. Forces one document onto each side (the nearest by hash)."""
-    assert len(names) >= 2, "callers guarantee at least two documents"
-    h = [split_hash(seed, n) for n in names]
-    is_val = [x < val_fraction for x in h]
-    if not any(is_val):
-        is_val[min(range(len(h)), key=h.__getitem__)] = True
-    if all(is_val):
-        is_val[max(range(len(h)), key=h.__getitem__)] = False
+    return _assign_hashes(np.array([split_hash(seed, n) for n in names]), val_fraction).tolist()
+
+
+def _assign_hashes(h: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Documents whose hash is below ``val_fraction`` go to validation (True), with one
+    document forced onto each side (the nearest by hash)."""
+    assert h.size >= 2, "callers guarantee at least two documents"
+    is_val = h < val_fraction
+    if not is_val.any():
+        is_val[int(np.argmin(h))] = True
+    if is_val.all():
+        is_val[int(np.argmax(h))] = False
     return is_val
+
+
+class _DocNames(Sequence[str]):
+    """Names ``doc<index>`` of some documents of a prepared dataset, made on demand."""
+
+    def __init__(self, indices: np.ndarray) -> None:
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return int(self.indices.size)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [f"doc{k}" for k in self.indices[i]]
+        return f"doc{self.indices[i]}"
+
+
+def _prepared_corpus(path: Path, seed: int, val_fraction: float) -> Corpus:
+    """The document-level split of a prepared dataset (see the module docstring)."""
+    ds = open_prepared(path)
+    n = int(ds.meta["documents"])
+    if n < 2:
+        raise ValueError(f"data.path = {str(path)!r} holds {n} document; a train/validation split by document "
+                         "needs at least two; prepare more documents")
+    is_val = _assign_hashes(doc_hash(seed, n), val_fraction)
+    starts, lengths = np.asarray(ds.offsets[:-1]), np.diff(ds.offsets)
+    train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+    fp = hashlib.sha256(f"prepared\0{ds.meta_sha256}\0{seed}\0{val_fraction!r}\0{val_idx.size}".encode())
+    return Corpus(train=DocumentSpans(ds.tokens, starts[train_idx], lengths[train_idx]),
+                  val=DocumentSpans(ds.tokens, starts[val_idx], lengths[val_idx]),
+                  train_files=_DocNames(train_idx), val_files=_DocNames(val_idx), fingerprint=fp.hexdigest(),
+                  source=str(path), min_vocab_size=int(ds.meta["vocab_size"]), dataset=_dataset_summary(ds),
+                  tokenizer_path=str(path / "tokenizer.json"))
+
+
+def _dataset_summary(ds: Any) -> dict[str, Any]:
+    """meta.json for run metadata, its per-input list cut to a count (a directory of a
+    million files would bloat metadata.json); ``meta_sha256`` identifies the full file."""
+    inputs = ds.meta.get("inputs") or []
+    return {**{k: v for k, v in ds.meta.items() if k != "inputs"}, "inputs": len(inputs),
+            "input_bytes": sum(int(i.get("bytes", 0)) for i in inputs), "meta_sha256": ds.meta_sha256}
+
+
+def _check_split_sizes(corpus: Corpus, seq_len: int) -> Corpus:
+    for split, arr in (("train", corpus.train), ("validation", corpus.val)):
+        if arr.size < seq_len + 1:
+            raise ValueError(f"the {split} split of {corpus.source!r} has {arr.size} tokens, fewer than one "
+                             f"window of model.seq_len + 1 = {seq_len + 1}; use a larger corpus, "
+                             "reduce model.seq_len, or change data.val_fraction")
+    return corpus
 
 
 def _concat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -248,6 +328,11 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
         if not p.is_dir() and not p.is_file():
             raise ValueError(f"data.path = {path!r} is not a regular file or directory (a device, FIFO or "
                              "socket); point it at a text file, a directory of text files or a uint16 .bin")
+        if is_prepared(p):
+            return _check_split_sizes(_prepared_corpus(p, seed, val_fraction), seq_len)
+        if looks_partial(p):
+            raise ValueError(f"data.path = {path!r} holds tokens.bin or docs.idx but no meta.json: an unfinished "
+                             f"or damaged prepared dataset; run `mct prepare` again")
         if p.is_dir():
             docs = _dir_documents(p, doc_bytes)
         elif p.suffix == ".bin":
@@ -261,14 +346,9 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
     is_val = _assign([n for n, _ in docs], seed, val_fraction)
     train = _concat([t for (_, t), v in zip(docs, is_val) if not v], dtype)
     val = _concat([t for (_, t), v in zip(docs, is_val) if v], dtype)
-    for split, arr in (("train", train), ("validation", val)):
-        if arr.size < seq_len + 1:
-            raise ValueError(f"the {split} split of {source!r} has {arr.size} tokens, fewer than one "
-                             f"window of model.seq_len + 1 = {seq_len + 1}; use a larger corpus, "
-                             "reduce model.seq_len, or change data.val_fraction")
-    max_id = max(int(train.max()), int(val.max()))
-    return Corpus(train=train, val=val,
-                  train_files=[n for (n, _), v in zip(docs, is_val) if not v],
-                  val_files=[n for (n, _), v in zip(docs, is_val) if v],
-                  fingerprint=_fingerprint(docs, is_val, dtype), source=source,
-                  min_vocab_size=max_id + 1)
+    max_id = max(int(train.max()) if train.size else 0, int(val.max()) if val.size else 0)
+    return _check_split_sizes(Corpus(train=train, val=val,
+                                     train_files=[n for (n, _), v in zip(docs, is_val) if not v],
+                                     val_files=[n for (n, _), v in zip(docs, is_val) if v],
+                                     fingerprint=_fingerprint(docs, is_val, dtype), source=source,
+                                     min_vocab_size=max_id + 1), seq_len)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.config import EngineConfig
-from mct.data import build_data
+from mct.data import build_data, copy_tokenizer
 from mct.data.sampler import DataPosition
 from mct.dist import DistContext, agree, broadcast_from_main
 from mct.engine import Engine
@@ -102,6 +102,7 @@ class Trainer(Feedback):
         if ctx.is_main and not resume:
             write_metadata(self.run_dir, config=self.cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                            device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice})
+            copy_tokenizer(self.corpus, self.run_dir)
             if self.task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
                 copy_hf_assets(self.task.hf_dir, self.run_dir / "hf")
 

@@ -1,0 +1,234 @@
+"""Inputs of ``mct prepare``, read as a stream of chunks of raw documents.
+
+An INPUT is a file or a directory. A file named ``*.jsonl`` or ``*.jsonl.gz`` holds one
+document per line (a JSON object; its text under ``text_field``; blank lines are
+skipped); any other file is one document (UTF-8 text). A directory contributes every
+file under it (recursive, sorted by relative path; hidden names and ``__pycache__``
+skipped) by the same rule, except that files which are not UTF-8 text are skipped and
+counted instead of refused (a directory may hold images beside its text).
+
+Reading streams: a chunk holds about ``chunk_bytes`` of raw records (or one larger
+document), so memory is bounded by the chunks in flight, never by the corpus; the one
+exception is a single document larger than a chunk, which is held whole. Parsing happens
+in ``parse_chunk`` (run by the workers), which names ``FILE:LINE`` in every error.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+CHUNK_BYTES = 1 << 20
+"""Raw bytes of records per chunk: the unit of work a worker encodes."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file: ``path``, ``name`` (as shown in errors and meta.json), ``kind``
+    ("text" | "jsonl" | "jsonl.gz"), ``size`` in bytes, ``strict`` (False inside a
+    directory: a non-UTF-8 text file is skipped, not an error)."""
+
+    path: Path
+    name: str
+    kind: str
+    size: int
+    strict: bool
+
+
+@dataclass
+class Chunk:
+    """Raw documents of one kind. jsonl: ``items`` are lines of ``names[0]`` starting at
+    line ``first_line`` (1-based). text: ``items`` are whole files, ``names`` theirs."""
+
+    kind: str
+    names: list[str]
+    items: list[bytes]
+    first_line: int = 1
+    strict: list[bool] = field(default_factory=list)
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    return "jsonl.gz" if name.endswith(".jsonl.gz") else "jsonl" if name.endswith(".jsonl") else "text"
+
+
+def expand_inputs(inputs: list[str]) -> list[Source]:
+    """INPUT paths -> Sources in the order given (directories expanded in sorted order).
+    Raises ValueError for no inputs, a missing path, a path that is neither a file nor
+    a directory, a directory without files, or one file named twice."""
+    if not inputs:
+        raise ValueError("mct prepare needs at least one INPUT: .txt/.jsonl/.jsonl.gz files or directories")
+    out: list[Source] = []
+    for raw in inputs:
+        p = Path(raw).expanduser()
+        if p.is_dir():
+            files = []
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+                files += [Path(dirpath, f) for f in filenames if not f.startswith(".") and Path(dirpath, f).is_file()]
+            if not files:
+                raise ValueError(f"INPUT {raw!r} is a directory without files; add text or .jsonl files to it")
+            for f in sorted(files, key=lambda f: f.relative_to(p).as_posix()):
+                out.append(Source(f, f"{raw.rstrip('/')}/{f.relative_to(p).as_posix()}", _kind(f), f.stat().st_size, False))
+        elif p.is_file():
+            out.append(Source(p, raw, _kind(p), p.stat().st_size, True))
+        else:
+            raise ValueError(f"INPUT {raw!r} " + ("does not exist" if not p.exists() else "is not a regular file or "
+                             "directory") + "; pass .txt, .jsonl or .jsonl.gz files or directories of them")
+    seen: dict[Path, str] = {}
+    for s in out:
+        key = s.path.resolve()
+        if key in seen:
+            raise ValueError(f"INPUT {s.name!r} is the same file as {seen[key]!r}; name each file once")
+        seen[key] = s.name
+    return out
+
+
+class _HashingReader(io.RawIOBase):
+    """A binary file that hashes (sha256) and counts every byte read through it."""
+
+    def __init__(self, f: io.BufferedReader) -> None:
+        self.f, self.sha, self.read_bytes = f, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        n = self.f.readinto(buf)
+        if n:
+            self.sha.update(memoryview(buf)[:n])
+            self.read_bytes += n
+        return n or 0
+
+    def drain(self) -> None:
+        """Hash what the reader above left unread (gzip stops at its trailer)."""
+        while chunk := self.f.read(CHUNK_BYTES):
+            self.sha.update(chunk)
+            self.read_bytes += len(chunk)
+
+
+def _open(path: Path) -> io.BufferedReader:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e}); fix its permissions or leave it out") from None
+
+
+def read_source(src: Source, digest: dict, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """Chunks of ``src``; when the file has been read to its end, ``digest`` gets its
+    ``bytes`` and ``sha256`` (of the file as stored, compressed or not). Raises
+    ValueError (FILE: ...) for an unreadable file or a corrupt .gz."""
+    with _open(src.path) as raw:
+        hashing = _HashingReader(raw)
+        if src.kind == "text":
+            data = hashing.f.read()
+            hashing.sha.update(data)
+            hashing.read_bytes = len(data)
+            yield Chunk("text", [src.name], [data], strict=[src.strict])
+        else:
+            buffered = io.BufferedReader(hashing, CHUNK_BYTES)
+            stream = gzip.GzipFile(fileobj=buffered, mode="rb") if src.kind == "jsonl.gz" else buffered
+            lines: list[bytes] = []
+            size, first = 0, 1
+            try:
+                for no, line in enumerate(stream, 1):
+                    lines.append(line)
+                    size += len(line)
+                    if size >= chunk_bytes:
+                        yield Chunk("jsonl", [src.name], lines, first)
+                        lines, size, first = [], 0, no + 1
+            except (OSError, EOFError, gzip.BadGzipFile) as e:
+                raise ValueError(f"{src.name}: cannot read ({e}); re-create or leave out the file") from None
+            if lines:
+                yield Chunk("jsonl", [src.name], lines, first)
+            buffered.close()
+            hashing.drain()
+    digest.update(bytes=hashing.read_bytes, sha256=hashing.sha.hexdigest())
+
+
+def group_text(chunks: Iterator[Chunk], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """Merge consecutive small text chunks (one file each) into chunks of about
+    ``chunk_bytes``, so a directory of tiny files does not cost one task per file."""
+    pending: Chunk | None = None
+    for c in chunks:
+        if c.kind == "text" and pending is not None and sum(map(len, pending.items)) < chunk_bytes:
+            pending.names += c.names
+            pending.items += c.items
+            pending.strict += c.strict
+            continue
+        if pending is not None:
+            yield pending
+            pending = None
+        if c.kind == "text":
+            pending = Chunk("text", list(c.names), list(c.items), strict=list(c.strict))
+        else:
+            yield c
+    if pending is not None:
+        yield pending
+
+
+@dataclass
+class Parsed:
+    """Texts of a chunk's non-empty documents; ``empty``: documents skipped as empty;
+    ``binary``: files skipped inside directories as not UTF-8 text."""
+
+    texts: list[str]
+    empty: int = 0
+    binary: int = 0
+
+
+def _json_text(line: bytes, where: str, text_field: str) -> str:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not JSON ({e}); each line must be one JSON object") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
+                         f"JSON object with a {text_field!r} field")
+    if text_field not in record:
+        keys = ", ".join(list(record)[:8]) or "none"
+        raise ValueError(f"{where}: no {text_field!r} field (fields: {keys}); pass --text-field NAME")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_field!r} holds {type(text).__name__} {json.dumps(text)[:40]}, "
+                         f"not a string; fix the record or pass --text-field NAME")
+    return text
+
+
+def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
+    """Raw documents -> texts. Raises ValueError ``FILE:LINE: ...`` for a record that is
+    not JSON, not an object, or lacks (or has a non-string) ``text_field``, and
+    ``FILE: ...`` for a text file given by name that is not UTF-8."""
+    out = Parsed([])
+    if chunk.kind == "jsonl":
+        for i, line in enumerate(chunk.items):
+            if not line.strip():
+                continue  # blank lines (a trailing newline, a separator) are not records
+            text = _json_text(line, f"{chunk.names[0]}:{chunk.first_line + i}", text_field)
+            if text:
+                out.texts.append(text)
+            else:
+                out.empty += 1
+        return out
+    for name, data, strict in zip(chunk.names, chunk.items, chunk.strict):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if strict:
+                raise ValueError(f"{name}: not UTF-8 text (byte {e.start}); convert it, or pass it as "
+                                 f".jsonl") from None
+            out.binary += 1
+            continue
+        if "\x00" in text and not strict:
+            out.binary += 1
+        elif text:
+            out.texts.append(text)
+        else:
+            out.empty += 1
+    return out

@@ -1,0 +1,202 @@
+"""Tokenizers of ``mct prepare``: ``bytes``, a Hugging Face ``tokenizer.json`` (a file or
+a directory holding one), or ``train:VOCAB`` (a byte-level BPE trained offline on the
+inputs with the ``tokenizers`` library). All of them are written out as a
+``tokenizer.json`` that the ``tokenizers`` library (and ``transformers``) loads as is.
+
+Ids: ``bytes`` keeps today's ids (a token is a UTF-8 byte, 0..255) and adds EOS = 256;
+a trained BPE has EOS = 0 and the 256 bytes next; a user's tokenizer keeps its ids and
+its EOS (found by name, else ``<|endoftext|>`` is added). Encoding never adds a BOS or
+template tokens, and text that spells a special token is encoded as text, so decoding a
+document's ids (without its EOS) gives its text back exactly for ``bytes`` and ``train``.
+
+Nothing here reads the network: ``tokenizers`` builds everything from local files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from mct.data.corpus import Corpus
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+"""Names tried, in order, for the EOS of a user's tokenizer without tokenizer_config.json."""
+MIN_TRAIN_VOCAB = 257
+"""``train:VOCAB`` needs the 256 bytes and EOS."""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the ByteLevel alphabet of ``tokenizers``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _byte_level(tok: Any, use_regex: bool) -> Any:
+    from tokenizers import decoders, pre_tokenizers
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def bytes_tokenizer_json(eos: bool = True) -> str:
+    """tokenizer.json whose ids are the UTF-8 bytes 0..255 (no merges), plus EOS = 256
+    when ``eos``: what ``bytes`` (and the byte corpus of ``mct train``) encode."""
+    from tokenizers import AddedToken, Tokenizer, models
+    table = bytes_to_unicode()
+    tok = _byte_level(Tokenizer(models.BPE({table[b]: b for b in range(256)}, [])), use_regex=False)
+    if eos:
+        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    return tok.to_str()
+
+
+@dataclass
+class Tokenizer:
+    """A resolved tokenizer: ``kind`` ("bytes" | "file" | "train"), its ``json`` (what
+    tokenizer.json holds), ``vocab_size`` (ids are < it), ``eos_id``, ``source`` (the
+    spec as given). Picklable (workers rebuild the library object from ``json``)."""
+
+    kind: str
+    json: str
+    vocab_size: int
+    eos_id: int
+    source: str
+
+    @property
+    def dtype(self) -> np.dtype:
+        """uint16 when every id fits (vocab <= 65536), else uint32; little-endian."""
+        return np.dtype("<u2" if self.vocab_size <= 65536 else "<u4")
+
+    def encoder(self) -> "Encoder":
+        return Encoder(self)
+
+
+class Encoder:
+    """Encodes and decodes with one Tokenizer in this process (built once)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self._hf = None
+        if tok.kind != "bytes":
+            from tokenizers import Tokenizer as HF
+            self._hf = HF.from_str(tok.json)
+            self._hf.encode_special_tokens = True  # a document that spells "<|endoftext|>" stays text
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Texts -> int64 id arrays (no EOS, no template tokens)."""
+        if self._hf is None:
+            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64) for t in texts]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text, special tokens kept (so EOS shows as its name)."""
+        ids = [int(i) for i in ids]
+        if self._hf is None and all(i < 256 for i in ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+        from tokenizers import Tokenizer as HF
+        hf = self._hf or HF.from_str(self.tok.json)
+        return hf.decode(ids, skip_special_tokens=False)
+
+
+def _eos_from_config(d: Path) -> str | None:
+    cfg = d / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        eos = json.loads(cfg.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
+def _from_file(spec: str) -> Tokenizer:
+    from tokenizers import AddedToken, Tokenizer as HF
+    p = Path(spec).expanduser()
+    f = p / "tokenizer.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ValueError(f"--tokenizer {spec!r}: no tokenizer.json there; pass 'bytes', 'train:VOCAB', a "
+                         f"tokenizer.json file or a directory holding one")
+    try:
+        hf = HF.from_file(str(f))
+    except Exception as e:  # the library raises its own Exception type for any malformed file
+        raise ValueError(f"--tokenizer {spec!r}: {f} is not a tokenizer.json the tokenizers library reads "
+                         f"({str(e).splitlines()[0][:160]}); pass a valid one") from None
+    names = [n for n in [_eos_from_config(f.parent), *EOS_NAMES] if n]
+    eos = next((hf.token_to_id(n) for n in names if hf.token_to_id(n) is not None), None)
+    if eos is None:  # documents need a separator: add one, recorded in the dataset's tokenizer.json
+        hf.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+        eos = hf.token_to_id(EOS_TOKEN)
+    # ids may be sparse: the model needs max id + 1 rows, not the number of tokens
+    vocab_size = max(hf.get_vocab(with_added_tokens=True).values()) + 1
+    return Tokenizer(kind="file", json=hf.to_str(), vocab_size=vocab_size, eos_id=int(eos), source=spec)
+
+
+def parse_train_vocab(spec: str) -> int:
+    """``train:VOCAB`` -> VOCAB. Raises ValueError for a malformed or too small size."""
+    text = spec.split(":", 1)[1]
+    try:
+        vocab = int(text)
+    except ValueError:
+        raise ValueError(f"--tokenizer {spec!r}: VOCAB must be an integer, e.g. train:8192") from None
+    if not MIN_TRAIN_VOCAB <= vocab <= 2**32:
+        raise ValueError(f"--tokenizer {spec!r}: VOCAB must be in [{MIN_TRAIN_VOCAB}, 2**32] (256 bytes + EOS "
+                         f"at least), e.g. train:8192")
+    return vocab
+
+
+def train_bpe(texts: Iterable[str], vocab: int, spec: str = "") -> Tokenizer:
+    """A byte-level BPE of at most ``vocab`` ids (fewer when the texts have no more
+    merges) trained on ``texts`` (streamed once). EOS = 0, then the 256 bytes."""
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers
+    hf = _byte_level(HF(models.BPE()), use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(kind="train", json=hf.to_str(), vocab_size=hf.get_vocab_size(with_added_tokens=True),
+                     eos_id=int(hf.token_to_id(EOS_TOKEN)), source=spec or f"train:{vocab}")
+
+
+def resolve_tokenizer(spec: str, texts: Any = None) -> Tokenizer:
+    """``bytes`` | ``train:VOCAB`` | a tokenizer.json file or directory -> Tokenizer.
+    ``texts``: a callable returning an iterable of document texts, read only to train.
+    Raises ValueError (naming the spec and the fix) for anything else."""
+    if spec == "bytes":
+        return Tokenizer(kind="bytes", json=bytes_tokenizer_json(), vocab_size=257, eos_id=256, source=spec)
+    if spec.startswith("train:"):
+        vocab = parse_train_vocab(spec)
+        assert texts is not None, "training a tokenizer needs the documents"
+        return train_bpe(texts(), vocab, spec)
+    if not spec.strip():
+        raise ValueError("--tokenizer is blank; pass 'bytes', 'train:VOCAB', or a tokenizer.json file or directory")
+    return _from_file(spec)
+
+
+def copy_tokenizer(corpus: Corpus, run_dir: str | os.PathLike) -> Path | None:
+    """Put the tokenizer that decodes ``corpus``'s ids at ``RUN_DIR/tokenizer.json``: a
+    prepared dataset's own, or the byte tokenizer (ids 0..255) of a text corpus. A
+    ``.bin`` corpus has no known tokenizer: nothing is written and None returned.
+    Writes through a temporary name, so the file is whole or absent."""
+    dst = Path(run_dir) / "tokenizer.json"
+    tmp = dst.with_name(f".tokenizer.json.tmp{os.getpid()}")
+    if corpus.tokenizer_path:
+        shutil.copyfile(corpus.tokenizer_path, tmp)
+    elif corpus.train.dtype == np.uint8:
+        tmp.write_text(bytes_tokenizer_json(eos=False))
+    else:
+        return None
+    os.replace(tmp, dst)
+    return dst
