@@ -501,32 +501,58 @@ class Engine:
         self._set_counters(state["scaler"], steps)
 
     def load_state_streamed(self, header: dict[str, Any], read_units: Callable[[list[int]], tuple[dict, dict]]) -> None:
-        """``load_state_dict`` for state read a unit at a time. ``header``: what
-        ``state_dict()`` holds but ``tensors``/``extents``, plus ``keys`` (every tensor
-        key); ``read_units(indices)`` returns (tensors, extents) of those units. Without
-        offload every unit is read at once and loaded by ``load_state_dict``. Under
-        offload each unit is read, checked and staged in the store before the next
-        (one unit in memory), and replaces the live state only once all passed: a
-        failure raises ValueError, the engine untouched. Collective as ``read_units``."""
-        if self.offload is None:
-            tensors, extents = read_units(list(range(len(self.sharded.units))))
-            return self.load_state_dict({**header, "tensors": tensors, "extents": extents})
+        """``load_state_dict`` for state read a unit at a time, never a second copy of
+        this rank's state. ``header``: what ``state_dict()`` holds but
+        ``tensors``/``extents``, plus ``keys`` (every tensor key); ``read_units(indices)``
+        returns (tensors, extents) of those units (collective). Under offload each unit
+        is read, checked and staged in the store, and replaces the live state only once
+        all passed. Resident: every unit is read and checked, then (all valid) read again
+        straight into the masters and the optimizer state, whose old state is freed
+        first (twice the reads, one unit beside the state). Every rank learns of a fault
+        found on any rank after each unit (no rank is left in a collective). A failure
+        raises ValueError, the engine untouched. Collective."""
         from mct.zero import state as zstate
-        mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
+        units, rank = self.sharded.units, self.comm.rank
+        mine = [zstate.unit_record(u, g) for u, g in zip(units, self.sharded.group_of_unit)]
         steps = zstate.check_header({**header, "tensors": {}, "extents": {}}, self.STATE_FORMAT, mine)
         hyper = zstate.check_hyper(self.optimizer, header["param_groups"])
         LossScaler.from_config(self.config.precision).load_state_dict(header["scaler"])  # validates only
-        zstate.check_keys(self.sharded.units, header["keys"])
-        from mct.offload.persist import stage_units
-        elementwise, scalars, on_device = stage_units(self.offload, self.sharded.group_of_unit, self.optimizer,
-                                                      self.comm.rank, read_units)
-        # Everything checked and staged: from here on only mutation.
-        index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
-        self.optimizer.load_state_dict({"state": {}, "param_groups": [
-            {**h, "params": [index[id(p)] for p in grp["params"]]} for h, grp in zip(hyper, self.optimizer.param_groups)]})
-        self.optimizer.state.clear()
-        self.offload.commit_staged(elementwise, scalars, on_device)
+        zstate.check_keys(units, header["keys"])
+        if self.offload is not None:
+            from mct.offload.persist import stage_units
+            elementwise, scalars, on_device = stage_units(self.offload, self.sharded.group_of_unit, self.optimizer,
+                                                          rank, read_units, self._agree_error)
+            # Everything checked and staged: from here on only mutation.
+            index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
+            self.optimizer.load_state_dict({"state": {}, "param_groups": [
+                {**h, "params": [index[id(p)] for p in grp["params"]]}
+                for h, grp in zip(hyper, self.optimizer.param_groups)]})
+            self.optimizer.state.clear()
+            self.offload.commit_staged(elementwise, scalars, on_device)
+        else:
+            for i, u in enumerate(units):  # pass 1: check every unit, keep none
+                tensors, extents = read_units([i])
+                self._agree_error(_fault_of(zstate.check_units, [u], self.optimizer, rank, tensors, extents))
+                del tensors
+            # Everything checked: from here on only mutation (pass 2 reads the same verified bytes).
+            for v in (v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)):
+                self.tracker.unregister(v)
+            self.optimizer.state.clear()
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for i in range(len(units)):
+                tensors, extents = read_units([i])
+                zstate.load_unit(units[i], self.optimizer, rank, tensors, extents, state)
+            zstate.set_optimizer_state(self.optimizer, state, hyper)
+            self._opt_state_tracked = False
+            self._register_optimizer_state()
+            self.sharded.publish()
         self._set_counters(header["scaler"], steps)
+
+    def _agree_error(self, error: str | None) -> None:
+        """Raise the first rank's fault (ValueError) on every rank, or nothing."""
+        errors = [e for e in self.comm.all_gather_object(error) if e is not None]
+        if errors:
+            raise ValueError(errors[0])
 
     def _set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
         self.scaler.load_state_dict(scaler)
@@ -581,3 +607,12 @@ def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:
     if is_fake(sums):
         return 0.0, 0.0, False
     return float(sums[0].sqrt()), float(sums[1]) / world, not torch.isfinite(sums[0]).item()
+
+
+def _fault_of(check: Callable[..., None], *args: Any) -> str | None:
+    """The message of the ValueError ``check(*args)`` raises, or None."""
+    try:
+        check(*args)
+    except ValueError as e:
+        return str(e)
+    return None

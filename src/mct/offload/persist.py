@@ -119,9 +119,10 @@ def streamed_pieces(offload: Any, rank: int) -> tuple[dict[str, torch.Tensor], d
 
 
 def stage_units(offload: Any, group_of_unit: list[int], optimizer: torch.optim.Optimizer, rank: int,
-                read_units: Callable[[list[int]], tuple[dict, dict]]) -> tuple[list, list, list]:
-    """Read (``read_units([i])``), check (``mct.zero.state.check_units``) and stage each
-    unit in turn: one unit in memory. Returns what ``commit_staged`` takes: per unit the
+                read_units: Callable[[list[int]], tuple[dict, dict]],
+                agree: Callable[[str | None], None]) -> tuple[list, list, list]:
+    """Read (``read_units([i])``), check (``mct.zero.state.check_units``; ``agree``
+    raises any rank's fault on every rank) and stage each unit in turn: one unit in memory. Returns what ``commit_staged`` takes: per unit the
     per-element state's dtypes, the scalars, and whether its group keeps them on the
     device. Raises ValueError (every staging record dropped, the live state untouched)."""
     from mct.zero import state as zstate
@@ -129,7 +130,12 @@ def stage_units(offload: Any, group_of_unit: list[int], optimizer: torch.optim.O
     try:
         for i, (u, g) in enumerate(zip(offload.units, group_of_unit)):
             tensors, extents = read_units([i])
-            zstate.check_units([u], optimizer, rank, tensors, extents)
+            try:
+                zstate.check_units([u], optimizer, rank, tensors, extents)
+                fault = None
+            except ValueError as e:
+                fault = str(e)
+            agree(fault)
             per = {k[len(u.name) + 1:]: t for k, t in tensors.items() if k in extents}
             stage_unit(offload, i, per, zstate.extent(u, rank)[1])
             elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})

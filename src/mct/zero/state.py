@@ -170,17 +170,33 @@ def load_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ran
     """Copy checked pieces into the masters and replace the optimizer's state (padding
     is zero, as in a fresh unit). Call ``check_units`` first; this only mutates."""
     state: dict[int, dict[str, torch.Tensor]] = {}
+    for u in units:
+        load_unit(u, optimizer, rank, tensors, extents, state)
+    set_optimizer_state(optimizer, state, param_groups)
+
+
+def load_unit(u: FlatParamUnit, optimizer: torch.optim.Optimizer, rank: int, tensors: dict[str, torch.Tensor],
+              extents: dict[str, list[int]], state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Copy one checked unit's master piece into ``u.master`` and put its optimizer state
+    (padded to the master's length) into ``state`` under the master's index."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    _, n = extent(u, rank)
     with torch.no_grad():
-        for u in units:
-            _, n = extent(u, rank)
-            u.master.zero_()
-            u.master[:n].copy_(tensors[key(u, MASTER)])
-            prefix = key(u, "optim/")
-            mine = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
-            if mine:
-                state[index[id(u.master)]] = {name: _padded(t, u.master, n, key(u, f"optim/{name}") in extents)
-                                              for name, t in mine.items()}
+        u.master.zero_()
+        u.master[:n].copy_(tensors[key(u, MASTER)])
+        prefix = key(u, "optim/")
+        mine = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        if mine:
+            state[index[id(u.master)]] = {name: _padded(t, u.master, n, key(u, f"optim/{name}") in extents)
+                                          for name, t in mine.items()}
+
+
+def set_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, torch.Tensor]],
+                        param_groups: list[dict[str, Any]]) -> None:
+    """Replace the optimizer's state (by master index) and hyperparameters at once
+    (``Optimizer.load_state_dict``: tensors already of the master's dtype and device are
+    taken as they are, not copied)."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     groups = [{**hyper, "params": [index[id(p)] for p in g["params"]]}
               for hyper, g in zip(param_groups, optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
