@@ -245,8 +245,8 @@ def check_layout(path: Path, saved: Any, units: list[dict[str, Any]]) -> None:
 def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: bool = False) -> dict[str, Any]:
     """Load ``engine`` from checkpoint ``path`` (any world size and stage). Checks the
     checkpoint first (on rank 0, unless ``verified``), then hands the engine a reader
-    of its pieces (``engine.load_state_streamed``: an offloaded engine reads and stages
-    one unit at a time; others read all into fresh tensors): any failure raises
+    of its pieces (``engine.load_state_streamed``: one unit at a time, checked on every
+    rank before anything changes): any failure raises
     ValueError on every rank with the engine untouched. Collective. Returns the manifest."""
     path = Path(path)
     layout = engine.layout()
