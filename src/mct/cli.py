@@ -427,6 +427,8 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():
         return _launch(_strip_nproc(argv), args.nproc)  # verify: no restarts, one node
+    import torch.distributed
+
     from mct.dist import broadcast_from_main, init_distributed, teardown
     from mct.verify.compare import run_verify
     ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
@@ -434,8 +436,10 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         report = run_verify(cfg, args.steps, ctx)
         if report is not None:
             print(report.table())
-        passed = report.passed if report is not None else True
-        return 0 if broadcast_from_main(passed) else 1
+        passed = broadcast_from_main(report.passed if report is not None else True)
+        if ctx.world_size > 1:  # no rank tears the group down while a peer still reads from it
+            torch.distributed.barrier()
+        return 0 if passed else 1
     finally:
         teardown()
 

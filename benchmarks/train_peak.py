@@ -1,0 +1,112 @@
+"""End-to-end resident memory of `mct train --nproc 2` with everything offloaded to disk:
+the training steps, the final checkpoint and the model.safetensors export, as a user
+runs it. Polls every worker's resident set (RSS, and VmHWM at exit) every 0.2 s and
+reports the peak per phase (steps / checkpoint+export) per worker.
+
+    PYTHONPATH=src:. python benchmarks/train_peak.py [--layers 27] [--steps 3]
+        [--checkpoint-every 0] [--json PATH]
+
+The model is the offload benchmark's: d_model 1024, 16 heads, seq 128, vocab 256, bf16,
+ZeRO-3, checkpointing all, optimizer and parameters offloaded to disk, micro-batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def cpu_info() -> str:
+    model, flags = platform.processor(), ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+        have = set(next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")))
+        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
+    except (OSError, StopIteration):
+        pass
+    return f"{model} ({flags}), {os.cpu_count()} cores"
+
+
+def rss_of(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def workers(root: int) -> list[int]:
+    """Python processes below ``root`` that run mct as a worker (torchrun's children)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    kids: dict[int, list[tuple[int, str]]] = {}
+    for line in out.splitlines():
+        pid, ppid, args = line.split(None, 2)
+        kids.setdefault(int(ppid), []).append((int(pid), args))
+    found, todo = [], [root]
+    while todo:
+        for pid, args in kids.get(todo.pop(), []):
+            todo.append(pid)
+            if "-m mct" in args and "torch.distributed.run" not in args:
+                found.append(pid)
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--json", default="benchmarks/results/train_peak.json")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="mct-train-peak-"))
+    run = tmp / "run"
+    sets = {"model.n_layer": args.layers, "model.n_head": 16, "model.d_model": 1024, "model.seq_len": 128,
+            "model.vocab_size": 256, "data.micro_batch_size": 1, "data.grad_accum": 1, "precision.mode": "bf16",
+            "zero.stage": 3, "checkpointing.policy": "all", "offload.optimizer": "disk", "offload.params": "disk",
+            "offload.dir": str(tmp / "offload"), "train.steps": args.steps, "train.eval_every": 0,
+            "train.log_every": 1, "train.checkpoint_every": args.checkpoint_every, "train.warmup_steps": 1}
+    cmd = [sys.executable, "-m", "mct", "train", "--nproc", "2", "--run-dir", str(run), "--no-progress"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, dict[str, int]] = {}
+    while proc.poll() is None:
+        done = 0
+        if (run / "metrics.jsonl").exists():
+            done = len((run / "metrics.jsonl").read_text().splitlines())
+        phase = "steps" if done < args.steps else "checkpoint+export"
+        for pid in workers(proc.pid):
+            p = peaks.setdefault(pid, {"steps": 0, "checkpoint+export": 0})
+            p[phase] = max(p[phase], rss_of(pid))
+        time.sleep(0.2)
+    out = proc.stdout.read() if proc.stdout else ""
+    wall = time.time() - t0
+    rows = [{"worker": i, "steps_gib": round(p["steps"] / 2**30, 3), "save_gib": round(p["checkpoint+export"] / 2**30, 3)}
+            for i, p in enumerate(peaks.values())]
+    print(f"cpu: {cpu_info()}; layers {args.layers}, steps {args.steps}, checkpoint_every {args.checkpoint_every}; "
+          f"exit {proc.returncode}, {wall:.0f} s")
+    print("| worker | peak RSS during steps GiB | peak RSS during checkpoint + export GiB |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['worker']} | {r['steps_gib']:.2f} | {r['save_gib']:.2f} |")
+    if proc.returncode:
+        print(out[-3000:])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"cpu": cpu_info(), "layers": args.layers, "steps": args.steps,
+                                           "exit": proc.returncode, "wall_s": wall, "workers": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
