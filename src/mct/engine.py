@@ -106,6 +106,7 @@ class Engine:
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,
                             key="zero.units" if cfg.zero.units else "checkpointing.blocks")
         self.stage = int(cfg.zero.stage)
+        self._snapshots: Any = None  # stage 3 without offload: rollback snapshots on disk
         # (offload takes each unit's masters, state and shards as it is built)
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
                                        tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
@@ -417,6 +418,8 @@ class Engine:
         when the engine is garbage collected). The engine is unusable afterwards."""
         if self.offload is not None:
             self.offload.close()
+        if self._snapshots is not None:
+            self._snapshots.close()
 
     def _masters_resident(self, write_back: bool):
         """Offloaded masters read back for the duration (a no-op without offload)."""
@@ -561,21 +564,32 @@ class Engine:
 
     def snapshot_state(self, tag: str = "snapshot") -> dict[str, Any]:
         """State for an in-memory rollback target: ``state_dict()`` (references: the
-        caller copies), or, under offload, a small handle to a copy kept in the offload
-        store under ``tag`` (the state itself would not fit in memory; a new snapshot
-        with the same tag replaces it). Not collective; call between steps."""
-        if self.offload is None:
-            return self.state_dict()
-        return {"offload_snapshot": self.offload.snapshot(tag), "steps_done": self.steps_done,
-                "scaler": self.scaler.state_dict()}
+        caller copies); under offload a small handle to a copy kept in the offload store
+        under ``tag``; at stage 3 a handle to a copy in a private disk store (the state
+        that stage 3 spread over ranks is never held twice in memory). A new snapshot
+        with the same tag replaces it. Not collective; call between steps."""
+        if self.offload is not None:
+            return {"offload_snapshot": self.offload.snapshot(tag), "steps_done": self.steps_done,
+                    "scaler": self.scaler.state_dict()}
+        if self.stage == 3:
+            if self._snapshots is None:
+                from mct.offload.snapshot import DiskSnapshots
+                self._snapshots = DiskSnapshots(self.config.offload.dir, name=f"snapshots-rank{self.comm.rank}")
+            return self._snapshots.write(tag, self.state_dict())
+        return self.state_dict()
 
     def load_snapshot_state(self, sd: dict[str, Any]) -> None:
         """Restore what ``snapshot_state`` returned (stages 1/2: collective, as
         ``load_state_dict``)."""
-        if "offload_snapshot" not in sd:
-            return self.load_state_dict(sd)
-        self.offload.restore_snapshot(sd["offload_snapshot"])
-        self._set_counters(sd["scaler"], sd["steps_done"])
+        if "offload_snapshot" in sd:
+            self.offload.restore_snapshot(sd["offload_snapshot"])
+            self._set_counters(sd["scaler"], sd["steps_done"])
+        elif "disk_snapshot" in sd:
+            names = [u.name for u in self.sharded.units]
+            self.load_state_streamed({**sd, "keys": list(sd["specs"])},
+                                     self._snapshots.reader(sd, names, self.device))
+        else:
+            self.load_state_dict(sd)
 
     def save(self, path: str) -> None:
         """Write this engine's state to the directory ``path`` (a sharded checkpoint,

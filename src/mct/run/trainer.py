@@ -241,10 +241,11 @@ class Trainer(Feedback):
 
     # ---- rollback snapshots ----
     def capture(self) -> tuple[dict, dict]:
-        """The engine's and the loop's state for a rollback snapshot (under offload the
-        engine's copy stays in its store, under a tag the good snapshot does not hold)."""
+        """The engine's and the loop's state for a rollback snapshot (under offload or at
+        stage 3 the engine's copy stays on disk, under a tag the good snapshot does not hold)."""
         good = self.rollback.good
-        held = good.engine.get("offload_snapshot", {}).get("tag") if good is not None else None
+        handle = (good.engine.get("offload_snapshot") or good.engine.get("disk_snapshot")) if good is not None else None
+        held = handle.get("tag") if handle else None
         tag = "snapshot1" if held == "snapshot0" else "snapshot0"
         return self.engine.snapshot_state(tag), {"loop": self.counters.state_dict(),
                                                  "detector": self.detector.state_dict()}
