@@ -1,7 +1,8 @@
 """End-to-end resident memory of `mct train --nproc 2` with everything offloaded to disk:
 the training steps, the final checkpoint and the model.safetensors export, as a user
 runs it. Polls every worker's resident set (RSS, and VmHWM at exit) every 0.2 s and
-reports the peak per phase (steps / checkpoint+export) per worker.
+reports the peak per phase per worker: the training steps, and checkpoint + export (while
+a checkpoint directory is being written, and after the last step).
 
     PYTHONPATH=src:. python benchmarks/train_peak.py [--layers 27] [--steps 3]
         [--checkpoint-every 0] [--json PATH]
@@ -86,7 +87,9 @@ def main() -> None:
         done = 0
         if (run / "metrics.jsonl").exists():
             done = len((run / "metrics.jsonl").read_text().splitlines())
-        phase = "steps" if done < args.steps else "checkpoint+export"
+        ckpts = run / "checkpoints"
+        saving = ckpts.is_dir() and any(not (d / "meta.json").exists() for d in ckpts.glob("step_*"))
+        phase = "steps" if done < args.steps and not saving else "checkpoint+export"
         for pid in workers(proc.pid):
             p = peaks.setdefault(pid, {"steps": 0, "checkpoint+export": 0})
             p[phase] = max(p[phase], rss_of(pid))
