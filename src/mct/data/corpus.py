@@ -38,7 +38,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mct.config import check_int
 from mct.data.prepared import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
 
 

@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import is_fake
 from mct.config import OffloadConfig
 from mct.offload import persist
 from mct.offload.state_dict import load_optimizer_state_dict, optimizer_state_dict
-from mct.offload.store import DiskStore, HostStore, NullStore, Store, UnitState, make_store, put_record
+from mct.offload.store import Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit

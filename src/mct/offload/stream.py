@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mct.offload.store import DiskStore, HostStore, NullStore, Store
+from mct.offload.store import Store
 
 
 

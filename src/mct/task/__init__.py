@@ -5,7 +5,8 @@ the built-in GPT recipe (``gpt``) and a user's ``pkg.module:factory`` (``factory
 model they train; a new model source plugs in here, never in the run loop.
 """
 
-from mct.task.build import build_model, builds_on_meta, check_tokens, seeded, task_for
+from mct.task.build import build_model, builds_on_meta, check_tokens, task_for
+from mct.task.seeding import seeded
 from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task

@@ -5,9 +5,8 @@ per-micro-batch dropout seed around the Task's loss."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
@@ -15,7 +14,7 @@ from mct.offload.meta_init import InitProgram, record_init
 from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
 from mct.task.seeding import seed_everything
-from mct.task.spec import LossFn, Task
+from mct.task.spec import Task
 
 
 def task_for(cfg: EngineConfig) -> Task:
@@ -58,13 +57,3 @@ def build_model(task: Task, cfg: EngineConfig, on_meta: bool) -> tuple[nn.Module
     if on_meta:
         return record_init(task.model_fn)
     return task.model_fn(), None
-
-
-def seeded(loss_fn: LossFn) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``loss_fn`` over ``(input_ids, targets, seed)``: seeds the dropout stream first, so a
-    recomputed region, a replayed step and the reference draw the same dropout."""
-    def loss(model: nn.Module, batch: tuple) -> torch.Tensor:
-        x, y, seed = batch
-        torch.manual_seed(seed)
-        return loss_fn(model, (x, y))
-    return loss

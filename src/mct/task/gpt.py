@@ -9,17 +9,13 @@ from mct.config import EngineConfig
 from mct.data.sampler import BatchSampler
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.offload.meta_init import InitProgram, record_init
-from mct.task.seeding import micro_seed, seed_everything
+from mct.task.seeding import micro_seed, seed_everything, seeded
 from mct.task.spec import Task
 from mct.task.tokens import token_batch
 
 
-def seeded_gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-    """(input_ids, targets, seed): seed the dropout stream, then the GPT loss."""
-    x, y, seed = batch
-    torch.manual_seed(seed)
-    return gpt_loss(model, (x, y))
-
+seeded_gpt_loss = seeded(gpt_loss)
+"""(input_ids, targets, seed): seed the dropout stream, then the GPT loss."""
 
 def make_optimizer(cfg: EngineConfig):
     """AdamW, with torch's fused kernel where every tensor it is given sits on a device

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,3 +28,13 @@ def micro_seed(seed: int, step: int, index: int) -> int:
     """The torch seed for global micro-batch ``index`` of one step (63-bit, stable)."""
     h = hashlib.sha256(f"mct-dropout:{seed}:{step}:{index}".encode()).digest()
     return int.from_bytes(h[:8], "little") >> 1
+
+
+def seeded(loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    """``loss_fn`` over ``(input_ids, targets, seed)``: seeds the dropout stream first, so a
+    recomputed region, a replayed step and the reference draw the same dropout."""
+    def loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        x, y, seed = batch
+        torch.manual_seed(seed)
+        return loss_fn(model, (x, y))
+    return loss
