@@ -266,7 +266,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return _launch([*_strip_nproc(argv), *extra], args.nproc,
                        max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                        rdzv_id=args.rdzv_id)
-    return _train_worker(cfg, run_dir, args)
+    from mct.run.worker import run_worker
+    return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
 
 
 def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
@@ -288,108 +289,6 @@ def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
 def _note(msg: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"mct: {msg}", file=sys.stderr)
-
-
-def _train_worker(cfg, run_dir: str | None, args: argparse.Namespace) -> int:
-    """One training process (alone, or a rank under torchrun). Every way it ends is an
-    exit code and at most one line: 2 user error, 3 stop condition, 128 + signal."""
-    from mct.dist import broadcast_from_main, init_distributed, teardown
-    from mct.run.launch import WorkerLink, run_dir_lock
-    from mct.memory.tracker import MemoryBudgetExceeded
-    from mct.run.signals import Preempted, StopRequest
-    from mct.run.trainer import TrainingStopped, summary_table, train
-    link = WorkerLink.from_env()
-    stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
-    code, line, is_main, every_rank = 0, "", int(os.environ.get("RANK", "0")) == 0, True
-    try:
-        ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
-        run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        existed = Path(run_dir).exists()
-        try:
-            with run_dir_lock(run_dir, ctx, new=not args.resume):
-                summary = train(cfg, run_dir, ctx, progress=not args.no_progress, resume=bool(args.resume),
-                                stop=stop)
-        except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
-            oom = _is_out_of_memory(e)
-            if not (oom or isinstance(e, ValueError)):
-                raise
-            if ctx.is_main and not args.resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                _discard_empty_run(Path(run_dir), existed)  # a failed new run leaves nothing behind
-            if oom:
-                raise _OutOfMemory(_memory_message(e)) from None
-            raise
-        if ctx.is_main:
-            print(summary_table(summary))
-    except _OutOfMemory as e:
-        code, line, every_rank = 2, f"mct: error: {e}", False
-    except (ValueError, MemoryBudgetExceeded) as e:
-        code, line = 2, "mct: error: " + " ".join(str(e).split())
-    except TrainingStopped as e:
-        code, line = 3, f"mct: training stopped: {e}"
-    except Preempted as e:
-        code, line = e.exit_code, f"mct: {e}"
-    except Exception as e:
-        if stop.signum:  # stopping, and a peer is already gone (its collective failed): nothing to save together
-            code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
-        elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
-            code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
-        elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
-            code, line = 2, (f"mct: error: cannot write {e.filename or f'in {run_dir}'} ({e.strerror}); free space "
-                             f"there or choose another place; the newest complete checkpoint is unchanged")
-        else:
-            raise
-    finally:
-        stop.uninstall()
-        teardown()
-    link.finish(code, line)
-    if line and not link.active and (is_main or (code == 2 and every_rank)):  # a user error may be one rank's
-        print(line, file=sys.stderr)
-    return code
-
-
-class _OutOfMemory(Exception):
-    """The host or device ran out of memory (or the budget was crossed): one line, exit 2."""
-
-
-def _peer_gone(e: Exception) -> bool:
-    """A collective failed because another rank's process died (gloo / NCCL wording)."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(k in text for k in (
-        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
-
-
-def _place_failed(e: BaseException) -> bool:
-    """An OSError of the file system refusing a write: full, over quota, read-only,
-    not permitted, or a file-size limit."""
-    import errno
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                                                  errno.EPERM, errno.EFBIG)
-
-
-def _is_out_of_memory(e: BaseException) -> bool:
-    """An enforced budget crossed, or the host/device refusing an allocation."""
-    if type(e).__name__ == "MemoryBudgetExceeded" or isinstance(e, MemoryError):
-        return True
-    return isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e))
-
-
-def _memory_message(e: BaseException) -> str:
-    """One line for a budget crossed (its own message) or the device/host running out."""
-    if type(e).__name__ == "MemoryBudgetExceeded":
-        return " ".join(str(e).split())
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return (f"out of memory ({first}); run `mct plan --budget <what this device has>` for a configuration "
-            f"predicted to fit, or lower data.micro_batch_size or the model size")
-
-
-def _discard_empty_run(run_dir: Path, existed: bool) -> None:
-    """A run that failed before logging a step leaves nothing behind: remove the
-    directory it created (only when this run created it and no metrics row exists)."""
-    metrics = run_dir / "metrics.jsonl"
-    if existed or (metrics.exists() and metrics.stat().st_size > 0):
-        return
-    import shutil
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:

@@ -1,0 +1,115 @@
+"""The process that runs ``mct train``: one rank (alone, or under torchrun). It owns the
+run dir's lock, the signal handlers, the process group's life, and the rule that every
+way a run ends is an exit code and at most one line (the launcher prints it once)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from mct.config import EngineConfig
+from mct.dist import broadcast_from_main, init_distributed, teardown
+from mct.memory.tracker import MemoryBudgetExceeded
+from mct.run.launch import WorkerLink, run_dir_lock
+from mct.run.signals import Preempted, StopRequest
+from mct.run.trainer import TrainingStopped, summary_table, train
+
+
+def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress: bool) -> int:
+    """One training process (alone, or a rank under torchrun): ``train`` under the run
+    dir's lock and the signal handlers. Every way it ends is an exit code and at most one
+    line: 2 user error, 3 stop condition, 128 + signal (1: a peer process is gone)."""
+    link = WorkerLink.from_env()
+    stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
+    code, line, is_main, every_rank = 0, "", int(os.environ.get("RANK", "0")) == 0, True
+    try:
+        ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
+        run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        existed = Path(run_dir).exists()
+        try:
+            with run_dir_lock(run_dir, ctx, new=not resume):
+                summary = train(cfg, run_dir, ctx, progress=progress, resume=resume,
+                                stop=stop)
+        except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
+            oom = _is_out_of_memory(e)
+            if not (oom or isinstance(e, ValueError)):
+                raise
+            if ctx.is_main and not resume and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                _discard_empty_run(Path(run_dir), existed)  # a failed new run leaves nothing behind
+            if oom:
+                raise _OutOfMemory(_memory_message(e)) from None
+            raise
+        if ctx.is_main:
+            print(summary_table(summary))
+    except _OutOfMemory as e:
+        code, line, every_rank = 2, f"mct: error: {e}", False
+    except (ValueError, MemoryBudgetExceeded) as e:
+        code, line = 2, "mct: error: " + " ".join(str(e).split())
+    except TrainingStopped as e:
+        code, line = 3, f"mct: training stopped: {e}"
+    except Preempted as e:
+        code, line = e.exit_code, f"mct: {e}"
+    except Exception as e:
+        if stop.signum:  # stopping, and a peer is already gone (its collective failed): nothing to save together
+            code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
+        elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
+            code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+        elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
+            code, line = 2, (f"mct: error: cannot write {e.filename or f'in {run_dir}'} ({e.strerror}); free space "
+                             f"there or choose another place; the newest complete checkpoint is unchanged")
+        else:
+            raise
+    finally:
+        stop.uninstall()
+        teardown()
+    link.finish(code, line)
+    if line and not link.active and (is_main or (code == 2 and every_rank)):  # a user error may be one rank's
+        print(line, file=sys.stderr)
+    return code
+
+
+class _OutOfMemory(Exception):
+    """The host or device ran out of memory (or the budget was crossed): one line, exit 2."""
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A collective failed because another rank's process died (gloo / NCCL wording)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
+
+
+def _place_failed(e: BaseException) -> bool:
+    """An OSError of the file system refusing a write: full, over quota, read-only,
+    not permitted, or a file-size limit."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                  errno.EPERM, errno.EFBIG)
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """An enforced budget crossed, or the host/device refusing an allocation."""
+    if type(e).__name__ == "MemoryBudgetExceeded" or isinstance(e, MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e))
+
+
+def _memory_message(e: BaseException) -> str:
+    """One line for a budget crossed (its own message) or the device/host running out."""
+    if type(e).__name__ == "MemoryBudgetExceeded":
+        return " ".join(str(e).split())
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"out of memory ({first}); run `mct plan --budget <what this device has>` for a configuration "
+            f"predicted to fit, or lower data.micro_batch_size or the model size")
+
+
+def _discard_empty_run(run_dir: Path, existed: bool) -> None:
+    """A run that failed before logging a step leaves nothing behind: remove the
+    directory it created (only when this run created it and no metrics row exists)."""
+    metrics = run_dir / "metrics.jsonl"
+    if existed or (metrics.exists() and metrics.stat().st_size > 0):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
