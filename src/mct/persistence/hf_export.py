@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,9 +28,10 @@ from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.files import fsync_dir, read_json
+from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.task.hf import TOKENIZER_FILES
 
-DTYPES = {"fp32": (torch.float32, "F32", "float32"), "bf16": (torch.bfloat16, "BF16", "bfloat16")}
+DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 """--dtype -> (torch dtype, safetensors dtype, config.json dtype)."""
 
 
@@ -146,41 +146,38 @@ def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
     return files
 
 
-def _write_safetensors(path: Path, entries: list[tuple], st_dtype: str, element: int,
+def _write_safetensors(path: Path, entries: list[tuple], dtype: torch.dtype,
                        pieces: Callable[[tuple], Iterator[torch.Tensor]]) -> int:
-    """Write one safetensors file: the header, then each entry's bytes as ``pieces``
-    yields them. Returns the data bytes written."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, _, _ in entries:
-        n = math.prod(shape) * element
-        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    """Write one safetensors file (``SafetensorsWriter``: reserved, written in place,
+    renamed once complete) from each entry's pieces as ``pieces`` yields them. Returns
+    the data bytes written."""
+    writer = SafetensorsWriter(path, {name: (dtype, shape) for name, shape, _, _ in entries},
+                               metadata={"format": "pt"})  # what from_pretrained expects
+    try:
         for entry in entries:
+            pos = 0
             for piece in pieces(entry):
-                f.write(memoryview(piece.contiguous().view(torch.uint8).numpy()))
+                writer.put_part(entry[0], pos, piece)
+                pos += piece.numel()
                 del piece  # (a view of the stored chunk: see _pieces)
-        f.flush()
-        os.fsync(f.fileno())
-    return offset
+    except BaseException:
+        writer.abort()
+        raise
+    writer.commit()
+    return writer.nbytes - writer.base
 
 
 def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> None:
     """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``."""
-    torch_dtype, st_dtype, config_dtype = DTYPES[dtype]
-    element = torch.empty((), dtype=torch_dtype).element_size()
+    torch_dtype, config_dtype = DTYPES[dtype]
+    element = torch_dtype.itemsize
     entries = _entries(checkpoint)
     files = _plan_files(entries, element, max_shard_bytes)
     chunks = _Chunks(checkpoint / "engine")
     weight_map, total = {}, 0
     for k, indices in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        total += _write_safetensors(out / fname, [entries[i] for i in indices], st_dtype, element,
+        total += _write_safetensors(out / fname, [entries[i] for i in indices], torch_dtype,
                                     lambda e: _pieces(checkpoint, e, chunks, torch_dtype))
         weight_map.update({entries[i][0]: fname for i in indices})
     if len(files) > 1:

@@ -26,9 +26,11 @@ from mct.persistence.files import fsync_dir, write_failure
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
 
-def _header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def _header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+            metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """(header bytes incl. the 8-byte length, {name: (start, end) in the data area})."""
-    offsets, entries, pos = {}, {}, 0
+    offsets, pos = {}, 0
+    entries: dict = {"__metadata__": metadata} if metadata else {}
     dtypes = {dt for dt, _ in specs.values()}
     assert len(dtypes) <= 1, f"one dtype per file keeps save_file's order (name order): {dtypes}"
     for name in sorted(specs):
@@ -43,18 +45,20 @@ def _header(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[byte
 
 
 class SafetensorsWriter:
-    """``SafetensorsWriter(path, specs)`` reserves the temporary file; ``put(name, t)``
-    writes one tensor; ``commit()`` renames it into place once every tensor is in;
-    ``abort()`` removes it. Raises ValueError (one line) for any OS failure."""
+    """``SafetensorsWriter(path, specs, metadata)`` reserves the temporary file;
+    ``put(name, t)`` writes one tensor, ``put_part(name, start, t)`` a piece of one (a
+    tensor need not be in memory whole); ``commit()`` renames it into place once every
+    byte is in; ``abort()`` removes it. Raises ValueError (one line) for any OS failure."""
 
-    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
         self.specs = specs
-        head, self.offsets = _header(specs)
+        head, self.offsets = _header(specs, metadata)
         self.base = len(head)
         self.nbytes = self.base + max((e for _, e in self.offsets.values()), default=0)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        self._done: set[str] = set()
+        self._written: dict[str, int] = dict.fromkeys(specs, 0)  # bytes of each tensor written
         self._fd = -1
         try:
             self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -74,20 +78,29 @@ class SafetensorsWriter:
         """Write tensor ``name`` (dtype and shape as declared; any device)."""
         dtype, shape = self.specs[name]
         assert t.dtype == dtype and tuple(t.shape) == tuple(shape), (name, t.dtype, tuple(t.shape), dtype, shape)
+        self.put_part(name, 0, t)
+
+    def put_part(self, name: str, start: int, t: torch.Tensor) -> None:
+        """Write ``t`` (the declared dtype, any shape and device) as elements
+        [start, start + t.numel()) of tensor ``name``'s flat data."""
+        dtype = self.specs[name][0]
+        assert t.dtype == dtype, (name, t.dtype, dtype)
         data = t.detach().to("cpu").contiguous().reshape(-1)
-        start, end = self.offsets[name]
+        lo, hi = self.offsets[name]
+        pos = lo + start * dtype.itemsize
+        assert pos + data.numel() * dtype.itemsize <= hi, (name, start, data.numel())
         try:
-            if end > start:
-                self._pwrite(data.view(torch.uint8).numpy().data, self.base + start)
+            if data.numel():
+                self._pwrite(data.view(torch.uint8).numpy().data, self.base + pos)
         except OSError as e:
             self.abort()
             raise write_failure(self.path, self.nbytes, e) from None
-        self._done.add(name)
+        self._written[name] += data.numel() * dtype.itemsize
 
     def commit(self) -> None:
         """Every tensor written: fsync, rename over ``path``, fsync the directory."""
-        missing = sorted(set(self.specs) - self._done)
-        assert not missing, f"tensors never written: {missing[:3]}"
+        missing = sorted(n for n, (lo, hi) in self.offsets.items() if self._written[n] != hi - lo)
+        assert not missing, f"tensors not written whole: {missing[:3]}"
         try:
             os.fsync(self._fd)
             os.close(self._fd)
