@@ -526,10 +526,7 @@ class Engine:
             elementwise, scalars, on_device = stage_units(self.offload, self.sharded.group_of_unit, self.optimizer,
                                                           rank, read_units, self._agree_error)
             # Everything checked and staged: from here on only mutation.
-            index = {id(p): n for n, p in enumerate(p for grp in self.optimizer.param_groups for p in grp["params"])}
-            self.optimizer.load_state_dict({"state": {}, "param_groups": [
-                {**h, "params": [index[id(p)] for p in grp["params"]]}
-                for h, grp in zip(hyper, self.optimizer.param_groups)]})
+            zstate.set_optimizer_state(self.optimizer, {}, hyper)  # hyperparameters; the state is in the store
             self.optimizer.state.clear()
             self.offload.commit_staged(elementwise, scalars, on_device)
         else:
@@ -542,9 +539,10 @@ class Engine:
                 self.tracker.unregister(v)
             self.optimizer.state.clear()
             state: dict[int, dict[str, torch.Tensor]] = {}
+            index = zstate.master_index(self.optimizer)
             for i in range(len(units)):
                 tensors, extents = read_units([i])
-                zstate.load_unit(units[i], self.optimizer, rank, tensors, extents, state)
+                zstate.load_unit(units[i], index, rank, tensors, extents, state)
             zstate.set_optimizer_state(self.optimizer, state, hyper)
             self._opt_state_tracked = False
             self._register_optimizer_state()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mct.offload.store import UnitState, put_record
+from mct.zero.state import master_index
 
 
 def optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -19,7 +20,7 @@ def optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer) -> dict
     checkpoints move freely between offloaded and resident engines."""
     offload.stream.drain()
     sd = optimizer.state_dict()
-    index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    index = master_index(optimizer)
     for i, u in enumerate(offload.units):
         st = offload.states[i]
         if st is None:

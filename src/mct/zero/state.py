@@ -170,16 +170,22 @@ def load_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ran
     """Copy checked pieces into the masters and replace the optimizer's state (padding
     is zero, as in a fresh unit). Call ``check_units`` first; this only mutates."""
     state: dict[int, dict[str, torch.Tensor]] = {}
+    index = master_index(optimizer)
     for u in units:
-        load_unit(u, optimizer, rank, tensors, extents, state)
+        load_unit(u, index, rank, tensors, extents, state)
     set_optimizer_state(optimizer, state, param_groups)
 
 
-def load_unit(u: FlatParamUnit, optimizer: torch.optim.Optimizer, rank: int, tensors: dict[str, torch.Tensor],
+def master_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(master) -> its index in the optimizer's state dict (torch's numbering)."""
+    return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
+
+def load_unit(u: FlatParamUnit, index: dict[int, int], rank: int, tensors: dict[str, torch.Tensor],
               extents: dict[str, list[int]], state: dict[int, dict[str, torch.Tensor]]) -> None:
     """Copy one checked unit's master piece into ``u.master`` and put its optimizer state
-    (padded to the master's length) into ``state`` under the master's index."""
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    (padded to the master's length) into ``state`` under the master's index
+    (``master_index``)."""
     _, n = extent(u, rank)
     with torch.no_grad():
         u.master.zero_()
@@ -196,7 +202,7 @@ def set_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[int, dict[
     """Replace the optimizer's state (by master index) and hyperparameters at once
     (``Optimizer.load_state_dict``: tensors already of the master's dtype and device are
     taken as they are, not copied)."""
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    index = master_index(optimizer)
     groups = [{**hyper, "params": [index[id(p)] for p in g["params"]]}
               for hyper, g in zip(param_groups, optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
