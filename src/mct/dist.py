@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any, Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +134,13 @@ def agree(error: str | None) -> None:
     error = broadcast_from_main(error)
     if error is not None:
         raise ValueError(error)
+
+
+def error_of(check: Callable[..., Any], *args: Any) -> str | None:
+    """The message of the ValueError ``check(*args)`` raises, or None (what a rank
+    hands to ``agree`` or an all-gather so every rank raises alike)."""
+    try:
+        check(*args)
+    except ValueError as e:
+        return str(e)
+    return None

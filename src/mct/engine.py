@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
-from mct.dist import DistContext
+from mct.dist import DistContext, error_of
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory import host
@@ -532,7 +532,7 @@ class Engine:
         else:
             for i, u in enumerate(units):  # pass 1: check every unit, keep none
                 tensors, extents = read_units([i])
-                self._agree_error(_fault_of(zstate.check_units, [u], self.optimizer, rank, tensors, extents))
+                self._agree_error(error_of(zstate.check_units, [u], self.optimizer, rank, tensors, extents))
                 del tensors
             # Everything checked: from here on only mutation (pass 2 reads the same verified bytes).
             for v in (v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)):
@@ -619,12 +619,3 @@ def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:
     if is_fake(sums):
         return 0.0, 0.0, False
     return float(sums[0].sqrt()), float(sums[1]) / world, not torch.isfinite(sums[0]).item()
-
-
-def _fault_of(check: Callable[..., None], *args: Any) -> str | None:
-    """The message of the ValueError ``check(*args)`` raises, or None."""
-    try:
-        check(*args)
-    except ValueError as e:
-        return str(e)
-    return None

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from mct.dist import error_of
 from mct.offload.store import UnitState, put_record
 from mct.offload.stream import Item
 
@@ -130,12 +131,7 @@ def stage_units(offload: Any, group_of_unit: list[int], optimizer: torch.optim.O
     try:
         for i, (u, g) in enumerate(zip(offload.units, group_of_unit)):
             tensors, extents = read_units([i])
-            try:
-                zstate.check_units([u], optimizer, rank, tensors, extents)
-                fault = None
-            except ValueError as e:
-                fault = str(e)
-            agree(fault)
+            agree(error_of(zstate.check_units, [u], optimizer, rank, tensors, extents))
             per = {k[len(u.name) + 1:]: t for k, t in tensors.items() if k in extents}
             stage_unit(offload, i, per, zstate.extent(u, rank)[1])
             elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})

@@ -19,7 +19,7 @@ from typing import Any
 from mct.config import EngineConfig
 from mct.data import build_data, copy_tokenizer
 from mct.data.sampler import DataPosition
-from mct.dist import DistContext, agree, broadcast_from_main
+from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded
@@ -73,13 +73,13 @@ class Trainer(Feedback):
         if restart and not resume:
             resume = self._agree_restart(restart)
         elif not resume:
-            agree(_error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
+            agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
         self.task = task_for(cfg)
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
         check_tokens(self.task, self.corpus)
         if resume:
-            agree(_error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
+            agree(error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
         self.loss_fn = seeded(self.task.loss_fn)
         self.engine = self.build_engine(self.cfg)
         if self.cfg.train.init_from and not resume:
@@ -300,14 +300,6 @@ class Trainer(Feedback):
                          action="resume from the newest checkpoint" if has else "start over (no checkpoint yet)",
                          reason=f"torchrun restart {restart} after a worker died")
         return bool(broadcast_from_main(has))
-
-
-def _error_of(check, *args) -> str | None:
-    try:
-        check(*args)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
