@@ -174,7 +174,7 @@ def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
 
 
-def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
+def _check_host_memory(cfg: EngineConfig, nproc: int, task) -> None:
     """On CPU, refuse a model whose parameters alone (at 2 or 4 bytes each: nproc copies,
     or one copy split across the ranks at stage 3; a lower bound on what training needs)
     exceed the machine's physical memory, before anything is allocated: allocating it
@@ -190,9 +190,8 @@ def _check_host_memory(cfg: EngineConfig, nproc: int) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    from mct.task import task_for
     with torch.device("meta"):
-        n = sum(p.numel() for p in task_for(cfg).model_fn().parameters())
+        n = sum(p.numel() for p in task.model_fn().parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
@@ -248,14 +247,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
         _note(f"--resume without --nproc: continuing on the run's recorded {args.nproc} local ranks "
               f"(pass --nproc M to reshard)")
-    _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1)
+    from mct.task import task_for
+    task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
+    _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
-        from mct.task import task_for
         from mct.persistence.run_dir import check_new_run_dir
-        # an impossible budget (or model source) fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, task_for(cfg),
+        # an impossible budget fails here, in one line, before any launch
+        resolve_auto(cfg, args.nproc * args.nnodes, task,
                      device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
         extra: list[str] = []
         if not args.resume:
