@@ -16,7 +16,9 @@ from mct.dist import broadcast_from_main, init_distributed, teardown
 from mct.memory.tracker import MemoryBudgetExceeded
 from mct.run.launch import WorkerLink, run_dir_lock
 from mct.run.signals import Preempted, StopRequest
-from mct.run.trainer import TrainingStopped, summary_table, train
+from mct.reporting.report import summary_table
+from mct.run.rollback import TrainingStopped
+from mct.run.trainer import train
 
 
 def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress: bool) -> int:
