@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from benchmarks.common import format_table, write_json  # noqa: E402
 from mct.config import EngineConfig  # noqa: E402
-from mct.planner import make_plan, token_loss  # noqa: E402
+from mct.planner import make_plan, plan_workers, token_loss  # noqa: E402
 from mct.planner.dry_run import dry_run  # noqa: E402
 from mct.planner.plan import predict, with_choice  # noqa: E402
 from mct.planner.workload import micro_batches, prepare  # noqa: E402
@@ -99,32 +99,68 @@ def accuracy(quick: bool) -> list[dict]:
     return rows
 
 
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "num_hidden_layers": 80, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+"""Llama 3 70B's config.json (shapes only): `mct plan --model hf:DIR` builds it on meta."""
+
+
 def grids(sqrt: bool) -> list[dict]:
-    """The issue's targets: the default grid of the 6.4B GPT on 64 ranks, and the bf16
-    rows of a 70B-class Llama on 512 ranks (micro-batch 1 at its 4096 window); the sqrt
-    rows timed apart (``sqrt``: at all), as their copies hold ~5 sqrt(n) blocks."""
-    from benchmarks.planner_models import example_batch, llama_70b
-    gpt_work, gpt_cfg = gpt(32, 4096)
-    cfg = EngineConfig.from_dict({"data": {"micro_batch_size": 1}, "precision": {"mode": "bf16"}})
-    llama = Task(model_fn=llama_70b, loss_fn=token_loss, batch=example_batch(cfg), label="llama_70b")
+    """The issue's targets, as a user runs them: ``mct plan`` end to end (a new process:
+    imports, the model built on meta, the grid on every core) for the default grid of the
+    6.4B GPT on 64 ranks and the bf16 rows of a 70B-class Llama (``--model hf:DIR``) on 512
+    ranks at micro-batch 1 and its 4096 window; beside it, the same grid in this process on
+    one core (``workers=1``: its CPU seconds are the work itself), checked equal row by row.
+    ``sqrt``: False leaves the sqrt rows out."""
+    import json
+    import subprocess
+    import tempfile
+
+    from mct.cli import CLI_RECIPE
+    from mct.config import load_config
+    from mct.task import task_for
+    tmp = Path(tempfile.mkdtemp(prefix="mct-llama70b-"))
+    (tmp / "config.json").write_text(json.dumps(LLAMA_70B))
+    policies = ("none", "selective", "sqrt", "all") if sqrt else ("none", "selective", "all")
+    cases = (("gpt 6.4B (32 x 4096)", ["model.n_layer=32", "model.d_model=4096", "model.n_head=32"], "gpt", 64,
+              ("fp32", "bf16")),
+             ("llama 70B (80 x 8192, GQA 64/8), hf:DIR", ["model.seq_len=4096", "data.micro_batch_size=1",
+                                                         "precision.mode=bf16"], f"hf:{tmp}", 512, ("bf16",)))
     out = []
-    for name, work, base, world, precisions in (("gpt 6.4B (32 x 4096)", gpt_work, gpt_cfg, 64, ("fp32", "bf16")),
-                                                ("llama 70B (80 x 8192, GQA 64/8)", llama, cfg, 512, ("bf16",))):
-        for policies in (("none", "selective", "all"), ("sqrt",))[:2 if sqrt else 1]:
-            plan, w, c = timed(lambda: make_plan(work, base, world, None, policies=policies, precisions=precisions,
-                                                 advise=False))
-            out.append({"grid": f"{name}, {world} ranks, stages 0-3 x {'/'.join(policies)} x {'/'.join(precisions)}",
-                        "rows": len(plan.rows), "wall_s": round(w, 1), "cpu_s": round(c, 1),
-                        "peaks_GiB": {f"{r['stage']}/{r['policy']}/{r['precision']}": round(r["peak"] / 2**30, 2)
-                                      for r in plan.rows}})
-            print(f"{out[-1]['grid']}: {out[-1]['rows']} rows in {out[-1]['wall_s']} s wall, {out[-1]['cpu_s']} s CPU",
-                  flush=True)
+    for name, sets, source, world, precisions in cases:
+        cfg = load_config(None, [*sets, f"model.source={source}"], defaults=CLI_RECIPE)
+        work = task_for(cfg)
+        plan, w, c = timed(lambda: make_plan(work, cfg, world, None, policies=policies, precisions=precisions,
+                                             advise=False, workers=1))
+        argv = [sys.executable, "-m", "mct", "plan", "--model", source, *(a for kv in sets for a in ("--set", kv)),
+                "--world-size", str(world), "--policies", ",".join(policies), "--precisions", ",".join(precisions),
+                "--json"]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        t0, c0 = time.perf_counter(), os.times()
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
+        cli_wall = time.perf_counter() - t0
+        c1 = os.times()
+        cli_cpu = (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)
+        cli_rows = json.loads(proc.stdout)["rows"]
+        same = [(r["peak"], r["first_step_peak"], r["init_peak"]) for r in cli_rows] == \
+            [(r["peak"], r["first_step_peak"], r["init_peak"]) for r in plan.rows]
+        out.append({"grid": f"{name}, {world} ranks, stages 0-3 x {'/'.join(policies)} x {'/'.join(precisions)}",
+                    "rows": len(plan.rows), "one_core_cpu_s": round(c, 1), "one_core_wall_s": round(w, 1),
+                    "cli_wall_s": round(cli_wall, 1), "cli_cpu_s": round(cli_cpu, 1),
+                    "cli_workers": plan_workers(None),
+                    "cli_rows_equal": same,
+                    "peaks_GiB": {f"{r['stage']}/{r['policy']}/{r['precision']}": round(r["peak"] / 2**30, 2)
+                                  for r in plan.rows}})
+        print(f"{out[-1]['grid']}: {out[-1]['rows']} rows; `mct plan` end to end {out[-1]['cli_wall_s']} s wall "
+              f"({out[-1]['cli_cpu_s']} CPU s, {out[-1]['cli_workers']} workers); in one process on one core "
+              f"{out[-1]['one_core_cpu_s']} CPU s; rows equal: {same}", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32], help="GPT depths at d_model 4096")
+    ap.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64], help="GPT depths at d_model 4096")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="d_model values at depth 16")
     ap.add_argument("--world", type=int, default=64)
     ap.add_argument("--grids", action="store_true", help="also time the two grids of the issue")

@@ -376,3 +376,48 @@ def test_stage3_init_peak_is_what_mct_train_builds_on_meta():
                     param_groups=work.param_groups).init_peak  # the model built whole first
     model_bytes = sum(p.numel() * 4 for p in {id(p): p for p in GPT(cfg.model).parameters()}.values())
     assert whole >= model_bytes and predicted < 0.75 * model_bytes, (whole, predicted, model_bytes)
+
+
+def _measure_bucketed(rank: int, world: int, cfgs: list) -> list[dict]:
+    return [measure(tied_frozen_reused, token_loss, lambda s, r: random_batch(s, r, B), c, rank, steps=3)
+            for c in cfgs]
+
+
+def test_collectives_split_into_many_buckets_are_predicted_as_measured():
+    """A dry run allocates a many-bucket collective's temporaries as one tensor of their
+    total size (mct.zero.comm): against every storage a real 2-rank run holds with
+    buckets of a few hundred bytes (dozens per collective)."""
+    cfgs = [tiny_config(zero={"stage": s, "bucket_mb": 0.0005}, checkpointing={"policy": "none"},
+                        precision={"mode": "bf16"}) for s in (2, 3)]
+    got = run_distributed(_measure_bucketed, 2, cfgs)[0]
+    for cfg, real in zip(cfgs, got):
+        run = dry_run(tied_frozen_reused, token_loss, random_batch(0, 0, B), cfg, 2)
+        for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
+                                 ("first step", run.first_step_peak, real["steps"][0]),
+                                 ("init", run.init_peak, real["init"])):
+            assert abs(pred - meas) <= 0.05 * meas, (cfg.zero.stage, name, pred, meas)
+
+
+def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):
+    """mct.planner.pool: the same rows from forked workers as from this process, and a
+    worker's ValueError raised here with its message."""
+    import os
+
+    from mct.planner import make_plan, pool
+    monkeypatch.setattr(pool, "MIN_PARALLEL_S", 0.0)  # tiny models: fork anyway
+    work, cfg = _gpt_work(5)
+    grid = {"stages": (1, 3), "policies": ("none", "all"), "precisions": ("bf16",)}
+    one = make_plan(work, cfg, 3, None, **grid, advise=False, workers=1)
+    two = make_plan(work, cfg, 3, None, **grid, advise=False, workers=2)
+    assert one.rows == two.rows and len(two.rows) == 4
+    pids = pool.run_jobs(lambda i: os.getpid(), 4, workers=2)
+    assert pids[0] == os.getpid() and set(pids[1:]) - {os.getpid()}
+
+    def job(i: int) -> int:
+        if i == 2:
+            raise ValueError("row 2 is wrong: fix it")
+        return i
+    with pytest.raises(ValueError, match="row 2 is wrong: fix it"):
+        pool.run_jobs(job, 4, workers=2)
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        mct.plan(work.model_fn, work.loss_fn, work.batch, cfg, workers=0)

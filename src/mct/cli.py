@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
+    pl.add_argument("--workers", type=int, default=None, help="processes that dry-run the grid's configurations "
+                    "(default: one per usable CPU core, at most 8; used only when the grid takes seconds; 1: "
+                    "all in this process)")
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
     r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
@@ -350,7 +353,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
     from mct.config import parse_bytes
-    from mct.planner import make_plan
+    from mct.planner import make_plan, plan_workers
     from mct.reporting.plots import check_plot_path
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
@@ -361,7 +364,8 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args)
-    plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth)
+    plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth,
+                     workers=plan_workers(args.workers))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.plot:
         from mct.reporting.plots import plot_plan

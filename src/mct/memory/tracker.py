@@ -124,6 +124,9 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
 class _CountingMode(TorchDispatchMode):
     """Forwards every op, then hands its outputs to the tracker."""
 
@@ -132,6 +135,11 @@ class _CountingMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE:  # asked ~10 times per autograd node; allocates nothing
+            fake_mode = getattr(args[0], "fake_mode", None)  # a FakeTensor: its device, as FakeTensor answers
+            if fake_mode is not None and not fake_mode.in_kernel_invocation:
+                return args[0].fake_device
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         self.tracker._on_op(func, out, (args, kwargs))
         return out

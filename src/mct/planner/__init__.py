@@ -12,11 +12,12 @@ from typing import Any
 from mct.config import EngineConfig, parse_bytes
 from mct.planner.dry_run import DryRun, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run
 from mct.planner.plan import POLICIES, PRECISIONS, STAGES, Plan, make_plan, peak_check, resolve_auto, step_cost
+from mct.planner.pool import plan_workers
 from mct.planner.workload import Workload
 from mct.task import load_workload, token_batch, token_loss
 
 __all__ = ["DryRun", "Plan", "Workload", "dry_run", "load_workload", "make_plan", "peak_check", "plan",
-           "predict_peak", "resolve_auto", "step_cost", "token_batch", "token_loss"]
+           "plan_workers", "predict_peak", "resolve_auto", "step_cost", "token_batch", "token_loss"]
 
 
 def _config(config: EngineConfig | dict | None) -> EngineConfig:
@@ -48,17 +49,20 @@ def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineC
 def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
          world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
-         precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True) -> Plan:
+         precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
+         workers: int | None = None) -> Plan:
     """Every ZeRO stage x checkpointing policy x precision (x offload label: 'none',
     'optimizer=cpu|disk', 'optimizer+params=cpu|disk'; default the config's own) of the
     grid dry-run for this model on ``world_size`` ranks (other keys as in ``config``), as plain data: the rows
     that ``mct plan`` prints and the recommendation for a per-rank ``budget`` (bytes or
     a size like '24GiB'; default ``memory.budget``). ``extrapolate``: a deep model's
     repeated blocks are dry-run at two small depths and extended (exact where they
-    repeat; ``mct.planner.depth``); False: every configuration at full depth. Raises
-    ValueError as ``predict_peak``, or for a bad budget."""
+    repeat; ``mct.planner.depth``); False: every configuration at full depth.
+    ``workers``: processes for a long grid's dry runs (``mct.planner.pool``; None: one
+    per usable core, at most 8; 1: all in this process); the rows are the same. Raises
+    ValueError as ``predict_peak``, or for a bad budget or worker count."""
     cfg = _config(config)
     limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
     work = Workload(model_fn, loss_fn, batch, optimizer, param_groups)
     return make_plan(work, cfg, world_size, limit, stages=stages, policies=policies, precisions=precisions,
-                     offloads=offloads, extrapolate=extrapolate)
+                     offloads=offloads, extrapolate=extrapolate, workers=plan_workers(workers))

@@ -26,8 +26,9 @@ from typing import Any
 
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
-from mct.planner.depth import extrapolated
+from mct.planner.depth import extrapolated, shape_for
 from mct.planner.dry_run import DryRun, dry_run
+from mct.planner.pool import run_jobs
 from mct.planner.workload import PlannedTask, Workload, batch_size, micro_batches, prepare, smaller_batch
 from mct.task.build import builds_on_meta
 
@@ -100,6 +101,17 @@ def predict(work: Workload, cfg: EngineConfig, world: int) -> DryRun:
                    param_groups=work.param_groups, meta_init=meta_init)
 
 
+def dry_run_cost(work: Workload, cfg: EngineConfig) -> float:
+    """Relative cost of ``predict(work, cfg, ...)``: the blocks its dry runs step through
+    (recomputing policies step through them about twice), for ordering a grid's jobs."""
+    stack = work.stack if isinstance(work, PlannedTask) else None
+    if stack is None:
+        return 1.0
+    shape = shape_for(stack, cfg)
+    blocks = stack.n if shape is None else 2 * shape.a + shape.p
+    return blocks * (1.0 if cfg.checkpointing.policy == "none" else 1.5)
+
+
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
         offload: str = "none") -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
@@ -136,7 +148,7 @@ class Plan:
 
 def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
               policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None,
-              advise: bool = True, extrapolate: bool = True) -> Plan:
+              advise: bool = True, extrapolate: bool = True, workers: int = 1) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision (ties: the
@@ -145,7 +157,9 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every
     configuration is dry-run at full depth. What every configuration shares (the
-    model's structure, its construction) is found once (``prepare``).
+    model's structure, its construction) is found once (``prepare``). ``workers`` > 1:
+    a long grid's dry runs run in up to that many forked processes (``mct.planner.pool``;
+    the same rows).
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -153,16 +167,15 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     for label in offloads:
         offload_keys(label)  # a bad label fails before minutes of planning
     work = prepare(work, cfg, extrapolate)
-    rows, n_params = [], 0
-    for precision in precisions:
-        for offload in offloads:
-            for policy in policies:
-                for stage in stages:
-                    if offload_keys(offload)["params"] != "none" and stage != 3:
-                        continue
-                    run = predict(work, with_choice(cfg, stage, policy, precision, offload), world)
-                    n_params = run.n_params
-                    rows.append(row(run, stage, policy, precision, world, budget, offload))
+    choices = [(stage, policy, precision, offload) for precision in precisions for offload in offloads
+               for policy in policies for stage in stages
+               if offload_keys(offload)["params"] == "none" or stage == 3]
+    configs = [with_choice(cfg, *choice) for choice in choices]
+    runs = run_jobs(lambda i: predict(work, configs[i], world), len(configs), workers=workers,
+                    cost=[dry_run_cost(work, c) for c in configs])
+    rows = [row(run, stage, policy, precision, world, budget, offload)
+            for run, (stage, policy, precision, offload) in zip(runs, choices)]
+    n_params = runs[-1].n_params if runs else 0
     mine = [r for r in rows if r["precision"] == cfg.precision.mode]
     fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
