@@ -14,10 +14,14 @@ tensor, or an object with ``.logits``).
 from __future__ import annotations
 
 import inspect
+import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import EngineConfig
 
@@ -35,7 +39,7 @@ def token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
     x, y = batch
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params and "input_ids" in params:
-        out = model(input_ids=x, use_cache=False)
+        out = _causal_lm(model, x)
     elif "labels" in params:
         out = model(input_ids=x, labels=y)
     else:
@@ -61,4 +65,31 @@ def causal_lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     """The loss of a Hugging Face causal LM on (input_ids, shifted targets): its logits
     (no labels given, no KV cache kept) scored by ``logits_loss``."""
     x, y = batch
-    return logits_loss(model(input_ids=x, use_cache=False).logits, y)
+    return logits_loss(_causal_lm(model, x).logits, y)
+
+
+def _causal_lm(model: nn.Module, x: torch.Tensor):
+    """``model(input_ids=x, use_cache=False)``: the model makes its own position ids
+    (0..T-1 in every row), so no row packs several sequences, and a real run of a
+    transformers model sees that in their values and lets SDPA mask causally by itself.
+    On fake tensors (a dry run) the values are not there and transformers would build the
+    explicit mask a real run never holds: it is told what the values would show."""
+    with _unpacked_positions(x):
+        return model(input_ids=x, use_cache=False)
+
+
+@contextmanager
+def _unpacked_positions(x: torch.Tensor) -> Iterator[None]:
+    """On a fake ``x`` with transformers' masking utilities loaded: their packed-sequence
+    finder answers 'none' (what it answers for the position ids 0..T-1) while the block
+    runs. Restores it after. Else nothing."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not is_fake(x) or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    finder = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = finder
