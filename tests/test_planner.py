@@ -42,7 +42,7 @@ def _measure_sample(rank: int, world: int, sample: list) -> list[dict]:
             for m, *c in sample]
 
 
-def test_dry_run_within_5_percent_of_independently_counted_peaks_on_held_out_models():
+def test_dry_run_within_2_percent_of_independently_counted_peaks_on_held_out_models():
     """Steady-state step, first step and initialization, per rank, against every live
     storage counted by a dispatch mode that knows nothing of the engine's categories."""
     for world, sample in SAMPLE.items():
@@ -55,7 +55,7 @@ def test_dry_run_within_5_percent_of_independently_counted_peaks_on_held_out_mod
             for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
                                      ("first step", run.first_step_peak, real["steps"][0]),
                                      ("init", run.init_peak, real["init"])):
-                assert abs(pred - meas) <= 0.05 * meas, (world, m, c, name, pred, meas)
+                assert abs(pred - meas) <= 0.02 * meas, (world, m, c, name, pred, meas)
 
 
 def test_predict_peak_equals_the_engine_tracker_of_the_same_step():
@@ -395,6 +395,8 @@ def test_collectives_split_into_many_buckets_are_predicted_as_measured():
         for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
                                  ("first step", run.first_step_peak, real["steps"][0]),
                                  ("init", run.init_peak, real["init"])):
+            # 5%: with buckets this small the real stage-3 step holds 2.4% more than predicted,
+            # as it did when the dry run still allocated bucket by bucket (same prediction)
             assert abs(pred - meas) <= 0.05 * meas, (cfg.zero.stage, name, pred, meas)
 
 
