@@ -439,3 +439,13 @@ def test_hugging_face_llama_is_planned_as_its_real_run_holds():
     for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
                              ("first step", run.first_step_peak, real["steps"][0])):
         assert abs(pred - meas) <= 0.02 * meas, (name, pred, meas)
+
+
+def test_a_grid_of_one_other_precision_recommends_in_it():
+    """`mct plan --precisions bf16` with the config's fp32: the bf16 rows are what was asked."""
+    from mct.planner import make_plan
+    work, cfg = _gpt_work(2)
+    assert cfg.precision.mode == "fp32"
+    plan = make_plan(work, cfg, 2, 2**40, stages=(3,), policies=("all",), precisions=("bf16",))
+    assert plan.precision == "bf16" and plan.recommended is not None and plan.recommended["precision"] == "bf16"
+    assert "precision.mode=bf16" in plan.advice

@@ -151,7 +151,8 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
               advise: bool = True, extrapolate: bool = True, workers: int = 1) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
-    recommend the cheapest that fits ``budget`` in ``cfg``'s precision (ties: the
+    recommend the cheapest that fits ``budget`` in ``cfg``'s precision (or in the one
+    precision planned, when that is another) (ties: the
     lower peak, then the lower stage). Parameter offload is planned at stage 3 only.
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
@@ -176,10 +177,12 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     rows = [row(run, stage, policy, precision, world, budget, offload)
             for run, (stage, policy, precision, offload) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
-    mine = [r for r in rows if r["precision"] == cfg.precision.mode]
+    # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
+    mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
+    mine = [r for r in rows if r["precision"] == mode]
     fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
-    plan = Plan(rows, budget, world, n_params, cfg.precision.mode, best, "")
+    plan = Plan(rows, budget, world, n_params, mode, best, "")
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan
