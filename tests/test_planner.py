@@ -421,7 +421,7 @@ def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):
         return i
     with pytest.raises(ValueError, match="row 2 is wrong: fix it"):
         pool.run_jobs(job, 4, workers=2)
-    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"workers \(mct plan --workers\) must be an integer >= 1"):
         mct.plan(work.model_fn, work.loss_fn, work.batch, cfg, workers=0)
 
 
@@ -449,3 +449,19 @@ def test_a_grid_of_one_other_precision_recommends_in_it():
     plan = make_plan(work, cfg, 2, 2**40, stages=(3,), policies=("all",), precisions=("bf16",))
     assert plan.precision == "bf16" and plan.recommended is not None and plan.recommended["precision"] == "bf16"
     assert "precision.mode=bf16" in plan.advice
+
+
+def test_a_planner_worker_that_dies_is_an_error_not_a_hang(monkeypatch):
+    """A worker killed mid-plan (the OOM killer, a signal) ends the plan with one line."""
+    import os
+    import signal
+
+    from mct.planner import pool
+    monkeypatch.setattr(pool, "MIN_PARALLEL_S", 0.0)
+
+    def job(i: int) -> int:
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+    with pytest.raises(pool.WorkerDied, match="planner worker process died.*--workers 1"):
+        pool.run_jobs(job, 4, workers=2)

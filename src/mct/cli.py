@@ -354,6 +354,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
 
     from mct.config import parse_bytes
     from mct.planner import make_plan, plan_workers
+    from mct.planner.pool import WorkerDied
     from mct.reporting.plots import check_plot_path
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
@@ -364,8 +365,12 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args)
-    plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth,
-                     workers=plan_workers(args.workers))
+    try:
+        plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth,
+                         workers=plan_workers(args.workers))
+    except WorkerDied as e:
+        print(f"mct: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.plot:
         from mct.reporting.plots import plot_plan

@@ -17,12 +17,18 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence
 
 _JOB: Callable[[int], Any] | None = None  # set in the parent before forking; the workers inherit it
 MAX_WORKERS = 8
 MIN_PARALLEL_S = 2.0
 """Fork only when the remaining jobs are predicted to take at least this long in one process."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended before its job did (killed, out of memory)."""
 
 
 def usable_cores() -> int:
@@ -39,7 +45,8 @@ def plan_workers(workers: int | None) -> int:
     if workers is None:
         return max(1, min(usable_cores(), MAX_WORKERS))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1 (or None: one per CPU core), got {workers!r}")
+        raise ValueError(f"workers (mct plan --workers) must be an integer >= 1 (default: one per CPU core), "
+                         f"got {workers!r}")
     return workers
 
 
@@ -70,7 +77,8 @@ def run_jobs(job: Callable[[int], Any], n: int, *, workers: int = 1, cost: Seque
     up to ``workers`` forked processes when they would take ``MIN_PARALLEL_S`` or more
     here (``cost``: relative cost per job, the longest dispatched first). A job's
     exception is raised here: ValueError with its message (the first failing job in
-    order), anything else as RuntimeError naming it."""
+    order), anything else as RuntimeError naming it; ``WorkerDied`` when a worker process
+    ends before its job (killed, out of memory)."""
     global _JOB
     if n == 0:
         return []
@@ -90,12 +98,19 @@ def run_jobs(job: Callable[[int], Any], n: int, *, workers: int = 1, cost: Seque
     _JOB = job
     failed: dict[int, tuple[str, str]] = {}
     try:
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init) as pool:
-            for i, ok, value in pool.imap_unordered(_call, rest, chunksize=1):
+        # an executor, not multiprocessing.Pool: a worker that dies (killed, out of memory)
+        # breaks it with an error instead of leaving its job waited for forever
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_worker_init) as pool:
+            for future in as_completed([pool.submit(_call, i) for i in rest]):
+                i, ok, value = future.result()
                 if ok:
                     out[i] = value
                 else:
                     failed[i] = value
+    except BrokenProcessPool:
+        raise WorkerDied(f"a planner worker process died (killed, or out of memory) before its dry run "
+                           f"finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
     finally:
         _JOB = None
     if failed:
