@@ -6,7 +6,8 @@ the reference GPT; stages 0-3 x none/selective/all x fp32/bf16 on 1-4 ranks.
 
     PYTHONPATH=src:. python benchmarks/planner.py [--worlds 1 2 3 4] [--models hf_gpt2 ...]
 
-Prints a table and the worst error; writes benchmarks/results/planner.json.
+Prints a table (with each dry run's CPU seconds) and the worst error; writes
+benchmarks/results/planner.json.
 ``--speed [...]`` runs benchmarks/planner_speed.py instead (seconds per configuration
 against model size and depth, full dry run beside depth extrapolation).
 """
@@ -71,23 +72,28 @@ def main() -> None:
                else run_distributed(measure_all, world, args.models, timeout=3600)[0])
         for (m, *c), real in zip(grid(args.models), got):
             fn, loss, batch = table[m]
+            t1 = time.process_time()
             run = dry_run(fn, loss, batch(0, 0), config(*c), world)
-            row = {"model": m, "world": world, "stage": c[0], "policy": c[1], "precision": c[2]}
+            row = {"model": m, "world": world, "stage": c[0], "policy": c[1], "precision": c[2],
+                   "params": run.n_params, "dry_run_cpu_s": round(time.process_time() - t1, 3)}
             for key, pred, meas in (("steady", run.peak, real["steps"][1]), ("first", run.first_step_peak,
                                     real["steps"][0]), ("init", run.init_peak, real["init"])):
                 row[f"{key}_predicted"], row[f"{key}_measured"] = pred, meas
                 row[f"{key}_error_pct"] = 100 * (pred - meas) / meas
             rows.append(row)
     header = (f"{'model':>18} {'ranks':>5} {'stage':>5} {'policy':>9} {'prec':>5} {'predicted':>11} {'measured':>11} "
-              f"{'error':>7} {'first err':>9} {'init err':>8}")
+              f"{'error':>7} {'first err':>9} {'init err':>8} {'params':>8} {'dry run s':>9}")
     print(header)
     for r in rows:
         print(f"{r['model']:>18} {r['world']:>5} {r['stage']:>5} {r['policy']:>9} {r['precision']:>5} "
               f"{format_bytes(r['steady_predicted']):>11} {format_bytes(r['steady_measured']):>11} "
-              f"{r['steady_error_pct']:>6.2f}% {r['first_error_pct']:>8.2f}% {r['init_error_pct']:>7.2f}%")
+              f"{r['steady_error_pct']:>6.2f}% {r['first_error_pct']:>8.2f}% {r['init_error_pct']:>7.2f}% "
+              f"{r['params']:>8} {r['dry_run_cpu_s']:>9.3f}")
     worst = {k: max(abs(r[f"{k}_error_pct"]) for r in rows) for k in ("steady", "first", "init")}
     print(f"worst |error| over {len(rows)} configurations: steady step {worst['steady']:.2f}%, first step "
-          f"{worst['first']:.2f}%, initialization {worst['init']:.2f}%; {time.perf_counter() - t0:.0f}s")
+          f"{worst['first']:.2f}%, initialization {worst['init']:.2f}%; {time.perf_counter() - t0:.0f}s; "
+          f"a dry run {sum(r['dry_run_cpu_s'] for r in rows) / len(rows):.2f} CPU s on average (seconds per "
+          f"configuration against model size and depth: --speed)")
     out = Path(__file__).resolve().parent / "results" / "planner.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"micro_batch": B, "rows": rows, "worst_error_pct": worst}, indent=2) + "\n")
