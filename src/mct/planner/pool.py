@@ -110,7 +110,7 @@ def run_jobs(job: Callable[[int], Any], n: int, *, workers: int = 1, cost: Seque
                     failed[i] = value
     except BrokenProcessPool:
         raise WorkerDied(f"a planner worker process died (killed, or out of memory) before its dry run "
-                           f"finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
+                         f"finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
     finally:
         _JOB = None
     if failed:
