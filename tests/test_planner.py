@@ -465,3 +465,28 @@ def test_a_planner_worker_that_dies_is_an_error_not_a_hang(monkeypatch):
         return i
     with pytest.raises(pool.WorkerDied, match="planner worker process died.*--workers 1"):
         pool.run_jobs(job, 4, workers=2)
+
+
+def test_an_interrupted_plan_stops_its_workers_without_finishing_the_queue(monkeypatch):
+    """Ctrl-C during a forked grid: KeyboardInterrupt at once, the workers ended, the
+    queued dry runs not waited for."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from mct.planner import pool
+    monkeypatch.setattr(pool, "MIN_PARALLEL_S", 0.0)
+
+    def job(i: int) -> int:
+        if i:
+            time.sleep(30)
+        return i
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        pool.run_jobs(job, 6, workers=2)
+    assert time.monotonic() - t0 < 15
+    assert not multiprocessing.active_children()

@@ -58,6 +58,21 @@ def can_fork() -> bool:
     return not (torch is not None and torch.cuda.is_initialized())
 
 
+def _stop(pool: ProcessPoolExecutor, others: set) -> None:
+    """Drop the queued jobs and end the pool's workers now (a running dry run is not
+    finished); ``others``: this process's children from before the pool, left alone."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # again: the executor's thread may be starting one as we go
+        workers = [c for c in multiprocessing.active_children() if c not in others]
+        if not workers:
+            return
+        for child in workers:
+            child.terminate()
+        for child in workers:
+            child.join(1)
+
+
 def _worker_init() -> None:
     import torch
     torch.set_num_threads(1)  # a dry run computes nothing: no intra-op thread pool per worker
@@ -97,20 +112,26 @@ def run_jobs(job: Callable[[int], Any], n: int, *, workers: int = 1, cost: Seque
     rest.sort(key=lambda i: -weights[i])
     _JOB = job
     failed: dict[int, tuple[str, str]] = {}
+    # an executor, not multiprocessing.Pool: a worker that dies (killed, out of memory)
+    # breaks it with an error instead of leaving its job waited for forever
+    others = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init)
     try:
-        # an executor, not multiprocessing.Pool: a worker that dies (killed, out of memory)
-        # breaks it with an error instead of leaving its job waited for forever
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=_worker_init) as pool:
-            for future in as_completed([pool.submit(_call, i) for i in rest]):
-                i, ok, value = future.result()
-                if ok:
-                    out[i] = value
-                else:
-                    failed[i] = value
+        for future in as_completed([pool.submit(_call, i) for i in rest]):
+            i, ok, value = future.result()
+            if ok:
+                out[i] = value
+            else:
+                failed[i] = value
     except BrokenProcessPool:
+        _stop(pool, others)
         raise WorkerDied(f"a planner worker process died (killed, or out of memory) before its dry run "
                          f"finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
+    except BaseException:  # Ctrl-C, an error here: the queued dry runs are not waited for
+        _stop(pool, others)
+        raise
+    else:
+        pool.shutdown()
     finally:
         _JOB = None
     if failed:
