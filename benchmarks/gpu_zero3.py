@@ -35,7 +35,7 @@ def main() -> None:
     for policy in ("none", "all"):
         cfg = EngineConfig.from_dict({
             "model": {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.d_model // 64,
-                      "seq_len": args.seq},
+                      "seq_len": args.seq, "attention": "sdpa"},  # what 'auto' runs on CUDA; planned as such
             "data": {"micro_batch_size": args.batch}, "zero": {"stage": 3}, "precision": {"mode": "bf16"},
             "checkpointing": {"policy": policy}, "train": {"grad_clip": 1.0}})
         # the dry run is the CPU path (per-tensor AdamW, no allocator caching): a lower bound here
