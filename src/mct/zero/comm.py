@@ -167,18 +167,14 @@ class Comm:
             # every bucket's contiguous copy of its columns is alive until wait(): one
             # tensor of their total size holds the same bytes, in O(1) fake ops
             src = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
-            works = [self.ops.reduce_scatter(out, src)]
-            p = Pending(works, self.stats, full.numel() * full.element_size(), then, [full, src])
-            if not async_op:
-                p.wait()
-                return None
-            return p
-        view = full.view(self.world, S)
-        works, keep = [], [full]
-        for a, b in chunks:
-            src = view if (a, b) == (0, S) else view[:, a:b].contiguous()
-            keep.append(src)
-            works.append(self.ops.reduce_scatter(out[a:b], src.view(-1)))
+            works, keep = [self.ops.reduce_scatter(out, src)], [full, src]
+        else:
+            view = full.view(self.world, S)
+            works, keep = [], [full]
+            for a, b in chunks:
+                src = view if (a, b) == (0, S) else view[:, a:b].contiguous()
+                keep.append(src)
+                works.append(self.ops.reduce_scatter(out[a:b], src.view(-1)))
         p = Pending(works, self.stats, full.numel() * full.element_size(), then, keep)
         if not async_op:
             p.wait()
