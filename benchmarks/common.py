@@ -70,11 +70,40 @@ def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> 
     return "\n".join([line(heads), line(["-" * w for w in widths]), *(line(b) for b in body)])
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
+"""The /proc/cpuinfo flags that decide torch's CPU kernels (native bf16 or not)."""
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU the numbers were measured on: model name, the flags of ``CPU_FLAGS`` it
+    has, cores, load average now. Model '?' and no flags where /proc/cpuinfo is absent."""
+    info: dict[str, Any] = {"model": platform.processor() or "?", "flags": [], "cores": os.cpu_count(),
+                            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            info["model"] = value.strip()
+        elif key.strip() == "flags":
+            info["flags"] = [f for f in CPU_FLAGS if f in value.split()]
+            break
+    return info
+
+
+def cpu_line(info: dict[str, Any] | None = None) -> str:
+    """``cpu_info()`` as one line: 'MODEL (flags), N cores'."""
+    info = info or cpu_info()
+    return f"{info['model']} ({' '.join(info['flags']) or '-'}), {info['cores']} cores"
+
+
 def environment() -> dict[str, Any]:
     """What the numbers depend on: versions, CPU count, load, thread count."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
-            "cpus": os.cpu_count(), "loadavg_at_end": load, "argv": sys.argv[1:],
+            "cpu": cpu_info(), "cpus": os.cpu_count(), "loadavg_at_end": load, "argv": sys.argv[1:],
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 

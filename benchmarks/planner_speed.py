@@ -22,33 +22,13 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
 
-from benchmarks.common import format_table, write_json  # noqa: E402
+from benchmarks.common import cpu_info, cpu_line, format_table, write_json  # noqa: E402
 from mct.config import EngineConfig  # noqa: E402
 from mct.planner import make_plan, plan_workers, token_loss  # noqa: E402
 from mct.planner.dry_run import dry_run  # noqa: E402
 from mct.planner.plan import predict, with_choice  # noqa: E402
 from mct.planner.workload import micro_batches, prepare  # noqa: E402
 from mct.task import Task, builds_on_meta, gpt_task  # noqa: E402
-
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
-
-
-def cpu() -> dict:
-    """Model name, the flags torch's CPU kernels care about, cores and load."""
-    info = {"model": "?", "flags": [], "cores": os.cpu_count(), "loadavg": os.getloadavg()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            info["model"] = value.strip()
-        if key.strip() == "flags":
-            info["flags"] = [f for f in FLAGS if f in value.split()]
-            break
-    return info
-
 
 def timed(fn) -> tuple:
     """(result, wall s, CPU s of this process)."""
@@ -168,9 +148,9 @@ def main() -> None:
     ap.add_argument("--no-sqrt", action="store_true", help="grids without their sqrt rows")
     ap.add_argument("--quick", action="store_true", help="fewer accuracy configurations")
     args = ap.parse_args()
-    info = cpu()
-    print(f"CPU: {info['model']}; flags {' '.join(info['flags']) or '-'}; {info['cores']} cores; "
-          f"load {info['loadavg'][0]:.1f} (shared machine: wall seconds are noisy, CPU seconds less so)")
+    info = cpu_info()
+    print(f"CPU: {cpu_line(info)}; load {info['loadavg'][0]:.1f} (shared machine: wall seconds are noisy, "
+          f"CPU seconds less so)")
     choice = (3, "all", "bf16")
     sweep, acc = [], []
     if not args.no_sweep:
@@ -182,8 +162,9 @@ def main() -> None:
         acc = accuracy(args.quick)
         print(format_table(acc, [(k, k) for k in ("config", "steady_err_pct", "first_err_pct", "init_err_pct")]))
     grid = grids(not args.no_sqrt) if args.grids else []
-    path = write_json("planner_speed_grids" if args.no_sweep else "planner_speed", {"cpu": cpu() | {"loadavg_at_start": info["loadavg"]}, "sweep": sweep,
-                                        "accuracy": acc, "grids": grid})
+    path = write_json("planner_speed_grids" if args.no_sweep else "planner_speed",
+                      {"cpu": cpu_info() | {"loadavg_at_start": info["loadavg"]}, "sweep": sweep,
+                       "accuracy": acc, "grids": grid})
     print(f"wrote {path}")
 
 

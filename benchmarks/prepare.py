@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, environment, format_table
+from benchmarks.common import RESULTS_DIR, cpu_info, cpu_line, environment, format_table
 
 _PREPARE_CHILD = r"""
 import json, resource, sys, time
@@ -51,21 +51,6 @@ for i in range(0, len(texts), 256):
 s = time.perf_counter() - t0
 print(json.dumps({"seconds": s, "tokens": n, "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
-
-
-def cpu_info() -> dict[str, str]:
-    """CPU model name and flags from /proc/cpuinfo (empty where it does not exist)."""
-    info = {"model": "", "flags": ""}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not info["model"]:
-                info["model"] = value.strip()
-            elif key.strip() == "flags" and not info["flags"]:
-                info["flags"] = value.strip()
-    except OSError:
-        pass
-    return info
 
 
 def write_corpus(path: Path, mb: float) -> int:
@@ -100,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     from mct.data.tokenizer import train_bpe
     cpu = cpu_info()
-    print(f"CPU: {cpu['model']} ({os.cpu_count()} cores); flags: {cpu['flags']}")
+    print(f"CPU: {cpu_line(cpu)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp_p = Path(tmp)

@@ -16,24 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def cpu_info() -> str:
-    model, flags = platform.processor(), ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-        have = set(next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")))
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
-    except (OSError, StopIteration):
-        pass
-    return f"{model} ({flags}), {os.cpu_count()} cores"
+from benchmarks.common import cpu_info, cpu_line
 
 
 def rss_of(pid: int) -> int:
@@ -98,7 +87,7 @@ def main() -> None:
     wall = time.time() - t0
     rows = [{"worker": i, "steps_gib": round(p["steps"] / 2**30, 3), "save_gib": round(p["checkpoint+export"] / 2**30, 3)}
             for i, p in enumerate(peaks.values())]
-    print(f"cpu: {cpu_info()}; layers {args.layers}, steps {args.steps}, checkpoint_every {args.checkpoint_every}; "
+    print(f"cpu: {cpu_line()}; layers {args.layers}, steps {args.steps}, checkpoint_every {args.checkpoint_every}; "
           f"exit {proc.returncode}, {wall:.0f} s")
     print("| worker | peak RSS during steps GiB | peak RSS during checkpoint + export GiB |")
     print("|---|---|---|")

@@ -383,21 +383,30 @@ def _measure_bucketed(rank: int, world: int, cfgs: list) -> list[dict]:
             for c in cfgs]
 
 
-def test_collectives_split_into_many_buckets_are_predicted_as_measured():
+def test_collectives_split_into_many_buckets_are_predicted_as_measured(monkeypatch):
     """A dry run allocates a many-bucket collective's temporaries as one tensor of their
-    total size (mct.zero.comm): against every storage a real 2-rank run holds with
-    buckets of a few hundred bytes (dozens per collective)."""
-    cfgs = [tiny_config(zero={"stage": s, "bucket_mb": 0.0005}, checkpointing={"policy": "none"},
-                        precision={"mode": "bf16"}) for s in (2, 3)]
-    got = run_distributed(_measure_bucketed, 2, cfgs)[0]
-    for cfg, real in zip(cfgs, got):
+    total size (mct.zero.comm): the same DryRun, to the byte, as allocating them bucket by
+    bucket the way the real run does; and against a real 2-rank run with buckets of a few
+    hundred bytes (dozens per collective), within 2% of the real engine tracker's peaks
+    (an independent count of storages also sees gloo's own copies, made on its thread for
+    a varying time; docs/planner.md)."""
+    from mct.zero import comm
+    cfgs = [tiny_config(zero={"stage": s, "bucket_mb": 0.0005}, checkpointing={"policy": p},
+                        precision={"mode": "bf16"}) for s, p in ((1, "all"), (2, "none"), (3, "none"), (3, "all"))]
+    for cfg in cfgs:
+        for world in (2, 5):
+            one = dry_run(tied_frozen_reused, token_loss, random_batch(0, 0, B), cfg, world)
+            monkeypatch.setattr(comm, "BUCKETS_AS_ONE", False)
+            each = dry_run(tied_frozen_reused, token_loss, random_batch(0, 0, B), cfg, world)
+            monkeypatch.setattr(comm, "BUCKETS_AS_ONE", True)
+            assert one == each, (cfg.zero.stage, cfg.checkpointing.policy, world)
+    got = run_distributed(_measure_bucketed, 2, cfgs[1:3])[0]
+    for cfg, real in zip(cfgs[1:3], got):
         run = dry_run(tied_frozen_reused, token_loss, random_batch(0, 0, B), cfg, 2)
-        for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
-                                 ("first step", run.first_step_peak, real["steps"][0]),
+        for name, pred, meas in (("steady", run.peak, real["tracker"][1]),
+                                 ("first step", run.first_step_peak, real["tracker"][0]),
                                  ("init", run.init_peak, real["init"])):
-            # 5%: with buckets this small the real stage-3 step holds 2.4% more than predicted,
-            # as it did when the dry run still allocated bucket by bucket (same prediction)
-            assert abs(pred - meas) <= 0.05 * meas, (cfg.zero.stage, name, pred, meas)
+            assert abs(pred - meas) <= 0.02 * meas, (cfg.zero.stage, name, pred, meas)
 
 
 def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):

@@ -152,7 +152,8 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
-    precision planned when that is another (ties: the lower peak, then the lower stage). Parameter offload is planned at stage 3 only.
+    precision planned when that is another (ties: the lower peak, then the lower stage).
+    Parameter offload is planned at stage 3 only.
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every

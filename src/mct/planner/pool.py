@@ -125,8 +125,8 @@ def run_jobs(job: Callable[[int], Any], n: int, *, workers: int = 1, cost: Seque
                 failed[i] = value
     except BrokenProcessPool:
         _stop(pool, others)
-        raise WorkerDied(f"a planner worker process died (killed, or out of memory) before its dry run "
-                         f"finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
+        raise WorkerDied("a planner worker process died (killed, or out of memory) before its dry run "
+                         "finished; plan in one process with --workers 1 (mct.plan(workers=1))") from None
     except BaseException:  # Ctrl-C, an error here: the queued dry runs are not waited for
         _stop(pool, others)
         raise

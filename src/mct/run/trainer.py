@@ -33,19 +33,19 @@ from mct.planner import resolve_auto
 from mct.precision import LossScaleFloorError
 from mct.reporting.events import append_event
 from mct.reporting.metrics import MetricsWriter, write_metadata
-from mct.reporting.report import TrainSummary, summary_table  # noqa: F401 - summary_table re-exported for the CLI
+from mct.reporting.report import TrainSummary
 from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, agree_verdict
 from mct.run.faults import FaultPlan
 from mct.run.feedback import Feedback
-from mct.run.rollback import DivergenceDetector, RollbackController, TrainingStopped, Verdict  # noqa: F401
+from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 from mct.task import build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
-from mct.task.gpt import (build_model, build_model_on_meta, make_optimizer, param_groups, seeded_gpt_loss,  # noqa: F401
-                          step_batches)
+# build_model and seeded_gpt_loss: re-exported for tests/test_trainer.py
+from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
 
 class Trainer(Feedback):

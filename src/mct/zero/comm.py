@@ -34,6 +34,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+BUCKETS_AS_ONE = True
+"""Simulated collectives allocate a many-bucket collective's temporaries as one tensor
+(False: bucket by bucket, as the real run; the same bytes, tests compare the two)."""
+
+
 @dataclass
 class CommStats:
     time_s: float = 0.0
@@ -163,7 +168,7 @@ class Comm:
             return None
         S = out.numel()
         chunks = bucket_slices(S, self.world, full.element_size(), self.bucket_bytes)
-        if self.simulated and len(chunks) > 1:
+        if self.simulated and BUCKETS_AS_ONE and len(chunks) > 1:
             # every bucket's contiguous copy of its columns is alive until wait(): one
             # tensor of their total size holds the same bytes, in O(1) fake ops
             src = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
@@ -191,12 +196,16 @@ class Comm:
         if len(chunks) == 1:
             works = [self.ops.all_gather(full, shard)]
             p = Pending(works, self.stats, full.numel() * full.element_size(), keep=[shard])
-        elif self.simulated:
+        elif self.simulated and BUCKETS_AS_ONE:
             # the buckets' receive buffers, all alive from issue until the Pending is
-            # dropped (its scatter-back holds them): one tensor of their total size
+            # dropped (the real scatter-back closure holds them): one tensor of their
+            # total size, held by a closure that moves nothing (simulated data is none)
             tmp = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
             works = [self.ops.all_gather(tmp, shard)]
-            p = Pending(works, self.stats, full.numel() * full.element_size(), lambda: tmp.numel())
+
+            def scatter_back_simulated() -> None:
+                assert tmp.numel() == full.numel()
+            p = Pending(works, self.stats, full.numel() * full.element_size(), scatter_back_simulated)
         else:
             view = full.view(self.world, S)
             tmps = [(a, b, torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device))
