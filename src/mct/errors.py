@@ -1,0 +1,60 @@
+"""One place that turns an OSError into a user's one-line error.
+
+Every command meets the file system (configs, corpora, datasets, model directories, run
+directories, exports). An `OSError` there is almost never a bug in mct: it is a missing path,
+a permission, a full disk or a damaged device. `describe` names the path, says whether mct was
+reading or writing it, and says what to do; `user_error` wraps that in the `ValueError` the CLI
+prints as `mct: error: ...` (exit 2). Nothing here imports the rest of mct.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+READ, WRITE = "read", "write"
+
+_BY_ERRNO: dict[int, str] = {
+    errno.ENOENT: "no such file or directory",
+    errno.EACCES: "permission denied (check the path's permissions and owner)",
+    errno.EPERM: "operation not permitted (check the path's permissions and owner)",
+    errno.EISDIR: "is a directory, not a file",
+    errno.ENOTDIR: "a component of the path is a file, not a directory",
+    errno.ENOSPC: "no space left on the device (free space or choose another path)",
+    errno.EDQUOT: "disk quota exceeded (free space or choose another path)",
+    errno.EROFS: "the file system is read-only (choose a writable path)",
+    errno.EIO: "I/O error (the device or the file is damaged)",
+    errno.ELOOP: "too many levels of symbolic links (a link points at itself)",
+    errno.ENAMETOOLONG: "the file name is too long",
+    errno.EMFILE: "too many open files (raise `ulimit -n`)",
+    errno.ENFILE: "too many open files in the system",
+    errno.EEXIST: "already exists",
+    errno.ENOTEMPTY: "the directory is not empty",
+    errno.EXDEV: "cannot rename across file systems",
+}
+
+
+def describe(e: OSError, path: str | os.PathLike | None = None, action: str = READ) -> str:
+    """A one-line description of `e` met while `action` ("read" or "write") `path`.
+
+    The path is `path` when given, else the error's own filename. A dangling symbolic link is
+    named as one (the OS only says "no such file"), and a missing parent is told apart from a
+    missing file when writing.
+    """
+    where = Path(path) if path is not None else (Path(e.filename) if e.filename else None)
+    what = _BY_ERRNO.get(e.errno or -1, e.strerror or type(e).__name__)
+    if where is not None and e.errno == errno.ENOENT:
+        if where.is_symlink():
+            what = f"a dangling symbolic link (it points at {os.readlink(where)!r}, which does not exist)"
+        elif action == WRITE and not where.parent.exists():
+            what = f"its parent directory {str(where.parent)!r} does not exist (create it first)"
+    verb = "cannot write" if action == WRITE else "cannot read"
+    return f"{verb} {str(where)!r}: {what}" if where is not None else f"{verb}: {what}"
+
+
+def user_error(e: OSError, path: str | os.PathLike | None = None, action: str = READ) -> ValueError:
+    """`describe(e, path, action)` as the ValueError the CLI prints as one line (exit 2)."""
+    err = ValueError(describe(e, path, action))
+    err.__cause__ = e
+    return err
