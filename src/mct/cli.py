@@ -313,7 +313,7 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.run.sample import sample
+    from mct.run.generate import sample
     print(sample(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed))
     return 0
 
@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         code = handler(args, argv)
     except ValueError as e:
         code, line = 2, "mct: error: " + " ".join(str(e).split())  # one line, whatever the message held
+    except OSError as e:  # a path the user named: missing, denied, full, damaged (mct.errors)
+        from mct.errors import describe
+        code, line = 2, "mct: error: " + " ".join(describe(e).split())
     except KeyboardInterrupt:
         code = 130
     link.finish(code, line)  # a no-op when train's worker already reported

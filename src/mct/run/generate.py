@@ -1,4 +1,4 @@
-"""``mct sample RUN_DIR``: text from a run's final weights, so a person sees what the
+"""``mct sample RUN_DIR``: text generated from a run's final weights, so a person sees what the
 model learned.
 
 The model is the run's own (``model.source`` of its recorded config; an ``hf:`` run is
