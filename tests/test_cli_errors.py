@@ -8,6 +8,7 @@ prints the table (command, exit code, message) as the tests run it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,22 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.d
         "--set", "model.seq_len=16", "--set", "data.micro_batch_size=2", "--set", "train.steps=2",
         "--set", "train.eval_every=0", "--set", "data.path={corpus}"]
 TRAIN = ["train", "--no-progress", "--run-dir", "{run}", *TINY]
+HF_TRAIN = ["train", "--no-progress", "--run-dir", "{run}", "--set", "model.seq_len=16", "--set",
+            "data.micro_batch_size=2", "--set", "train.steps=2", "--set", "train.eval_every=0", "--set",
+            "data.path={corpus}", "--model"]  # + hf:{tmp}/hf_<name> (a config.json of HF_CONFIGS)
+_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2}
+_BERT = {"model_type": "bert", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
+HF_CONFIGS: dict[str, object] = {
+    "auto_map": {**_GPT2, "auto_map": {"AutoModelForCausalLM": "modeling_mine.MyModel"}},
+    "bert": _BERT, "layers_negative": {**_GPT2, "n_layer": -1}, "width_null": {**_GPT2, "n_embd": None},
+    "width_string": {**_GPT2, "n_embd": "32"}, "heads_3": {**_GPT2, "n_head": 3},
+    "kv_heads_3": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3},
+    "eps_string": {**_GPT2, "layer_norm_epsilon": "x"}, "dropout_2": {**_GPT2, "resid_pdrop": 2},
+    "act_int": {**_GPT2, "activation_function": 5}, "act_unknown": {**_GPT2, "activation_function": "nope"},
+    "json_null": None,
+}
 
 # (case id, argv after `mct`, a fragment the one error line must contain)
 CASES: list[tuple[str, list[str], str]] = [
@@ -130,6 +147,20 @@ CASES: list[tuple[str, list[str], str]] = [
     ("export-onto-fifo", ["export", "{tmp}/emptied_run", "--out", "{tmp}/fifo", "--force"], "a FIFO"),
     ("export-onto-run-metadata", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/metadata.json",
                                   "--force"], "own files"),
+    ("hf-auto-map-custom-code", [*HF_TRAIN, "hf:{tmp}/hf_auto_map"], "has auto_map"),
+    ("hf-bert-not-a-decoder", [*HF_TRAIN, "hf:{tmp}/hf_bert"], "is_decoder"),
+    ("hf-layers-negative", [*HF_TRAIN, "hf:{tmp}/hf_layers_negative"], "n_layer = -1 must be a positive integer"),
+    ("hf-field-null", [*HF_TRAIN, "hf:{tmp}/hf_width_null"], "n_embd = null must be"),
+    ("hf-field-wrong-type", [*HF_TRAIN, "hf:{tmp}/hf_width_string"], 'n_embd = "32" must be'),
+    ("hf-heads-not-divisor", [*HF_TRAIN, "hf:{tmp}/hf_heads_3"], "not divisible by num_attention_heads = 3"),
+    ("hf-kv-heads-not-divisor", [*HF_TRAIN, "hf:{tmp}/hf_kv_heads_3"], "not divisible by num_key_value_heads = 3"),
+    ("hf-eps-string", [*HF_TRAIN, "hf:{tmp}/hf_eps_string"], "layer_norm_epsilon"),
+    ("hf-dropout-above-one", [*HF_TRAIN, "hf:{tmp}/hf_dropout_2"], "resid_pdrop = 2 must be a probability"),
+    ("hf-activation-int", [*HF_TRAIN, "hf:{tmp}/hf_act_int"], "activation_function"),
+    ("hf-activation-unknown", [*HF_TRAIN, "hf:{tmp}/hf_act_unknown"], "cannot build a model"),
+    ("hf-config-json-null", [*HF_TRAIN, "hf:{tmp}/hf_json_null"], "holds a JSON null"),
+    ("hf-config-nested-deep", [*HF_TRAIN, "hf:{tmp}/hf_deep"], "nests its JSON too deeply"),
+    ("plan-hf-bert-not-a-decoder", ["plan", "--model", "hf:{tmp}/hf_bert"], "is_decoder"),
     ("export-into-checkpoints", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/checkpoints/w"],
      "own files"),
 ]
@@ -153,6 +184,11 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     (tmp / "emptied_run" / "checkpoints").mkdir(parents=True)  # a run that saved every 2 steps, all deleted
     (tmp / "emptied_run" / "metadata.json").write_text('{"world_size": 1, "config": {"train": {"checkpoint_every": 2}}}')
     (tmp / "link").symlink_to(tmp / "broken.toml")
+    for name, config in HF_CONFIGS.items():
+        (tmp / f"hf_{name}").mkdir()
+        (tmp / f"hf_{name}" / "config.json").write_text(json.dumps(config))
+    (tmp / "hf_deep").mkdir()
+    (tmp / "hf_deep" / "config.json").write_text("[" * 100_000)
     return {"tmp": str(tmp), "corpus": str(corpus), "run": str(tmp / "run")}
 
 

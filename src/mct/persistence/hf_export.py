@@ -26,7 +26,7 @@ import torch
 
 from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN
-from mct.persistence.export import pick_checkpoint
+from mct.persistence.export import check_outside_runs, pick_checkpoint
 from mct.persistence.files import fsync_dir, read_json
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.task.hf import TOKENIZER_FILES
@@ -203,6 +203,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
         raise ValueError(f"--out {str(out)!r} exists and is not an empty directory; pass a new directory")
     if not out.parent.is_dir():
         raise ValueError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
+    check_outside_runs(out, example="exported-hf")
     path, warning = pick_checkpoint(source)
     assets = _assets_of(path)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
