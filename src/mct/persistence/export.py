@@ -127,6 +127,18 @@ RUN_FOLDERS = ("checkpoints", "hf")
 old checkpoints are pruned): nothing a user keeps may go there."""
 
 
+def check_parent(out: Path) -> None:
+    """Raise ValueError (one line) unless ``out``'s parent is an existing directory."""
+    parent = out.parent
+    if parent.is_dir():
+        return
+    found = next((p for p in [parent, *parent.parents] if os.path.lexists(p)), parent)
+    why = ("is a dangling symbolic link" if found.is_symlink() and not found.exists() else
+           "is a file, not a directory" if found.exists() and not found.is_dir() else "does not exist")
+    shown = parent if why == "does not exist" else found
+    raise ValueError(f"--out {str(out)!r}: {str(shown)!r} {why}; pass a path in an existing directory")
+
+
 def check_outside_runs(out: Path, example: str = "export.safetensors") -> None:
     """Raise ValueError (one line) when ``out`` (a file or directory to create) is part of
     a run's own tree: inside a checkpoint, anywhere under a run's subfolders
@@ -158,8 +170,7 @@ def check_target(out: Path, force: bool) -> None:
     shown = repr(str(out))
     if out.is_dir() and not out.is_symlink():
         raise ValueError(f"--out {shown} is a directory; pass a file name such as model.safetensors")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {shown}: directory {str(out.parent)!r} does not exist")
+    check_parent(out)
     if os.path.lexists(out):
         mode = os.lstat(out).st_mode
         if not stat.S_ISREG(mode):
