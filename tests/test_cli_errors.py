@@ -217,6 +217,77 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
 
 
+# (case id, argv after `mct`, fragment) against one trained tiny hf: run and its damaged copies
+# (tests/test_hf_inputs.py::probe_runs): exports, samples and init-from sources.
+HF_RUN_TRAIN = ["train", "--no-progress", "--run-dir", "{root}/new_run", "--model", "hf:{src}", "--set",
+                "model.seq_len=16", "--set", "data.path={dataset}", "--set", "train.steps=1", "--set",
+                "train.eval_every=0"]
+RUN_CASES: list[tuple[str, list[str], str]] = [
+    ("export-hf-into-the-runs-hf-dir", ["export", "{run}", "--format", "hf", "--out", "{run}/hf/exported"],
+     "own files"),
+    ("export-hf-into-checkpoints", ["export", "{run}", "--format", "hf", "--out", "{run}/checkpoints/mine"],
+     "own files"),
+    ("export-onto-the-runs-tokenizer", ["export", "{run}", "--out", "{run}/tokenizer.json", "--force"], "own files"),
+    ("export-hf-parent-is-a-file", ["export", "{run}", "--format", "hf", "--out", "{a_file}/x"], "is a file"),
+    ("export-parent-is-a-file", ["export", "{run}", "--out", "{a_file}/x.safetensors"], "is a file"),
+    ("export-told-to-resume", ["export", "{run}", "--out", "{root}/w.safetensors", "--resume"], "no --resume"),
+    ("export-shard-size-beyond-float", ["export", "{run}", "--format", "hf", "--out", "{root}/x",
+                                        "--max-shard-size", "1e400GB"], "--max-shard-size"),
+    ("sample-tokens-huge", ["sample", "{run}", "--tokens", "1000000000000"], "between 1 and 100,000"),
+    ("sample-temperature-denormal", ["sample", "{run}", "--temperature", "1e-320"], "below 0.0001"),
+    ("sample-temperature-negative", ["sample", "{run}", "--temperature", "-1"], "finite number >= 0"),
+    ("sample-temperature-nan", ["sample", "{run}", "--temperature", "nan"], "got nan"),
+    ("sample-prompt-beyond-vocab", ["sample", "{bytes_run}", "--prompt", "caf\u00e9".encode().decode(
+        "unicode_escape")], "beyond the model's vocabulary of 128 ids"),
+    ("sample-truncated-weights", ["sample", "{truncated_run}"], "not a readable safetensors file"),
+    ("sample-wrong-shaped-weights", ["sample", "{wrong_run}"], "transformer.wte.weight has shape [100, 32]"),
+    ("sample-no-tokenizer", ["sample", "{notok_run}"], "has no tokenizer.json"),
+    ("sample-not-a-run", ["sample", "{a_file}"], "not a run directory"),
+    ("init-from-missing-shard", [*HF_RUN_TRAIN, "--init-from", "{sharded}"], "not in the directory"),
+    ("init-from-truncated", [*HF_RUN_TRAIN, "--init-from", "{truncated_hf}"], "not a readable safetensors file"),
+    ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),
+    ("init-from-uppercase-suffix-missing", [*HF_RUN_TRAIN, "--init-from", "{root}/none.SAFETENSORS"],
+     "no such directory or .safetensors file"),
+]
+
+
+def test_an_oserror_is_one_line_naming_the_path_and_direction(monkeypatch, capsys):
+    """The funnel: an OSError no command turned into a message still ends as one line
+    (mct.errors.describe), read vs write and missing vs denied told apart."""
+    import errno
+    import mct.cli
+    for err, fragment in ((PermissionError(errno.EACCES, "Permission denied", "/x/y"), "cannot read '/x/y': permission"),
+                          (FileNotFoundError(errno.ENOENT, "No such file", "/x/z"), "cannot read '/x/z': no such file"),
+                          (OSError(errno.EIO, "Input/output error", "/x/w"), "I/O error")):
+        def fail(args, argv, err=err):
+            raise err
+        monkeypatch.setattr(mct.cli, "cmd_report", fail)
+        assert main(["report", "anything"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mct: error:") and fragment in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def hf_probe(tmp_path_factory) -> dict[str, str]:
+    pytest.importorskip("transformers")
+    from tests.test_hf_inputs import probe_runs
+    return probe_runs(tmp_path_factory.mktemp("cli_hf"))
+
+
+@pytest.mark.parametrize("case", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_bad_use_of_a_run_is_one_line_exit_2_and_writes_nothing(case, hf_probe, capsys):
+    _, argv, fragment = case
+    root = Path(hf_probe["root"])
+    before = sorted((p.relative_to(root), p.lstat().st_size) for p in root.rglob("*"))
+    rc, lines, err = _run_case(argv, hf_probe, capsys)
+    assert rc == 2, err
+    errors = [line for line in lines if line.startswith("mct: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert fragment in errors[0], errors[0]
+    assert [line for line in lines if not line.startswith(("mct: error:", "mct: warning:"))] == [], err
+    assert sorted((p.relative_to(root), p.lstat().st_size) for p in root.rglob("*")) == before, "files changed"
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true", *TINY],
      "memory budget exceeded"),

@@ -81,6 +81,7 @@ def probe_runs(root: Path) -> dict[str, str]:
     shutil.copyfile(run / "hf" / "config.json", root / "truncated_hf" / "config.json")
     (root / "truncated_hf" / "model.safetensors").write_bytes(weights[:len(weights) // 2])
     (root / "a_file").write_text("not a directory\n")
+    (root / "link").symlink_to(root / "nowhere")
     return {"run": str(run), "src": str(src), "dataset": str(root / "dataset"), "root": str(root),
             **{k: str(v) for k, v in copies.items()}, "sharded": str(root / "sharded"),
             "truncated_hf": str(root / "truncated_hf"), "a_file": str(root / "a_file")}
@@ -185,3 +186,10 @@ def test_resume_builds_the_model_from_the_runs_own_config(probe, tmp_path):
         away.rename(src)
     assert (runs[0] / "model.safetensors").read_bytes() == (runs[1] / "model.safetensors").read_bytes()
     assert json.loads((runs[0] / "hf" / "config.json").read_text())["activation_function"] != "relu"
+
+
+def test_init_from_reads_a_safetensors_file_whatever_the_case_of_its_suffix(probe, tmp_path):
+    from mct.persistence.init_from import open_source
+    upper = tmp_path / "weights.SAFETENSORS"
+    shutil.copyfile(Path(probe["run"]) / "model.safetensors", upper)
+    assert "transformer.wte.weight" in open_source(upper).shapes

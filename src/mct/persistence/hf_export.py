@@ -238,6 +238,8 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(DTYPES)}")
     out = Path(out)
+    if out.is_symlink():
+        raise ValueError(f"--out {str(out)!r} is a symbolic link; mct export writes a new directory: pass a new name")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {str(out)!r} exists and is not an empty directory; pass a new directory")
     check_parent(out)
