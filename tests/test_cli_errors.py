@@ -267,6 +267,23 @@ def test_an_oserror_is_one_line_naming_the_path_and_direction(monkeypatch, capsy
         assert len(lines) == 1 and lines[0].startswith("mct: error:") and fragment in lines[0], lines
 
 
+def test_an_oserror_while_training_says_read_or_write(tmp_path):
+    """A run's OS error names its path and direction: a corpus it cannot read is not
+    called a write needing free space; a full disk in the run directory is a write."""
+    import errno
+    from mct.run.worker import _place_message
+    cfg = load_config(None, [])
+    run = tmp_path / "run"
+    read = _place_message(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "corpus.txt")),
+                          str(run), cfg)
+    assert read.startswith(f"cannot read '{tmp_path / 'corpus.txt'}': permission denied"), read
+    full = _place_message(OSError(errno.ENOSPC, "No space left", str(run / "checkpoints" / "x")), str(run), cfg)
+    assert full.startswith("cannot write") and "no space left" in full, full
+    denied = _place_message(PermissionError(errno.EACCES, "Permission denied", str(run / "metrics.jsonl")),
+                            str(run), cfg)
+    assert denied.startswith("cannot write") and "permission denied" in denied, denied
+
+
 @pytest.fixture(scope="module")
 def hf_probe(tmp_path_factory) -> dict[str, str]:
     pytest.importorskip("transformers")
