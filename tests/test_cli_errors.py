@@ -243,6 +243,7 @@ RUN_CASES: list[tuple[str, list[str], str]] = [
     ("sample-wrong-shaped-weights", ["sample", "{wrong_run}"], "transformer.wte.weight has shape [100, 32]"),
     ("sample-no-tokenizer", ["sample", "{notok_run}"], "has no tokenizer.json"),
     ("sample-not-a-run", ["sample", "{a_file}"], "not a run directory"),
+    ("sample-metadata-damaged", ["sample", "{damaged_meta_run}"], "holds no run config"),
     ("init-from-missing-shard", [*HF_RUN_TRAIN, "--init-from", "{sharded}"], "not in the directory"),
     ("init-from-truncated", [*HF_RUN_TRAIN, "--init-from", "{truncated_hf}"], "not a readable safetensors file"),
     ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),

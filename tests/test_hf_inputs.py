@@ -82,9 +82,12 @@ def probe_runs(root: Path) -> dict[str, str]:
     (root / "truncated_hf" / "model.safetensors").write_bytes(weights[:len(weights) // 2])
     (root / "a_file").write_text("not a directory\n")
     (root / "link").symlink_to(root / "nowhere")
+    (root / "damaged_meta_run").mkdir()
+    (root / "damaged_meta_run" / "metadata.json").write_text('{"world_size": 1}')
     return {"run": str(run), "src": str(src), "dataset": str(root / "dataset"), "root": str(root),
             **{k: str(v) for k, v in copies.items()}, "sharded": str(root / "sharded"),
-            "truncated_hf": str(root / "truncated_hf"), "a_file": str(root / "a_file")}
+            "truncated_hf": str(root / "truncated_hf"), "a_file": str(root / "a_file"),
+            "damaged_meta_run": str(root / "damaged_meta_run")}
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,9 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except OSError as e:
+                raise user_error(e, index) from None
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 raise ValueError(f"--init-from {str(path)!r}: {index.name} is not a safetensors index ({e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise ValueError(f"--init-from {str(path)!r}: {index.name}'s weight_map is not an object of "

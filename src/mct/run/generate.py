@@ -82,7 +82,10 @@ def _run_config(run_dir: Path) -> EngineConfig:
     if not meta.is_file():
         raise ValueError(f"{str(run_dir)!r} is not a run directory (no metadata.json); pass a directory made by "
                          f"mct train")
-    d = read_json(meta)["config"]
+    recorded = read_json(meta)
+    d = recorded.get("config") if isinstance(recorded, dict) else None
+    if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
+        raise ValueError(f"{meta}: holds no run config (it was damaged); restore it from a backup to sample")
     if (run_dir / "hf" / "config.json").is_file():  # the run keeps its own copy of the architecture
         d["model"]["source"] = f"hf:{run_dir / 'hf'}"
     return EngineConfig.from_dict(d)

@@ -16,11 +16,11 @@ import math
 from typing import Any
 
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-         "n_embd", "n_layer", "n_head", "max_position_embeddings", "n_positions", "n_ctx")
+         "n_embd", "n_layer", "n_head")
 """Fields that must be positive integers when present."""
 
-OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner")
-"""Positive integers, or null (transformers derives them from the others)."""
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner", "max_position_embeddings", "n_positions", "n_ctx")
+"""Positive integers, or null (transformers derives them from the others; positions: unbounded)."""
 
 POSITIVE = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps", "rope_theta")
 """Finite numbers > 0 when present (null: transformers' default)."""
