@@ -244,6 +244,8 @@ RUN_CASES: list[tuple[str, list[str], str]] = [
     ("sample-no-tokenizer", ["sample", "{notok_run}"], "has no tokenizer.json"),
     ("sample-not-a-run", ["sample", "{a_file}"], "not a run directory"),
     ("sample-metadata-damaged", ["sample", "{damaged_meta_run}"], "holds no run config"),
+    ("sample-metadata-nested-deep", ["sample", "{deep_meta_run}"], "nested too deeply"),
+    ("resume-metadata-nested-deep", ["train", "--resume", "{deep_meta_run}"], "nested too deeply"),
     ("init-from-missing-shard", [*HF_RUN_TRAIN, "--init-from", "{sharded}"], "not in the directory"),
     ("init-from-truncated", [*HF_RUN_TRAIN, "--init-from", "{truncated_hf}"], "not a readable safetensors file"),
     ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),

@@ -84,10 +84,12 @@ def probe_runs(root: Path) -> dict[str, str]:
     (root / "link").symlink_to(root / "nowhere")
     (root / "damaged_meta_run").mkdir()
     (root / "damaged_meta_run" / "metadata.json").write_text('{"world_size": 1}')
+    (root / "deep_meta_run" / "checkpoints").mkdir(parents=True)
+    (root / "deep_meta_run" / "metadata.json").write_text("[" * 100_000)
     return {"run": str(run), "src": str(src), "dataset": str(root / "dataset"), "root": str(root),
             **{k: str(v) for k, v in copies.items()}, "sharded": str(root / "sharded"),
             "truncated_hf": str(root / "truncated_hf"), "a_file": str(root / "a_file"),
-            "damaged_meta_run": str(root / "damaged_meta_run")}
+            "damaged_meta_run": str(root / "damaged_meta_run"), "deep_meta_run": str(root / "deep_meta_run")}
 
 
 @pytest.fixture(scope="module")
