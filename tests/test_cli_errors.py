@@ -8,6 +8,7 @@ prints the table (command, exit code, message) as the tests run it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,22 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.d
         "--set", "model.seq_len=16", "--set", "data.micro_batch_size=2", "--set", "train.steps=2",
         "--set", "train.eval_every=0", "--set", "data.path={corpus}"]
 TRAIN = ["train", "--no-progress", "--run-dir", "{run}", *TINY]
+HF_TRAIN = ["train", "--no-progress", "--run-dir", "{run}", "--set", "model.seq_len=16", "--set",
+            "data.micro_batch_size=2", "--set", "train.steps=2", "--set", "train.eval_every=0", "--set",
+            "data.path={corpus}", "--model"]  # + hf:{tmp}/hf_<name> (a config.json of HF_CONFIGS)
+_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_positions": 32, "n_embd": 32, "n_layer": 1, "n_head": 2}
+_BERT = {"model_type": "bert", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
+HF_CONFIGS: dict[str, object] = {
+    "auto_map": {**_GPT2, "auto_map": {"AutoModelForCausalLM": "modeling_mine.MyModel"}},
+    "bert": _BERT, "layers_negative": {**_GPT2, "n_layer": -1}, "width_null": {**_GPT2, "n_embd": None},
+    "width_string": {**_GPT2, "n_embd": "32"}, "heads_3": {**_GPT2, "n_head": 3},
+    "kv_heads_3": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3},
+    "eps_string": {**_GPT2, "layer_norm_epsilon": "x"}, "dropout_2": {**_GPT2, "resid_pdrop": 2},
+    "act_int": {**_GPT2, "activation_function": 5}, "act_unknown": {**_GPT2, "activation_function": "nope"},
+    "json_null": None,
+}
 
 # (case id, argv after `mct`, a fragment the one error line must contain)
 CASES: list[tuple[str, list[str], str]] = [
@@ -130,6 +147,20 @@ CASES: list[tuple[str, list[str], str]] = [
     ("export-onto-fifo", ["export", "{tmp}/emptied_run", "--out", "{tmp}/fifo", "--force"], "a FIFO"),
     ("export-onto-run-metadata", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/metadata.json",
                                   "--force"], "own files"),
+    ("hf-auto-map-custom-code", [*HF_TRAIN, "hf:{tmp}/hf_auto_map"], "has auto_map"),
+    ("hf-bert-not-a-decoder", [*HF_TRAIN, "hf:{tmp}/hf_bert"], "is_decoder"),
+    ("hf-layers-negative", [*HF_TRAIN, "hf:{tmp}/hf_layers_negative"], "n_layer = -1 must be a positive integer"),
+    ("hf-field-null", [*HF_TRAIN, "hf:{tmp}/hf_width_null"], "n_embd = null must be"),
+    ("hf-field-wrong-type", [*HF_TRAIN, "hf:{tmp}/hf_width_string"], 'n_embd = "32" must be'),
+    ("hf-heads-not-divisor", [*HF_TRAIN, "hf:{tmp}/hf_heads_3"], "not divisible by num_attention_heads = 3"),
+    ("hf-kv-heads-not-divisor", [*HF_TRAIN, "hf:{tmp}/hf_kv_heads_3"], "not divisible by num_key_value_heads = 3"),
+    ("hf-eps-string", [*HF_TRAIN, "hf:{tmp}/hf_eps_string"], "layer_norm_epsilon"),
+    ("hf-dropout-above-one", [*HF_TRAIN, "hf:{tmp}/hf_dropout_2"], "resid_pdrop = 2 must be a probability"),
+    ("hf-activation-int", [*HF_TRAIN, "hf:{tmp}/hf_act_int"], "activation_function"),
+    ("hf-activation-unknown", [*HF_TRAIN, "hf:{tmp}/hf_act_unknown"], "cannot build a model"),
+    ("hf-config-json-null", [*HF_TRAIN, "hf:{tmp}/hf_json_null"], "holds a JSON null"),
+    ("hf-config-nested-deep", [*HF_TRAIN, "hf:{tmp}/hf_deep"], "nests its JSON too deeply"),
+    ("plan-hf-bert-not-a-decoder", ["plan", "--model", "hf:{tmp}/hf_bert"], "is_decoder"),
     ("export-into-checkpoints", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/checkpoints/w"],
      "own files"),
 ]
@@ -153,6 +184,11 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     (tmp / "emptied_run" / "checkpoints").mkdir(parents=True)  # a run that saved every 2 steps, all deleted
     (tmp / "emptied_run" / "metadata.json").write_text('{"world_size": 1, "config": {"train": {"checkpoint_every": 2}}}')
     (tmp / "link").symlink_to(tmp / "broken.toml")
+    for name, config in HF_CONFIGS.items():
+        (tmp / f"hf_{name}").mkdir()
+        (tmp / f"hf_{name}" / "config.json").write_text(json.dumps(config))
+    (tmp / "hf_deep").mkdir()
+    (tmp / "hf_deep" / "config.json").write_text("[" * 100_000)
     return {"tmp": str(tmp), "corpus": str(corpus), "run": str(tmp / "run")}
 
 
@@ -179,6 +215,97 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
     assert fragment in errors[0], errors[0]
     assert [line for line in lines if not line.startswith(("mct: error:", "mct: warning:"))] == [], err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
+
+
+# (case id, argv after `mct`, fragment) against one trained tiny hf: run and its damaged copies
+# (tests/test_hf_inputs.py::probe_runs): exports, samples and init-from sources.
+HF_RUN_TRAIN = ["train", "--no-progress", "--run-dir", "{root}/new_run", "--model", "hf:{src}", "--set",
+                "model.seq_len=16", "--set", "data.path={dataset}", "--set", "train.steps=1", "--set",
+                "train.eval_every=0"]
+RUN_CASES: list[tuple[str, list[str], str]] = [
+    ("export-hf-into-the-runs-hf-dir", ["export", "{run}", "--format", "hf", "--out", "{run}/hf/exported"],
+     "own files"),
+    ("export-hf-into-checkpoints", ["export", "{run}", "--format", "hf", "--out", "{run}/checkpoints/mine"],
+     "own files"),
+    ("export-onto-the-runs-tokenizer", ["export", "{run}", "--out", "{run}/tokenizer.json", "--force"], "own files"),
+    ("export-hf-parent-is-a-file", ["export", "{run}", "--format", "hf", "--out", "{a_file}/x"], "is a file"),
+    ("export-parent-is-a-file", ["export", "{run}", "--out", "{a_file}/x.safetensors"], "is a file"),
+    ("export-told-to-resume", ["export", "{run}", "--out", "{root}/w.safetensors", "--resume"], "no --resume"),
+    ("export-shard-size-beyond-float", ["export", "{run}", "--format", "hf", "--out", "{root}/x",
+                                        "--max-shard-size", "1e400GB"], "--max-shard-size"),
+    ("sample-tokens-huge", ["sample", "{run}", "--tokens", "1000000000000"], "between 1 and 100,000"),
+    ("sample-temperature-denormal", ["sample", "{run}", "--temperature", "1e-320"], "below 0.0001"),
+    ("sample-temperature-negative", ["sample", "{run}", "--temperature", "-1"], "finite number >= 0"),
+    ("sample-temperature-nan", ["sample", "{run}", "--temperature", "nan"], "got nan"),
+    ("sample-prompt-beyond-vocab", ["sample", "{bytes_run}", "--prompt", "caf\u00e9".encode().decode(
+        "unicode_escape")], "beyond the model's vocabulary of 128 ids"),
+    ("sample-truncated-weights", ["sample", "{truncated_run}"], "not a readable safetensors file"),
+    ("sample-wrong-shaped-weights", ["sample", "{wrong_run}"], "transformer.wte.weight has shape [100, 32]"),
+    ("sample-no-tokenizer", ["sample", "{notok_run}"], "has no tokenizer.json"),
+    ("sample-not-a-run", ["sample", "{a_file}"], "not a run directory"),
+    ("sample-metadata-damaged", ["sample", "{damaged_meta_run}"], "holds no run config"),
+    ("sample-metadata-nested-deep", ["sample", "{deep_meta_run}"], "nested too deeply"),
+    ("resume-metadata-nested-deep", ["train", "--resume", "{deep_meta_run}"], "nested too deeply"),
+    ("init-from-missing-shard", [*HF_RUN_TRAIN, "--init-from", "{sharded}"], "not in the directory"),
+    ("init-from-truncated", [*HF_RUN_TRAIN, "--init-from", "{truncated_hf}"], "not a readable safetensors file"),
+    ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),
+    ("init-from-uppercase-suffix-missing", [*HF_RUN_TRAIN, "--init-from", "{root}/none.SAFETENSORS"],
+     "no such directory or .safetensors file"),
+]
+
+
+def test_an_oserror_is_one_line_naming_the_path_and_direction(monkeypatch, capsys):
+    """The funnel: an OSError no command turned into a message still ends as one line
+    (mct.errors.describe), read vs write and missing vs denied told apart."""
+    import errno
+    import mct.cli
+    for err, fragment in ((PermissionError(errno.EACCES, "Permission denied", "/x/y"), "cannot read '/x/y': permission"),
+                          (FileNotFoundError(errno.ENOENT, "No such file", "/x/z"), "cannot read '/x/z': no such file"),
+                          (OSError(errno.EIO, "Input/output error", "/x/w"), "I/O error")):
+        def fail(args, argv, err=err):
+            raise err
+        monkeypatch.setattr(mct.cli, "cmd_report", fail)
+        assert main(["report", "anything"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mct: error:") and fragment in lines[0], lines
+
+
+def test_an_oserror_while_training_says_read_or_write(tmp_path):
+    """A run's OS error names its path and direction: a corpus it cannot read is not
+    called a write needing free space; a full disk in the run directory is a write."""
+    import errno
+    from mct.run.worker import _place_message
+    cfg = load_config(None, [])
+    run = tmp_path / "run"
+    read = _place_message(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "corpus.txt")),
+                          str(run), cfg)
+    assert read.startswith(f"cannot read '{tmp_path / 'corpus.txt'}': permission denied"), read
+    full = _place_message(OSError(errno.ENOSPC, "No space left", str(run / "checkpoints" / "x")), str(run), cfg)
+    assert full.startswith("cannot write") and "no space left" in full, full
+    denied = _place_message(PermissionError(errno.EACCES, "Permission denied", str(run / "metrics.jsonl")),
+                            str(run), cfg)
+    assert denied.startswith("cannot write") and "permission denied" in denied, denied
+
+
+@pytest.fixture(scope="module")
+def hf_probe(tmp_path_factory) -> dict[str, str]:
+    pytest.importorskip("transformers")
+    from tests.test_hf_inputs import probe_runs
+    return probe_runs(tmp_path_factory.mktemp("cli_hf"))
+
+
+@pytest.mark.parametrize("case", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_bad_use_of_a_run_is_one_line_exit_2_and_writes_nothing(case, hf_probe, capsys):
+    _, argv, fragment = case
+    root = Path(hf_probe["root"])
+    before = sorted((p.relative_to(root), p.lstat().st_size) for p in root.rglob("*"))
+    rc, lines, err = _run_case(argv, hf_probe, capsys)
+    assert rc == 2, err
+    errors = [line for line in lines if line.startswith("mct: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert fragment in errors[0], errors[0]
+    assert [line for line in lines if not line.startswith(("mct: error:", "mct: warning:"))] == [], err
+    assert sorted((p.relative_to(root), p.lstat().st_size) for p in root.rglob("*")) == before, "files changed"
 
 
 @pytest.mark.parametrize("argv,fragment", [

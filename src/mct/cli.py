@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="fp32", help="--format hf: the weights' dtype, fp32 or bf16")
     e.add_argument("--max-shard-size", default="2GB", help="--format hf: the largest safetensors file; more "
                    "weights are split into shards listed by model.safetensors.index.json")
+    e.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # refused in one clear line
     sm = sub.add_parser("sample", help="text from a run's final weights, with its tokenizer", **kw)
     sm.add_argument("run_dir", help="a directory made by `mct train`")
     sm.add_argument("--prompt", default="", help="text the sample continues (default: a newline)")
@@ -296,6 +297,9 @@ def _note(msg: str) -> None:
 
 def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.config import parse_bytes
+    if args.resume:
+        raise ValueError("mct export has no --resume: each export reads the run's newest complete checkpoint "
+                         "whole, into a new --out; `mct train --resume RUN_DIR` continues training")
     if args.format == "hf":
         from mct.persistence.hf_export import export_hf
         path, warning = export_hf(args.source, args.out, args.dtype, parse_bytes(args.max_shard_size,
@@ -313,8 +317,12 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.run.sample import sample
-    print(sample(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed))
+    from mct.run.generate import sample_text
+    text, made, interrupted = sample_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed)
+    print(text)
+    if interrupted:  # Ctrl-C: what was generated is kept (printed above)
+        _note(f"interrupted after {made} of {args.tokens} tokens")
+        return 130
     return 0
 
 
@@ -474,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         code = handler(args, argv)
     except ValueError as e:
         code, line = 2, "mct: error: " + " ".join(str(e).split())  # one line, whatever the message held
+    except OSError as e:  # a path the user named: missing, denied, full, damaged (mct.errors)
+        from mct.errors import describe
+        code, line = 2, "mct: error: " + " ".join(describe(e).split())
     except KeyboardInterrupt:
         code = 130
     link.finish(code, line)  # a no-op when train's worker already reported

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mct.errors import user_error
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that renames and new entries in it survive a crash."""
@@ -61,11 +63,15 @@ def read_json(path: str | os.PathLike) -> Any:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise user_error(e, path) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply to read)") from None
 
 
 def file_digest(path: str | os.PathLike) -> dict[str, Any]:

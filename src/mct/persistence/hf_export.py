@@ -24,9 +24,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from mct.errors import READ, WRITE, user_error
 from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN
-from mct.persistence.export import pick_checkpoint
+from mct.persistence.export import check_outside_runs, check_parent, pick_checkpoint
 from mct.persistence.files import fsync_dir, read_json
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.task.hf import TOKENIZER_FILES
@@ -35,18 +36,49 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 """--dtype -> (torch dtype, safetensors dtype, config.json dtype)."""
 
 
-def copy_hf_assets(source_dir: str | Path, dest: str | Path) -> None:
+def copy_hf_assets(source_dir: str | Path, dest: str | Path, tokenizer: str | Path | None = None) -> str | None:
     """Copy config.json and the tokenizer files ``source_dir`` has into ``dest``
-    (created). Raises ValueError (one line) when config.json cannot be copied."""
-    dest = Path(dest)
+    (created). ``tokenizer``: the tokenizer.json the model is trained with (a run's own,
+    from its dataset), when known. Where it differs from ``source_dir``'s own, the
+    directory's tokenizer files would encode text as ids the model never saw: ``dest``
+    gets ``tokenizer`` as its tokenizer.json and none of the directory's tokenizer files,
+    and a warning saying so is returned (else None). Raises ValueError (one line) when a
+    file cannot be copied."""
+    dest, source_dir = Path(dest), Path(source_dir)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *TOKENIZER_FILES):
-        src = Path(source_dir) / name
-        if src.is_file():
-            try:
-                shutil.copyfile(src, dest / name)
-            except OSError as e:
-                raise ValueError(f"cannot copy {src} into {dest} ({e.strerror or e})") from None
+    own = [n for n in TOKENIZER_FILES if n != "generation_config.json" and (source_dir / n).is_file()]
+    differs = tokenizer is not None and _bytes(Path(tokenizer)) != _bytes(source_dir / "tokenizer.json")
+    names, note = ("config.json", *TOKENIZER_FILES), None
+    if differs:
+        names = ("config.json", "generation_config.json")
+        if own:
+            note = (f"the run trains on the ids of its dataset's tokenizer, which is not {str(source_dir)!r}'s own "
+                    f"({', '.join(own)}): the run's Hugging Face directory (and mct export --format hf) get the "
+                    f"tokenizer.json the model is trained with, and none of the model directory's tokenizer files")
+    for name in names:
+        if (source_dir / name).is_file():
+            _copy(source_dir / name, dest / name)
+    if differs:
+        _copy(Path(tokenizer), dest / "tokenizer.json")
+    return note
+
+
+def _bytes(path: Path) -> bytes | None:
+    """The file's bytes, None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise user_error(e, path) from None
+
+
+def _copy(src: Path, dst: Path) -> None:
+    try:
+        shutil.copyfile(src, dst)
+    except OSError as e:
+        action = WRITE if e.filename is not None and Path(e.filename) == dst else READ
+        raise user_error(e, dst if action == WRITE else src, action) from None
 
 
 def _assets_of(checkpoint: Path) -> Path:
@@ -106,8 +138,12 @@ class _Chunks:
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.dir}: chunk {key}@{c0} is stored transformed ({info.transform_descriptors}); "
                              f"export it with --out FILE.safetensors")
-        with open(self.dir / info.relative_path, "rb") as f:
-            t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        try:
+            with open(self.dir / info.relative_path, "rb") as f:
+                t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                               weights_only=True)
+        except OSError as e:
+            raise user_error(e, self.dir / info.relative_path, READ) from None
         self._held = (key, c0, t.reshape(-1))
         return self._held[2]
 
@@ -167,8 +203,9 @@ def _write_safetensors(path: Path, entries: list[tuple], dtype: torch.dtype,
     return writer.nbytes - writer.base
 
 
-def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> None:
-    """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``."""
+def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> str | None:
+    """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``,
+    with the tokenizer the run trained with (``copy_hf_assets``). Returns its warning."""
     torch_dtype, config_dtype = DTYPES[dtype]
     element = torch_dtype.itemsize
     entries = _entries(checkpoint)
@@ -183,11 +220,13 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    copy_hf_assets(assets, out)
+    trained_with = checkpoint.parent.parent / "tokenizer.json"  # the run's own (mct.data.copy_tokenizer)
+    note = copy_hf_assets(assets, out, tokenizer=trained_with if trained_with.is_file() else None)
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     config["dtype"] = config_dtype  # what the weights hold; from_pretrained reads it
     config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return note
 
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
@@ -199,22 +238,25 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(DTYPES)}")
     out = Path(out)
+    if out.is_symlink():
+        raise ValueError(f"--out {str(out)!r} is a symbolic link; mct export writes a new directory: pass a new name")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {str(out)!r} exists and is not an empty directory; pass a new directory")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
+    check_parent(out)
+    check_outside_runs(out, example="exported-hf")
     path, warning = pick_checkpoint(source)
     assets = _assets_of(path)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        write_hf(path, tmp, assets, dtype, max_shard_bytes)
+        tmp.mkdir()
+        note = write_hf(path, tmp, assets, dtype, max_shard_bytes)
+        warning = "; ".join(w for w in (warning, note) if w) or None
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
-    except OSError as e:
-        raise ValueError(f"--out {str(out)!r}: cannot write ({e.strerror or e})") from None
+    except OSError as e:  # reads of the checkpoint are named by _Chunks: what is left is writing
+        raise user_error(e, e.filename or out, WRITE) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(out.parent)

@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from mct.errors import user_error
+
 Read = Callable[[str, int, int], torch.Tensor]
 """(name, start, end) -> fp32 1-D elements [start, end) of the flattened tensor."""
 
@@ -39,9 +41,19 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except OSError as e:
+                raise user_error(e, index) from None
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 raise ValueError(f"--init-from {str(path)!r}: {index.name} is not a safetensors index ({e})") from None
-            return {name: path / file for name, file in weight_map.items()}
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"--init-from {str(path)!r}: {index.name}'s weight_map is not an object of "
+                                 f"file names")
+            files = {name: path / file for name, file in weight_map.items()}
+            missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+            if missing:
+                raise ValueError(f"--init-from {str(path)!r}: {index.name} names shard(s) that are not in the "
+                                 f"directory: {', '.join(missing[:3])}; copy them there or save the model again")
+            return files
         files = [path / "model.safetensors"] if (path / "model.safetensors").is_file() else sorted(
             path.glob("*.safetensors"))
         if not files:
@@ -52,6 +64,8 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         try:
             with safe_open(str(f), framework="pt") as handle:
                 out.update({k: f for k in handle.keys()})
+        except OSError as e:
+            raise user_error(e, f) from None
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"--init-from {str(f)!r} is not a readable safetensors file ({e})") from None
     return out
@@ -66,10 +80,19 @@ class _SafetensorsSource:
         from safetensors import safe_open
         self.files = files
         self.shapes: dict[str, tuple[int, ...]] = {}
-        for f in set(files.values()):
-            with safe_open(str(f), framework="pt") as handle:
-                self.shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()
-                                    if files.get(k) == f})
+        for f in sorted(set(files.values())):
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    self.shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()
+                                        if files.get(k) == f})
+            except OSError as e:
+                raise user_error(e, f) from None
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise ValueError(f"--init-from {str(f)!r} is not a readable safetensors file ({e})") from None
+        unlisted = sorted(k for k, f in files.items() if k not in self.shapes)
+        if unlisted:
+            raise ValueError(f"--init-from: the index lists {', '.join(unlisted[:3])} in {files[unlisted[0]].name}, "
+                             f"which does not hold it; save the model again")
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor, reading the rows around them."""
@@ -124,7 +147,7 @@ def open_source(path: str | Path) -> _SafetensorsSource | _CheckpointSource:
     """The weights at ``path`` (see the module docstring). Raises ValueError (one line)
     for a path that is none of the accepted sources."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".safetensors":
+    if p.is_file() and p.suffix.lower() == ".safetensors":
         return _SafetensorsSource(_safetensors_files(p))
     if not p.is_dir():
         raise ValueError(f"--init-from {str(path)!r}: no such directory or .safetensors file; pass a Hugging Face "

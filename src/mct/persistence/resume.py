@@ -115,6 +115,11 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
         raise ValueError(f"the run's global batch is {global_micro} micro-batches per step, which {world_size} "
                          f"ranks cannot split evenly; use --nproc in {options}")
     new["data"] = {**new["data"], "grad_accum": global_micro // world_size}
+    kept = Path(run_dir) / "hf"
+    if str(new["model"].get("source", "")).startswith("hf:") and (kept / "config.json").is_file():
+        # the architecture the run has trained since it started, not the source directory (since
+        # edited or removed): RUN_DIR/hf/config.json, copied when the run began
+        new["model"] = {**new["model"], "source": f"hf:{kept}"}
     return EngineConfig.from_dict(new)
 
 

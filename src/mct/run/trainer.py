@@ -102,9 +102,11 @@ class Trainer(Feedback):
         if ctx.is_main and not resume:
             write_metadata(self.run_dir, config=self.cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
                            device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice})
-            copy_tokenizer(self.corpus, self.run_dir)
+            trained_with = copy_tokenizer(self.corpus, self.run_dir)
             if self.task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
-                copy_hf_assets(self.task.hf_dir, self.run_dir / "hf")
+                note = copy_hf_assets(self.task.hf_dir, self.run_dir / "hf", tokenizer=trained_with)
+                if note:
+                    print(f"mct: warning: {note}", file=sys.stderr)
 
     # ---- Stateful ----
     def stateful(self) -> dict[str, Any]:

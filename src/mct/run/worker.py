@@ -61,8 +61,7 @@ def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress
         elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
             code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
         elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
-            code, line = 2, (f"mct: error: cannot write {e.filename or f'in {run_dir}'} ({e.strerror}); free space "
-                             f"there or choose another place; the newest complete checkpoint is unchanged")
+            code, line = 2, f"mct: error: {_place_message(e, run_dir, cfg)}; the newest complete checkpoint is unchanged"
         else:
             raise
     finally:
@@ -90,6 +89,20 @@ def _place_failed(e: BaseException) -> bool:
     not permitted, or a file-size limit."""
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                                                   errno.EPERM, errno.EFBIG)
+
+
+def _place_message(e: OSError, run_dir: str | None, cfg: EngineConfig) -> str:
+    """``mct.errors.describe`` of ``e``, reading or writing: a full, over-quota or read-only
+    file system and anything in the run directory or offload.dir are writes; a path
+    elsewhere (the corpus, the init-from weights) is a read."""
+    from mct.errors import READ, WRITE, describe
+    if not e.filename:
+        return describe(e, run_dir, WRITE)
+    where = Path(os.path.abspath(e.filename))
+    ours = [Path(os.path.abspath(d)) for d in (run_dir, cfg.offload.dir) if d]
+    writing = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) or any(
+        d == where or d in where.parents for d in ours)
+    return describe(e, where, WRITE if writing else READ)
 
 
 def _is_out_of_memory(e: BaseException) -> bool:

@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
+from mct.errors import user_error
 from mct.models.gpt import optimizer_groups
+from mct.task.hf_checks import check_config, check_raw_config
 from mct.task.spec import Task
 from mct.task.tokens import causal_lm_loss, token_batch
 
@@ -57,12 +59,29 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"{what}: {path} is missing; a Hugging Face model directory holds config.json "
                          f"(write one with model.config.save_pretrained(DIR))")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{what}: {path} is not readable JSON ({e})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise user_error(e, path) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: {path} is not UTF-8 text ({e})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{what}: {path} nests its JSON too deeply to read; it is not a model config") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: {path} holds a JSON {_json_kind(config)}, not an object; it is not a Hugging "
+                         f"Face model config")
+    if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{what}: {path} has no 'model_type'; it is not a Hugging Face model config")
     return config
+
+
+def _json_kind(value: Any) -> str:
+    """How JSON names the type of ``value`` (``null``, not NoneType)."""
+    return {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+            list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def hf_config(directory: str | Path):
@@ -83,7 +102,13 @@ def hf_config(directory: str | Path):
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model.source = 'hf:{directory}': model_type {kind!r} has no causal-LM head in "
                          f"transformers (AutoModelForCausalLM); mct trains next-token prediction")
-    config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    check_raw_config(raw, f"hf:{directory}")
+    try:
+        config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - a user's file: transformers' and huggingface_hub's own error types
+        raise ValueError(f"model.source = 'hf:{directory}': transformers cannot read its config.json "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); fix the field it names") from None
+    check_config(config, kind, f"hf:{directory}")
     config.use_cache = False
     return config
 
@@ -134,7 +159,12 @@ def hf_task(cfg: EngineConfig, directory: str) -> Task:
 
     def model_fn() -> nn.Module:
         with _weights_initialized_on_meta(tf):
-            return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            try:
+                return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+                raise ValueError(f"model.source = 'hf:{directory}': transformers cannot build a model from its "
+                                 f"config.json ({type(e).__name__}: {' '.join(str(e).split())[:200]}); fix the "
+                                 f"field it names") from None
     return Task(model_fn=model_fn, loss_fn=causal_lm_loss, batch=token_batch(cfg),
                 param_groups=lambda m: optimizer_groups(m, cfg.train.weight_decay), label=f"hf:{directory}",
                 vocab_size=int(config.vocab_size), max_positions=limit, hf_dir=str(directory))
