@@ -208,9 +208,9 @@ def _memory_panel(ax: Any, rows: list[dict], budget: int | None) -> None:
 
 def plot_run(rows: list[dict], events: list[dict], meta: dict | None, path: str | Path,
              budget: int | None = None, title: str = "") -> Path:
-    """One figure of a run: loss (skipped steps, rollbacks, resumes marked) and the
-    learning rate, tokens/s,
-    time per phase, peak memory per phase by category with the budget line. ``rows``:
+    """One figure of a run: loss (skipped steps, rollbacks, resumes marked) with the
+    learning rate, tokens/s, time per phase, peak memory per phase by category with the
+    budget line. ``rows``:
     decoded metrics rows with an int ``step``. Writes ``path``; returns it. Raises
     ValueError when there is nothing to draw or the file cannot be written."""
     rows = [r for r in rows if isinstance(r.get("step"), int)]
