@@ -96,3 +96,28 @@ def test_cli_verify_exits_1_when_the_engine_disagrees(tmp_path, monkeypatch, cap
     monkeypatch.setattr(Engine, "_grad_divisor", lambda self: self.comm.world * self.scaler.scale / 2)
     assert main(args) == 1
     assert "FAIL: precision fp32" in capsys.readouterr().out
+
+
+def _rounded_masters(monkeypatch) -> None:
+    """Plant the old construction: the master cloned from the low-precision working buffer."""
+    import mct.zero.flat as flat
+    exact = flat.pack
+
+    def rounded(params, layout, shard_rank, param_dtype, master_is_view, device):
+        working, master = exact(params, layout, shard_rank, param_dtype, master_is_view, device)
+        lo, hi = layout.shard_range(shard_rank)
+        return working, (master if master_is_view else working[lo:hi].float().clone())
+    monkeypatch.setattr(flat, "pack", rounded)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_verify_catches_masters_rounded_to_the_working_dtype(tmp_path, monkeypatch, mode):
+    from mct.verify.compare import INIT_TOL, run_verify
+    cfg = _cfg(_write_corpus(tmp_path / "corpus.txt"), 0, mode)
+    good = run_verify(cfg, STEPS)
+    assert good.passed and good.init_rel == 0.0, good.table()
+    _rounded_masters(monkeypatch)
+    bad = run_verify(cfg, STEPS)
+    assert not bad.passed and bad.init_rel > 20 * INIT_TOL, bad.table()
+    # the per-step and end-of-run tolerances alone let the rounded masters through
+    assert bad.max_loss_rel <= bad.loss_tol and bad.param_rel <= bad.param_tol, bad.table()

@@ -74,6 +74,10 @@ def _check_range(key: str, value: float, lo: float | None = None, hi: float | No
         _fail(key, value, f"must be <= {hi}")
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+"""The values of ``train.lr_schedule`` (``mct.run.schedule.lr_at`` computes each)."""
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     n_layer: int = 4
@@ -156,9 +160,17 @@ class TrainConfig:
     steps: int = 300
     """Optimizer steps to run."""
     lr: float = 3e-3
-    """Peak learning rate (linear warmup, then cosine decay to lr/10)."""
+    """Peak learning rate (by default linear warmup, then cosine decay to lr/10)."""
     warmup_steps: int = 30
-    """Linear warmup steps."""
+    """Linear warmup steps (every schedule but 'constant')."""
+    lr_schedule: str = "cosine"
+    """After the warmup: 'cosine' (to lr * min_lr_ratio over train.steps), 'linear' (likewise),
+    'constant' (lr at every step, no warmup) or 'wsd' (warmup, stable at lr, then linear decay to
+    lr * min_lr_ratio over the last train.decay_fraction of the steps after the warmup)."""
+    min_lr_ratio: float = 0.1
+    """The schedule's final learning rate as a fraction of train.lr, in [0, 1]."""
+    decay_fraction: float = 0.2
+    """'wsd': the fraction of the steps after the warmup spent decaying, in [0, 1] (0: no decay)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not to norms, biases, embeddings' norms)."""
     grad_clip: float = 0.0
@@ -202,6 +214,10 @@ class TrainConfig:
         _check_range("train.steps", self.steps, 1)
         _check_range("train.lr", self.lr, 0.0, lo_open=True)
         _check_range("train.warmup_steps", self.warmup_steps, 0)
+        if self.lr_schedule not in LR_SCHEDULES:
+            _fail("train.lr_schedule", self.lr_schedule, f"must be one of {', '.join(LR_SCHEDULES)}")
+        _check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_range("train.decay_fraction", self.decay_fraction, 0.0, 1.0)
         _check_range("train.weight_decay", self.weight_decay, 0.0)
         _check_range("train.grad_clip", self.grad_clip, 0.0)
         for k in ("eval_every", "eval_batches", "checkpoint_every"):

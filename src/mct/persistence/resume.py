@@ -21,7 +21,7 @@ from mct.persistence.checkpoint import read_manifest
 from mct.persistence.run_dir import checkpoints
 
 FIXED = ("seed", "model", "data", "precision", "train.lr", "train.warmup_steps", "train.weight_decay",
-         "train.grad_clip")
+         "train.grad_clip", "train.lr_schedule", "train.min_lr_ratio", "train.decay_fraction")
 """Config keys (or whole sections) a resume may not change: they would make it another run."""
 
 

@@ -124,6 +124,22 @@ def _loss_panel(ax: Any, rows: list[dict], marks: dict[str, list[int]]) -> None:
     ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.92))  # top strip: non-finite marks
 
 
+def _lr_axis(ax: Any, rows: list[dict]) -> Any:
+    """The learning rate of each logged row (``lr``) against step on a right-hand axis
+    of ``ax`` (the loss panel). Returns that axis, or None when no row carries an lr."""
+    pts = [(r["step"], _num(r.get("lr"))) for r in rows]
+    pts = [p for p in pts if math.isfinite(p[1])]
+    if not pts:
+        return None
+    lr_ax = ax.twinx()
+    lr_ax.plot(*zip(*pts), color="#8c8c8c", lw=1.1, ls="-.", label="learning rate")
+    lr_ax.set_ylabel("learning rate", color="#555555")
+    lr_ax.set_ylim(0, 1.08 * max(v for _, v in pts) or 1.0)
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    lr_ax.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.70))
+    return lr_ax
+
+
 def _throughput_panel(ax: Any, rows: list[dict]) -> None:
     pts = [(r["step"], _num(r.get("tokens_per_s"))) for r in rows]
     pts = [p for p in pts if math.isfinite(p[1])]
@@ -192,8 +208,9 @@ def _memory_panel(ax: Any, rows: list[dict], budget: int | None) -> None:
 
 def plot_run(rows: list[dict], events: list[dict], meta: dict | None, path: str | Path,
              budget: int | None = None, title: str = "") -> Path:
-    """One figure of a run: loss (skipped steps, rollbacks, resumes marked), tokens/s,
-    time per phase, peak memory per phase by category with the budget line. ``rows``:
+    """One figure of a run: loss (skipped steps, rollbacks, resumes marked) with the
+    learning rate, tokens/s, time per phase, peak memory per phase by category with the
+    budget line. ``rows``:
     decoded metrics rows with an int ``step``. Writes ``path``; returns it. Raises
     ValueError when there is nothing to draw or the file cannot be written."""
     rows = [r for r in rows if isinstance(r.get("step"), int)]
@@ -203,6 +220,7 @@ def plot_run(rows: list[dict], events: list[dict], meta: dict | None, path: str 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     marks = _markers(rows, events, meta)
     _loss_panel(axes[0, 0], rows, marks)
+    _lr_axis(axes[0, 0], rows)
     _throughput_panel(axes[0, 1], rows)
     _time_panel(axes[1, 0], rows)
     _memory_panel(axes[1, 1], rows, budget)

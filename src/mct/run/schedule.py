@@ -1,21 +1,47 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to lr / 10; the rollback's
-LR cuts scale it (``LRSchedule``, Stateful)."""
+"""Learning-rate schedules (``train.lr_schedule``) as pure functions of the optimizer
+step and the config, so a resumed run recomputes exactly the LR it would have had; the
+rollback's LR cuts scale it (``LRSchedule``, Stateful).
+
+With w = warmup_steps, S = steps, m = min_lr_ratio, p = min(1, (step - w) / max(1, S - w)):
+  cosine    linear warmup over w steps, then lr * (m + (1 - m) * (1 + cos(pi p)) / 2)
+            (the default: m = 0.1, today's warm-up then cosine to lr / 10)
+  linear    linear warmup, then lr * (1 - (1 - m) p)
+  constant  lr at every step (no warmup: warmup_steps does not apply)
+  wsd       warmup, stable, decay: linear warmup, lr until the last
+            round(decay_fraction * (S - w)) steps, then linear decay towards lr * m over
+            them (decay_fraction = 0: warmup then constant)
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from mct.config import TrainConfig
+from mct.config import LR_SCHEDULES, TrainConfig
+
+__all__ = ["LR_SCHEDULES", "LRSchedule", "lr_at"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based; skipped steps do not count)."""
+    kind = cfg.lr_schedule
+    if kind == "constant":
+        return cfg.lr
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    m = cfg.min_lr_ratio
     span = max(1, cfg.steps - cfg.warmup_steps)
+    if kind == "wsd":
+        decay = round(cfg.decay_fraction * (cfg.steps - cfg.warmup_steps))
+        start = cfg.steps - decay
+        if step < start:
+            return cfg.lr
+        return cfg.lr * (1.0 - (1.0 - m) * min(1.0, (step - start) / max(1, decay)))
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    if kind == "linear":
+        return cfg.lr * (1.0 - (1.0 - m) * progress)
+    assert kind == "cosine", kind  # TrainConfig validates the name
+    return cfg.lr * (m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 class LRSchedule:

@@ -12,12 +12,27 @@ Three numbers, each relative to the reference:
   key), so it only ever sees rounding noise, which Adam turns into lr-sized steps; any
   change in the order of the same fp32 sums (ZeRO 2/3 reduce per micro-batch) makes
   that one tensor differ by 1e-4 (fp32) to 0.4 (bf16) of its own tiny norm.
-Tolerances: fp32 1e-5 for all three (with several micro-batches at stages 2/3 the sum
-order alone moves parameters by ~1e-6); bf16/fp16: loss and gradient norm 2e-2 at
-every step, parameters PARAM_TOL_LOW_PRECISION (low-precision gradients move Adam's
-per-element steps by up to a learning rate, so parameters drift further than losses).
-Measured on the tiny and default GPTs with the default schedule (docs/precision.md):
-losses <= 1.3e-3 (bf16) and 5e-5 (fp16) relative over 50 steps, parameters <= 6e-3.
+Plus a fourth, before the first step: the engine's fp32 masters against the reference's
+parameters (the same initialization), ``init_rel`` = ||master_0 - theta_ref_0|| /
+||theta_ref_0|| over the trainable parameters. The masters are fp32 copies in every
+mode, so it is 0; its tolerance INIT_TOL = 1e-6 (~2^-20) fails any master that went
+through a format with fewer than ~20 significand bits. Derivation (docs/precision.md):
+rounding to p significand bits moves an element x by up to ulp(x)/2 = 2^-p |x| (RMS
+about 0.2 x 2^-p |x| for uniformly spread mantissas), so a rounded master is off by
+~0.2 x 2^-p x (the norm share of the non-representable values; ones and zeros round
+exactly): bf16 (p = 8) measured 4.1e-4 (tiny GPT) / 6.6e-4 (default GPT), fp16
+(p = 11) 5.1e-5 / 8.3e-5, i.e. 50x-660x over INIT_TOL. After a few steps the same
+offset hides in the low-precision noise (bf16 moves parameters by up to 6e-3 over 50
+steps: Adam turns gradient rounding into lr-sized per-element steps), so the
+end-of-run and per-step tolerances below let a rounded master through (checked in
+tests/test_verify.py with the old construction planted).
+Tolerances: fp32 1e-5 for loss, gradient norm and parameters (with several
+micro-batches at stages 2/3 the sum order alone moves parameters by ~1e-6);
+bf16/fp16: loss and gradient norm 2e-2 at every step, parameters
+PARAM_TOL_LOW_PRECISION (low-precision gradients move Adam's per-element steps by up
+to a learning rate, so parameters drift further than losses). Measured on the tiny
+and default GPTs with the default schedule (docs/precision.md): losses <= 1.3e-3
+(bf16) and 5e-5 (fp16) relative over 50 steps, parameters <= 6e-3.
 """
 
 from __future__ import annotations
@@ -36,6 +51,8 @@ from mct.task.gpt import make_optimizer, step_batches
 from mct.data import build_data
 
 PARAM_TOL_LOW_PRECISION = 5e-2
+INIT_TOL = 1e-6
+"""Masters against the reference before the first step, relative, in every mode."""
 TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (2e-2, PARAM_TOL_LOW_PRECISION),
               "fp16": (2e-2, PARAM_TOL_LOW_PRECISION)}
 """precision mode -> (loss and gradient-norm tolerance, parameter tolerance), relative."""
@@ -50,6 +67,8 @@ class VerifyReport:
     """(grad norm, reference grad norm) per row"""
     param_rel: float = 0.0
     """||theta - theta_ref|| / ||theta_ref|| over every parameter"""
+    init_rel: float = 0.0
+    """the same before the first step: the masters against the reference's init"""
     worst_param: str = ""
     worst_param_rel: float = 0.0
     loss_tol: float = 0.0
@@ -66,10 +85,12 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return (self.max_loss_rel <= self.loss_tol and self.max_grad_norm_rel <= self.loss_tol
-                and self.param_rel <= self.param_tol)
+                and self.param_rel <= self.param_tol and self.init_rel <= INIT_TOL)
 
     def table(self) -> str:
-        lines = [f"{'step':>5} {'loss':>12} {'reference':>12} {'rel diff':>10} {'grad norm':>10} {'reference':>10}"]
+        lines = [f"initial parameter difference      {self.init_rel:.3e} (tolerance {INIT_TOL:.0e}: fp32 masters "
+                 f"equal to the reference's init)",
+                 f"{'step':>5} {'loss':>12} {'reference':>12} {'rel diff':>10} {'grad norm':>10} {'reference':>10}"]
         for (step, a, b, rel, skipped), (g, gr) in zip(self.rows, self.grad_norms):
             lines.append(f"{step:>5} {a:>12.6f} {b:>12.6f} {rel:>10.2e} {g:>10.4g} {gr:>10.4g}"
                          + ("  (skipped: overflow)" if skipped else ""))
@@ -111,6 +132,7 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     loss_fn = seeded(task.loss_fn)
     loss_tol, param_tol = TOLERANCES[cfg.precision.mode]
     report = VerifyReport(cfg.precision.mode, loss_tol=loss_tol, param_tol=param_tol)
+    report.init_rel = _init_difference(engine, ref)
     opt_step = 0
     for step in range(steps):
         lr = lr_at(opt_step, cfg.train)
@@ -132,13 +154,30 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     state = engine.full_state_dict()
     if ref is None:
         return None
+    report.param_rel, report.worst_param, report.worst_param_rel = param_difference(state, ref.state_dict())
+    return report
+
+
+def _init_difference(engine: Engine, ref: ReferenceTrainer | None) -> float:
+    """``init_rel`` over the trainable parameters (the ones with a master; frozen ones
+    are cast to the param dtype by design). Collective; 0.0 off rank 0."""
+    start = engine.full_state_dict()
+    if ref is None:
+        return 0.0
+    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     ref_state = ref.state_dict()
-    diff_sq = ref_sq = 0.0
+    return param_difference({n: v for n, v in start.items() if n in trainable}, ref_state)[0]
+
+
+def param_difference(state: dict, ref_state: dict) -> tuple[float, str, float]:
+    """(||theta - theta_ref|| / ||theta_ref|| over every parameter, the worst single
+    tensor's name, its own relative difference)."""
+    diff_sq = ref_sq = worst_rel = 0.0
+    worst = ""
     for name, p in state.items():
         q = ref_state[name].to(p.device)
         d, n = float((p - q).double().norm()), float(q.double().norm())
         diff_sq, ref_sq = diff_sq + d * d, ref_sq + n * n
-        if d / max(n, 1e-12) >= report.worst_param_rel:
-            report.worst_param_rel, report.worst_param = d / max(n, 1e-12), name
-    report.param_rel = (diff_sq / max(ref_sq, 1e-24)) ** 0.5
-    return report
+        if d / max(n, 1e-12) >= worst_rel:
+            worst_rel, worst = d / max(n, 1e-12), name
+    return (diff_sq / max(ref_sq, 1e-24)) ** 0.5, worst, worst_rel

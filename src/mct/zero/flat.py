@@ -28,6 +28,47 @@ from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
 
 
+def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
+         master_is_view: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit's (working [P], master [S]) buffers; the parameters become views of
+    the working one. The master holds this rank's slice of the parameters' own values
+    in fp32, bit for bit (never a copy of the low-precision working buffer, which would
+    start the optimizer from rounded weights); the working buffer is their cast to the
+    param dtype, so on this rank's slice it equals ``master.to(param_dtype)``.
+    Parameters are packed (and their own storage dropped) outside the slice first, then
+    those across its edges (their part of the slice kept aside), then the master is
+    allocated for those inside: the construction peak stays that of casting the master
+    from the working buffer (working + this rank's slice twice in fp32)."""
+    lo, hi = layout.shard_range(shard_rank)
+    working = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
+    spans = list(zip(params, layout.offsets, layout.numels()))
+    overlap = [(max(off, lo), min(off + n, hi)) for _, off, n in spans]
+    kind = [2 if (lo <= off and off + n <= hi) else int(a < b) for (_, off, n), (a, b) in zip(spans, overlap)]
+    parts: list[tuple[int, torch.Tensor]] = []  # (offset in the slice, fp32 values)
+    master = None
+    with torch.no_grad():
+        for i in [*sorted(range(len(spans)), key=kind.__getitem__), None]:
+            if master is None and not master_is_view and (i is None or kind[i] == 2):
+                master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+                while parts:  # popped: each kept part is freed once copied
+                    at, kept = parts.pop()
+                    master[at:at + kept.numel()].copy_(kept)
+                    del kept
+            if i is None:
+                break
+            (p, off, n), (a, b) = spans[i], overlap[i]
+            flat = p.detach().reshape(-1)
+            if not master_is_view and a < b:
+                if master is not None:
+                    master[a - lo:b - lo].copy_(flat[a - off:b - off])
+                else:
+                    parts.append((a - lo, flat[a - off:b - off].clone()))
+            working[off:off + n].copy_(flat)
+            p.data = working[off:off + n].view(p.shape)
+            del flat  # the parameter's own storage goes now, not one parameter later
+    return working, (working[lo:hi] if master_is_view else master)
+
+
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
                  shard_rank: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -43,15 +84,10 @@ class FlatParamUnit:
         self._numels = layout.numels()  # read once per gradient in backward: computed once here
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.persistent = persistent
-        lo, hi = layout.shard_range(shard_rank)
-        working = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
-        with torch.no_grad():
-            for p, off, n in zip(self.params, layout.offsets, layout.numels()):
-                working[off:off + n].copy_(p.detach().reshape(-1))
-                p.data = working[off:off + n].view(p.shape)
-        self.working = working
         self.master_is_view = persistent and param_dtype == torch.float32
-        self.master = working[lo:hi] if self.master_is_view else working[lo:hi].detach().float().clone()
+        self.working, self.master = pack(self.params, layout, shard_rank, param_dtype, self.master_is_view, device)
+        working = self.working
+        lo, hi = layout.shard_range(shard_rank)
         # Stages 0/1 keep a full gradient buffer across micro-batches (reduced once,
         # after the last); stages 2/3 allocate it per backward and free it once reduced.
         self.full_grads = full_grads
