@@ -30,7 +30,7 @@ from benchmarks.common import RESULTS_DIR, cpu_info, cpu_line, environment, form
 
 _PREPARE_CHILD = r"""
 import json, resource, sys, time
-from mct.data.prepare import prepare
+from mct.data.pipeline import prepare
 t0 = time.perf_counter()
 meta = prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]), progress=False)
 s = time.perf_counter() - t0

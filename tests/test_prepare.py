@@ -14,9 +14,9 @@ import pytest
 
 from mct.cli import main
 from mct.data import load_corpus
-from mct.data import prepare as prepare_mod
-from mct.data.prepare import prepare
-from mct.data.prepared import DocumentSpans, open_prepared
+from mct.data import pipeline as prepare_mod
+from mct.data.pipeline import prepare
+from mct.data.dataset import DocumentSpans, open_prepared
 from mct.data.tokenizer import Encoder, Tokenizer, bytes_to_unicode, copy_tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ 你好 \U0001F600", "spells <|endoftext|> and </s> as text",

@@ -449,7 +449,7 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.data.prepare import prepare, summary
+    from mct.data.pipeline import prepare, summary
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                    workers=args.workers, progress=not args.no_progress)
     line, warning = summary(meta, args.out)

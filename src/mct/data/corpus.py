@@ -13,7 +13,7 @@ Corpus sources (``data.path``):
 - a directory: every UTF-8 file without NUL bytes under it (recursive, sorted, hidden
   names skipped) is one document. A directory holding a single text file is cut like a file.
 - a ``.bin``: uint16 little-endian tokens (memory-mapped), cut into documents like a file.
-- a prepared dataset (a directory made by ``mct prepare``, see ``prepared.py``):
+- a prepared dataset (a directory made by ``mct prepare``, see ``dataset.py``):
   memory-mapped; its documents are split by ``doc_hash(seed, index)`` (vectorized, so a
   start costs milliseconds for millions of documents) and each split is a
   ``DocumentSpans`` view, never a copy. The fingerprint comes from meta.json (which
@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mct.data.prepared import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
+from mct.data.dataset import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
 
 
 DOC_BYTES = 64 * 1024

@@ -1,4 +1,4 @@
-"""``mct prepare INPUT... --out DIR``: inputs -> tokenized dataset (format: prepared.py).
+"""``mct prepare INPUT... --out DIR``: inputs -> tokenized dataset (format: dataset.py).
 
 The pipeline streams: the main process reads inputs in chunks of about 1 MiB of raw
 records (``sources.read_source``), ``workers`` processes parse and encode them
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from mct.data.prepared import DatasetWriter, check_out_dir
+from mct.data.dataset import DatasetWriter, check_out_dir
 from mct.data.sources import CHUNK_BYTES, Chunk, Source, expand_inputs, group_text, parse_chunk, read_source
 from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer
 
