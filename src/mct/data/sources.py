@@ -15,6 +15,7 @@ in ``parse_chunk`` (run by the workers), which names ``FILE:LINE`` in every erro
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import io
@@ -22,7 +23,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from mct.data.textstream import Utf8Reader, pieces
 
 CHUNK_BYTES = 1 << 20
 """Raw bytes of records per chunk: the unit of work a worker encodes."""
@@ -44,13 +47,17 @@ class Source:
 @dataclass
 class Chunk:
     """Raw documents of one kind. jsonl: ``items`` are lines of ``names[0]`` starting at
-    line ``first_line`` (1-based). text: ``items`` are whole files, ``names`` theirs."""
+    line ``first_line`` (1-based). text: ``items`` are documents or pieces of one
+    (textstream.py), ``names`` their files; per item, ``cont``: it continues a document
+    begun in an earlier item, ``ends``: its document ends with it."""
 
     kind: str
     names: list[str]
     items: list[bytes]
     first_line: int = 1
     strict: list[bool] = field(default_factory=list)
+    cont: list[bool] = field(default_factory=list)
+    ends: list[bool] = field(default_factory=list)
 
 
 def _kind(path: Path) -> str:
@@ -120,17 +127,59 @@ def _open(path: Path) -> io.BufferedReader:
         raise ValueError(f"{path}: cannot read ({e.strerror or e}); fix its permissions or leave it out") from None
 
 
-def read_source(src: Source, digest: dict, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+def never() -> None:
+    """The ``may_cut`` that allows every cut."""
+    pass
+
+
+def _text_chunks(src: Source, stream: io.BufferedReader, split: str, chunk_bytes: int,
+                 may_cut: Callable[[], None]) -> Iterator[Chunk]:
+    """A text file streamed as chunks of document pieces (textstream.py). In a
+    directory, a file whose first 64 KiB are not UTF-8 or hold a NUL byte is one
+    skipped non-text file (a one-item chunk the parser counts)."""
+    if not src.strict:
+        head = stream.peek(1 << 16)[:1 << 16]
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head)
+            binary = b"\x00" in head
+        except UnicodeDecodeError:
+            binary = True
+        if binary:
+            yield Chunk("text", [src.name], [b"\xff"], strict=[False], cont=[False], ends=[True])
+            return
+    chunk = Chunk("text", [], [])
+    size = 0
+    for piece, cont, end in pieces(Utf8Reader(stream, src.name), split, chunk_bytes, may_cut):
+        for lst, v in ((chunk.names, src.name), (chunk.items, piece), (chunk.strict, True), (chunk.cont, cont),
+                       (chunk.ends, end)):
+            lst.append(v)
+        size += len(piece)
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = Chunk("text", [], []), 0
+    if chunk.items:
+        yield chunk
+
+
+def read_source(src: Source, digest: dict, chunk_bytes: int = CHUNK_BYTES, split: str = "file",
+                may_cut: Callable[[], None] = never) -> Iterator[Chunk]:
     """Chunks of ``src``; when the file has been read to its end, ``digest`` gets its
-    ``bytes`` and ``sha256`` (of the file as stored, compressed or not). Raises
-    ValueError (FILE: ...) for an unreadable file or a corrupt .gz."""
+    ``bytes`` and ``sha256`` (of the file as stored, compressed or not). A text file
+    is split into documents by ``split`` (textstream.py); ``may_cut`` is called before
+    a document is cut into pieces. Raises ValueError (FILE: ...) for an unreadable
+    file, a corrupt .gz or (streamed) text that is not UTF-8."""
     with _open(src.path) as raw:
         hashing = _HashingReader(raw)
-        if src.kind == "text":
+        if src.kind == "text" and split == "file" and src.size <= chunk_bytes:
             data = hashing.f.read()
             hashing.sha.update(data)
             hashing.read_bytes = len(data)
-            yield Chunk("text", [src.name], [data], strict=[src.strict])
+            yield Chunk("text", [src.name], [data], strict=[src.strict], cont=[False], ends=[True])
+        elif src.kind == "text":
+            buffered = io.BufferedReader(hashing, CHUNK_BYTES)
+            yield from _text_chunks(src, buffered, split, chunk_bytes, may_cut)
+            buffered.close()
+            hashing.drain()
         else:
             buffered = io.BufferedReader(hashing, CHUNK_BYTES)
             stream = gzip.GzipFile(fileobj=buffered, mode="rb") if src.kind == "jsonl.gz" else buffered
@@ -158,15 +207,15 @@ def group_text(chunks: Iterator[Chunk], chunk_bytes: int = CHUNK_BYTES) -> Itera
     pending: Chunk | None = None
     for c in chunks:
         if c.kind == "text" and pending is not None and sum(map(len, pending.items)) < chunk_bytes:
-            pending.names += c.names
-            pending.items += c.items
-            pending.strict += c.strict
+            for k in ("names", "items", "strict", "cont", "ends"):
+                getattr(pending, k).extend(getattr(c, k))
             continue
         if pending is not None:
             yield pending
             pending = None
         if c.kind == "text":
-            pending = Chunk("text", list(c.names), list(c.items), strict=list(c.strict))
+            pending = Chunk("text", list(c.names), list(c.items), strict=list(c.strict), cont=list(c.cont),
+                            ends=list(c.ends))
         else:
             yield c
     if pending is not None:
@@ -176,11 +225,13 @@ def group_text(chunks: Iterator[Chunk], chunk_bytes: int = CHUNK_BYTES) -> Itera
 @dataclass
 class Parsed:
     """Texts of a chunk's non-empty documents; ``empty``: documents skipped as empty;
-    ``binary``: files skipped inside directories as not UTF-8 text."""
+    ``binary``: files skipped inside directories as not UTF-8 text; ``ends``: per
+    text, False for a piece whose document goes on in the next one."""
 
     texts: list[str]
     empty: int = 0
     binary: int = 0
+    ends: list[bool] = field(default_factory=list)
 
 
 def _json_text(line: bytes, where: str, text_field: str) -> str:
@@ -213,10 +264,15 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
             text = _json_text(line, f"{chunk.names[0]}:{chunk.first_line + i}", text_field)
             if text:
                 out.texts.append(text)
+                out.ends.append(True)
             else:
                 out.empty += 1
         return out
-    for name, data, strict in zip(chunk.names, chunk.items, chunk.strict):
+    for name, data, strict, cont, end in zip(chunk.names, chunk.items, chunk.strict, chunk.cont, chunk.ends):
+        if cont or not end:  # a piece of a streamed document: checked UTF-8 as it was read
+            out.texts.append(data.decode("utf-8"))
+            out.ends.append(end)
+            continue
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -229,6 +285,7 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
             out.binary += 1
         elif text:
             out.texts.append(text)
+            out.ends.append(True)
         else:
             out.empty += 1
     return out
