@@ -96,7 +96,9 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("record, why", [("{not json", "not JSON"), ("[1, 2]", "a JSON list, not an object"),
-                                         ('{"body": "x"}', "no 'text' field"), ('{"text": 3}', "holds int")])
+                                         ('{"body": "x"}', "no 'text' field"), ('{"text": 3}', "holds number 3"),
+                                         ('{"text": null}', "holds null"), ("[" * 100000, "nested too deeply"),
+                                         ('{"text": "a\\ud800"}', "lone surrogate")])
 def test_bad_jsonl_record_is_one_line_file_line_exit_2_and_nothing_written(tmp_path, capfd, record, why):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n' + record + "\n")

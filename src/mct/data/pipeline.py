@@ -67,7 +67,7 @@ def encode_chunk(enc: Encoder, chunk: Chunk, text_field: str) -> Encoded:
     lengths = np.array(ends, dtype=np.int64)
     # decoding the first document of each chunk proves the tokenizer lossless on this data
     mismatched = int(bool(ids) and enc.decode(ids[0]) != parsed.texts[0])
-    return Encoded(tokens, lengths, parsed.empty, parsed.binary, sum(map(len, chunk.items)),
+    return Encoded(tokens, lengths, parsed.empty, parsed.binary, sum(len(x) for x in chunk.items if x),
                    int(bool(ids)), mismatched)
 
 
@@ -109,6 +109,7 @@ class _Reading:
     split: str
     chunk_bytes: int
     may_cut: Callable[[], None]
+    text_field: str = "text"
 
 
 @contextlib.contextmanager
@@ -127,7 +128,7 @@ def terminate_as_interrupt() -> Iterator[None]:
 def _chunks(sources: list[Source], digests: list[dict], how: _Reading) -> Iterator[Chunk]:
     def raw() -> Iterator[Chunk]:
         for src, digest in zip(sources, digests):
-            yield from read_source(src, digest, how.chunk_bytes, how.split, how.may_cut)
+            yield from read_source(src, digest, how.chunk_bytes, how.split, how.may_cut, how.text_field)
     return group_text(raw(), how.chunk_bytes)
 
 
@@ -201,13 +202,13 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
     out_path = check_out_dir(out)
     sources = expand_inputs(inputs)
     t0 = time.perf_counter()
-    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, text_field, _Reading(split, chunk_bytes, never)),
+    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, text_field, _Reading(split, chunk_bytes, never, text_field)),
                             progress=progress)
-    how = _Reading(split, chunk_bytes, _cut_check(tok))
+    how = _Reading(split, chunk_bytes, _cut_check(tok), text_field)
     digests: list[dict] = [{} for _ in sources]
     counts = dict.fromkeys(("empty", "binary", "checked", "mismatched"), 0)
     from tqdm import tqdm
-    has_gz = any(s.kind == "jsonl.gz" for s in sources)  # its text is larger than its file
+    has_gz = any(s.kind in ("jsonl.gz", "parquet", "arrow") for s in sources)  # text larger than the file
     bar = tqdm(total=None if has_gz else sum(s.size for s in sources), unit="B", unit_scale=True,
                desc="prepare", disable=not progress, smoothing=0.1)
     try:

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from mct.data.columnar import arrow_dir_files, column_chunks
 from mct.data.textstream import Utf8Reader, pieces
+from mct.errors import user_error
 
 CHUNK_BYTES = 1 << 20
 """Raw bytes of records per chunk: the unit of work a worker encodes."""
@@ -62,32 +64,83 @@ class Chunk:
 
 def _kind(path: Path) -> str:
     name = path.name.lower()
-    return "jsonl.gz" if name.endswith(".jsonl.gz") else "jsonl" if name.endswith(".jsonl") else "text"
+    for ext in ("jsonl.gz", "jsonl", "parquet", "arrow"):
+        if name.endswith("." + ext):
+            return ext
+    return "text"
+
+
+def _stat(p: Path, name: str) -> os.stat_result:
+    """``p.stat()``; an OSError becomes one line naming ``name`` (missing told apart
+    from a dangling link, permission denied and the rest: mct.errors)."""
+    try:
+        return p.stat()
+    except FileNotFoundError:
+        if p.is_symlink():
+            raise user_error(FileNotFoundError(2, "No such file or directory", str(p)), name) from None
+        raise ValueError(f"INPUT {name!r} does not exist; pass .txt, .jsonl, .jsonl.gz or .parquet files or "
+                         f"directories of them") from None
+    except OSError as e:
+        raise user_error(e, name) from None
+
+
+def _walk(p: Path, raw: str) -> list[Path]:
+    """The files of INPUT directory ``p`` (see the module docstring). Raises ValueError
+    for a subdirectory that cannot be listed or a dangling symbolic link, never skips them."""
+    def fail(e: OSError) -> None:
+        raise user_error(e, e.filename) from None
+    files = []
+    for dirpath, dirnames, filenames in os.walk(p, onerror=fail):
+        d = Path(dirpath)
+        if d != p and (is_dataset_dir(d)):
+            dirnames[:] = []  # a prepared dataset is an output, not text: mct prepare never reads one
+            continue
+        dirnames[:] = [x for x in dirnames if not x.startswith(".") and x != "__pycache__"]
+        for f in filenames:
+            if f.startswith("."):
+                continue
+            if (d / f).is_symlink() and not (d / f).exists():
+                raise ValueError(f"INPUT {raw!r}: {str(d / f)!r} is a dangling symbolic link (it points at "
+                                 f"{os.readlink(d / f)!r}); remove the link or fix its target")
+            if (d / f).is_file():
+                files.append(d / f)
+    return files
+
+
+def is_dataset_dir(d: Path) -> bool:
+    """A directory made by ``mct prepare`` (or a damaged one): meta.json beside tokens.bin or docs.idx."""
+    return (d / "tokens.bin").exists() or (d / "docs.idx").exists()
 
 
 def expand_inputs(inputs: list[str]) -> list[Source]:
-    """INPUT paths -> Sources in the order given (directories expanded in sorted order).
-    Raises ValueError for no inputs, a missing path, a path that is neither a file nor
-    a directory, a directory without files, or one file named twice."""
+    """INPUT paths -> Sources in the order given (directories expanded in sorted order;
+    a ``datasets`` ``save_to_disk`` directory gives its .arrow files in its order).
+    Raises ValueError for no inputs, a missing or unreadable path, a path that is neither
+    a file nor a directory, a directory without files, a prepared dataset given as an
+    INPUT, or one file named twice."""
     if not inputs:
-        raise ValueError("mct prepare needs at least one INPUT: .txt/.jsonl/.jsonl.gz files or directories")
+        raise ValueError("mct prepare needs at least one INPUT: .txt/.jsonl/.jsonl.gz/.parquet files or directories")
     out: list[Source] = []
     for raw in inputs:
         p = Path(raw).expanduser()
+        st = _stat(p, raw)
+        if p.is_dir() and is_dataset_dir(p):
+            raise ValueError(f"INPUT {raw!r} is a prepared dataset (tokens.bin, docs.idx), not text; train on it with "
+                             f"--set data.path={raw}, or prepare its original inputs")
         if p.is_dir():
-            files = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-                files += [Path(dirpath, f) for f in filenames if not f.startswith(".") and Path(dirpath, f).is_file()]
+            arrow = arrow_dir_files(p)
+            files = arrow if arrow is not None else _walk(p, raw)
             if not files:
                 raise ValueError(f"INPUT {raw!r} is a directory without files; add text or .jsonl files to it")
-            for f in sorted(files, key=lambda f: f.relative_to(p).as_posix()):
-                out.append(Source(f, f"{raw.rstrip('/')}/{f.relative_to(p).as_posix()}", _kind(f), f.stat().st_size, False))
+            order = files if arrow is not None else sorted(files, key=lambda f: f.relative_to(p).as_posix())
+            for f in order:
+                out.append(Source(f, f"{raw.rstrip('/')}/{f.relative_to(p).as_posix()}", _kind(f),
+                                  _stat(f, str(f)).st_size, False))
         elif p.is_file():
-            out.append(Source(p, raw, _kind(p), p.stat().st_size, True))
+            out.append(Source(p, raw, _kind(p), st.st_size, True))
         else:
-            raise ValueError(f"INPUT {raw!r} " + ("does not exist" if not p.exists() else "is not a regular file or "
-                             "directory") + "; pass .txt, .jsonl or .jsonl.gz files or directories of them")
+            raise ValueError(f"INPUT {raw!r} is not a regular file or directory (a device, FIFO or socket); pass "
+                             f".txt, .jsonl, .jsonl.gz or .parquet files or directories of them")
     seen: dict[Path, str] = {}
     for s in out:
         key = s.path.resolve()
@@ -124,7 +177,7 @@ def _open(path: Path) -> io.BufferedReader:
     try:
         return open(path, "rb")
     except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror or e}); fix its permissions or leave it out") from None
+        raise user_error(e, path) from None
 
 
 def never() -> None:
@@ -162,7 +215,7 @@ def _text_chunks(src: Source, stream: io.BufferedReader, split: str, chunk_bytes
 
 
 def read_source(src: Source, digest: dict, chunk_bytes: int = CHUNK_BYTES, split: str = "file",
-                may_cut: Callable[[], None] = never) -> Iterator[Chunk]:
+                may_cut: Callable[[], None] = never, text_field: str = "text") -> Iterator[Chunk]:
     """Chunks of ``src``; when the file has been read to its end, ``digest`` gets its
     ``bytes`` and ``sha256`` (of the file as stored, compressed or not). A text file
     is split into documents by ``split`` (textstream.py); ``may_cut`` is called before
@@ -175,6 +228,10 @@ def read_source(src: Source, digest: dict, chunk_bytes: int = CHUNK_BYTES, split
             hashing.sha.update(data)
             hashing.read_bytes = len(data)
             yield Chunk("text", [src.name], [data], strict=[src.strict], cont=[False], ends=[True])
+        elif src.kind in ("parquet", "arrow"):
+            for rows, first in column_chunks(src, text_field, chunk_bytes):
+                yield Chunk("rows", [src.name], rows, first)
+            hashing.drain()
         elif src.kind == "text":
             buffered = io.BufferedReader(hashing, CHUNK_BYTES)
             yield from _text_chunks(src, buffered, split, chunk_bytes, may_cut)
@@ -234,21 +291,40 @@ class Parsed:
     ends: list[bool] = field(default_factory=list)
 
 
+def _json_type(v: object) -> str:
+    """JSON's own name of a value's type (``null``, not NoneType)."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
 def _json_text(line: bytes, where: str, text_field: str) -> str:
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: not JSON ({e}); each line must be one JSON object") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read; flatten the record (one object with a "
+                         f"{text_field!r} string)") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
+        raise ValueError(f"{where}: a JSON {_json_type(record)}, not an object; each line must be one "
                          f"JSON object with a {text_field!r} field")
     if text_field not in record:
         keys = ", ".join(list(record)[:8]) or "none"
         raise ValueError(f"{where}: no {text_field!r} field (fields: {keys}); pass --text-field NAME")
     text = record[text_field]
     if not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_field!r} holds {type(text).__name__} {json.dumps(text)[:40]}, "
+        raise ValueError(f"{where}: field {text_field!r} holds {_json_type(text)} {json.dumps(text)[:40]}, "
                          f"not a string; fix the record or pass --text-field NAME")
+    return _valid(text, where, text_field)
+
+
+def _valid(text: str, where: str, text_field: str) -> str:
+    """``text`` unless it holds a lone surrogate (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: field {text_field!r} holds a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start} (an escape like \\ud800 that is not valid Unicode); fix the record") from None
     return text
 
 
@@ -257,6 +333,17 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
     not JSON, not an object, or lacks (or has a non-string) ``text_field``, and
     ``FILE: ...`` for a text file given by name that is not UTF-8."""
     out = Parsed([])
+    if chunk.kind == "rows":
+        for i, text in enumerate(chunk.items):
+            if not isinstance(text, str):
+                raise ValueError(f"{chunk.names[0]}: row {chunk.first_line + i}: column {text_field!r} is null; "
+                                 f"fill or drop the row")
+            if text:
+                out.texts.append(_valid(text, f"{chunk.names[0]}: row {chunk.first_line + i}", text_field))
+                out.ends.append(True)
+            else:
+                out.empty += 1
+        return out
     if chunk.kind == "jsonl":
         for i, line in enumerate(chunk.items):
             if not line.strip():
