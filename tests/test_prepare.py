@@ -180,6 +180,16 @@ def test_training_on_a_prepared_dataset_records_it_and_copies_its_tokenizer(tmp_
     shutil.rmtree(tmp_path / "ds")
     assert main(["prepare", *inputs, "--out", str(tmp_path / "ds"), "--tokenizer", "train:300",
                  "--workers", "2", "--no-progress"]) == 0
+    # every token changed in place, meta.json untouched: the fingerprint (from meta.json) holds, the
+    # resume's streamed sha256 of tokens.bin refuses it
+    tokens_bin = tmp_path / "ds" / "tokens.bin"
+    good = tokens_bin.read_bytes()
+    tokens_bin.write_bytes(np.frombuffer(good, "<u2")[::-1].tobytes())
+    capfd.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=3"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mct: error: data.path:") and "changed since it was prepared" in err, err
+    tokens_bin.write_bytes(good)
     assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=3"]) == 0
     # a changed input changes meta.json's sha256s, so the fingerprint: the resume refuses
     shutil.rmtree(tmp_path / "ds")

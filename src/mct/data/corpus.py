@@ -38,7 +38,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mct.data.dataset import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
+from mct.data.dataset import (DocumentSpans, check_tokens_in_vocab, check_tokens_sha256, doc_hash, is_prepared,
+                              looks_partial, open_prepared, scan_tokens)
 
 
 DOC_BYTES = 64 * 1024
@@ -101,6 +102,14 @@ class Corpus:
             raise ValueError(f"corpus {self.source!r} has token ids up to {self.min_vocab_size - 1}, "
                              f"but model.vocab_size = {vocab_size}; set model.vocab_size >= "
                              f"{self.min_vocab_size}")
+
+    def verify_contents(self) -> None:
+        """For a prepared dataset, stream tokens.bin through sha256 and raise ValueError
+        unless it is what meta.json recorded (``--resume`` calls this: the fingerprint
+        comes from meta.json, so tokens changed in place would pass it). No-op for
+        other sources, whose fingerprint hashes their content."""
+        if self.dataset is not None:
+            check_tokens_sha256(open_prepared(Path(self.source)))
 
     def metadata(self) -> dict[str, Any]:
         """A JSON-ready summary for run metadata."""
@@ -257,6 +266,7 @@ class _DocNames(Sequence[str]):
 def _prepared_corpus(path: Path, seed: int, val_fraction: float) -> Corpus:
     """The document-level split of a prepared dataset (see the module docstring)."""
     ds = open_prepared(path)
+    check_tokens_in_vocab(ds, scan_tokens(ds)[0])
     n = int(ds.meta["documents"])
     if n < 2:
         raise ValueError(f"data.path = {str(path)!r} holds {n} document; a train/validation split by document "

@@ -208,6 +208,43 @@ def open_prepared(path: Path) -> Prepared:
     return Prepared(path, meta, tokens, offsets, hashlib.sha256(raw).hexdigest())
 
 
+SCAN_BLOCK = 1 << 26
+"""Bytes of tokens.bin read at a time by ``scan_tokens``."""
+
+
+def scan_tokens(ds: Prepared, sha: bool = False) -> tuple[int, str | None]:
+    """(the largest token id, the sha256 of tokens.bin when ``sha``), read in blocks of
+    ``SCAN_BLOCK`` bytes (memory flat in the dataset's size)."""
+    h = hashlib.sha256() if sha else None
+    top, step = 0, SCAN_BLOCK // ds.tokens.itemsize
+    for i in range(0, ds.tokens.size, step):
+        block = np.asarray(ds.tokens[i:i + step])
+        top = max(top, int(block.max()))
+        if h is not None:
+            h.update(block.data)
+    return top, h.hexdigest() if h is not None else None
+
+
+def check_tokens_in_vocab(ds: Prepared, top: int) -> None:
+    """Raise ValueError when tokens.bin holds an id the dataset's own vocabulary lacks
+    (meta.json's vocab_size edited down, or tokens.bin written by something else)."""
+    if top >= int(ds.meta["vocab_size"]):
+        raise ValueError(f"data.path: {ds.path / TOKENS} holds token id {top}, but meta.json says vocab_size "
+                         f"{ds.meta['vocab_size']} (ids must be below it); re-create it with "
+                         f"`mct prepare ... --out {ds.path}`")
+
+
+def check_tokens_sha256(ds: Prepared) -> None:
+    """Raise ValueError when tokens.bin's sha256 is not the one meta.json recorded
+    (the tokens changed in place since ``mct prepare`` wrote them). Reads tokens.bin."""
+    top, digest = scan_tokens(ds, sha=True)
+    if digest != ds.meta.get("tokens_sha256"):
+        raise ValueError(f"data.path: {ds.path / TOKENS} has sha256 {digest[:12]}..., but meta.json recorded "
+                         f"{str(ds.meta.get('tokens_sha256'))[:12]}...: its tokens changed since it was prepared; "
+                         f"restore it, or re-create it with `mct prepare ... --out {ds.path}` and start a new run")
+    check_tokens_in_vocab(ds, top)
+
+
 class DocumentSpans:
     """Some documents of a flat token array, read as one concatenated 1-D array without
     copying it: ``size``, ``dtype``, ``len()`` and ``view[i]`` for an int, a slice or
