@@ -313,7 +313,8 @@ def _json_text(line: bytes, where: str, text_field: str) -> str:
         raise ValueError(f"{where}: no {text_field!r} field (fields: {keys}); pass --text-field NAME")
     text = record[text_field]
     if not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_field!r} holds {_json_type(text)} {json.dumps(text)[:40]}, "
+        shown = "" if text is None else " " + json.dumps(text)[:40]
+        raise ValueError(f"{where}: field {text_field!r} holds {_json_type(text)}{shown}, "
                          f"not a string; fix the record or pass --text-field NAME")
     return _valid(text, where, text_field)
 
