@@ -2,15 +2,18 @@
 
 An INPUT is a file or a directory. A file named ``*.jsonl`` or ``*.jsonl.gz`` holds one
 document per line (a JSON object; its text under ``text_field``; blank lines are
-skipped); any other file is one document (UTF-8 text). A directory contributes every
+skipped); ``*.parquet`` / ``*.arrow`` (and ``save_to_disk`` directories) one per row
+(columnar.py); any other file is UTF-8 text, cut into documents by ``split``
+(textstream.py: one per file by default). A directory contributes every
 file under it (recursive, sorted by relative path; hidden names and ``__pycache__``
 skipped) by the same rule, except that files which are not UTF-8 text are skipped and
 counted instead of refused (a directory may hold images beside its text).
 
 Reading streams: a chunk holds about ``chunk_bytes`` of raw records (or one larger
-document), so memory is bounded by the chunks in flight, never by the corpus; the one
-exception is a single document larger than a chunk, which is held whole. Parsing happens
-in ``parse_chunk`` (run by the workers), which names ``FILE:LINE`` in every error.
+document), so memory is bounded by the chunks in flight, never by the corpus; a text
+document larger than a chunk streams in pieces (textstream.py); one JSON line is held
+whole. Parsing happens in ``parse_chunk`` (run by the workers), which names
+``FILE:LINE`` in every error.
 """
 
 from __future__ import annotations
