@@ -301,7 +301,7 @@ def test_unreadable_file_raises_value_error(tmp_path, monkeypatch):
     def deny(path: Path) -> bytes:
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(Path, "read_bytes", deny)
-    with pytest.raises(ValueError, match="cannot read .*Permission denied.*fix its permissions"):
+    with pytest.raises(ValueError, match="cannot read .*permission denied .check the path.s permissions"):
         load_corpus(str(tmp_path), seed=0, val_fraction=0.1, seq_len=8)
 
 

@@ -38,6 +38,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mct.errors import describe
+
 from mct.data.dataset import (DocumentSpans, check_tokens_in_vocab, check_tokens_sha256, doc_hash, is_prepared,
                               looks_partial, open_prepared, scan_tokens)
 
@@ -125,8 +127,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
-                         "fix its permissions or remove it from the corpus") from None
+        raise ValueError(f"data.path: {describe(e, path)}; fix it or remove it from the corpus") from None
 
 
 def _is_text(data: bytes) -> bool:
@@ -198,8 +199,7 @@ def _bin_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
     try:
         tokens = np.memmap(path, dtype="<u2", mode="r")
     except OSError as e:
-        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
-                         "fix its permissions") from None
+        raise ValueError(f"data.path: {describe(e, path)}") from None
     return _chunk(path.name, tokens, doc_bytes)
 
 

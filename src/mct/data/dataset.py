@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mct.errors import WRITE, user_error
+from mct.errors import WRITE, describe, user_error
 
 FORMAT = "mct-prepared-v1"
 META, TOKENS, DOCS, TOKENIZER = "meta.json", "tokens.bin", "docs.idx", "tokenizer.json"
@@ -184,6 +184,9 @@ def open_prepared(path: Path) -> Prepared:
     fix = f"re-create it with `mct prepare ... --out {path}`"
     try:
         raw = (path / META).read_bytes()
+    except OSError as e:
+        raise ValueError(f"data.path: {describe(e, path / META)}") from None
+    try:
         meta = json.loads(raw)
         dtype = {"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]]
         n_tok, n_doc = int(meta["tokens"]), int(meta["documents"])
