@@ -133,9 +133,11 @@ def test_parquet_and_a_save_to_disk_directory_are_read_by_rows(tmp_path, capfd):
     assert _docs(out) == ["first row", "zwéite 行", "third", "arrow one", "arrow two"]
     assert json.loads((out / "meta.json").read_text())["skipped_empty"] == 1
     pq.write_table(pa.table({"body": ["x", None]}), tmp_path / "null.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     for args, why in ((["null.parquet", "--text-field", "body"], "null.parquet: row 2: column 'body' is null"),
                       (["a.parquet"], "no 'text' column (columns: body, n)"),
-                      (["a.parquet", "--text-field", "n"], "holds int64, not strings")):
+                      (["a.parquet", "--text-field", "n"], "holds int64, not strings"),
+                      (["bad.parquet"], "bad.parquet: not a readable parquet file")):
         capfd.readouterr()
         assert main(["prepare", str(tmp_path / args[0]), *args[1:], "--out", str(tmp_path / "x"), "--no-progress"]) == 2
         err = capfd.readouterr().err.strip().splitlines()

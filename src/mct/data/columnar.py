@@ -64,9 +64,7 @@ def _batches(src: Any, text_field: str) -> Iterator:
             it = reader if hasattr(reader, "__iter__") else (reader.get_batch(i) for i in range(reader.num_record_batches))
             for batch in it:
                 yield batch.select([text_field])
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-        if isinstance(e, ValueError):
-            raise
+    except (pa.lib.ArrowException, OSError) as e:  # not our own ValueErrors (a missing column)
         raise ValueError(f"{src.name}: not a readable {src.kind} file ({str(e).splitlines()[0][:160]}); re-create "
                          f"it or leave it out") from None
 
