@@ -4,7 +4,11 @@ trained byte-level BPE, for each --workers value, beside plain ``tokenizers``
 limit), and the memory of the same prepare at a smaller corpus (flat in corpus size?).
 
     PYTHONPATH=src:. python benchmarks/prepare.py [--mb 200] [--small-mb 10] [--vocab 8192]
-        [--workers 1,2] [--json PATH]
+        [--workers 1,2] [--text-mb 60,600] [--json PATH]
+
+``--text-mb`` adds, per size, one plain-text file holding a single document of that many
+MB (the same sources concatenated), prepared with the largest --workers: the document
+streams in pieces, so every process's peak RSS should not grow with it.
 
 The corpus is a .jsonl of the Python standard library's sources (the default corpus's
 files, repeated until --mb MB of text), one file per record. The BPE is trained once on
@@ -30,9 +34,10 @@ from benchmarks.common import RESULTS_DIR, cpu_info, cpu_line, environment, form
 
 _PREPARE_CHILD = r"""
 import json, resource, sys, time
-from mct.data.prepare import prepare
+from mct.data.pipeline import prepare
 t0 = time.perf_counter()
 meta = prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]), progress=False)
+assert meta["documents"] == 1 or not sys.argv[1].endswith(".txt")
 s = time.perf_counter() - t0
 print(json.dumps({"seconds": s, "tokens": meta["tokens"], "documents": meta["documents"],
                   "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -67,6 +72,19 @@ def write_corpus(path: Path, mb: float) -> int:
     return total
 
 
+def write_text(path: Path, mb: float) -> int:
+    """One plain-text document of stdlib sources (cycled), ``mb`` MB; returns its bytes."""
+    from mct.data.corpus import stdlib_sources
+    files = [f.read_bytes() for f in stdlib_sources()]
+    target, total, i = int(mb * 1e6), 0, 0
+    with open(path, "wb") as out:
+        while total < target:
+            out.write(files[i % len(files)])
+            total += len(files[i % len(files)])
+            i += 1
+    return total
+
+
 def _child(code: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False)
@@ -81,6 +99,7 @@ def main() -> None:
     ap.add_argument("--small-mb", type=float, default=10.0, help="a smaller corpus, for memory flatness")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--text-mb", default="", help="single-document .txt sizes in MB, e.g. 60,600")
     ap.add_argument("--json", default=str(RESULTS_DIR / "prepare.json"))
     args = ap.parse_args()
     from mct.data.tokenizer import train_bpe
@@ -120,7 +139,19 @@ def main() -> None:
                              "vs_encode_batch": (mb / r["seconds"]) / rows[0]["mb_s"] if corpus == "big" else None})
                 assert corpus == "small" or r["tokens"] == base["tokens"] + r["documents"], \
                     "prepare and encode_batch disagree on the token count (EOS aside)"
-    cols = [("what", "run"), ("mb", "text MB"), ("seconds", "s"), ("mb_s", "MB/s"), ("vs_encode_batch", "x limit"),
+        w = max(int(x) for x in args.workers.split(","))
+        jsonl_mb_s = next((r["mb_s"] for r in rows if r["what"] == f"mct prepare --workers {w}"), None)
+        for mb_text in [float(x) for x in args.text_mb.split(",") if x]:
+            txt = tmp_p / f"one_{mb_text:g}.txt"
+            n = write_text(txt, mb_text)
+            r = _child(_PREPARE_CHILD, str(txt), str(tmp_p / f"ds_txt_{mb_text:g}"), str(tmp_p / "tokenizer.json"),
+                       str(w))
+            rows.append({"what": f"mct prepare 1-document .txt --workers {w}", "mb": n / 1e6, "seconds": r["seconds"],
+                         "mb_s": n / 1e6 / r["seconds"], "rss_main_mib": r["rss_main"] / 2**20,
+                         "rss_worker_mib": r["rss_worker"] / 2**20 if w > 1 else None, "tokens": r["tokens"],
+                         "vs_jsonl": n / 1e6 / r["seconds"] / jsonl_mb_s if jsonl_mb_s else None})
+            txt.unlink()
+    cols = [("what", "run"), ("mb", "text MB"), ("seconds", "s"), ("mb_s", "MB/s"), ("vs_encode_batch", "x limit"), ("vs_jsonl", "x jsonl"),
             ("rss_main_mib", "peak RSS MiB"), ("rss_worker_mib", "worker RSS MiB"), ("tokens", "tokens")]
     print(format_table(rows, cols))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     from mct.data import load_corpus
     from mct.data.corpus import stdlib_sources
-    from mct.data.prepare import prepare
+    from mct.data.pipeline import prepare
     files = [str(f) for f in stdlib_sources()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

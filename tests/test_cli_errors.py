@@ -166,6 +166,21 @@ CASES: list[tuple[str, list[str], str]] = [
     ("plan-hf-bert-not-a-decoder", ["plan", "--model", "hf:{tmp}/hf_bert"], "is_decoder"),
     ("export-into-checkpoints", ["export", "{tmp}/emptied_run", "--out", "{tmp}/emptied_run/checkpoints/w"],
      "own files"),
+    # issue 29, the data side: mct prepare's hostile inputs and datasets that lie about their tokens
+    ("prepare-workers-huge", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--workers", "100000"],
+     "--workers must be an integer in [1, "),
+    ("prepare-train-vocab-huge", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--tokenizer", "train:4294967296"],
+     "VOCAB must be in [257, 1048576]"),
+    ("prepare-deep-json", ["prepare", "{tmp}/data/deep.jsonl", "--out", "{tmp}/ds", "--no-progress"],
+     "nested too deeply"),
+    ("prepare-lone-surrogate", ["prepare", "{tmp}/data/surrogate.jsonl", "--out", "{tmp}/ds", "--no-progress"],
+     "lone surrogate"),
+    ("prepare-json-null", ["prepare", "{tmp}/data/null.jsonl", "--out", "{tmp}/ds", "--no-progress"], "holds null,"),
+    ("prepare-dangling-link", ["prepare", "{tmp}/data/dangling", "--out", "{tmp}/ds"], "dangling symbolic link"),
+    ("prepare-out-parent-is-file", ["prepare", "{corpus}", "--out", "{tmp}/broken.toml/ds"], "is a file, not a"),
+    ("prepare-dataset-as-input", ["prepare", "{tmp}/data/lowered_ds", "--out", "{tmp}/ds"], "is a prepared dataset"),
+    ("prepare-split-unknown", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--split", "words"], "invalid choice"),
+    ("data-prepared-vocab-lowered", [*TRAIN, "--set", "data.path={tmp}/data/lowered_ds"], "holds token id 256"),
 ]
 
 
@@ -192,7 +207,29 @@ def _fixtures(tmp: Path) -> dict[str, str]:
         (tmp / f"hf_{name}" / "config.json").write_text(json.dumps(config))
     (tmp / "hf_deep").mkdir()
     (tmp / "hf_deep" / "config.json").write_text("[" * 100_000)
+    _data_fixtures(tmp / "data")
     return {"tmp": str(tmp), "corpus": str(corpus), "run": str(tmp / "run")}
+
+
+def _data_fixtures(d: Path) -> None:
+    """Inputs of mct prepare's cases, and a prepared dataset whose meta.json says vocab_size 200
+    while its tokens hold EOS = 256 (written by hand, the public format)."""
+    import json
+    import numpy as np
+    d.mkdir()
+    (d / "deep.jsonl").write_text("[" * 100000 + "\n")
+    (d / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    (d / "null.jsonl").write_text('{"text": null}\n')
+    (d / "dangling").symlink_to(d / "nowhere")
+    ds = d / "lowered_ds"
+    ds.mkdir()
+    docs = [np.frombuffer(f"document {i}: ".encode() * 20, np.uint8).astype("<u2") for i in range(8)]
+    tokens = np.concatenate([np.append(t, 256) for t in docs]).astype("<u2")
+    (ds / "tokens.bin").write_bytes(tokens.tobytes())
+    (ds / "docs.idx").write_bytes(np.cumsum([0] + [t.size + 1 for t in docs]).astype("<i8").tobytes())
+    (ds / "tokenizer.json").write_text("{}")
+    (ds / "meta.json").write_text(json.dumps({"format": "mct-prepared-v1", "dtype": "uint16", "vocab_size": 200,
+                                              "eos_id": 256, "documents": 8, "tokens": int(tokens.size)}))
 
 
 def _run_case(argv: list[str], values: dict[str, str], capsys) -> tuple[int, list[str], str]:

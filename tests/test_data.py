@@ -301,7 +301,7 @@ def test_unreadable_file_raises_value_error(tmp_path, monkeypatch):
     def deny(path: Path) -> bytes:
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(Path, "read_bytes", deny)
-    with pytest.raises(ValueError, match="cannot read .*Permission denied.*fix its permissions"):
+    with pytest.raises(ValueError, match="cannot read .*permission denied .check the path.s permissions"):
         load_corpus(str(tmp_path), seed=0, val_fraction=0.1, seq_len=8)
 
 
@@ -333,3 +333,28 @@ def test_build_data_wires_config_keys(tmp_path):
     assert sampler.step_offsets(0).shape == (2, 2, 2)
     assert sampler.batch(0, 1, 1)[0].shape == (2, 16)
     assert corpus.fingerprint == load_corpus(str(tmp_path), seed=3, val_fraction=0.1, seq_len=16).fingerprint
+
+
+def test_a_uint16_bin_beyond_256_ids_is_bounded_by_the_models_own_vocabulary(tmp_path):
+    """model.vocab_size (256 by default) is the built-in GPT's: an hf: or factory model's
+    own embedding rows bound the ids (task.build.check_tokens), so build_data must not
+    refuse a .bin with ids above 255 for them."""
+    path = tmp_path / "toks.bin"
+    np.arange(4000, dtype="<u2").__mod__(1000).astype("<u2").tofile(path)
+    hf = EngineConfig.from_dict({"model": {"source": "hf:some/dir", "seq_len": 16}, "data": {"path": str(path)}})
+    corpus, _ = build_data(hf)
+    assert corpus.min_vocab_size == 1000
+    with pytest.raises(ValueError, match="token ids up to 999.*model.vocab_size = 256"):
+        build_data(EngineConfig.from_dict({"model": {"seq_len": 16}, "data": {"path": str(path)}}))
+
+
+def test_a_prepared_dataset_whose_meta_lowers_the_vocab_is_refused_on_load(tmp_path):
+    from mct.data.pipeline import prepare
+    import json
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph {i} with text" for i in range(10)))
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), split="paragraph", progress=False)
+    load_corpus(str(tmp_path / "ds"), seed=0, val_fraction=0.2, seq_len=4)
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps({**meta, "vocab_size": 200}))
+    with pytest.raises(ValueError, match="holds token id 256, but meta.json says vocab_size 200"):
+        load_corpus(str(tmp_path / "ds"), seed=0, val_fraction=0.2, seq_len=4)

@@ -14,9 +14,9 @@ import pytest
 
 from mct.cli import main
 from mct.data import load_corpus
-from mct.data import prepare as prepare_mod
-from mct.data.prepare import prepare
-from mct.data.prepared import DocumentSpans, open_prepared
+from mct.data import pipeline as prepare_mod
+from mct.data.pipeline import prepare
+from mct.data.dataset import DocumentSpans, open_prepared
 from mct.data.tokenizer import Encoder, Tokenizer, bytes_to_unicode, copy_tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ 你好 \U0001F600", "spells <|endoftext|> and </s> as text",
@@ -96,7 +96,9 @@ def test_workers_write_the_same_bytes_as_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("record, why", [("{not json", "not JSON"), ("[1, 2]", "a JSON list, not an object"),
-                                         ('{"body": "x"}', "no 'text' field"), ('{"text": 3}', "holds int")])
+                                         ('{"body": "x"}', "no 'text' field"), ('{"text": 3}', "holds number 3"),
+                                         ('{"text": null}', "holds null"), ("[" * 100000, "nested too deeply"),
+                                         ('{"text": "a\\ud800"}', "lone surrogate")])
 def test_bad_jsonl_record_is_one_line_file_line_exit_2_and_nothing_written(tmp_path, capfd, record, why):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n' + record + "\n")
@@ -178,6 +180,16 @@ def test_training_on_a_prepared_dataset_records_it_and_copies_its_tokenizer(tmp_
     shutil.rmtree(tmp_path / "ds")
     assert main(["prepare", *inputs, "--out", str(tmp_path / "ds"), "--tokenizer", "train:300",
                  "--workers", "2", "--no-progress"]) == 0
+    # every token changed in place, meta.json untouched: the fingerprint (from meta.json) holds, the
+    # resume's streamed sha256 of tokens.bin refuses it
+    tokens_bin = tmp_path / "ds" / "tokens.bin"
+    good = tokens_bin.read_bytes()
+    tokens_bin.write_bytes(np.frombuffer(good, "<u2")[::-1].tobytes())
+    capfd.readouterr()
+    assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=3"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mct: error: data.path:") and "changed since it was prepared" in err, err
+    tokens_bin.write_bytes(good)
     assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.steps=3"]) == 0
     # a changed input changes meta.json's sha256s, so the fingerprint: the resume refuses
     shutil.rmtree(tmp_path / "ds")

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--text-field", default="text", metavar="NAME", help="the JSON field holding a record's text")
     pr.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
                     help="encoding processes (default: the CPU cores, at most 8)")
+    pr.add_argument("--split", default="file", choices=("file", "paragraph", "line"),
+                    help="documents of a plain text file: the whole file, each paragraph (blank-line separated) "
+                         "or each line")
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -457,9 +460,10 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.data.prepare import prepare, summary
-    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
-                   workers=args.workers, progress=not args.no_progress)
+    from mct.data.pipeline import prepare, summary, terminate_as_interrupt
+    with terminate_as_interrupt():
+        meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                       workers=args.workers, progress=not args.no_progress, split=args.split)
     line, warning = summary(meta, args.out)
     print(line)
     if warning:

@@ -1,5 +1,5 @@
 """What the model reads: inputs (``sources``), tokenizers (``tokenizer``), the prepared
-dataset format (``prepared``) and the ``mct prepare`` pipeline (``prepare``); corpus
+dataset format (``dataset``: its writer and reader) and the ``mct prepare`` pipeline (``pipeline``); corpus
 loading with the document-level train/validation split (``corpus``), and the stateless
 window sampler (``sampler``)."""
 

@@ -13,7 +13,7 @@ Corpus sources (``data.path``):
 - a directory: every UTF-8 file without NUL bytes under it (recursive, sorted, hidden
   names skipped) is one document. A directory holding a single text file is cut like a file.
 - a ``.bin``: uint16 little-endian tokens (memory-mapped), cut into documents like a file.
-- a prepared dataset (a directory made by ``mct prepare``, see ``prepared.py``):
+- a prepared dataset (a directory made by ``mct prepare``, see ``dataset.py``):
   memory-mapped; its documents are split by ``doc_hash(seed, index)`` (vectorized, so a
   start costs milliseconds for millions of documents) and each split is a
   ``DocumentSpans`` view, never a copy. The fingerprint comes from meta.json (which
@@ -38,7 +38,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mct.data.prepared import DocumentSpans, doc_hash, is_prepared, looks_partial, open_prepared
+from mct.errors import describe
+
+from mct.data.dataset import (DocumentSpans, check_tokens_in_vocab, check_tokens_sha256, doc_hash, is_prepared,
+                              looks_partial, open_prepared, scan_tokens)
 
 
 DOC_BYTES = 64 * 1024
@@ -102,6 +105,14 @@ class Corpus:
                              f"but model.vocab_size = {vocab_size}; set model.vocab_size >= "
                              f"{self.min_vocab_size}")
 
+    def verify_contents(self) -> None:
+        """For a prepared dataset, stream tokens.bin through sha256 and raise ValueError
+        unless it is what meta.json recorded (``--resume`` calls this: the fingerprint
+        comes from meta.json, so tokens changed in place would pass it). No-op for
+        other sources, whose fingerprint hashes their content."""
+        if self.dataset is not None:
+            check_tokens_sha256(open_prepared(Path(self.source)))
+
     def metadata(self) -> dict[str, Any]:
         """A JSON-ready summary for run metadata."""
         return {"source": self.source, "fingerprint": self.fingerprint,
@@ -116,8 +127,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as e:
-        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
-                         "fix its permissions or remove it from the corpus") from None
+        raise ValueError(f"data.path: {describe(e, path)}; fix it or remove it from the corpus") from None
 
 
 def _is_text(data: bytes) -> bool:
@@ -189,8 +199,7 @@ def _bin_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
     try:
         tokens = np.memmap(path, dtype="<u2", mode="r")
     except OSError as e:
-        raise ValueError(f"data.path: cannot read {str(path)!r} ({e.strerror or e}); "
-                         "fix its permissions") from None
+        raise ValueError(f"data.path: {describe(e, path)}") from None
     return _chunk(path.name, tokens, doc_bytes)
 
 
@@ -257,6 +266,7 @@ class _DocNames(Sequence[str]):
 def _prepared_corpus(path: Path, seed: int, val_fraction: float) -> Corpus:
     """The document-level split of a prepared dataset (see the module docstring)."""
     ds = open_prepared(path)
+    check_tokens_in_vocab(ds, scan_tokens(ds)[0])
     n = int(ds.meta["documents"])
     if n < 2:
         raise ValueError(f"data.path = {str(path)!r} holds {n} document; a train/validation split by document "

@@ -102,10 +102,12 @@ class BatchSampler:
         return self._windows(self.corpus.val, self.val_offsets(i), device)
 
 def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
-    """Corpus and sampler from a config; checks token ids against model.vocab_size."""
+    """Corpus and sampler from a config; checks token ids against model.vocab_size for
+    the built-in GPT (another model's own vocabulary is the bound: task.build.check_tokens)."""
     corpus = load_corpus(cfg.data.path, seed=cfg.seed, val_fraction=cfg.data.val_fraction,
                          seq_len=cfg.model.seq_len)
-    corpus.check_vocab(cfg.model.vocab_size)
+    if cfg.model.source == "gpt":
+        corpus.check_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,
                            grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed)
     return corpus, sampler

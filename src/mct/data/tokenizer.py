@@ -31,6 +31,17 @@ EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_
 """Names tried, in order, for the EOS of a user's tokenizer without tokenizer_config.json."""
 MIN_TRAIN_VOCAB = 257
 """``train:VOCAB`` needs the 256 bytes and EOS."""
+MAX_TRAIN_VOCAB = 1 << 20
+"""``train:VOCAB`` above this is refused: the trainer's tables grow with VOCAB (and no
+language model has more than a few hundred thousand ids)."""
+MAX_WORD_BYTES = 128
+"""A trained BPE cuts each pre-token (a word) into pieces of at most this many bytes
+before merging: a megabyte without a space is then many words, not one, so training and
+encoding stay linear in the text (merges never span more than this)."""
+_PIECE_PROBES = ("Hello, world.\nThe next line, with words.", "x.\ny", "a b\nc d", "12 345\n678 9",
+                 "日本語のテキスト\n次の行", "don't\n's and 've", "def f(x):\n    return x\nprint(f(1))",
+                 "Ünïcödé wörds\nflow on")
+"""Texts on which a tokenizer must encode ``a | b`` (cut by textstream.cut_ok) as ``ab``."""
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -68,13 +79,16 @@ def bytes_tokenizer_json(eos: bool = True) -> str:
 class Tokenizer:
     """A resolved tokenizer: ``kind`` ("bytes" | "file" | "train"), its ``json`` (what
     tokenizer.json holds), ``vocab_size`` (ids are < it), ``eos_id``, ``source`` (the
-    spec as given). Picklable (workers rebuild the library object from ``json``)."""
+    spec as given), ``pieces_ok`` (it encodes a text cut where textstream.py cuts a big
+    document as it encodes the whole). Picklable (workers rebuild the library object
+    from ``json``)."""
 
     kind: str
     json: str
     vocab_size: int
     eos_id: int
     source: str
+    pieces_ok: bool = True
 
     @property
     def dtype(self) -> np.dtype:
@@ -104,12 +118,12 @@ class Encoder:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids -> text, special tokens kept (so EOS shows as its name)."""
-        ids = [int(i) for i in ids]
-        if self._hf is None and all(i < 256 for i in ids):
-            return bytes(ids).decode("utf-8", errors="replace")
+        arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
+        if self._hf is None and (arr.size == 0 or int(arr.max()) < 256):  # vectorized: a piece is a megabyte
+            return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
         from tokenizers import Tokenizer as HF
         hf = self._hf or HF.from_str(self.tok.json)
-        return hf.decode(ids, skip_special_tokens=False)
+        return hf.decode(arr.tolist(), skip_special_tokens=False)
 
 
 def _eos_from_config(d: Path) -> str | None:
@@ -145,6 +159,20 @@ def _from_file(spec: str) -> Tokenizer:
     return Tokenizer(kind="file", json=hf.to_str(), vocab_size=vocab_size, eos_id=int(eos), source=spec)
 
 
+def _pieces_ok(tok: Tokenizer) -> bool:
+    """Whether ``tok`` encodes each probe text cut at every allowed place as the whole."""
+    from mct.data.textstream import cut_ok
+    enc = Encoder(tok)
+    for text in _PIECE_PROBES:
+        raw = text.encode("utf-8")
+        whole = enc.encode_batch([text])[0].tolist()
+        for i in (i for i in range(1, len(raw)) if cut_ok(raw, i)):
+            a, b = enc.encode_batch([raw[:i].decode("utf-8"), raw[i:].decode("utf-8")])
+            if a.tolist() + b.tolist() != whole:
+                return False
+    return True
+
+
 def parse_train_vocab(spec: str) -> int:
     """``train:VOCAB`` -> VOCAB. Raises ValueError for a malformed or too small size."""
     text = spec.split(":", 1)[1]
@@ -152,25 +180,28 @@ def parse_train_vocab(spec: str) -> int:
         vocab = int(text)
     except ValueError:
         raise ValueError(f"--tokenizer {spec!r}: VOCAB must be an integer, e.g. train:8192") from None
-    if not MIN_TRAIN_VOCAB <= vocab <= 2**32:
-        raise ValueError(f"--tokenizer {spec!r}: VOCAB must be in [{MIN_TRAIN_VOCAB}, 2**32] (256 bytes + EOS "
-                         f"at least), e.g. train:8192")
+    if not MIN_TRAIN_VOCAB <= vocab <= MAX_TRAIN_VOCAB:
+        raise ValueError(f"--tokenizer {spec!r}: VOCAB must be in [{MIN_TRAIN_VOCAB}, {MAX_TRAIN_VOCAB}] (256 bytes + "
+                         f"EOS at least; the trainer's memory grows with VOCAB), e.g. train:8192")
     return vocab
 
 
-def train_bpe(texts: Iterable[str], vocab: int, spec: str = "") -> Tokenizer:
+def train_bpe(texts: Iterable[str], vocab: int, spec: str = "", progress: bool = False) -> Tokenizer:
     """A byte-level BPE of at most ``vocab`` ids (fewer when the texts have no more
-    merges) trained on ``texts`` (streamed once). EOS = 0, then the 256 bytes."""
-    from tokenizers import Tokenizer as HF, models, pre_tokenizers, trainers
+    merges) trained on ``texts`` (streamed once; the library's progress bars when
+    ``progress``). EOS = 0, then the 256 bytes. Words are cut to ``MAX_WORD_BYTES``."""
+    from tokenizers import Regex, Tokenizer as HF, models, pre_tokenizers, trainers
     hf = _byte_level(HF(models.BPE()), use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_TOKEN], show_progress=False,
+    hf.pre_tokenizer = pre_tokenizers.Sequence([hf.pre_tokenizer, pre_tokenizers.Split(
+        Regex(f".{{1,{MAX_WORD_BYTES}}}"), behavior="isolated")])  # ByteLevel made every byte one char
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS_TOKEN], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     hf.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(kind="train", json=hf.to_str(), vocab_size=hf.get_vocab_size(with_added_tokens=True),
                      eos_id=int(hf.token_to_id(EOS_TOKEN)), source=spec or f"train:{vocab}")
 
 
-def resolve_tokenizer(spec: str, texts: Any = None) -> Tokenizer:
+def resolve_tokenizer(spec: str, texts: Any = None, progress: bool = False) -> Tokenizer:
     """``bytes`` | ``train:VOCAB`` | a tokenizer.json file or directory -> Tokenizer.
     ``texts``: a callable returning an iterable of document texts, read only to train.
     Raises ValueError (naming the spec and the fix) for anything else."""
@@ -179,10 +210,13 @@ def resolve_tokenizer(spec: str, texts: Any = None) -> Tokenizer:
     if spec.startswith("train:"):
         vocab = parse_train_vocab(spec)
         assert texts is not None, "training a tokenizer needs the documents"
-        return train_bpe(texts(), vocab, spec)
-    if not spec.strip():
+        tok = train_bpe(texts(), vocab, spec, progress)
+    elif not spec.strip():
         raise ValueError("--tokenizer is blank; pass 'bytes', 'train:VOCAB', or a tokenizer.json file or directory")
-    return _from_file(spec)
+    else:
+        tok = _from_file(spec)
+    tok.pieces_ok = _pieces_ok(tok)
+    return tok
 
 
 def copy_tokenizer(corpus: Corpus, run_dir: str | os.PathLike) -> Path | None:

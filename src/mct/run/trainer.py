@@ -80,6 +80,7 @@ class Trainer(Feedback):
         check_tokens(self.task, self.corpus)
         if resume:
             agree(error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
+            agree(error_of(self.corpus.verify_contents) if ctx.is_main else None)  # a prepared DIR's sha256
         self.loss_fn = seeded(self.task.loss_fn)
         self.engine = self.build_engine(self.cfg)
         if self.cfg.train.init_from and not resume:

@@ -1,4 +1,4 @@
-"""``mct prepare INPUT... --out DIR``: inputs -> tokenized dataset (format: prepared.py).
+"""``mct prepare INPUT... --out DIR``: inputs -> tokenized dataset (format: dataset.py).
 
 The pipeline streams: the main process reads inputs in chunks of about 1 MiB of raw
 records (``sources.read_source``), ``workers`` processes parse and encode them
@@ -17,22 +17,26 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from mct.data.prepared import DatasetWriter, check_out_dir
-from mct.data.sources import CHUNK_BYTES, Chunk, Source, expand_inputs, group_text, parse_chunk, read_source
+from mct.data.dataset import DatasetWriter, check_out_dir
+from mct.data.sources import CHUNK_BYTES, Chunk, Source, never, expand_inputs, group_text, parse_chunk, read_source
+from mct.data.textstream import SPLITS
 from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer
 
 
 @dataclass
 class Encoded:
-    """One chunk encoded: ``tokens`` (each document's ids then EOS, the dataset dtype),
-    ``lengths`` (per document, EOS included), documents skipped (``empty``, ``binary``),
+    """One chunk encoded: ``tokens`` (each document's ids then EOS, the dataset dtype;
+    a document streamed in pieces gets its EOS after its last), ``lengths`` (per
+    document ending in the chunk, its tokens in the chunk, EOS included; the tokens
+    after the last are a document that goes on), documents skipped (``empty``, ``binary``),
     ``raw_bytes`` read, and the round-trip check of its first document (``checked``,
     ``mismatched``: 0 or 1)."""
 
@@ -51,12 +55,19 @@ def encode_chunk(enc: Encoder, chunk: Chunk, text_field: str) -> Encoded:
     tok = enc.tok
     ids = enc.encode_batch(parsed.texts)
     eos = np.array([tok.eos_id], dtype=tok.dtype)
-    parts = [p for a in ids for p in (a.astype(tok.dtype), eos)]
+    parts, ends, run = [], [], 0
+    for a, end in zip(ids, parsed.ends):  # a piece whose document goes on gets no EOS
+        parts.append(a.astype(tok.dtype))
+        run += a.size
+        if end:
+            parts.append(eos)
+            ends.append(run + 1)
+            run = 0
     tokens = np.concatenate(parts) if parts else np.empty(0, tok.dtype)
-    lengths = np.array([a.size + 1 for a in ids], dtype=np.int64)
+    lengths = np.array(ends, dtype=np.int64)
     # decoding the first document of each chunk proves the tokenizer lossless on this data
     mismatched = int(bool(ids) and enc.decode(ids[0]) != parsed.texts[0])
-    return Encoded(tokens, lengths, parsed.empty, parsed.binary, sum(map(len, chunk.items)),
+    return Encoded(tokens, lengths, parsed.empty, parsed.binary, sum(len(x) for x in chunk.items if x),
                    int(bool(ids)), mismatched)
 
 
@@ -65,6 +76,10 @@ _worker_encoder: list[Encoder] = []
 
 
 def _init_worker(tok: Tokenizer) -> None:
+    # Ctrl-C reaches the whole process group: only the parent handles it (and terminates
+    # the pool); a worker dies by the SIGTERM of Pool.terminate, not by a handler it inherited
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder.append(Encoder(tok))
 
 
@@ -86,17 +101,53 @@ def _single_threaded_tokenizers() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def _chunks(sources: list[Source], digests: list[dict], chunk_bytes: int) -> Iterator[Chunk]:
+@dataclass(frozen=True)
+class _Reading:
+    """How inputs are read: ``split`` of text files, ``chunk_bytes``, and ``may_cut``,
+    called before a document is cut into pieces."""
+
+    split: str
+    chunk_bytes: int
+    may_cut: Callable[[], None]
+    text_field: str = "text"
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the block (as Ctrl-C does), so the same
+    clean-up runs: the pool is terminated and joined, the partial directory removed."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _chunks(sources: list[Source], digests: list[dict], how: _Reading) -> Iterator[Chunk]:
     def raw() -> Iterator[Chunk]:
         for src, digest in zip(sources, digests):
-            yield from read_source(src, digest, chunk_bytes)
-    return group_text(raw(), chunk_bytes)
+            yield from read_source(src, digest, how.chunk_bytes, how.split, how.may_cut, how.text_field)
+    return group_text(raw(), how.chunk_bytes)
 
 
-def _texts(sources: list[Source], text_field: str, chunk_bytes: int) -> Iterator[str]:
-    """Every non-empty document's text, streamed (the BPE trainer's input)."""
-    for chunk in _chunks(sources, [{} for _ in sources], chunk_bytes):
+def _texts(sources: list[Source], text_field: str, how: _Reading) -> Iterator[str]:
+    """Every non-empty document's text (a big one in pieces), streamed: the BPE
+    trainer's input. Pieces are cut where its pre-tokenizer cuts, so the counts hold."""
+    for chunk in _chunks(sources, [{} for _ in sources], how):
         yield from parse_chunk(chunk, text_field).texts
+
+
+def _cut_check(tok: Tokenizer) -> Callable[[], None]:
+    """``may_cut`` for ``tok``: raises when it does not encode a document in pieces as it
+    encodes it whole (a pre-tokenizer that marks each text's start)."""
+    def check() -> None:
+        if not tok.pieces_ok:
+            raise ValueError(f"--tokenizer {tok.source!r} encodes text cut at a line break differently from the "
+                             f"whole (its pre-tokenizer marks where each text starts), so a document larger than "
+                             f"{CHUNK_BYTES >> 20} MiB cannot stream; pass --split paragraph or --split line")
+    return check
 
 
 def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: int) -> Iterator[Encoded]:
@@ -123,30 +174,45 @@ def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: 
         pool.join()
 
 
-def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field: str = "text",
-            workers: int = 1, progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
-    """Tokenize ``inputs`` into the dataset directory ``out`` (see the module
-    docstring). Returns its meta.json (plus ``seconds``, not stored). Creates ``out``
-    only when complete. Raises ValueError (one line, naming the value and the fix) for
-    bad arguments, unreadable inputs, a bad record (``FILE:LINE: ...``) or no documents."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
+MAX_WORKERS = max(64, 2 * (os.cpu_count() or 1))
+"""--workers above this is refused: each worker is a process holding a tokenizer."""
+
+
+def _check_args(workers: Any, text_field: str, chunk_bytes: int, split: str) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"--workers must be an integer in [1, {MAX_WORKERS}] (at most twice the CPU cores, 64 at "
+                         f"least), got {workers!r}; e.g. --workers {min(8, os.cpu_count() or 1)}")
     if not text_field:
         raise ValueError("--text-field is empty; pass the JSON field that holds the text, e.g. --text-field text")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if split not in SPLITS:
+        raise ValueError(f"--split {split!r} is not one of {', '.join(SPLITS)}; e.g. --split paragraph")
+
+
+def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field: str = "text",
+            workers: int = 1, progress: bool = True, chunk_bytes: int = CHUNK_BYTES,
+            split: str = "file") -> dict[str, Any]:
+    """Tokenize ``inputs`` into the dataset directory ``out`` (see the module
+    docstring); ``split`` cuts text files into documents (textstream.py). Returns its
+    meta.json (plus ``seconds``, not stored). Creates ``out`` only when complete.
+    Raises ValueError (one line, naming the value and the fix) for bad arguments,
+    unreadable inputs, a bad record (``FILE:LINE: ...``) or no documents."""
+    _check_args(workers, text_field, chunk_bytes, split)
     out_path = check_out_dir(out)
     sources = expand_inputs(inputs)
     t0 = time.perf_counter()
-    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, text_field, chunk_bytes))
+    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, text_field, _Reading(split, chunk_bytes, never, text_field)),
+                            progress=progress)
+    how = _Reading(split, chunk_bytes, _cut_check(tok), text_field)
     digests: list[dict] = [{} for _ in sources]
     counts = dict.fromkeys(("empty", "binary", "checked", "mismatched"), 0)
     from tqdm import tqdm
-    has_gz = any(s.kind == "jsonl.gz" for s in sources)  # its text is larger than its file
+    has_gz = any(s.kind in ("jsonl.gz", "parquet", "arrow") for s in sources)  # text larger than the file
     bar = tqdm(total=None if has_gz else sum(s.size for s in sources), unit="B", unit_scale=True,
                desc="prepare", disable=not progress, smoothing=0.1)
     try:
-        encoded = contextlib.closing(_encoded(_chunks(sources, digests, chunk_bytes), tok, text_field, workers))
+        encoded = contextlib.closing(_encoded(_chunks(sources, digests, how), tok, text_field, workers))
         with _single_threaded_tokenizers(), DatasetWriter(out_path, tok.dtype) as writer, encoded as stream:
             for enc in stream:
                 writer.add(enc.tokens, enc.lengths)
@@ -155,7 +221,8 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
                 bar.update(enc.raw_bytes)
             meta = writer.commit({
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.kind,
-                "text_field": text_field, "skipped_empty": counts["empty"], "skipped_binary": counts["binary"],
+                "text_field": text_field, "split": split, "skipped_empty": counts["empty"],
+                "skipped_binary": counts["binary"],
                 "roundtrip": {"checked": counts["checked"], "mismatched": counts["mismatched"]},
                 "inputs": [{"name": s.name, **d} for s, d in zip(sources, digests)]}, tok.json)
     finally:

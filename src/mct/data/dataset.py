@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from mct.errors import WRITE, describe, user_error
+
 FORMAT = "mct-prepared-v1"
 META, TOKENS, DOCS, TOKENIZER = "meta.json", "tokens.bin", "docs.idx", "tokenizer.json"
 
@@ -45,6 +47,15 @@ def check_out_dir(out: str | os.PathLike) -> Path:
     if p.exists() and not (p.is_dir() and not any(p.iterdir())):
         raise ValueError(f"--out {str(out)!r} already exists and is not an empty directory; remove it or pass "
                          f"a new directory")
+    up = p.absolute().parent
+    while not up.exists() and not up.is_symlink():
+        up = up.parent
+    if not up.is_dir():
+        raise ValueError(f"--out {str(out)!r}: {str(up)!r} is " + ("a dangling symbolic link" if up.is_symlink()
+                         else "a file, not a directory") + "; pass an --out under a directory")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {str(out)!r}: cannot write {str(up)!r}: permission denied (check the path's "
+                         f"permissions and owner, or pass an --out elsewhere)")
     return p
 
 
@@ -54,13 +65,17 @@ class DatasetWriter:
 
     def __init__(self, out: Path, dtype: np.dtype) -> None:
         self.out, self.dtype = out, np.dtype(dtype)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partials(out)
+            self.tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.tmp.mkdir()
+        except OSError as e:
+            raise user_error(e, e.filename or out.parent, WRITE) from None
         self.tokens_f = open(self.tmp / TOKENS, "wb")
         self.docs_f = open(self.tmp / DOCS, "wb")
         self.docs_f.write(np.zeros(1, "<i8").tobytes())
-        self.n_tokens = self.n_docs = 0
+        self.n_tokens = self.n_docs = self.doc_end = 0
         self.sha = hashlib.sha256()
 
     def __enter__(self) -> "DatasetWriter":
@@ -72,13 +87,16 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents: ``tokens`` (ids of all, each followed by EOS, in
-        ``self.dtype``) and ``lengths`` (tokens per document, EOS included)."""
-        assert tokens.dtype == self.dtype and int(lengths.sum()) == tokens.size, "a worker broke the chunk contract"
+        ``self.dtype``) and ``lengths`` (per document ending here, its tokens in
+        ``tokens``, EOS included). Tokens after the last are of a document that goes on
+        in the next call (a document streamed in pieces)."""
+        assert tokens.dtype == self.dtype and int(lengths.sum()) <= tokens.size, "a worker broke the chunk contract"
         data = np.ascontiguousarray(tokens).data
         self.tokens_f.write(data)
         self.sha.update(data)
         ends = self.n_tokens + np.cumsum(lengths, dtype=np.int64)
         self.docs_f.write(ends.astype("<i8").tobytes())
+        self.doc_end = int(ends[-1]) if ends.size else self.doc_end
         self.n_tokens += int(tokens.size)
         self.n_docs += int(lengths.size)
 
@@ -87,6 +105,7 @@ class DatasetWriter:
         rename to DIR. Returns the full meta. Raises ValueError for an empty dataset."""
         if self.n_docs == 0:
             raise ValueError("the inputs hold no non-empty document; nothing to prepare")
+        assert self.doc_end == self.n_tokens, "a document streamed in pieces never ended"
         for f in (self.tokens_f, self.docs_f):
             f.flush()
             os.fsync(f.fileno())
@@ -111,6 +130,30 @@ class DatasetWriter:
         for f in (self.tokens_f, self.docs_f):
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove the hidden partial directories of ``out`` left by a killed ``mct prepare``
+    (``.NAME.partial-PID-XXXXXXXX`` whose process is gone; an older unnamed one
+    ``.NAME.partial-XXXXXXXX`` too). A live prepare's is kept. Returns those removed."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit(".partial-", 1)[1].split("-")[0]
+        if "-" in p.name.rsplit(".partial-", 1)[1] and pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def is_prepared(path: Path) -> bool:
@@ -141,6 +184,9 @@ def open_prepared(path: Path) -> Prepared:
     fix = f"re-create it with `mct prepare ... --out {path}`"
     try:
         raw = (path / META).read_bytes()
+    except OSError as e:
+        raise ValueError(f"data.path: {describe(e, path / META)}") from None
+    try:
         meta = json.loads(raw)
         dtype = {"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]]
         n_tok, n_doc = int(meta["tokens"]), int(meta["documents"])
@@ -163,6 +209,43 @@ def open_prepared(path: Path) -> Prepared:
     if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) < 1):
         raise ValueError(f"data.path: {path / DOCS} offsets are not increasing from 0 to {n_tok}; {fix}")
     return Prepared(path, meta, tokens, offsets, hashlib.sha256(raw).hexdigest())
+
+
+SCAN_BLOCK = 1 << 26
+"""Bytes of tokens.bin read at a time by ``scan_tokens``."""
+
+
+def scan_tokens(ds: Prepared, sha: bool = False) -> tuple[int, str | None]:
+    """(the largest token id, the sha256 of tokens.bin when ``sha``), read in blocks of
+    ``SCAN_BLOCK`` bytes (memory flat in the dataset's size)."""
+    h = hashlib.sha256() if sha else None
+    top, step = 0, SCAN_BLOCK // ds.tokens.itemsize
+    for i in range(0, ds.tokens.size, step):
+        block = np.asarray(ds.tokens[i:i + step])
+        top = max(top, int(block.max()))
+        if h is not None:
+            h.update(block.data)
+    return top, h.hexdigest() if h is not None else None
+
+
+def check_tokens_in_vocab(ds: Prepared, top: int) -> None:
+    """Raise ValueError when tokens.bin holds an id the dataset's own vocabulary lacks
+    (meta.json's vocab_size edited down, or tokens.bin written by something else)."""
+    if top >= int(ds.meta["vocab_size"]):
+        raise ValueError(f"data.path: {ds.path / TOKENS} holds token id {top}, but meta.json says vocab_size "
+                         f"{ds.meta['vocab_size']} (ids must be below it); re-create it with "
+                         f"`mct prepare ... --out {ds.path}`")
+
+
+def check_tokens_sha256(ds: Prepared) -> None:
+    """Raise ValueError when tokens.bin's sha256 is not the one meta.json recorded
+    (the tokens changed in place since ``mct prepare`` wrote them). Reads tokens.bin."""
+    top, digest = scan_tokens(ds, sha=True)
+    if digest != ds.meta.get("tokens_sha256"):
+        raise ValueError(f"data.path: {ds.path / TOKENS} has sha256 {digest[:12]}..., but meta.json recorded "
+                         f"{str(ds.meta.get('tokens_sha256'))[:12]}...: its tokens changed since it was prepared; "
+                         f"restore it, or re-create it with `mct prepare ... --out {ds.path}` and start a new run")
+    check_tokens_in_vocab(ds, top)
 
 
 class DocumentSpans:
