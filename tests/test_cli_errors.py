@@ -181,6 +181,7 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("argv,fragment", [
     (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true", *TINY],
      "memory budget exceeded"),
@@ -198,6 +199,7 @@ def test_bad_invocation_end_to_end_has_no_traceback(argv, fragment, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.cli
 def test_version_flag_in_both_entry_points():
     import mct
     for cmd in ([sys.executable, "-m", "mct", "--version"], [str(Path(sys.executable).parent / "mct"), "--version"]):

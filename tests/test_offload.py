@@ -200,6 +200,7 @@ def two_rank(tmp_path_factory):
     return run_distributed(_two_rank_offload, 2, str(tmp_path_factory.mktemp("offload")), timeout=300)
 
 
+@pytest.mark.multirank
 def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank):
     for results in two_rank:
         for key, r in results.items():
@@ -207,11 +208,13 @@ def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank
                 assert r["steps_equal"] and r["state_equal"], key
 
 
+@pytest.mark.multirank
 def test_two_rank_offloaded_checkpoint_and_export_stream_exactly(two_rank):
     for results in two_rank:  # see tests/test_persistence_streaming.py: two_rank_checks
         assert all(results["streamed"].values()), results["streamed"]
 
 
+@pytest.mark.multirank
 def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_rank):
     r = two_rank[0][(3, "disk", "disk", "bf16")]
     assert r["offloaded"]["disk"] > 0 and r["live"]["master"] == 0 and r["live"]["optimizer"] == 0
@@ -233,6 +236,7 @@ def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_verify_with_offload_passes_at_fp32_tolerance_at_stages_1_to_3(tmp_path):
     """``mct verify`` against the fp32 reference trainer, 2 ranks, 2 micro-batches:
     offloaded state passes at the fp32 tolerance at every stage."""
@@ -431,6 +435,7 @@ def _measure_offloaded(rank: int, world: int, tmp: str) -> list[dict]:
             for c in PLANNED]
 
 
+@pytest.mark.multirank
 def test_dry_run_with_offload_predicts_resident_peak_and_offloaded_bytes_of_a_real_run(tmp_path):
     """A model it was not tuned for (tied, frozen, re-used parameters), 2 ranks: the
     planner's steady-state, first-step and init peaks are within 5% of every live

@@ -42,6 +42,7 @@ def _measure_sample(rank: int, world: int, sample: list) -> list[dict]:
             for m, *c in sample]
 
 
+@pytest.mark.multirank
 def test_dry_run_within_2_percent_of_independently_counted_peaks_on_held_out_models():
     """Steady-state step, first step and initialization, per rank, against every live
     storage counted by a dispatch mode that knows nothing of the engine's categories."""
@@ -361,6 +362,7 @@ def _measure_built_on_meta(rank: int, world: int, cfg: EngineConfig) -> int:
     return counter.peak
 
 
+@pytest.mark.multirank
 def test_stage3_init_peak_is_what_mct_train_builds_on_meta():
     """At stage 3 `mct train` never holds the whole model: the plan's init peak is the
     real meta-device construction's (within 2%), far below the whole fp32 model."""
@@ -383,6 +385,7 @@ def _measure_bucketed(rank: int, world: int, cfgs: list) -> list[dict]:
             for c in cfgs]
 
 
+@pytest.mark.multirank
 def test_collectives_split_into_many_buckets_are_predicted_as_measured(monkeypatch):
     """A dry run allocates a many-bucket collective's temporaries as one tensor of their
     total size (mct.zero.comm): the same DryRun, to the byte, as allocating them bucket by

@@ -79,6 +79,7 @@ def test_evaluation_does_not_change_the_training_trajectory(tmp_path, corpus_dir
     assert losses[0] == losses[1]
 
 
+@pytest.mark.cli
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mct", "train", "--set", "zero.stage=9"],
                          capture_output=True, text=True, env=_env(), timeout=120)
@@ -87,12 +88,14 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert "zero.stage = 9 is not allowed" in out.stderr
 
 
+@pytest.mark.cli
 def test_cli_bad_data_path_is_one_line_exit_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mct", "train", "--set", f"data.path={tmp_path}/nope"],
                          capture_output=True, text=True, env=_env(), timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "nope" in out.stderr
 
 
+@pytest.mark.cli
 def test_two_rank_cli_run_matches_reference(tmp_path, corpus_dir):
     """`mct train --nproc 2` (fp32, dropout 0) against the reference fed the same
     per-rank micro-batches: per-step losses and final parameters within 1e-6."""
