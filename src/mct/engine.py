@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
-from mct.dist import DistContext, error_of
+from mct.dist import DistContext, agree, error_of
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory import host
@@ -32,7 +32,7 @@ from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
 from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
-from mct.zero.comm import Comm, check_ranks_agree
+from mct.zero.comm import Comm, first_mismatch
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
 
@@ -180,7 +180,7 @@ class Engine:
                  for n, p in self.model.named_parameters()]
         items.append(("config", repr(sorted((k, repr(v)) for k, v in self.config.to_dict().items()
                                             if k not in ("train", "data")))))
-        check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
+        agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config", items), self.comm)
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
         masters = self.sharded.masters()

@@ -35,7 +35,7 @@ from mct.reporting.events import append_event
 from mct.reporting.metrics import MetricsWriter, write_metadata
 from mct.reporting.report import TrainSummary
 from mct.run.budget_loop import BudgetLoop
-from mct.run.components import LoopCounters, Progress, StepLog, Validator, agree_verdict
+from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
 from mct.run.feedback import Feedback
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
@@ -71,7 +71,7 @@ class Trainer(Feedback):
         self.progress_enabled = progress and ctx.is_main
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart and not resume:
-            resume = self._agree_restart(restart)
+            resume = self._resumes_after_restart(restart)
         elif not resume:
             agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
         self.task = task_for(cfg)
@@ -165,7 +165,7 @@ class Trainer(Feedback):
         while c.step < tcfg.steps:
             step, t0 = c.step, time.perf_counter()
             out, verdict, lr, t_data = self._step(step)
-            code, signum = agree_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
+            code, signum = worst_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
             agreed = list(Verdict)[code]
             if agreed is not verdict:
                 self.detector.detail = f"{agreed.value} on another rank"
@@ -286,7 +286,7 @@ class Trainer(Feedback):
                           checkpoint=path.name, reason=warning)
         self.engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
 
-    def _agree_restart(self, restart: int) -> bool:
+    def _resumes_after_restart(self, restart: int) -> bool:
         """A restarted group: resume when the run has a complete checkpoint, else start
         over in the same run dir (its metrics rows dropped first: the other ranks wait in
         the broadcast). Returns whether to resume."""
