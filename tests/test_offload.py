@@ -458,7 +458,7 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
     and the offloaded bytes in the choice; plan rows say what each keeps off the device."""
     import importlib
 
-    from mct.planner import make_plan, resolve_auto
+    from mct.planner import Grid, make_plan, resolve_auto
     from mct.task import gpt_task as planning_workload
     plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the name
     runs: dict = {}
@@ -475,8 +475,8 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
                        offload={"chunk_mb": 0.01})  # a pool far smaller than the state it streams
     work = planning_workload(base)
     plain = make_plan(work, EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}}), 2, None,
-                      stages=(0, 1, 2, 3), policies=("all",), precisions=("bf16",),
-                      offloads=("none", "optimizer=disk", "optimizer+params=disk"))
+                      Grid(stages=(0, 1, 2, 3), policies=("all",), precisions=("bf16",),
+                           offloads=("none", "optimizer=disk", "optimizer+params=disk")))
     rows = {(r["stage"], r["offload"]): r for r in plain.rows}
     assert (2, "optimizer+params=disk") not in rows  # parameter offload is stage 3's
     no_offload = min(r["peak"] for r in plain.rows if r["offload"] == "none")
