@@ -33,7 +33,7 @@ from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.zero.comm import Comm, first_mismatch
-from mct.zero.sharded import ShardedModel
+from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
 from mct.zero.stage3 import Stage3Lifecycle
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -111,13 +111,12 @@ class Engine:
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
                                        tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
                         if cfg.offload.enabled else None)
-        self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
-                                    param_dtype=self.precision.param_dtype, reduce_dtype=self.precision.reduce_dtype,
-                                    device=self.device, persistent_numel=cfg.zero.persistent_numel,
-                                    tracker=self.tracker,
-                                    before_unit=(None if init_program is None else
-                                                 lambda params: init_program.materialize(params, self.device)),
-                                    after_unit=self._unit_built)
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel)
+        self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
+                                    comm=self.comm, device=self.device, tracker=self.tracker,
+                                    hooks=UnitHooks(None if init_program is None else
+                                                    lambda params: init_program.materialize(params, self.device),
+                                                    self._unit_built))
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
