@@ -144,3 +144,23 @@ def _toml(d: dict) -> str:
             lines.append(f"[{section}]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def test_cli_train_builds_the_task_once_and_hands_it_to_the_trainer(tmp_path, corpus_dir, monkeypatch):
+    """`mct train` checks the model source (task_for) before anything starts; the Trainer
+    it runs in the same process takes that Task instead of building its own again."""
+    import mct.run.trainer as trainer_module
+    import mct.task as task_module
+    from mct.cli import main
+    calls: list[int] = []
+
+    def counted(cfg):
+        calls.append(1)
+        return real(cfg)
+    real = task_module.task_for
+    monkeypatch.setattr(task_module, "task_for", counted)
+    monkeypatch.setattr(trainer_module, "task_for", counted)
+    (tmp_path / "c.toml").write_text(_toml(tiny(corpus_dir, steps=1, eval_every=0)))
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    assert len(calls) == 1, calls

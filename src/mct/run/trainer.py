@@ -43,7 +43,7 @@ from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
-from mct.task import build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
+from mct.task import Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
 # build_model and seeded_gpt_loss: re-exported for tests/test_trainer.py
 from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
@@ -60,7 +60,8 @@ class Trainer(Feedback):
     """
 
     def __init__(self, cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None, *,
-                 progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> None:
+                 progress: bool = True, resume: bool = False, stop: StopRequest | None = None,
+                 task: Task | None = None) -> None:
         """Raises ValueError (every rank alike) for a run dir that holds a run (new
         runs), a changed corpus or no usable checkpoint (resumes), a config the engine
         or planner rejects. A process started by a torchrun restart resumes by itself
@@ -74,7 +75,7 @@ class Trainer(Feedback):
             resume = self._resumes_after_restart(restart)
         elif not resume:
             agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
-        self.task = task_for(cfg)
+        self.task = task if task is not None else task_for(cfg)  # the CLI hands on the one it checked
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
         check_tokens(self.task, self.corpus)
@@ -303,9 +304,11 @@ class Trainer(Feedback):
 
 
 def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
-          progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> TrainSummary:
+          progress: bool = True, resume: bool = False, stop: StopRequest | None = None,
+          task: Task | None = None) -> TrainSummary:
     """Train (every rank calls it): ``Trainer(...).fit()``. A new run refuses a
     ``run_dir`` that holds a run (ValueError, checked by rank 0 before anything is
     written); ``resume`` continues the run there from its newest usable checkpoint
-    (``cfg`` from ``resume_config``). ``stop``: the signal flag the loop looks at."""
-    return Trainer(cfg, run_dir, ctx, progress=progress, resume=resume, stop=stop).fit()
+    (``cfg`` from ``resume_config``). ``stop``: the signal flag the loop looks at.
+    ``task``: ``task_for(cfg)`` when the caller has built it already (``mct train``)."""
+    return Trainer(cfg, run_dir, ctx, progress=progress, resume=resume, stop=stop, task=task).fit()
