@@ -110,7 +110,7 @@ class Progress:
     def __init__(self, enabled: bool, total: int, initial: int) -> None:
         self.bar = None
         if enabled:
-            from tqdm import tqdm
+            from tqdm import tqdm  # only a rank that draws a bar loads it
             self.bar = tqdm(total=total, initial=min(initial, total), desc="train", unit="step", dynamic_ncols=True)
 
     def advance(self, loss: float, val: float | None) -> None:
