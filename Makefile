@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install train test clean
+.PHONY: install train test test-fast clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -21,6 +21,10 @@ train: install
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the inner loop: everything but the multi-rank (spawned gloo ranks) and CLI end-to-end tests
+test-fast: install
+	$(PY) -m pytest -q -m "not multirank and not cli and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

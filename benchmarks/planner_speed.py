@@ -24,10 +24,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from benchmarks.common import cpu_info, cpu_line, format_table, write_json  # noqa: E402
 from mct.config import EngineConfig  # noqa: E402
-from mct.planner import make_plan, plan_workers, token_loss  # noqa: E402
-from mct.planner.dry_run import dry_run  # noqa: E402
+from mct.planner import Grid, make_plan, plan_workers, token_loss  # noqa: E402
+from mct.planner.dry_run import DryRunHooks, dry_run_task  # noqa: E402
+from mct.planner.grid import micro_batches, prepare  # noqa: E402
 from mct.planner.plan import predict, with_choice  # noqa: E402
-from mct.planner.workload import micro_batches, prepare  # noqa: E402
 from mct.task import Task, builds_on_meta, gpt_task  # noqa: E402
 
 def timed(fn) -> tuple:
@@ -47,8 +47,8 @@ def side_by_side(n_layer: int, d_model: int, world: int, choice: tuple) -> dict:
     work, base = gpt(n_layer, d_model)
     cfg = with_choice(base, *choice)
     batch = micro_batches(work.batch, cfg.data.grad_accum)
-    full, fw, fc = timed(lambda: dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
-                                         param_groups=work.param_groups, meta_init=builds_on_meta(cfg)))
+    full, fw, fc = timed(lambda: dry_run_task(work, cfg, world, batch=batch,
+                                              hooks=DryRunHooks(meta_init=builds_on_meta(cfg))))
     planned, pw, pc = timed(lambda: prepare(work, cfg))
     ext, ew, ec = timed(lambda: predict(planned, cfg, world))
     return {"d_model": d_model, "n_layer": n_layer, "params_B": round(full.n_params / 1e9, 2), "world": world,
@@ -111,7 +111,7 @@ def grids(sqrt: bool) -> list[dict]:
     for name, sets, source, world, precisions in cases:
         cfg = load_config(None, [*sets, f"model.source={source}"], defaults=CLI_RECIPE)
         work = task_for(cfg)
-        plan, w, c = timed(lambda: make_plan(work, cfg, world, None, policies=policies, precisions=precisions,
+        plan, w, c = timed(lambda: make_plan(work, cfg, world, None, Grid(policies=policies, precisions=precisions),
                                              advise=False, workers=1))
         argv = [sys.executable, "-m", "mct", "plan", "--model", source, *(a for kv in sets for a in ("--set", kv)),
                 "--world-size", str(world), "--policies", ",".join(policies), "--precisions", ",".join(precisions),

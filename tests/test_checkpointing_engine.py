@@ -134,6 +134,7 @@ def _two_rank_runs(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_every_policy_trains_bitwise_like_none_on_two_ranks_and_with_zero3():
     ranks = run_distributed(_two_rank_runs, 2)
     for rank, runs in enumerate(ranks):

@@ -348,6 +348,7 @@ def test_bad_use_of_a_run_is_one_line_exit_2_and_writes_nothing(case, hf_probe, 
     assert sorted((p.relative_to(root), p.lstat().st_size) for p in root.rglob("*")) == before, "files changed"
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("argv,fragment", [
     (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true", *TINY],
      "memory budget exceeded"),
@@ -365,6 +366,7 @@ def test_bad_invocation_end_to_end_has_no_traceback(argv, fragment, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.cli
 def test_version_flag_in_both_entry_points():
     import mct
     for cmd in ([sys.executable, "-m", "mct", "--version"], [str(Path(sys.executable).parent / "mct"), "--version"]):

@@ -27,6 +27,7 @@ def _two_rank_parity(rank: int, world: int):
     return out
 
 
+@pytest.mark.multirank
 def test_stage0_two_ranks_match_reference_adamw_and_sgd():
     results = run_distributed(_two_rank_parity, 2)
     for opt_name, (losses, ref_losses, rel, name) in results[0].items():

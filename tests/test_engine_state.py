@@ -113,5 +113,6 @@ def _round_trip_at(rank: int, stage: int) -> bool:
     return la == lb and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.multirank
 def test_two_rank_round_trip_is_exact_at_stages_1_and_3():
     assert all(run_distributed(_two_rank_round_trip, 2))

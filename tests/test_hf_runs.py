@@ -69,6 +69,7 @@ def _flags(d: dict) -> list[str]:
     return [a for s in out for a in ("--set", s)]
 
 
+@pytest.mark.cli
 def test_killed_hf_run_resumes_bit_identical(root, base):
     run = root / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1", MCT_FAULT="kill@2:0",

@@ -102,6 +102,7 @@ def wait_for_rows(run: Path, n: int, p: subprocess.Popen, timeout: float = 120) 
     raise AssertionError(f"no {n} metrics rows (exit {p.poll()})")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_launcher_checkpoints_leaves_no_orphan_and_resumes_identical(config, clean, tmp_path, sig, code):
     run = tmp_path / "run"
@@ -127,6 +128,7 @@ def test_signal_to_launcher_checkpoints_leaves_no_orphan_and_resumes_identical(c
     assert steps == list(range(STEPS))
 
 
+@pytest.mark.cli
 def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tmp_path):
     run = tmp_path / "run"
     rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--max-restarts", "1",
@@ -138,6 +140,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tm
     assert steps == list(range(STEPS))
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("setting,fault,code,start", [
     ("data.path=/nonexistent/corpus", "", 2, "mct: error: data.path = "),
     ("memory.budget=200KiB", "", 2, "mct: error: memory budget exceeded"),
@@ -160,6 +163,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.cli
 def test_two_agents_with_a_c10d_rendezvous_share_one_run_dir(config, clean, tmp_path):
     run = tmp_path / "run"
     args = ["train", "--config", str(config), "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",

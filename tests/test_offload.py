@@ -200,6 +200,7 @@ def two_rank(tmp_path_factory):
     return run_distributed(_two_rank_offload, 2, str(tmp_path_factory.mktemp("offload")), timeout=300)
 
 
+@pytest.mark.multirank
 def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank):
     for results in two_rank:
         for key, r in results.items():
@@ -207,11 +208,13 @@ def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank
                 assert r["steps_equal"] and r["state_equal"], key
 
 
+@pytest.mark.multirank
 def test_two_rank_offloaded_checkpoint_and_export_stream_exactly(two_rank):
     for results in two_rank:  # see tests/test_persistence_streaming.py: two_rank_checks
         assert all(results["streamed"].values()), results["streamed"]
 
 
+@pytest.mark.multirank
 def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_rank):
     r = two_rank[0][(3, "disk", "disk", "bf16")]
     assert r["offloaded"]["disk"] > 0 and r["live"]["master"] == 0 and r["live"]["optimizer"] == 0
@@ -233,6 +236,7 @@ def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_verify_with_offload_passes_at_fp32_tolerance_at_stages_1_to_3(tmp_path):
     """``mct verify`` against the fp32 reference trainer, 2 ranks, 2 micro-batches:
     offloaded state passes at the fp32 tolerance at every stage."""
@@ -431,6 +435,7 @@ def _measure_offloaded(rank: int, world: int, tmp: str) -> list[dict]:
             for c in PLANNED]
 
 
+@pytest.mark.multirank
 def test_dry_run_with_offload_predicts_resident_peak_and_offloaded_bytes_of_a_real_run(tmp_path):
     """A model it was not tuned for (tied, frozen, re-used parameters), 2 ranks: the
     planner's steady-state, first-step and init peaks are within 5% of every live
@@ -453,7 +458,7 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
     and the offloaded bytes in the choice; plan rows say what each keeps off the device."""
     import importlib
 
-    from mct.planner import make_plan, resolve_auto
+    from mct.planner import Grid, make_plan, resolve_auto
     from mct.task import gpt_task as planning_workload
     plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the name
     runs: dict = {}
@@ -470,8 +475,8 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
                        offload={"chunk_mb": 0.01})  # a pool far smaller than the state it streams
     work = planning_workload(base)
     plain = make_plan(work, EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}}), 2, None,
-                      stages=(0, 1, 2, 3), policies=("all",), precisions=("bf16",),
-                      offloads=("none", "optimizer=disk", "optimizer+params=disk"))
+                      Grid(stages=(0, 1, 2, 3), policies=("all",), precisions=("bf16",),
+                           offloads=("none", "optimizer=disk", "optimizer+params=disk")))
     rows = {(r["stage"], r["offload"]): r for r in plain.rows}
     assert (2, "optimizer+params=disk") not in rows  # parameter offload is stage 3's
     no_offload = min(r["peak"] for r in plain.rows if r["offload"] == "none")

@@ -113,6 +113,7 @@ def _load_sharded(rank: int, world: int, path: str, stage: int) -> tuple[dict, i
     return full, steps, e.train_step(batches(2, rank), gpt_loss).loss
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("save_world,save_stage,load_world,load_stage",
                          [(2, 3, 1, 0)])  # 2 -> 3 and 1 -> 2 run end to end in test_resume
 def test_load_reshards_to_any_world_size_and_stage(tmp_path, save_world, save_stage, load_world, load_stage):

@@ -42,6 +42,7 @@ def _measure_sample(rank: int, world: int, sample: list) -> list[dict]:
             for m, *c in sample]
 
 
+@pytest.mark.multirank
 def test_dry_run_within_2_percent_of_independently_counted_peaks_on_held_out_models():
     """Steady-state step, first step and initialization, per rank, against every live
     storage counted by a dispatch mode that knows nothing of the engine's categories."""
@@ -301,20 +302,21 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte():
     the steady-state step, the first step, initialization and each phase, equal."""
     from mct.planner.depth import extrapolated, shape_for
     from mct.planner.plan import with_choice
-    from mct.planner.workload import PlannedTask, micro_batches, prepare
+    from mct.planner.depth import Prepared
+    from mct.planner.dry_run import DryRunHooks
+    from mct.planner.grid import micro_batches, prepare
     from mct.task import builds_on_meta
     works = {"llama": _llama_work(), "gpt21": _gpt_work(21)}
     for name, stage, policy, precision, world in EXTRAPOLATED:
         work, base = works[name]
         cfg = with_choice(base, stage, policy, precision)
         planned = prepare(work, cfg)
-        assert isinstance(planned, PlannedTask) and planned.stack is not None, name
+        assert isinstance(planned, Prepared) and planned.stack is not None, name
         batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
-        ext = extrapolated(planned, cfg, world, batch, stack=planned.stack, n_params=planned.n_params,
-                           construction=planned.construction, meta_init=meta_init,
+        ext = extrapolated(planned, cfg, world, batch, meta_init=meta_init,
                            shape=shape_for(planned.stack, cfg, cheaper_only=False))  # sqrt of 21: not cheaper
         full = dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
-                       param_groups=work.param_groups, meta_init=meta_init)
+                       param_groups=work.param_groups, hooks=DryRunHooks(meta_init=meta_init))
         assert ext is not None, (name, stage, policy)
         assert (ext.peak, ext.phase, ext.first_step_peak, ext.init_peak, ext.n_params) == \
             (full.peak, full.phase, full.first_step_peak, full.init_peak, full.n_params), (name, stage, policy)
@@ -324,7 +326,7 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte():
 def test_models_without_a_clean_repeated_stack_get_full_dry_runs():
     """A block run twice per forward, too few blocks, blocks of different shapes: the
     planner does not extrapolate them (prepare leaves the task as it is)."""
-    from mct.planner.workload import prepare
+    from mct.planner.grid import prepare
     from mct.task import Task
 
     class Mixed(nn.Module):
@@ -361,6 +363,7 @@ def _measure_built_on_meta(rank: int, world: int, cfg: EngineConfig) -> int:
     return counter.peak
 
 
+@pytest.mark.multirank
 def test_stage3_init_peak_is_what_mct_train_builds_on_meta():
     """At stage 3 `mct train` never holds the whole model: the plan's init peak is the
     real meta-device construction's (within 2%), far below the whole fp32 model."""
@@ -383,6 +386,7 @@ def _measure_bucketed(rank: int, world: int, cfgs: list) -> list[dict]:
             for c in cfgs]
 
 
+@pytest.mark.multirank
 def test_collectives_split_into_many_buckets_are_predicted_as_measured(monkeypatch):
     """A dry run allocates a many-bucket collective's temporaries as one tensor of their
     total size (mct.zero.comm): the same DryRun, to the byte, as allocating them bucket by
@@ -417,12 +421,12 @@ def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):
     worker's ValueError raised here with its message."""
     import os
 
-    from mct.planner import make_plan, pool
+    from mct.planner import Grid, make_plan, pool
     monkeypatch.setattr(pool, "MIN_PARALLEL_S", 0.0)  # tiny models: fork anyway
     work, cfg = _gpt_work(5)
-    grid = {"stages": (1, 3), "policies": ("none", "all"), "precisions": ("bf16",)}
-    one = make_plan(work, cfg, 3, None, **grid, advise=False, workers=1)
-    two = make_plan(work, cfg, 3, None, **grid, advise=False, workers=2)
+    grid = Grid(stages=(1, 3), policies=("none", "all"), precisions=("bf16",))
+    one = make_plan(work, cfg, 3, None, grid, advise=False, workers=1)
+    two = make_plan(work, cfg, 3, None, grid, advise=False, workers=2)
     assert one.rows == two.rows and len(two.rows) == 4
     pids = pool.run_jobs(lambda i: os.getpid(), 4, workers=2)
     assert pids[0] == os.getpid() and set(pids[1:]) - {os.getpid()}
@@ -442,7 +446,7 @@ def test_hugging_face_llama_is_planned_as_its_real_run_holds():
     no sequences, and would build an explicit causal mask a real run never holds (3-5%
     over the measured peak before the token loss told it): within 2% of the real run."""
     from mct.planner.plan import predict
-    from mct.planner.workload import prepare
+    from mct.planner.grid import prepare
     from mct.task import Task
     from tests.planner_models import hf_llama
     cfg = _cfg(0, "none", "fp32")
@@ -455,10 +459,10 @@ def test_hugging_face_llama_is_planned_as_its_real_run_holds():
 
 def test_a_grid_of_one_other_precision_recommends_in_it():
     """`mct plan --precisions bf16` with the config's fp32: the bf16 rows are what was asked."""
-    from mct.planner import make_plan
+    from mct.planner import Grid, make_plan
     work, cfg = _gpt_work(2)
     assert cfg.precision.mode == "fp32"
-    plan = make_plan(work, cfg, 2, 2**40, stages=(3,), policies=("all",), precisions=("bf16",))
+    plan = make_plan(work, cfg, 2, 2**40, Grid(stages=(3,), policies=("all",), precisions=("bf16",)))
     assert plan.precision == "bf16" and plan.recommended is not None and plan.recommended["precision"] == "bf16"
     assert "precision.mode=bf16" in plan.advice
 
@@ -502,3 +506,18 @@ def test_an_interrupted_plan_stops_its_workers_without_finishing_the_queue(monke
         pool.run_jobs(job, 6, workers=2)
     assert time.monotonic() - t0 < 15
     assert not multiprocessing.active_children()
+
+
+def test_task_and_grid_form_plans_exactly_as_the_keyword_form():
+    """`mct.planner.plan_task(task, config, world, budget, Grid(...))` and `predict_task`
+    give the rows and peak of `mct.plan(model_fn, loss_fn, batch, ...)` / `mct.predict_peak`."""
+    from mct.planner import Grid, plan_task, predict_task
+    work, cfg = _gpt_work(2)
+    old = mct.plan(work.model_fn, work.loss_fn, work.batch, cfg, world_size=2, budget="1GiB",
+                   optimizer=work.optimizer, param_groups=work.param_groups, stages=(0, 3), policies=("none",),
+                   precisions=("bf16",), workers=1)
+    new = plan_task(work, cfg, 2, "1GiB", Grid(stages=(0, 3), policies=("none",), precisions=("bf16",)), workers=1)
+    assert new.rows == old.rows and new.recommended == old.recommended and new.advice == old.advice
+    assert len(new.rows) == 2
+    assert predict_task(work, cfg, 2) == mct.predict_peak(work.model_fn, work.loss_fn, work.batch, cfg, world_size=2,
+                                                          optimizer=work.optimizer, param_groups=work.param_groups)

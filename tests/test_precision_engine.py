@@ -139,6 +139,7 @@ def two_rank_results() -> list[dict]:
     return run_distributed(_inject_inf_on_rank_1, 2)
 
 
+@pytest.mark.multirank
 def test_inf_on_one_rank_skips_the_step_on_every_rank_and_leaves_state_bitwise_unchanged(two_rank_results):
     for rank, res in enumerate(two_rank_results):
         for (stage, mode), r in res["inject"].items():
@@ -158,6 +159,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank_and_leaves_state_bitwise_u
     assert not any(two_rank_results[0]["inject"][c]["poison_in_rank0_shard"] for c in INJECT_CONFIGS if c[0] > 0)
 
 
+@pytest.mark.multirank
 def test_stage2_master_bytes_are_one_fp32_shard_per_rank(two_rank_results):
     for res in two_rank_results:
         r = res["bytes"]

@@ -267,6 +267,7 @@ def _rel_diff(a: Path, b: Path) -> float:
     return (num / sum(float(v.double().square().sum()) for v in sb.values())) ** 0.5
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world,stage,resumes", [(2, 2, [(1, 0), (3, 3)]), (1, 0, [(2, 1)])])
 def test_resume_reshards_across_world_sizes_and_stages(tmp_path, world, stage, resumes):
     """A run with 6 micro-batches per step (world x grad_accum), dropout on, resumed

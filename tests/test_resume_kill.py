@@ -88,6 +88,8 @@ def _uninterrupted(rank: int, world: int, d: dict, run: str) -> None:
 # so one process suffices there, which keeps the suite within its time budget.
 # Stage 1 resumes on 2 ranks in tests/test_resume.py (reshard 1 -> 2); for the suite's
 # time one multi-rank kill is kept here.
+@pytest.mark.multirank
+@pytest.mark.cli
 @pytest.mark.parametrize("stage,nproc", [(0, 1), (2, 1), (3, 2)])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, stage, nproc):
     seed = int.from_bytes(os.urandom(4), "little")

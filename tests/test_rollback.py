@@ -154,6 +154,7 @@ def _two_rank_corrupt(rank: int, world: int, root: str) -> list[bytes] | None:
     return out or None
 
 
+@pytest.mark.multirank
 def test_two_ranks_roll_back_together_bit_identical(tmp_path, corpus_dir):
     (tmp_path / "corpus").symlink_to(corpus_dir)
     clean, faulty = run_distributed(_two_rank_corrupt, 2, str(tmp_path))[0]

@@ -98,6 +98,7 @@ def reports(hf_dirs) -> list:
     return run_distributed(_verify_cases, 2, hf_dirs, timeout=300)[0]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{k}-{json.dumps(s)}" for k, s in CASES])
 def test_verify_hf_models_match_the_reference(reports, i):
     report = reports[i]
@@ -106,6 +107,7 @@ def test_verify_hf_models_match_the_reference(reports, i):
         assert report.max_loss_rel <= 1e-5 and report.param_rel <= 1e-5
 
 
+@pytest.mark.multirank
 def test_hf_run_of_two_ranks_resumes_on_one(hf_dirs, reports):
     """2 ranks for 2 steps, then 1 rank (2 micro-batches: the same global batch) to step 3,
     equals 1 rank from the start up to the order of the fp32 sums."""

@@ -79,6 +79,7 @@ def test_evaluation_does_not_change_the_training_trajectory(tmp_path, corpus_dir
     assert losses[0] == losses[1]
 
 
+@pytest.mark.cli
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mct", "train", "--set", "zero.stage=9"],
                          capture_output=True, text=True, env=_env(), timeout=120)
@@ -87,12 +88,14 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert "zero.stage = 9 is not allowed" in out.stderr
 
 
+@pytest.mark.cli
 def test_cli_bad_data_path_is_one_line_exit_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mct", "train", "--set", f"data.path={tmp_path}/nope"],
                          capture_output=True, text=True, env=_env(), timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "nope" in out.stderr
 
 
+@pytest.mark.cli
 def test_two_rank_cli_run_matches_reference(tmp_path, corpus_dir):
     """`mct train --nproc 2` (fp32, dropout 0) against the reference fed the same
     per-rank micro-batches: per-step losses and final parameters within 1e-6."""
@@ -141,3 +144,23 @@ def _toml(d: dict) -> str:
             lines.append(f"[{section}]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def test_cli_train_builds_the_task_once_and_hands_it_to_the_trainer(tmp_path, corpus_dir, monkeypatch):
+    """`mct train` checks the model source (task_for) before anything starts; the Trainer
+    it runs in the same process takes that Task instead of building its own again."""
+    import mct.run.trainer as trainer_module
+    import mct.task as task_module
+    from mct.cli import main
+    calls: list[int] = []
+
+    def counted(cfg):
+        calls.append(1)
+        return real(cfg)
+    real = task_module.task_for
+    monkeypatch.setattr(task_module, "task_for", counted)
+    monkeypatch.setattr(trainer_module, "task_for", counted)
+    (tmp_path / "c.toml").write_text(_toml(tiny(corpus_dir, steps=1, eval_every=0)))
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    assert len(calls) == 1, calls

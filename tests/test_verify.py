@@ -50,6 +50,7 @@ def reports(tmp_path_factory) -> dict:
     return run_distributed(_verify_all, 2, path)[0]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_verify_passes_for_every_stage(reports, mode, stage):
@@ -58,6 +59,7 @@ def test_verify_passes_for_every_stage(reports, mode, stage):
     assert len(report.rows) == STEPS
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [0, 3])
 def test_verify_fails_on_a_wrong_gradient_averaging_factor(reports, stage):
     report = reports[("bug", stage)]
@@ -73,6 +75,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=240)
 
 
+@pytest.mark.cli
 def test_cli_verify_prints_the_table_and_exits_by_verdict(tmp_path):
     path = _write_corpus(tmp_path / "corpus.txt")
     sets = [f"model.{k}={v}" for k, v in TINY.items()] + [

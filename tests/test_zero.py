@@ -114,6 +114,7 @@ def two_rank_results() -> tuple[dict, dict]:
     return run_distributed(_two_rank_checks, 2)[0]
 
 
+@pytest.mark.multirank
 def test_stages_0_to_3_match_reference_on_two_ranks_sgd_and_adamw(two_rank_results):
     results = two_rank_results[0]
     assert len(results) == 16
@@ -124,6 +125,7 @@ def test_stages_0_to_3_match_reference_on_two_ranks_sgd_and_adamw(two_rank_resul
         assert r["order_ref"][0] <= 1e-6, (key, r)
 
 
+@pytest.mark.multirank
 def test_stage3_frees_block_storage_after_the_step_and_prefetch_changes_nothing(two_rank_results):
     results = two_rank_results[0]
     for policy in ("none", "all"):
@@ -134,6 +136,7 @@ def test_stage3_frees_block_storage_after_the_step_and_prefetch_changes_nothing(
     assert results[(3, "all", "sgd")]["prefetch_off_equal"]
 
 
+@pytest.mark.multirank
 def test_model_state_bytes_per_rank_match_the_zero_formula(two_rank_results):
     """Tracked bytes (params/master/optimizer live after a step, gradients at the
     optimizer step's peak) and ``Engine.model_state_bytes()`` against Rajbhandari et
@@ -147,6 +150,7 @@ def test_model_state_bytes_per_rank_match_the_zero_formula(two_rank_results):
             assert abs(m["reported"][cat] - want) <= slack, (mode, stage, cat, m)
 
 
+@pytest.mark.multirank
 def test_stages_2_and_3_hold_no_gradients_in_forward_or_between_steps(two_rank_results):
     """Stages 2/3 create each gradient shard in backward and drop it after the
     optimizer step; stages 0/1 keep their gradient buffers."""
@@ -200,6 +204,7 @@ def _four_rank_stage3(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_stage3_on_four_ranks_matches_reference_and_fsdp2():
     results = run_distributed(_four_rank_stage3, 4)[0]
     sgd, adam = results["sgd"], results["adamw"]

@@ -196,6 +196,7 @@ def _assert_parity(per_stage: dict) -> None:
         assert r["order_ref"][0] <= 1e-6, (stage, opt, r)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(MODELS))
 def test_awkward_model_trains_like_the_reference_at_every_stage(results, name):
     per_stage = results[0][name]
@@ -203,6 +204,7 @@ def test_awkward_model_trains_like_the_reference_at_every_stage(results, name):
     _assert_parity(per_stage)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", ["tied", "block_twice"])
 def test_tied_weight_and_block_called_twice_survive_stage3_recompute(results, name):
     per_stage = results[0][f"{name}_ckpt_all"]
@@ -210,12 +212,14 @@ def test_tied_weight_and_block_called_twice_survive_stage3_recompute(results, na
     _assert_parity(per_stage)
 
 
+@pytest.mark.multirank
 def test_hf_style_model_trains_like_the_reference_at_stage3_with_checkpointing(results):
     per_stage = results[0]["hf_style"]
     assert sorted(per_stage) == [(3, "adamw"), (3, "sgd")]
     _assert_parity(per_stage)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("variant,first", [("extra_layer", "blocks.2."), ("shape", "wpe.weight")])
 def test_ranks_with_different_models_fail_fast_naming_the_first_mismatch(results, variant, first):
     for rank, r in enumerate(results):

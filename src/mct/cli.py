@@ -2,6 +2,9 @@
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
+
+Every command imports what it runs inside its own function: torch and the engine take
+seconds to import, and ``mct --help``, a config error or the launcher must answer at once.
 """
 
 from __future__ import annotations
@@ -274,7 +277,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                        max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                        rdzv_id=args.rdzv_id)
     from mct.run.worker import run_worker
-    return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress)
+    return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, task=task)
 
 
 def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
@@ -377,7 +380,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     work = task_for(cfg)
     grid = _plan_grid(args)
     try:
-        plan = make_plan(work, cfg, args.world_size, limit, **grid, extrapolate=not args.full_depth,
+        plan = make_plan(work, cfg, args.world_size, limit, grid, extrapolate=not args.full_depth,
                          workers=plan_workers(args.workers))
     except WorkerDied as e:
         print(f"mct: error: {e}", file=sys.stderr)
@@ -391,9 +394,10 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
-    """--stages/--policies/--precisions -> make_plan's grid. Raises ValueError naming a
-    value that is not a stage, policy or precision mode."""
+def _plan_grid(args: argparse.Namespace) -> "Grid":
+    """--stages/--policies/--precisions/--offloads -> make_plan's ``Grid``. Raises
+    ValueError naming a value that is not a stage, policy, precision mode or offload."""
+    from mct.planner.grid import Grid
     allowed = {"stages": ("0", "1", "2", "3"), "policies": ("none", "selective", "sqrt", "all", "every_k"),
                "precisions": ("fp32", "bf16", "fp16")}
     grid: dict[str, tuple] = {}
@@ -416,7 +420,7 @@ def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
             except ValueError as e:
                 raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
         grid["offloads"] = labels
-    return grid
+    return Grid(**grid)
 
 
 def format_plan(plan) -> str:

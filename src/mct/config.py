@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 import tomllib
 import types
@@ -53,7 +54,6 @@ def check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
     """Raise ValueError unless ``value`` is an integer (not a bool; numpy integers
     pass) in ``[lo, hi)`` (``hi`` None: no upper bound), naming ``key`` and the value.
     The one integer validator of the project (config, data sampler, loss scaler)."""
-    import numbers
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (
             hi is not None and value >= hi):
         bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"

@@ -128,12 +128,29 @@ def broadcast_from_main(obj):
     return box[0]
 
 
-def agree(error: str | None) -> None:
-    """Raise rank 0's ``error`` as ValueError on every rank (so no rank goes on alone);
-    nothing when it is None. Every rank must call it."""
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ValueError(error)
+def agree(error: str | None, comm: Any = None, *, on_error: Callable[[], None] | None = None) -> None:
+    """The one rank-agreement step: when any rank has an ``error``, every rank runs
+    ``on_error()`` (e.g. rank 0 removes a torn file, then a barrier) and raises the
+    lowest such rank's message as ValueError, so no rank goes on alone; nothing when no
+    rank has one. ``comm``: what gathers (``all_gather_object``, e.g. the engine's
+    ``Comm``); None: the default process group (identity without one). Collective:
+    every rank must call it."""
+    errors = [e for e in _gather_objects(error, comm) if e is not None]
+    if errors:
+        if on_error is not None:
+            on_error()
+        raise ValueError(errors[0])
+
+
+def _gather_objects(obj: Any, comm: Any) -> list[Any]:
+    """``obj`` of every rank, by rank: through ``comm``, else the default process group."""
+    if comm is not None:
+        return list(comm.all_gather_object(obj))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def error_of(check: Callable[..., Any], *args: Any) -> str | None:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
-from mct.dist import DistContext, error_of
+from mct.dist import DistContext, agree, error_of
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory import host
@@ -32,8 +32,8 @@ from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
 from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
-from mct.zero.comm import Comm, check_ranks_agree
-from mct.zero.sharded import ShardedModel
+from mct.zero.comm import Comm, first_mismatch
+from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
 from mct.zero.stage3 import Stage3Lifecycle
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -111,13 +111,12 @@ class Engine:
         self.offload = (OffloadedState(cfg.offload, stage=self.stage, comm=self.comm, device=self.device,
                                        tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
                         if cfg.offload.enabled else None)
-        self.sharded = ShardedModel(model, groups, units, stage=self.stage, comm=self.comm,
-                                    param_dtype=self.precision.param_dtype, reduce_dtype=self.precision.reduce_dtype,
-                                    device=self.device, persistent_numel=cfg.zero.persistent_numel,
-                                    tracker=self.tracker,
-                                    before_unit=(None if init_program is None else
-                                                 lambda params: init_program.materialize(params, self.device)),
-                                    after_unit=self._unit_built)
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel)
+        self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
+                                    comm=self.comm, device=self.device, tracker=self.tracker,
+                                    hooks=UnitHooks(None if init_program is None else
+                                                    lambda params: init_program.materialize(params, self.device),
+                                                    self._unit_built))
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
@@ -180,7 +179,7 @@ class Engine:
                  for n, p in self.model.named_parameters()]
         items.append(("config", repr(sorted((k, repr(v)) for k, v in self.config.to_dict().items()
                                             if k not in ("train", "data")))))
-        check_ranks_agree(self.comm, "model parameters (name, shape, dtype) and engine config", items)
+        agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config", items), self.comm)
 
     def _step_reserve(self, optimizer: OptimizerFactory, hyper: list[dict[str, Any]]) -> StepReserve:
         masters = self.sharded.masters()

@@ -57,6 +57,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+# tokenizers (the Rust library) is loaded where a tokenizer other than the built-in bytes
+# is used: the byte corpus of `mct train` never loads it.
 def _byte_level(tok: Any, use_regex: bool) -> Any:
     from tokenizers import decoders, pre_tokenizers
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)

@@ -114,10 +114,11 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
         else:
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
             error = _attempt(lambda: path.mkdir(parents=True), path, 0)
-    agree(error)
+    agree(error, comm)
     info, tensors, extents, readers = _engine_pieces(engine)
     need = sum(comm.all_gather_object(sum(t.numel() * t.element_size() for t in tensors.values())))
-    _agree_written(engine, path, _free_space_error(path, need) if rank == 0 else None)  # before a byte is written
+    # before a byte is written
+    agree(_free_space_error(path, need) if rank == 0 else None, comm, on_error=_remove_torn(engine, path))
     mine = [path / f"rank{rank}.json"]
 
     def write_mine() -> None:
@@ -130,7 +131,7 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             if trainer is not None:
                 write_json(path / "trainer.json", {"step": step, **trainer})
                 mine.append(path / "trainer.json")
-    _agree_written(engine, path, _attempt(write_mine, path, need))
+    agree(_attempt(write_mine, path, need), comm, on_error=_remove_torn(engine, path))
     digests = comm.all_gather_object({str(f.relative_to(path)): file_digest(f) for f in mine})
     error = None
     if rank == 0:
@@ -143,7 +144,7 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
                 "files": {k: v for d in digests for k, v in sorted(d.items())}})
             fsync_dir(path.parent)
         error = _attempt(write_manifest, path, need)
-    _agree_written(engine, path, error)
+    agree(error, comm, on_error=_remove_torn(engine, path))
 
 
 def _free_space_error(path: Path, need: int) -> str | None:
@@ -168,15 +169,14 @@ def _attempt(write: Callable[[], None], path: Path, need: int) -> str | None:
     return None
 
 
-def _agree_written(engine: Checkpointable, path: Path, error: str | None) -> None:
-    """Every rank learns whether any rank failed to write; then rank 0 removes the torn
-    ``path`` and every rank raises the first failure as ValueError."""
-    errors = [e for e in engine.comm.all_gather_object(error) if e is not None]
-    if errors:
+def _remove_torn(engine: Checkpointable, path: Path) -> Callable[[], None]:
+    """What every rank does when a rank failed to write ``path`` (``agree``'s
+    ``on_error``): rank 0 removes the torn directory, the others wait for it."""
+    def remove() -> None:
         if engine.comm.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         engine.comm.barrier()
-        raise ValueError(errors[0])
+    return remove
 
 
 # ---- check ----
@@ -254,7 +254,7 @@ def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: boo
             verify_checkpoint(path, layout["units"])
         except ValueError as e:
             error = str(e)
-    agree(error)
+    agree(error, engine.comm)
     meta = read_manifest(path)
     info = read_json(path / "engine.json")
     check_layout(path, info.get("units"), layout["units"])

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from mct.dist import agree
 from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
@@ -97,7 +98,7 @@ def export_engine(engine: Exportable, path: str | Path) -> None:
             writer = SafetensorsWriter(path, {n: (torch.float32, s) for n, s in engine.parameter_shapes().items()})
         except ValueError as e:
             error = str(e)
-    _agree(engine, error)  # no rank starts gathering while rank 0 cannot write
+    agree(error, engine.comm)  # no rank starts gathering while rank 0 cannot write
     for name, t in engine.full_state_items():  # every rank takes part in each gather
         if writer is not None and error is None:
             try:
@@ -109,13 +110,7 @@ def export_engine(engine: Exportable, path: str | Path) -> None:
             writer.commit()
         except ValueError as e:
             error = str(e)
-    _agree(engine, error)
-
-
-def _agree(engine: Exportable, error: str | None) -> None:
-    first = engine.comm.all_gather_object(error)[0]
-    if first is not None:
-        raise ValueError(first)
+    agree(error, engine.comm)
 
 
 BOOKKEEPING = ("metadata.json", "events.jsonl", "model.safetensors", "tokenizer.json", "metrics.rewound.jsonl",

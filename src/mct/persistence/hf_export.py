@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from torch.distributed.checkpoint.filesystem import _create_file_view
 
 from mct.errors import READ, WRITE, user_error
 from mct.persistence import shards
@@ -30,6 +31,7 @@ from mct.persistence.checkpoint import FROZEN
 from mct.persistence.export import check_outside_runs, check_parent, pick_checkpoint
 from mct.persistence.files import fsync_dir, read_json
 from mct.persistence.safetensors_out import SafetensorsWriter
+from mct.persistence.shards import SafeReader
 from mct.task.hf import TOKENIZER_FILES
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
@@ -109,7 +111,6 @@ class _Chunks:
     time, straight from the DCP files: only the newest chunk is held."""
 
     def __init__(self, engine_dir: Path) -> None:
-        from mct.persistence.shards import SafeReader
         self.dir = engine_dir
         md = SafeReader(str(engine_dir)).read_metadata()
         self.where: dict[str, list[tuple[int, int, object]]] = {}
@@ -131,7 +132,6 @@ class _Chunks:
                 yield self._chunk(key, c0, info)[a - c0:b - c0]
 
     def _chunk(self, key: str, c0: int, info) -> torch.Tensor:
-        from torch.distributed.checkpoint.filesystem import _create_file_view
         if self._held is not None and self._held[:2] == (key, c0):
             return self._held[2]
         self._held = None  # the previous chunk is freed before the next is read

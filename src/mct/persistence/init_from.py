@@ -24,6 +24,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+
+from mct.persistence import shards
+from mct.persistence.checkpoint import FROZEN, MANIFEST
+from mct.persistence.export import pick_checkpoint
+from mct.persistence.files import read_json
+from mct.zero.state import param_slices
 
 from mct.errors import user_error
 
@@ -33,7 +40,6 @@ Read = Callable[[str, int, int], torch.Tensor]
 
 def _safetensors_files(path: Path) -> dict[str, Path]:
     """name -> file holding it, for one file or an HF directory."""
-    from safetensors import safe_open
     if path.is_file():
         files = [path]
     else:
@@ -77,7 +83,6 @@ class _SafetensorsSource:
     process's resident set with the mapping."""
 
     def __init__(self, files: dict[str, Path]) -> None:
-        from safetensors import safe_open
         self.files = files
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in sorted(set(files.values())):
@@ -96,7 +101,6 @@ class _SafetensorsSource:
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor, reading the rows around them."""
-        from safetensors import safe_open
         shape = self.shapes[name]
         with safe_open(str(self.files[name]), framework="pt") as handle:
             if len(shape) == 0:
@@ -112,9 +116,6 @@ class _CheckpointSource:
     at a time (the unit of the last read)."""
 
     def __init__(self, checkpoint: Path) -> None:
-        from mct.persistence.checkpoint import FROZEN
-        from mct.persistence.files import read_json
-        from mct.zero.state import param_slices
         self.path = checkpoint
         info = read_json(checkpoint / "engine.json")
         self.where: dict[str, tuple[dict[str, Any], int]] = {}
@@ -127,8 +128,6 @@ class _CheckpointSource:
         self._unit: tuple[str, torch.Tensor] | None = None
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        from mct.persistence import shards
-        from mct.persistence.checkpoint import FROZEN
         if name in self.frozen:
             spec = self.frozen[name]
             t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
@@ -152,9 +151,7 @@ def open_source(path: str | Path) -> _SafetensorsSource | _CheckpointSource:
     if not p.is_dir():
         raise ValueError(f"--init-from {str(path)!r}: no such directory or .safetensors file; pass a Hugging Face "
                          f"model directory, a .safetensors file, or an mct run directory or checkpoint")
-    from mct.persistence.checkpoint import MANIFEST
     if (p / MANIFEST).is_file() or (p / "checkpoints").is_dir():
-        from mct.persistence.export import pick_checkpoint
         return _CheckpointSource(pick_checkpoint(p)[0])
     return _SafetensorsSource(_safetensors_files(p))
 

@@ -18,7 +18,7 @@ from mct.config import EngineConfig, apply_overrides
 from mct.reporting.events import append_event, utc_now
 from mct.persistence.files import read_json, write_atomic, write_json
 from mct.persistence.checkpoint import read_manifest
-from mct.persistence.run_dir import checkpoints
+from mct.persistence.run_dir import checkpoints, newest_usable
 
 FIXED = ("seed", "model", "data", "precision", "train.lr", "train.warmup_steps", "train.weight_decay",
          "train.grad_clip", "train.lr_schedule", "train.min_lr_ratio", "train.decay_fraction")
@@ -196,7 +196,6 @@ def finished_step(run_dir: str | Path, steps: int) -> tuple[int, Path] | None:
     """(steps completed, checkpoint) when the run has nothing left to do for
     ``train.steps = steps``: its newest usable checkpoint is at or past them. None: a
     resume has steps to run. Raises ValueError when no checkpoint is usable."""
-    from mct.persistence.run_dir import newest_usable
     if run_trainer_state(run_dir)["step"] < steps:  # cheap: the full check only when it may be done
         return None
     path, meta, _ = newest_usable(run_dir)  # the one a resume would load

@@ -174,7 +174,7 @@ class RunLock:
     def __init__(self, run_dir: str | Path) -> None:
         """Take the lock, creating ``run_dir`` if missing. Raises ValueError (one line)
         when another process holds it or the directory cannot hold the lock file."""
-        import fcntl
+        import fcntl  # POSIX only: loaded where a lock is taken, so reading a run dir works anywhere
         self.path = Path(run_dir) / LOCK_FILE
         while True:
             try:

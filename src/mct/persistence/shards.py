@@ -28,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -76,7 +78,6 @@ def _distributed() -> bool:
 
 
 def _mesh(device: torch.device):
-    from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
@@ -120,7 +121,6 @@ def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
         partial = {k for keys in everyone for k in keys}
     if not partial:
         return dict(tensors)
-    from torch.distributed.tensor import DTensor, Shard
     mesh = _mesh(device or next(t.device for t in tensors.values() if t.device.type != "meta"))
     return {k: (DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
                 if k in partial else t) for k, t in tensors.items()}

@@ -10,14 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 from mct.config import EngineConfig, parse_bytes
-from mct.planner.dry_run import DryRun, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run
-from mct.planner.plan import POLICIES, PRECISIONS, STAGES, Plan, make_plan, peak_check, resolve_auto, step_cost
+from mct.planner.depth import Prepared
+from mct.planner.dry_run import (DryRun, DryRunHooks, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run,
+                                 dry_run_task)
+from mct.planner.grid import POLICIES, PRECISIONS, STAGES, Grid
+from mct.planner.plan import Plan, make_plan, peak_check, resolve_auto, step_cost
 from mct.planner.pool import plan_workers
-from mct.planner.workload import Workload
-from mct.task import load_workload, token_batch, token_loss
+from mct.task import Task, load_workload, token_batch, token_loss
 
-__all__ = ["DryRun", "Plan", "Workload", "dry_run", "load_workload", "make_plan", "peak_check", "plan",
-           "plan_workers", "predict_peak", "resolve_auto", "step_cost", "token_batch", "token_loss"]
+Workload = Task
+"""The former name of ``mct.task.Task`` here, kept for callers of ``mct.planner``."""
+
+__all__ = ["DryRun", "DryRunHooks", "Grid", "Plan", "Prepared", "Task", "Workload", "dry_run", "dry_run_task",
+           "load_workload", "make_plan", "peak_check", "plan", "plan_task", "plan_workers", "predict_peak",
+           "predict_task", "resolve_auto", "step_cost", "token_batch", "token_loss"]
 
 
 def _config(config: EngineConfig | dict | None) -> EngineConfig:
@@ -28,6 +34,13 @@ def _config(config: EngineConfig | dict | None) -> EngineConfig:
     if not isinstance(config, EngineConfig):
         raise ValueError(f"config must be an mct.EngineConfig or its dict, got {type(config).__name__}")
     return config
+
+
+def predict_task(task: Task, config: EngineConfig | dict | None = None, world_size: int = 1) -> int:
+    """Per-rank peak bytes of a steady-state training step of ``task`` (its model,
+    loss, example micro-batch, optimizer and parameter groups) under ``config`` on
+    ``world_size`` ranks: ``predict_peak`` with the Task's pieces."""
+    return dry_run_task(task, _config(config), world_size).peak
 
 
 def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
@@ -41,9 +54,27 @@ def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineC
     fake tensors (``dry_run``, which also gives the first-step and initialization peaks
     and the bytes per category and phase). ``param_groups(model)``: what you would pass
     as the engine's ``param_groups``. Raises ValueError for a config the engine rejects,
-    'auto' values, or a factory that returns no nn.Module."""
-    return dry_run(model_fn, loss_fn, batch, _config(config), world_size, optimizer=optimizer,
-                   param_groups=param_groups).peak
+    'auto' values, or a factory that returns no nn.Module. The Task form: ``predict_task``."""
+    return predict_task(Task(model_fn, loss_fn, batch, optimizer, param_groups), config, world_size)
+
+
+def plan_task(task: Task, config: EngineConfig | dict | None = None, world_size: int = 1,
+              budget: int | str | None = None, grid: Grid = Grid(), *, extrapolate: bool = True,
+              workers: int | None = None) -> Plan:
+    """Every configuration of ``grid`` (``Grid``: stages x policies x precisions x
+    offload labels; default every stage, policy and fp32/bf16 with the config's own
+    offload) dry-run for ``task`` on ``world_size`` ranks (other keys as in ``config``),
+    as plain data: the rows that ``mct plan`` prints and the recommendation for a
+    per-rank ``budget`` (bytes or a size like '24GiB'; default ``memory.budget``).
+    ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
+    extended (exact where they repeat; ``mct.planner.depth``); False: every
+    configuration at full depth. ``workers``: processes for a long grid's dry runs
+    (``mct.planner.pool``; None: one per usable core, at most 8; 1: all in this
+    process); the rows are the same. Raises ValueError as ``predict_peak``, or for a
+    bad budget or worker count."""
+    cfg = _config(config)
+    limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
+    return make_plan(task, cfg, world_size, limit, grid, extrapolate=extrapolate, workers=plan_workers(workers))
 
 
 def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
@@ -51,18 +82,13 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
          precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
          workers: int | None = None) -> Plan:
-    """Every ZeRO stage x checkpointing policy x precision (x offload label: 'none',
-    'optimizer=cpu|disk', 'optimizer+params=cpu|disk'; default the config's own) of the
-    grid dry-run for this model on ``world_size`` ranks (other keys as in ``config``), as plain data: the rows
-    that ``mct plan`` prints and the recommendation for a per-rank ``budget`` (bytes or
-    a size like '24GiB'; default ``memory.budget``). ``extrapolate``: a deep model's
-    repeated blocks are dry-run at two small depths and extended (exact where they
-    repeat; ``mct.planner.depth``); False: every configuration at full depth.
-    ``workers``: processes for a long grid's dry runs (``mct.planner.pool``; None: one
-    per usable core, at most 8; 1: all in this process); the rows are the same. Raises
-    ValueError as ``predict_peak``, or for a bad budget or worker count."""
-    cfg = _config(config)
-    limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
-    work = Workload(model_fn, loss_fn, batch, optimizer, param_groups)
-    return make_plan(work, cfg, world_size, limit, stages=stages, policies=policies, precisions=precisions,
-                     offloads=offloads, extrapolate=extrapolate, workers=plan_workers(workers))
+    """``plan_task`` of ``Task(model_fn, loss_fn, batch, optimizer, param_groups)`` over
+    ``Grid(stages, policies, precisions, offloads)``: every ZeRO stage x checkpointing
+    policy x precision (x offload label: 'none', 'optimizer=cpu|disk',
+    'optimizer+params=cpu|disk'; default the config's own) dry-run for this model on
+    ``world_size`` ranks, and the recommendation for ``budget``. Raises ValueError as
+    ``plan_task``."""
+    task = Task(model_fn, loss_fn, batch, optimizer, param_groups)
+    return plan_task(task, config, world_size, budget, Grid(tuple(stages), tuple(policies), tuple(precisions),
+                                                            tuple(offloads) if offloads else None),
+                     extrapolate=extrapolate, workers=workers)

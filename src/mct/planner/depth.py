@@ -39,7 +39,7 @@ from mct.checkpointing import find_blocks
 from mct.checkpointing.blocks import first_tensor, primary
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES
-from mct.planner.dry_run import DryRun, dry_run, fake_batch, materialize_fake, meta_model
+from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, fake_batch, materialize_fake, meta_model
 from mct.task.spec import Task
 
 SEGMENT = "PlannerSegment"
@@ -55,6 +55,19 @@ class Stack:
     n: int
     block_class: str
     model: nn.Module = field(compare=False, repr=False, default_factory=nn.Module)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What every configuration of a plan shares about its ``task``, found once
+    (``mct.planner.grid.prepare``): the model's repeated blocks (``stack``), its
+    parameter count, and the peak of building it as its factory does
+    (``construction``, see ``dry_run.construction_peak``; None: built on meta)."""
+
+    task: Task
+    stack: Stack
+    n_params: int
+    construction: dict[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -349,27 +362,25 @@ def extend(a: DryRun, b: DryRun, wa: Windows, wb: Windows, shape: Shape, n_param
                   init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded)
 
 
-def extrapolated(work: Task, cfg: EngineConfig, world: int, batch: Any, *, stack: Stack, n_params: int,
-                 construction: dict[str, int] | None, meta_init: bool, shape: Shape | None = None
-                 ) -> DryRun | None:
-    """``cfg``'s dry run of the ``stack.n``-block model from two shallow copies (see the
-    module docstring), or None when the policy gives no shallower copy or the copies do
-    not repeat. ``construction``: the bytes (by category, and 'total') at the peak of
-    building the whole model as its factory does (None: built on meta); the
-    initialization peak is the larger of it and the copies' extrapolated one, which
-    start from a model built on meta. ``shape``: the copies (default ``shape_for``).
-    Raises ValueError as ``dry_run``."""
+def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, *, meta_init: bool,
+                 shape: Shape | None = None) -> DryRun | None:
+    """``cfg``'s dry run of the ``stack.n``-block model of ``prepared`` from two shallow
+    copies (see the module docstring), or None when the policy gives no shallower copy
+    or the copies do not repeat. The initialization peak is the larger of the whole
+    model's ``construction`` and the copies' extrapolated one, which start from a model
+    built on meta. ``meta_init``: as ``DryRunHooks``. ``shape``: the copies (default
+    ``shape_for``). Raises ValueError as ``dry_run``."""
+    stack, construction = prepared.stack, prepared.construction
     shape = shape or shape_for(stack, cfg)
     if shape is None:
         return None
     run_cfg = copy_config(cfg, stack, shape)
     segments = shape.segments or (None, None)
     wa, wb = Windows(stack), Windows(stack)
-    a, b = (dry_run(work.model_fn, work.loss_fn, batch, run_cfg, world, optimizer=work.optimizer,
-                    param_groups=work.param_groups, meta_init=meta_init, build=shallow(stack, depth, seg),
-                    observer=w)
+    a, b = (dry_run_task(prepared.task, run_cfg, world, batch=batch,
+                         hooks=DryRunHooks(meta_init=meta_init, build=shallow(stack, depth, seg), observer=w))
             for depth, seg, w in ((shape.a, segments[0], wa), (shape.a + shape.p, segments[1], wb)))
-    run = extend(a, b, wa, wb, shape, n_params)
+    run = extend(a, b, wa, wb, shape, prepared.n_params)
     if run is not None and not meta_init and construction is not None and construction["total"] > run.init_peak:
         run.init_peak = construction["total"]
         run.init = {c: construction.get(c, 0) for c in (*CATEGORIES, "total")}

@@ -19,7 +19,7 @@ path of a clean step (no overflow skip).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_map
 
 from mct.config import EngineConfig
 from mct.dist import DistContext
+from mct.engine import Engine
 from mct.memory.tracker import CATEGORIES, MemoryTracker
-from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn
+from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
 
 @dataclass
@@ -131,32 +132,58 @@ class FakeInit:
             self.tracker.register(p, "params")
 
 
+class Observer(Protocol):
+    """Watches a dry run (the depth extrapolation's ``Windows``)."""
+
+    def attach(self, model: nn.Module, tracker: MemoryTracker) -> None: ...
+    def end_step(self, peaks: dict[str, dict[str, int]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DryRunHooks:
+    """How a dry run builds and watches its model; the default: as ``mct.Engine(model_fn())``.
+
+    ``meta_init``: the model is built on meta and the engine materializes it unit by
+    unit (what ``mct train`` does at stage 3 and with offload). ``build()``: a model on
+    the meta device to train instead of the factory's (the depth extrapolation's shallow
+    copies). ``observer``: ``attach(model, tracker)`` is called once the engine is
+    built, ``end_step(peaks)`` after each step (the depth extrapolation's ``Windows``,
+    which reset the tracker's peaks at every block event: the returned phases then hold
+    only each phase's last window; the observer has all)."""
+
+    meta_init: bool = False
+    build: Callable[[], nn.Module] | None = None
+    observer: Observer | None = None
+
+
+def dry_run_task(task: Task, config: EngineConfig, world_size: int, *, batch: Any = None,
+                 hooks: DryRunHooks | None = None) -> DryRun:
+    """``dry_run`` of ``task`` (its model, loss, optimizer and parameter groups; its
+    example batch unless ``batch`` is given)."""
+    return dry_run(task.model_fn, task.loss_fn, task.batch if batch is None else batch, config, world_size,
+                   optimizer=task.optimizer, param_groups=task.param_groups, hooks=hooks)
+
+
 def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig, world_size: int, *,
             optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None,
-            meta_init: bool = False, build: Callable[[], nn.Module] | None = None,
-            observer: Any = None) -> DryRun:
+            hooks: DryRunHooks | None = None) -> DryRun:
     """Build the engine for ``config`` on rank 0 of ``world_size`` simulated ranks and
     run two training steps of ``batch`` (one micro-batch, or a list: gradient
     accumulation) with ``loss_fn``, all on fake tensors. ``optimizer`` and
     ``param_groups(model)`` are what ``mct.Engine`` would be given (None: its defaults).
-    ``meta_init``: the model is built on meta and the engine materializes it unit by
-    unit (what ``mct train`` does at stage 3 and with offload; else the whole model is
-    built first, as ``mct.Engine(model_fn())``). ``build()``: a model on the meta device
-    to train instead of ``model_fn``'s (the depth extrapolation's shallow copies).
-    ``observer``: ``attach(model, tracker)`` is
-    called once the engine is built, ``end_step(peaks)`` after each step (the depth
-    extrapolation's ``Windows``, which reset the tracker's peaks at every block event:
-    the returned phases then hold only each phase's last window; the observer has all). Returns the tracked bytes (``DryRun``).
+    ``hooks``: how the model is built and who watches (``DryRunHooks``; None: built
+    whole first, as ``mct.Engine(model_fn())``). Returns the tracked bytes (``DryRun``).
     Raises ValueError for configs the engine rejects (the same messages) and for a bad
     factory."""
-    from mct.engine import Engine  # the engine imports the memory runtime, not the planner
     cfg = _planning_config(config)
     ctx = DistContext.simulated(world_size)
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
-    copied = build() if build is not None else None  # a deep copy of meta tensors: outside the fake mode
+    hooks = hooks or DryRunHooks()
+    observer = hooks.observer
+    copied = hooks.build() if hooks.build is not None else None  # a deep copy of meta tensors: outside the fake mode
     with mode:
-        model, program = _build(model_fn, tracker, meta_init, copied)
+        model, program = _build(model_fn, tracker, hooks.meta_init, copied)
         with tracker.phase("init", "params"):  # the same stage again: its peak is kept
             n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             groups = param_groups(model) if param_groups is not None else None

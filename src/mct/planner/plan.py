@@ -14,27 +14,28 @@ not a measurement (docs/planner.md):
 
 Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
 (tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
-offload setting unless ``offloads`` is given; ``auto`` tries offload only when nothing
+offload setting unless ``Grid.offloads`` is given; ``auto`` tries offload only when nothing
 fits without it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
-from mct.planner.depth import extrapolated, shape_for
-from mct.planner.dry_run import DryRun, dry_run
+from mct.planner.depth import Prepared, extrapolated, shape_for
+from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task
+from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
+                              smaller_batch, task_of, with_batch)
 from mct.planner.pool import run_jobs
-from mct.planner.workload import PlannedTask, Workload, batch_size, micro_batches, prepare, smaller_batch
 from mct.task.build import builds_on_meta
+from mct.task.spec import Task
 
-STAGES = (0, 1, 2, 3)
-POLICIES = ("none", "selective", "sqrt", "all")
-PRECISIONS = ("fp32", "bf16")
+Work = Task | Prepared
+"""What a plan's dry runs take: a Task, or the Task with what its plan shares (``prepare``)."""
+
 COMM_SHARE = 0.25
 """Assumed share of a data-parallel step spent communicating 2 psi (a mid-size cluster)."""
 RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
@@ -86,25 +87,24 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
     return EngineConfig.from_dict(d)
 
 
-def predict(work: Workload, cfg: EngineConfig, world: int) -> DryRun:
+def predict(work: Work, cfg: EngineConfig, world: int) -> DryRun:
     """The dry run of ``work`` under ``cfg`` on ``world`` ranks, with the model built as
     ``mct train`` builds it (on meta at stage 3 and with offload: ``builds_on_meta``).
-    Extrapolated from two shallow copies when ``work`` is a ``PlannedTask`` with
-    repeated blocks (``mct.planner.depth``), else a full ``dry_run``."""
-    batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
-    if isinstance(work, PlannedTask) and work.stack is not None:
-        run = extrapolated(work, cfg, world, batch, stack=work.stack, n_params=work.n_params,
-                           construction=work.construction, meta_init=meta_init)
+    Extrapolated from two shallow copies when ``work`` is ``Prepared`` (its model has
+    repeated blocks: ``mct.planner.depth``), else a full ``dry_run``."""
+    task = task_of(work)
+    batch, meta_init = micro_batches(task.batch, cfg.data.grad_accum), builds_on_meta(cfg)
+    if isinstance(work, Prepared):
+        run = extrapolated(work, cfg, world, batch, meta_init=meta_init)
         if run is not None:
             return run
-    return dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
-                   param_groups=work.param_groups, meta_init=meta_init)
+    return dry_run_task(task, cfg, world, batch=batch, hooks=DryRunHooks(meta_init=meta_init))
 
 
-def dry_run_cost(work: Workload, cfg: EngineConfig) -> float:
+def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
     """Relative cost of ``predict(work, cfg, ...)``: the blocks its dry runs step through
     (recomputing policies step through them about twice), for ordering a grid's jobs."""
-    stack = work.stack if isinstance(work, PlannedTask) else None
+    stack = work.stack if isinstance(work, Prepared) else None
     if stack is None:
         return 1.0
     shape = shape_for(stack, cfg)
@@ -146,11 +146,10 @@ class Plan:
                 "rows": self.rows}
 
 
-def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
-              policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None,
+def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
               advise: bool = True, extrapolate: bool = True, workers: int = 1) -> Plan:
-    """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
-    other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
+    """Dry-run every configuration of the ``grid`` for ``work`` on ``world`` ranks (the
+    other keys as in ``cfg``; ``grid.offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
     precision planned when that is another (ties: the lower peak, then the lower stage).
     Parameter offload is planned at stage 3 only.
@@ -164,12 +163,13 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    offloads = tuple(offloads) if offloads else (offload_label(cfg),)
+    precisions = tuple(grid.precisions)
+    offloads = tuple(grid.offloads) if grid.offloads else (offload_label(cfg),)
     for label in offloads:
         offload_keys(label)  # a bad label fails before minutes of planning
     work = prepare(work, cfg, extrapolate)
     choices = [(stage, policy, precision, offload) for precision in precisions for offload in offloads
-               for policy in policies for stage in stages
+               for policy in grid.policies for stage in grid.stages
                if offload_keys(offload)["params"] == "none" or stage == 3]
     configs = [with_choice(cfg, *choice) for choice in choices]
     runs = run_jobs(lambda i: predict(work, configs[i], world), len(configs), workers=workers,
@@ -188,7 +188,7 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     return plan
 
 
-def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
+def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
     if plan.budget is None:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
@@ -209,17 +209,18 @@ def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
     return msg + _what_would_fit(plan, work, cfg, low)
 
 
-def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str, Any]) -> str:
+def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, Any]) -> str:
     """Fewer bytes per rank: a smaller micro-batch, or more ranks at stage 3."""
     hints = []
-    B = batch_size(work.batch)
+    batch = task_of(work).batch
+    B = batch_size(batch)
     budget = plan.budget
     assert budget is not None
     base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"])
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
-        smaller = dataclasses.replace(work, batch=smaller_batch(work.batch, b))
+        smaller = with_batch(work, smaller_batch(batch, b))
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
@@ -252,7 +253,7 @@ def auto_offloads(device: str) -> tuple[str, ...]:
     return (f"optimizer={tier}", f"optimizer+params={tier}")
 
 
-def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
+def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
                  device: str = "cpu") -> tuple[EngineConfig, dict | None]:
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
     cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
@@ -271,10 +272,11 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
                          f"e.g. --set memory.budget=2GiB (or choose the value yourself; `mct plan` helps)")
     stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
-    grid = {"stages": stages, "policies": policies, "precisions": (cfg.precision.mode,)}
-    plan = make_plan(work, cfg, world, budget, **grid, advise=False)
+    grid = Grid(stages, policies, (cfg.precision.mode,))
+    plan = make_plan(work, cfg, world, budget, grid, advise=False)
     if plan.recommended is None and not cfg.offload.enabled:
-        plan = make_plan(work, cfg, world, budget, **grid, offloads=auto_offloads(device), advise=False)
+        grid = Grid(stages, policies, grid.precisions, offloads=auto_offloads(device))
+        plan = make_plan(work, cfg, world, budget, grid, advise=False)
     best = plan.recommended
     if best is None:
         raise ValueError(_advice(plan, work, cfg))

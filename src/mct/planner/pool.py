@@ -21,6 +21,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence
 
+import torch
+
 _JOB: Callable[[int], Any] | None = None  # set in the parent before forking; the workers inherit it
 MAX_WORKERS = 8
 MIN_PARALLEL_S = 2.0
@@ -74,7 +76,6 @@ def _stop(pool: ProcessPoolExecutor, others: set) -> None:
 
 
 def _worker_init() -> None:
-    import torch
     torch.set_num_threads(1)  # a dry run computes nothing: no intra-op thread pool per worker
 
 

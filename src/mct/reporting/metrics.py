@@ -122,7 +122,7 @@ class MetricsWriter:
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy (tensorboard, protobuf): only when asked
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
 
     def log(self, record: dict[str, Any]) -> None:

@@ -43,6 +43,7 @@ def check_plot_path(path: str | Path) -> Path:
 
 
 def _pyplot():
+    # matplotlib takes about a second to import: loaded by the commands that draw only
     import matplotlib
     matplotlib.use("Agg", force=True)  # headless: no display, same pixels everywhere
     import matplotlib.pyplot as plt

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mct.config import parse_bytes
 from mct.memory.tracker import format_bytes
 from mct.reporting.metrics import read_jsonl
 
@@ -31,7 +32,6 @@ class RunData:
     @property
     def budget(self) -> int | None:
         """memory.budget of the run's resolved config, in bytes (None when unset or unreadable)."""
-        from mct.config import parse_bytes
         text = (((self.meta or {}).get("config") or {}).get("memory") or {}).get("budget")
         try:
             return parse_bytes(text) if text else None

@@ -18,8 +18,10 @@ from typing import Any
 
 from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner import Workload
+from mct.persistence.files import read_json, write_json
+from mct.planner.grid import Grid
 from mct.planner.plan import make_plan
+from mct.task import Task
 
 
 def _key(cfg: EngineConfig) -> tuple[int, str]:
@@ -32,7 +34,7 @@ class BudgetLoop:
 
     auto_cfg: EngineConfig
     world: int
-    work: Workload
+    work: Task
     """What the planner dry-runs: the run's model, loss and example batch."""
     peak: int = 0
     """Predicted peak of the configuration in use."""
@@ -40,7 +42,7 @@ class BudgetLoop:
 
     @classmethod
     def maybe(cls, auto_cfg: EngineConfig, choice: dict[str, Any] | None, world: int,
-              work: Workload) -> "BudgetLoop | None":
+              work: Task) -> "BudgetLoop | None":
         """A loop for runs whose stage or policy was ``auto`` under an enforced budget; else None."""
         if choice is None or not auto_cfg.memory.enforce:
             return None
@@ -53,8 +55,8 @@ class BudgetLoop:
         a = self.auto_cfg
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
         policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
-        plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, stages=stages, policies=policies,
-                         precisions=(a.precision.mode,), advise=False)  # only the rows are used
+        grid = Grid(stages, policies, (a.precision.mode,))
+        plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, grid, advise=False)  # only the rows are used
         rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
         if not rows:
             stage, policy = _key(current)
@@ -76,7 +78,6 @@ class BudgetLoop:
 
 def record_config_change(run_dir: str | Path, change: dict[str, Any]) -> None:
     """Append ``change`` to metadata.json's ``config_changes`` (rank 0 calls it)."""
-    from mct.persistence.files import read_json, write_json
     path = Path(run_dir) / "metadata.json"
     meta = read_json(path)
     meta.setdefault("config_changes", []).append(change)

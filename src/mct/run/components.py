@@ -110,7 +110,7 @@ class Progress:
     def __init__(self, enabled: bool, total: int, initial: int) -> None:
         self.bar = None
         if enabled:
-            from tqdm import tqdm
+            from tqdm import tqdm  # only a rank that draws a bar loads it
             self.bar = tqdm(total=total, initial=min(initial, total), desc="train", unit="step", dynamic_ncols=True)
 
     def advance(self, loss: float, val: float | None) -> None:
@@ -129,8 +129,9 @@ class Progress:
             self.bar = None
 
 
-def agree_verdict(code: int, signum: int, comm: Any, device: torch.device) -> tuple[int, int]:
-    """Every rank's verdict code and stop signal, MAX-reduced: all ranks act alike."""
+def worst_verdict(code: int, signum: int, comm: Any, device: torch.device) -> tuple[int, int]:
+    """The largest verdict code and stop signal of any rank (one MAX all-reduce per
+    step, cheaper than ``mct.dist.agree``'s object gather): all ranks act alike."""
     flags = torch.tensor([code, signum], dtype=torch.float64, device=device)
     comm.all_reduce_(flags, "max")
     return int(flags[0]), int(flags[1])

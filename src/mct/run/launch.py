@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -249,7 +250,6 @@ def check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
     """Raise ValueError unless ``endpoint`` is HOST:PORT with a port in 1..65535 and a
     host that resolves within ``timeout_s`` (torchrun would raise a traceback, or retry
     an unknown host for minutes)."""
-    import socket
     host, sep, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -277,6 +277,7 @@ def run_dir_lock(run_dir: str, ctx, new: bool):
     """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
     is a ValueError on every rank, before anything is written). A new run's directory
     is checked first, so the lock is never taken in a directory that holds a run."""
+    # the launcher process imports this module too and never needs torch: only a worker gets here
     from mct.dist import broadcast_from_main
     from mct.persistence.run_dir import RunLock, check_new_run_dir
     lock, error = None, None

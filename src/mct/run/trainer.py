@@ -35,7 +35,7 @@ from mct.reporting.events import append_event
 from mct.reporting.metrics import MetricsWriter, write_metadata
 from mct.reporting.report import TrainSummary
 from mct.run.budget_loop import BudgetLoop
-from mct.run.components import LoopCounters, Progress, StepLog, Validator, agree_verdict
+from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
 from mct.run.feedback import Feedback
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
@@ -43,7 +43,7 @@ from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
-from mct.task import build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
+from mct.task import Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
 # build_model and seeded_gpt_loss: re-exported for tests/test_trainer.py
 from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
@@ -60,7 +60,8 @@ class Trainer(Feedback):
     """
 
     def __init__(self, cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None, *,
-                 progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> None:
+                 progress: bool = True, resume: bool = False, stop: StopRequest | None = None,
+                 task: Task | None = None) -> None:
         """Raises ValueError (every rank alike) for a run dir that holds a run (new
         runs), a changed corpus or no usable checkpoint (resumes), a config the engine
         or planner rejects. A process started by a torchrun restart resumes by itself
@@ -71,10 +72,10 @@ class Trainer(Feedback):
         self.progress_enabled = progress and ctx.is_main
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart and not resume:
-            resume = self._agree_restart(restart)
+            resume = self._resumes_after_restart(restart)
         elif not resume:
             agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
-        self.task = task_for(cfg)
+        self.task = task if task is not None else task_for(cfg)  # the CLI hands on the one it checked
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
         check_tokens(self.task, self.corpus)
@@ -168,7 +169,7 @@ class Trainer(Feedback):
         while c.step < tcfg.steps:
             step, t0 = c.step, time.perf_counter()
             out, verdict, lr, t_data = self._step(step)
-            code, signum = agree_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
+            code, signum = worst_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
             agreed = list(Verdict)[code]
             if agreed is not verdict:
                 self.detector.detail = f"{agreed.value} on another rank"
@@ -289,7 +290,7 @@ class Trainer(Feedback):
                           checkpoint=path.name, reason=warning)
         self.engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
 
-    def _agree_restart(self, restart: int) -> bool:
+    def _resumes_after_restart(self, restart: int) -> bool:
         """A restarted group: resume when the run has a complete checkpoint, else start
         over in the same run dir (its metrics rows dropped first: the other ranks wait in
         the broadcast). Returns whether to resume."""
@@ -306,9 +307,11 @@ class Trainer(Feedback):
 
 
 def train(cfg: EngineConfig, run_dir: str | Path, ctx: DistContext | None = None,
-          progress: bool = True, resume: bool = False, stop: StopRequest | None = None) -> TrainSummary:
+          progress: bool = True, resume: bool = False, stop: StopRequest | None = None,
+          task: Task | None = None) -> TrainSummary:
     """Train (every rank calls it): ``Trainer(...).fit()``. A new run refuses a
     ``run_dir`` that holds a run (ValueError, checked by rank 0 before anything is
     written); ``resume`` continues the run there from its newest usable checkpoint
-    (``cfg`` from ``resume_config``). ``stop``: the signal flag the loop looks at."""
-    return Trainer(cfg, run_dir, ctx, progress=progress, resume=resume, stop=stop).fit()
+    (``cfg`` from ``resume_config``). ``stop``: the signal flag the loop looks at.
+    ``task``: ``task_for(cfg)`` when the caller has built it already (``mct train``)."""
+    return Trainer(cfg, run_dir, ctx, progress=progress, resume=resume, stop=stop, task=task).fit()

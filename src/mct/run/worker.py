@@ -19,11 +19,14 @@ from mct.run.signals import Preempted, StopRequest
 from mct.reporting.report import summary_table
 from mct.run.rollback import TrainingStopped
 from mct.run.trainer import train
+from mct.task import Task
 
 
-def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress: bool) -> int:
+def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress: bool,
+               task: Task | None = None) -> int:
     """One training process (alone, or a rank under torchrun): ``train`` under the run
-    dir's lock and the signal handlers. Every way it ends is an exit code and at most one
+    dir's lock and the signal handlers (``task``: ``task_for(cfg)`` when the caller has
+    it already). Every way it ends is an exit code and at most one
     line: 2 user error, 3 stop condition, 128 + signal (1: a peer process is gone)."""
     link = WorkerLink.from_env()
     stop = StopRequest(timeout_s=cfg.train.preempt_timeout_s).install()
@@ -35,7 +38,7 @@ def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress
         try:
             with run_dir_lock(run_dir, ctx, new=not resume):
                 summary = train(cfg, run_dir, ctx, progress=progress, resume=resume,
-                                stop=stop)
+                                stop=stop, task=task)
         except (ValueError, MemoryBudgetExceeded, MemoryError, RuntimeError) as e:
             oom = _is_out_of_memory(e)
             if not (oom or isinstance(e, ValueError)):

@@ -24,6 +24,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+import torch
+import torch.nn as nn
+
 from mct.config import EngineConfig
 from mct.task.spec import Task
 from mct.task.tokens import token_batch, token_loss
@@ -63,8 +66,6 @@ def _vocab_of(factory: Callable) -> int | None:
     """The token ids the model embeds: its input embeddings (``get_input_embeddings()``,
     else its first ``nn.Embedding``), found on a construction on the meta device; None
     when it has none or cannot be built there (the factory's own errors surface later)."""
-    import torch
-    import torch.nn as nn
     try:
         with torch.device("meta"):
             model = factory()

@@ -91,7 +91,7 @@ def hf_config(directory: str | Path):
     during backward but not found in storage', other policies compute on stale keys).
     Raises ValueError for an architecture transformers does not ship or no causal LM."""
     raw = read_hf_config(directory)
-    tf = _transformers()
+    tf = _transformers()  # transformers is optional (mct[hf]): loaded for hf: sources only
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     kind = raw["model_type"]

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
+from mct.persistence.init_from import load_pretrained
 from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
 from mct.task import build_model, check_tokens, seeded, task_for
@@ -124,7 +125,6 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     engine = Engine(model, optimizer, cfg, ctx=ctx,
                     param_groups=task.param_groups(model) if task.param_groups else None)
     if cfg.train.init_from:
-        from mct.persistence.init_from import load_pretrained
         load_pretrained(engine, cfg.train.init_from)
         loaded = engine.full_state_dict()  # collective: every rank
         if ref is not None:

@@ -231,14 +231,15 @@ class Comm:
             self.ops.barrier()
 
 
-def check_ranks_agree(comm: Comm, what: str, items: list[tuple[str, str]]) -> None:
-    """Raise ValueError on every rank if ranks disagree on ``items`` (a list of
-    (name, description) pairs), naming the first mismatch. One small all-gather of
-    a digest; the full lists are exchanged only on mismatch."""
+def first_mismatch(comm: Comm, what: str, items: list[tuple[str, str]]) -> str | None:
+    """The one-line error (the same on every rank) naming the first entry of ``items``
+    (a list of (name, description) pairs) on which the ranks disagree, or None when
+    they hold the same: for ``mct.dist.agree``. One small all-gather of a digest; the
+    full lists are exchanged only on mismatch. Collective."""
     digest = hashlib.sha256(repr(items).encode()).hexdigest()
     digests = comm.all_gather_object(digest)
     if len(set(digests)) == 1:
-        return
+        return None
     lists = comm.all_gather_object(items)
     for r, other in enumerate(lists):
         if other == lists[0]:
@@ -247,7 +248,6 @@ def check_ranks_agree(comm: Comm, what: str, items: list[tuple[str, str]]) -> No
             a = lists[0][i] if i < len(lists[0]) else ("<missing>", "")
             b = other[i] if i < len(other) else ("<missing>", "")
             if a != b:
-                raise ValueError(
-                    f"ranks disagree on the {what}: entry {i} is {a[0]} {a[1]} on rank 0 but "
-                    f"{b[0]} {b[1]} on rank {r}. Build the same model (same config and seed) on every rank.")
-    raise ValueError(f"ranks disagree on the {what} (digests {digests})")
+                return (f"ranks disagree on the {what}: entry {i} is {a[0]} {a[1]} on rank 0 but "
+                        f"{b[0]} {b[1]} on rank {r}. Build the same model (same config and seed) on every rank.")
+    return f"ranks disagree on the {what} (digests {digests})"

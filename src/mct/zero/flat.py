@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
 
@@ -71,11 +72,12 @@ def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_
 
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
-                 shard_rank: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 persistent: bool, full_grads: bool, device: torch.device,
-                 on_new_grad_shard: Callable[[torch.Tensor], None] | None = None) -> None:
-        """``on_new_grad_shard`` is called with each gradient shard created during a
-        step (stages 2/3), e.g. to count it in a memory tracker."""
+                 shard_rank: int, precision: PrecisionPolicy, persistent: bool, full_grads: bool,
+                 device: torch.device, on_new_grad_shard: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``precision``: the working (``param_dtype``) and reduction (``reduce_dtype``)
+        dtypes. ``on_new_grad_shard`` is called with each gradient shard created during
+        a step (stages 2/3), e.g. to count it in a memory tracker."""
+        param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.name = name
         self.on_new_grad_shard = on_new_grad_shard
         self.names = [n for n, _ in params]

@@ -12,11 +12,13 @@ Frozen parameters and buffers are left as they are: replicated, never sharded.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
 from mct.zero.partition import build_layout
@@ -38,15 +40,34 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
     return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
 
 
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How a ``ShardedModel`` shards: ZeRO ``stage`` 0-3 and, at stage 3, units of at
+    most ``persistent_numel`` elements kept gathered (``zero.persistent_numel``)."""
+
+    stage: int
+    persistent_numel: int = 0
+
+
+@dataclass(frozen=True)
+class UnitHooks:
+    """What runs around packing each unit: ``before(params)`` (e.g. materialize its
+    parameters from the meta device), ``after(unit)`` right after (e.g. free or
+    offload it)."""
+
+    before: Callable[[list[nn.Parameter]], None] | None = None
+    after: Callable[[FlatParamUnit], None] | None = None
+
+
 class ShardedModel:
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], blocks: list[tuple[str, nn.Module]],
-                 *, stage: int, comm: Comm, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 device: torch.device, persistent_numel: int, tracker: Any,
-                 before_unit: Callable[[list[nn.Parameter]], None] | None = None,
-                 after_unit: Callable[[FlatParamUnit], None] | None = None) -> None:
-        """``before_unit(params)`` runs before a unit is packed (e.g. to materialize
-        its parameters from the meta device), ``after_unit(unit)`` right after (e.g.
-        to free or offload it), so construction can hold one unit at a time."""
+                 *, sharding: ShardingPolicy, precision: PrecisionPolicy, comm: Comm, device: torch.device,
+                 tracker: Any, hooks: UnitHooks | None = None) -> None:
+        """``sharding``: the stage and what stays gathered; ``precision``: the units'
+        dtypes; ``hooks``: what runs around packing each unit (``UnitHooks``), so
+        construction can hold one unit at a time."""
+        stage, persistent_numel = sharding.stage, sharding.persistent_numel
+        hooks = hooks or UnitHooks()
         self.stage, self.comm, self.tracker = stage, comm, tracker
         names = {id(p): n for n, p in model.named_parameters()}
         unit_of = assign_units(model, blocks)
@@ -60,18 +81,17 @@ class ShardedModel:
                 mine = [(names[id(p)], p) for p in params if unit_of.get(id(p), "root") == uname]
                 if not mine:
                     continue
-                if before_unit is not None:
-                    before_unit([p for _, p in mine])
+                if hooks.before is not None:
+                    hooks.before([p for _, p in mine])
                 layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world)
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
-                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                     persistent=persistent, full_grads=stage < 2, device=device,
+                                     precision=precision, persistent=persistent, full_grads=stage < 2, device=device,
                                      on_new_grad_shard=self._track_grad_shard)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
-                if after_unit is not None:
-                    after_unit(unit)
+                if hooks.after is not None:
+                    hooks.after(unit)
         self.units_by_block: dict[str, list[FlatParamUnit]] = {}
         for u in self.units:
             self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)
