@@ -128,10 +128,15 @@ def broadcast_from_main(obj):
     return box[0]
 
 
-def agree(error: str | None) -> None:
-    """Raise rank 0's ``error`` as ValueError on every rank (so no rank goes on alone);
-    nothing when it is None. Every rank must call it."""
-    error = broadcast_from_main(error)
+def agree(error: str | None, all_gather: Callable[[Any], list[Any]] | None = None) -> None:
+    """Raise one rank's ``error`` as ValueError on every rank (so no rank goes on alone);
+    nothing when there is none. Every rank must call it. Without ``all_gather``: rank
+    0's ``error`` (broadcast). With ``all_gather`` (e.g. ``Comm.all_gather_object``):
+    the error of the lowest rank that has one (a fault any rank may find)."""
+    if all_gather is None:
+        error = broadcast_from_main(error)
+    else:
+        error = next((e for e in all_gather(error) if e is not None), None)
     if error is not None:
         raise ValueError(error)
 

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
-from mct.dist import DistContext, error_of
+from mct.dist import DistContext, agree, error_of
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
                                optimizer_step_bytes)
 from mct.memory import host
@@ -32,12 +32,11 @@ from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
 from mct.offload import OffloadedState
 from mct.offload.meta_init import InitProgram, probe_stand_ins
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
+from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, check_ranks_agree
 from mct.zero.sharded import ShardedModel
 from mct.zero.stage3 import Stage3Lifecycle
 
-OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 # Optimizers whose update of an element depends on other elements of the same
 # tensor: on flat shards they would compute something else than on the parameters.
@@ -405,7 +404,7 @@ class Engine:
         ``units`` (as in ``state_dict()``), ``extents`` ({``<unit>/master``: [offset,
         global numel]}: every per-element tensor of a unit has its master's extent) and
         ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
-        from mct.zero import state as zstate
+        from mct.zero import state_io as zstate
         return zstate.layout(self.sharded.units, self.sharded.group_of_unit, self.comm.rank)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -435,7 +434,7 @@ class Engine:
         layout, independent of the world size), ``tensors`` ({key: 1-D fp32 piece or
         scalar}: ``<unit>/master`` and ``<unit>/optim/<name>``) and ``extents`` ({key:
         [offset, global numel]} of each 1-D piece in its unit's global flat tensor; see
-        ``mct.zero.state``). Tensors are views of live state, not copies: clone them to
+        ``mct.zero.state_io``). Tensors are views of live state, not copies: clone them to
         keep a snapshot. Under offload they are copies read back from the store (the
         whole local state is in memory while the result is held): the format is the
         same with and without offload, so state moves freely between them. Not
@@ -461,13 +460,13 @@ class Engine:
         return {**self._state_header(), "tensors": tensors, "extents": extents}, readers
 
     def _state_header(self) -> dict[str, Any]:
-        from mct.zero import state as zstate
+        from mct.zero import state_io as zstate
         return {"format": self.STATE_FORMAT, "steps_done": self.steps_done, "scaler": self.scaler.state_dict(),
                 "param_groups": zstate.group_hyper(self.optimizer),
                 "units": [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]}
 
     def _state_dict(self) -> dict[str, Any]:
-        from mct.zero import state as zstate
+        from mct.zero import state_io as zstate
         tensors, extents = zstate.export_units(self.sharded.units, self.optimizer, self.comm.rank)
         return {**self._state_header(), "tensors": tensors, "extents": extents}
 
@@ -479,7 +478,7 @@ class Engine:
         parameters), optimizer state and hyperparameters, loss scaler and
         ``steps_done``. Not collective at stage 0/3; at stages 1/2 publishing the
         masters all-gathers, so every rank must call it."""
-        from mct.zero import state as zstate
+        from mct.zero import state_io as zstate
         mine = [zstate.unit_record(u, g) for u, g in zip(self.sharded.units, self.sharded.group_of_unit)]
         steps = zstate.check_header(state, self.STATE_FORMAT, mine)
         hyper = zstate.check_hyper(self.optimizer, state["param_groups"])
@@ -514,7 +513,7 @@ class Engine:
         first (twice the reads, one unit beside the state). Every rank learns of a fault
         found on any rank after each unit (no rank is left in a collective). A failure
         raises ValueError, the engine untouched. Collective."""
-        from mct.zero import state as zstate
+        from mct.zero import state_io as zstate
         units, rank = self.sharded.units, self.comm.rank
         mine = [zstate.unit_record(u, g) for u, g in zip(units, self.sharded.group_of_unit)]
         steps = zstate.check_header({**header, "tensors": {}, "extents": {}}, self.STATE_FORMAT, mine)
@@ -551,9 +550,7 @@ class Engine:
 
     def _agree_error(self, error: str | None) -> None:
         """Raise the first rank's fault (ValueError) on every rank, or nothing."""
-        errors = [e for e in self.comm.all_gather_object(error) if e is not None]
-        if errors:
-            raise ValueError(errors[0])
+        agree(error, self.comm.all_gather_object)
 
     def _set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
         self.scaler.load_state_dict(scaler)

@@ -4,12 +4,14 @@ buffers for the optimizer step (see docs/stages.md, "offload").
 
   store.py   where records live: HostStore (pinned on CUDA), DiskStore (one file, preadv/pwritev)
   stream.py  ChunkStream: reusable buffer pool + one background I/O thread (+ CUDA side stream)
-  state.py   OffloadedState: what each unit keeps resident, the chunked optimizer step
+  runtime.py OffloadedState: the live offloaded state: what each unit keeps resident, the chunked step
+  torch_format.py  its optimizer state in torch's Optimizer.state_dict() format
+  persist.py its checkpoints, streamed; snapshot.py rollback snapshots
   meta_init.py  record a model's construction on the meta device; materialize it unit by unit
 """
 
 from mct.offload.meta_init import InitProgram, record_init
-from mct.offload.state import OffloadedState
+from mct.offload.runtime import OffloadedState
 from mct.offload.store import DiskStore, HostStore, make_store
 from mct.offload.stream import ChunkStream, Item
 

@@ -91,7 +91,7 @@ class _CheckpointSource:
     def __init__(self, checkpoint: Path) -> None:
         from mct.persistence.checkpoint import FROZEN
         from mct.persistence.files import read_json
-        from mct.zero.state import param_slices
+        from mct.zero.state_io import param_slices
         self.path = checkpoint
         info = read_json(checkpoint / "engine.json")
         self.where: dict[str, tuple[dict[str, Any], int]] = {}
