@@ -23,6 +23,7 @@ from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded
+from mct.offload.snapshot import EngineSnapshot
 from mct.persistence.checkpoint import set_rng_state
 from mct.persistence.export import export_engine
 from mct.persistence.files import read_json
@@ -240,18 +241,15 @@ class Trainer(Feedback):
         self.checkpointer.save(self.engine, self.counters.step, self.header(), trusted=trusted)
 
     # ---- rollback snapshots ----
-    def capture(self) -> tuple[dict, dict]:
-        """The engine's and the loop's state for a rollback snapshot (under offload or at
-        stage 3 the engine's copy stays on disk, under a tag the good snapshot does not hold)."""
+    def capture(self) -> tuple[EngineSnapshot, dict]:
+        """The engine's and the loop's state for a rollback snapshot (the engine's copy
+        under a tag the good snapshot does not hold, where the engine keeps copies)."""
         good = self.rollback.good
-        handle = (good.engine.get("offload_snapshot") or good.engine.get("disk_snapshot")) if good is not None else None
-        held = handle.get("tag") if handle else None
-        tag = "snapshot1" if held == "snapshot0" else "snapshot0"
-        return self.engine.snapshot_state(tag), {"loop": self.counters.state_dict(),
-                                                 "detector": self.detector.state_dict()}
+        tag = "snapshot1" if good is not None and good.engine.tag == "snapshot0" else "snapshot0"
+        return self.engine.snapshot(tag), {"loop": self.counters.state_dict(), "detector": self.detector.state_dict()}
 
-    def restore(self, engine_sd: dict, loop_sd: dict) -> None:
-        self.engine.load_snapshot_state(engine_sd)
+    def restore(self, engine: EngineSnapshot, loop_sd: dict) -> None:
+        engine.restore()
         self.counters.load_state_dict(loop_sd["loop"])
         self.detector.load_state_dict(loop_sd["detector"])
 
