@@ -116,3 +116,18 @@ def _round_trip_at(rank: int, stage: int) -> bool:
 @pytest.mark.multirank
 def test_two_rank_round_trip_is_exact_at_stages_1_and_3():
     assert all(run_distributed(_two_rank_round_trip, 2))
+
+
+@pytest.mark.parametrize("sections", [{}, {"zero": {"stage": 3}}, {"offload": {"optimizer": "cpu"}}],
+                         ids=["memory", "stage3-disk", "offload-store"])
+def test_a_snapshot_object_restores_itself_wherever_its_copy_lives(sections, tmp_path):
+    e = _engine(**sections, **({} if "offload" in sections else {"offload": {"dir": str(tmp_path)}}))
+    e.train_step(batches(0, 0), gpt_loss)
+    snap = e.snapshot("snapshot0")
+    assert snap.tag == (None if not sections else "snapshot0")  # the store tag it occupies
+    want = e.train_step(batches(1, 0), gpt_loss)
+    e.train_step(batches(2, 0), gpt_loss)
+    snap.restore()
+    got = e.train_step(batches(1, 0), gpt_loss)
+    assert e.steps_done == 2 and (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+    e.close()

@@ -9,7 +9,7 @@ import torch
 
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
-from mct.offload.state import OffloadedState
+from mct.offload.runtime import OffloadedState
 from mct.persistence import shards
 from tests.helpers import adamw, batches, tiny_config
 

@@ -88,3 +88,14 @@ def cuda_oom_as_budget_error(tracker: MemoryTracker, phase: Callable[[], str]) -
     except torch.cuda.OutOfMemoryError as e:
         hint = tracker.suggestion() if tracker.suggestion is not None else ""
         raise MemoryBudgetExceeded(phase(), tracker.live(), tracker.budget_bytes or 0, hint) from e
+
+
+def step_reserve(factory: Callable, hyper: list[dict], groups: list[int], masters: list[torch.Tensor],
+                 units: list, param_dtype: torch.dtype) -> StepReserve:
+    """The headroom of an optimizer step over ``masters`` (what the step touches at once:
+    the master shards, or offload's chunks), plus the largest all-gather a publish of
+    persistent sharded ``units`` (flat units) needs in ``param_dtype``."""
+    first, later = optimizer_step_bytes(factory, hyper, groups, masters)
+    publish = max((u.master.numel() * param_dtype.itemsize for u in units if u.persistent and u.layout.world > 1),
+                  default=0)
+    return StepReserve(first, later, publish)

@@ -2,14 +2,19 @@
 shards kept in host memory or on disk between uses, streamed through a small pool of
 buffers for the optimizer step (see docs/stages.md, "offload").
 
+  residency.py  Residency: where a rank's training state lives, chosen once (Resident here)
+  offloaded.py  Offloaded: the residency over the offload runtime
   store.py   where records live: HostStore (pinned on CUDA), DiskStore (one file, preadv/pwritev)
   stream.py  ChunkStream: reusable buffer pool + one background I/O thread (+ CUDA side stream)
-  state.py   OffloadedState: what each unit keeps resident, the chunked optimizer step
+  runtime.py OffloadedState: the live offloaded state: what each unit keeps resident, the chunked step
+  torch_format.py  its optimizer state in torch's Optimizer.state_dict() format
+  persist.py its checkpoints, streamed; snapshot.py rollback snapshots that restore themselves
+  protocols.py  what torch_format.py and persist.py may use of the runtime
   meta_init.py  record a model's construction on the meta device; materialize it unit by unit
 """
 
 from mct.offload.meta_init import InitProgram, record_init
-from mct.offload.state import OffloadedState
+from mct.offload.runtime import OffloadedState
 from mct.offload.store import DiskStore, HostStore, make_store
 from mct.offload.stream import ChunkStream, Item
 

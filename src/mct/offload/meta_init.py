@@ -209,3 +209,17 @@ def probe_stand_ins(groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
             params.append(s)
         out.append({**g, "params": params})
     return out, real_of
+
+
+def place_model(model: nn.Module, device: torch.device, program: InitProgram | None) -> nn.Module:
+    """``model`` on ``device`` for the engine. Built normally: moved, but only what is
+    elsewhere (``Module.to`` re-wraps every tensor, which fake tensors, the planner's
+    dry runs, refuse once something holds a weakref to them). Built on meta
+    (``program``): what no flat unit packs (buffers, frozen parameters) is materialized
+    now; the units materialize the rest as they are packed."""
+    if program is None:
+        if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+            model.to(device)
+        return model
+    program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)], device)
+    return model

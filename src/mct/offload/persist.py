@@ -15,13 +15,14 @@ from typing import Any, Callable
 import torch
 
 from mct.dist import error_of
+from mct.offload.protocols import OffloadedUnits
 from mct.offload.store import UnitState, put_record
 from mct.offload.stream import Item
 
 STAGE = "load"
 
 
-def unit_pieces(offload: Any, i: int, n: int) -> list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]]:
+def unit_pieces(offload: OffloadedUnits, i: int, n: int) -> list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]]:
     """Unit ``i``'s state for a streamed save, without reading the store: (what,
     tensor, reader) for ``master`` and each ``optim/<name>`` (scalars first, as torch's
     optimizers order them). A stored piece is a meta-device placeholder of its first
@@ -45,7 +46,7 @@ def unit_pieces(offload: Any, i: int, n: int) -> list[tuple[str, torch.Tensor, C
     return out
 
 
-def stage_unit(offload: Any, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
+def stage_unit(offload: OffloadedUnits, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
     """Write unit ``i``'s loaded ``master`` and per-element ``optim/<name>`` pieces
     (``n`` elements each; the shard's padding becomes zeros) into staging records;
     the live state is untouched until ``commit_staged``."""
@@ -54,19 +55,19 @@ def stage_unit(offload: Any, i: int, pieces: dict[str, torch.Tensor], n: int) ->
         key = f"{STAGE}.u{i}.{what.removeprefix('optim/')}"
         if key in offload.store.records and offload.store.records[key].dtype != t.dtype:
             offload.store.release(key)  # a leftover of another dtype (a load that failed part-way)
-        offload._ensure(key, S, t.dtype)
+        offload.ensure_record(key, S, t.dtype)
         put_record(offload.store, key, t.detach().reshape(-1)[:n])
         if S > n:
             put_record(offload.store, key, torch.zeros(S - n, dtype=t.dtype), offset=n)
 
 
-def drop_staged(offload: Any) -> None:
+def drop_staged(offload: OffloadedUnits) -> None:
     """Release every staging record (after a commit, or a load that failed)."""
     for key in [k for k in offload.store.records if k.startswith(f"{STAGE}.")]:
         offload.store.release(key)
 
 
-def commit_staged(offload: Any, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
+def commit_staged(offload: OffloadedUnits, elementwise: list[dict[str, torch.dtype]], scalars: list[dict[str, Any]],
                   on_device: list[bool]) -> None:
     """Make the staged state live: each unit's staged records swap places with the live
     ones (a resident master is read back in), its optimizer state becomes
@@ -81,25 +82,25 @@ def commit_staged(offload: Any, elementwise: list[dict[str, torch.dtype]], scala
         else:
             store.swap(f"{STAGE}.u{i}.master", f"u{i}.master")
         for k, dt in elementwise[i].items():
-            offload._ensure(f"u{i}.{k}", u.layout.shard_numel, dt)
+            offload.ensure_record(f"u{i}.{k}", u.layout.shard_numel, dt)
             store.swap(f"{STAGE}.u{i}.{k}", f"u{i}.{k}")
         resident = {k: (v.to(offload.device) if on_device[i] else v.clone()) if isinstance(v, torch.Tensor) else v
                     for k, v in scalars[i].items()}
         offload.states[i] = UnitState(dict(elementwise[i]), resident) if elementwise[i] or scalars[i] else None
     drop_staged(offload)
     for i, u in enumerate(offload.units):
-        offload._refresh_params(i, u)
-    offload._publish()
+        offload.refresh_params(i, u)
+    offload.publish()
     offload.end_step()
     offload.report_offloaded()
 
 
-def streamed_pieces(offload: Any, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]],
+def streamed_pieces(offload: OffloadedUnits, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]],
                                                         dict[str, Callable[[], torch.Tensor]]]:
-    """``Engine.state_dict()``'s ``tensors`` and ``extents`` (see ``mct.zero.state``)
+    """``Engine.state_dict()``'s ``tensors`` and ``extents`` (see ``mct.zero.state_io``)
     for this rank, plus ``readers``: every stored piece is a meta placeholder whose
     reader reads it when it is written. Raises ValueError for non-tensor optimizer state."""
-    from mct.zero import state as zstate
+    from mct.zero import state_io as zstate
     offload.stream.drain()
     tensors: dict[str, torch.Tensor] = {}
     extents: dict[str, list[int]] = {}
@@ -119,14 +120,14 @@ def streamed_pieces(offload: Any, rank: int) -> tuple[dict[str, torch.Tensor], d
     return tensors, extents, readers
 
 
-def stage_units(offload: Any, group_of_unit: list[int], optimizer: torch.optim.Optimizer, rank: int,
+def stage_units(offload: OffloadedUnits, group_of_unit: list[int], optimizer: torch.optim.Optimizer, rank: int,
                 read_units: Callable[[list[int]], tuple[dict, dict]],
                 agree: Callable[[str | None], None]) -> tuple[list, list, list]:
-    """Read (``read_units([i])``), check (``mct.zero.state.check_units``; ``agree``
+    """Read (``read_units([i])``), check (``mct.zero.state_io.check_units``; ``agree``
     raises any rank's fault on every rank) and stage each unit in turn: one unit in memory. Returns what ``commit_staged`` takes: per unit the
     per-element state's dtypes, the scalars, and whether its group keeps them on the
     device. Raises ValueError (every staging record dropped, the live state untouched)."""
-    from mct.zero import state as zstate
+    from mct.zero import state_io as zstate
     elementwise, scalars, on_device = [], [], []
     try:
         for i, (u, g) in enumerate(zip(offload.units, group_of_unit)):

@@ -2,9 +2,12 @@
 
 Named apart from ``mct.checkpointing`` (activation recompute). The engine's state
 comes from ``Engine.state_dict()`` and goes back through ``Engine.load_state_dict()``;
-this package only does file I/O around them, and imports nothing of the engine
-(``Checkpointable`` is the protocol it needs), so ``Engine.save``/``load`` can call it.
+this package does the file I/O around them and imports nothing of the engine
+(``Checkpointable`` and ``StateOwner`` are the protocols it needs), so ``Engine.save``/
+``load`` and the engine's state API can call it.
 
+    engine_state.py  the engine's state dict (``mct.engine/1``): header, validation, loads
+                   through its residency; full-state reads (no file I/O)
     checkpoint.py  one checkpoint directory: save, verify, load (DCP + JSON + manifest)
     shards.py      the DCP layer: 1-D element-range pieces as DTensors, safe metadata reads
     files.py       durable writes (temp, fsync, rename, dir fsync), checked JSON reads, digests

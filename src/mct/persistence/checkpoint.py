@@ -1,7 +1,7 @@
 """One checkpoint directory: write it, check it, load an engine from it.
 
     <checkpoint>/engine/__<rank>_0.distcp, engine/.metadata   DCP: masters, optimizer state,
-                                                              frozen parameters (mct.zero.state keys)
+                                                              frozen parameters (mct.zero.state_io keys)
     <checkpoint>/engine.json    rank 0: steps_done, loss scaler, optimizer hyperparameters,
                                 unit layouts, and which tensors are per-element
     <checkpoint>/trainer.json   rank 0: the trainer's state (step, data position, counters,

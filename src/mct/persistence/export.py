@@ -24,7 +24,7 @@ from mct.persistence.checkpoint import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.run_dir import LOCK_FILE, newest_usable
 from mct.persistence.safetensors_out import SafetensorsWriter
-from mct.zero.state import param_slices
+from mct.zero.state_io import param_slices
 
 
 def pick_checkpoint(source: str | Path) -> tuple[Path, str | None]:

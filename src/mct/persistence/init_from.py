@@ -30,7 +30,7 @@ from mct.persistence import shards
 from mct.persistence.checkpoint import FROZEN, MANIFEST
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.files import read_json
-from mct.zero.state import param_slices
+from mct.zero.state_io import param_slices
 
 from mct.errors import user_error
 

@@ -1,6 +1,6 @@
 """Sharded tensors on disk through torch.distributed.checkpoint (DCP).
 
-Each 1-D piece a rank holds (see ``mct.zero.state``: an element range of a unit's
+Each 1-D piece a rank holds (see ``mct.zero.state_io``: an element range of a unit's
 global flat tensor) is handed to DCP as a ``DTensor`` sharded on dim 0, so DCP records
 every rank's chunk and can load any element range into any other sharding: N -> M ranks
 and stage -> stage need no conversion step. Replicated tensors (stage 0, scalars) are

@@ -117,7 +117,7 @@ class FaultPlan:
         if not hits or skipped:
             return False
         self.fired.update(hits)
-        with torch.no_grad(), engine._masters_resident(write_back=True):  # offloaded masters read back
+        with torch.no_grad(), engine.residency.masters_resident(write_back=True):  # offloaded masters read back
             for m in engine.sharded.masters():
                 for f in hits:
                     m.mul_(f.factor)

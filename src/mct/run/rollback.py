@@ -24,16 +24,14 @@ divergence stops training (exit 3) with one line.
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from mct.config import Name, TrainConfig
+from mct.offload.snapshot import EngineSnapshot, cpu_copy  # cpu_copy: re-exported
 
 MIN_HISTORY = 5
 """Good steps needed before the spike detectors judge (the median of fewer is noise)."""
@@ -126,24 +124,12 @@ class DivergenceDetector:
         self.consecutive_skips = int(sd["consecutive_skips"])
 
 
-def cpu_copy(obj: Any) -> Any:
-    """Deep copy with every tensor cloned to CPU (a snapshot that the next steps cannot
-    modify in place)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 @dataclass
 class Snapshot:
     step: int
     """The loop step that starts from this state."""
-    engine: dict[str, Any]
-    """``Engine.state_dict()`` copied to CPU."""
+    engine: EngineSnapshot
+    """The engine's copy (``Engine.snapshot``), restored by its own ``restore()``."""
     loop: dict[str, Any]
     """The loop's own state (optimizer steps, counters, detector statistics)."""
 
@@ -168,7 +154,7 @@ class RollbackController:
     total: int = 0
     per_window: dict[int, int] = field(default_factory=dict)
 
-    def maybe_snapshot(self, step: int, capture: Callable[[], tuple[dict, dict]]) -> None:
+    def maybe_snapshot(self, step: int, capture: Callable[[], tuple[EngineSnapshot, dict]]) -> None:
         """At the start of ``step``: take a pending snapshot when due (step 0, then
         every ``snapshot_every``); it becomes the rollback target once a step from it
         applies an update and passes (``passed``)."""
@@ -176,8 +162,8 @@ class RollbackController:
         due = bool(every) and (self.good is None or step % every == 0)
         if due and (self.good is None or self.good.step != step) and \
                 (self.pending is None or self.pending.step != step):
-            engine_sd, loop_sd = capture()
-            self.pending = Snapshot(step, cpu_copy(engine_sd), cpu_copy(loop_sd))
+            engine, loop_sd = capture()
+            self.pending = Snapshot(step, engine, cpu_copy(loop_sd))  # the engine's is a copy already
 
     def passed(self, step: int, updated: bool) -> None:
         """``step`` passed detection; ``updated``: it applied an update (a skipped step

@@ -4,7 +4,7 @@ one-call form every rank's process runs (launched by torchrun or ``mct train --n
 
 The loop only calls components in order; each decides for itself (``should_*``) and
 owns its state. The feedback paths (rollback, budget fallback, stop on a signal) live
-in ``feedback.py``. Rank 0 prints and writes ``metrics.jsonl``. With ``resume=True`` the
+in ``recovery.py``. Rank 0 prints and writes ``metrics.jsonl``. With ``resume=True`` the
 run in ``run_dir`` continues from its newest usable checkpoint (``mct.persistence``).
 """
 
@@ -23,7 +23,7 @@ from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded
-from mct.persistence.checkpoint import set_rng_state
+from mct.persistence.checkpoint import load_engine_state, set_rng_state
 from mct.persistence.export import export_engine
 from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
@@ -37,7 +37,7 @@ from mct.reporting.report import TrainSummary
 from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
-from mct.run.feedback import Feedback
+from mct.run.recovery import Recovery, StepOutcome
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
@@ -48,7 +48,7 @@ from mct.task import Task, build_model as build_task_model, builds_on_meta, chec
 from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
 
-class Trainer(Feedback):
+class Trainer:
     """One rank's run. Stateful: ``state_dict()`` is ``{key: component.state_dict()}``
     of the components below, what a run checkpoint saves and a resume restores.
 
@@ -109,6 +109,9 @@ class Trainer(Feedback):
                 note = copy_hf_assets(self.task.hf_dir, self.run_dir / "hf", tokenizer=trained_with)
                 if note:
                     print(f"mct: warning: {note}", file=sys.stderr)
+        self.recovery = Recovery(self, ctx=ctx, run_dir=self.run_dir, counters=self.counters, data=self.data,
+                                 schedule=self.schedule, detector=self.detector, rollback=self.rollback,
+                                 budget=self.budget, checkpointer=self.checkpointer, writer=self.writer, stop=self.stop)
 
     # ---- Stateful ----
     def stateful(self) -> dict[str, Any]:
@@ -137,6 +140,22 @@ class Trainer(Feedback):
         optimizer = task.optimizer or make_optimizer(cfg)
         groups = task.param_groups(model) if task.param_groups else None
         return Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)
+
+    def replace_engine(self, cfg: EngineConfig, state_from: Path | None) -> None:
+        """Swap the run's engine for one built for ``cfg`` (the budget fallback's one
+        door). Call between steps only, on every rank (collective). The old engine is
+        closed (offload files, I/O thread) and dropped before the new one allocates;
+        the new one loads the engine state of the checkpoint directory ``state_from``
+        when given (resharded to the new layout), else keeps its fresh initialization.
+        Afterwards ``engine`` and ``cfg`` are the new ones; the loop's components are
+        untouched, and in-memory rollback snapshots of the old engine must not be
+        restored into it (the caller drops them)."""
+        self.engine.close()
+        self.engine = None  # type: ignore[assignment]  # free the old engine before the new one allocates
+        engine = self.build_engine(cfg)
+        if state_from is not None:
+            load_engine_state(engine, state_from)
+        self.engine, self.cfg = engine, cfg
 
     def _metadata_extra(self) -> dict[str, Any]:
         return {"corpus": self.corpus.metadata(),
@@ -167,22 +186,21 @@ class Trainer(Feedback):
         self.bar = Progress(self.progress_enabled, tcfg.steps, c.step)
         first, loss, t_start = c.step, float("nan"), time.perf_counter()
         while c.step < tcfg.steps:
-            step, t0 = c.step, time.perf_counter()
-            out, verdict, lr, t_data = self._step(step)
-            code, signum = worst_verdict(verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
+            outcome = self._step(c.step)
+            code, signum = worst_verdict(outcome.verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
             agreed = list(Verdict)[code]
-            if agreed is not verdict:
+            if agreed is not outcome.verdict:
                 self.detector.detail = f"{agreed.value} on another rank"
             if agreed is Verdict.BUDGET:
-                self.budget_fallback(step)
+                self.recovery.budget_fallback(outcome.step)
             elif agreed is not Verdict.PASSED:
-                self.roll_back(step, agreed)
+                self.recovery.roll_back(outcome.step, agreed)
                 self.bar.jump(c.step)
             else:
-                loss = out.loss
-                self._passed(step, out, lr, t_data, time.perf_counter() - t0)
+                loss = outcome.result.loss
+                self._passed(outcome)
             if signum:
-                self.preempt(signum)
+                self.recovery.preempt(signum, self.bar)
         self.bar.close()
         if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
             self.save_checkpoint()
@@ -192,11 +210,10 @@ class Trainer(Feedback):
                             tokens_per_s=self.log.tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
                             skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir))
 
-    def _step(self, step: int) -> tuple[Any, Verdict, float, float]:
-        """One training step with the faults of ``MCT_FAULT``: (StepResult or None, its
-        verdict, lr, data time)."""
-        rank = self.ctx.rank
-        self.rollback.maybe_snapshot(step, self.capture)
+    def _step(self, step: int) -> StepOutcome:
+        """One training step with the faults of ``MCT_FAULT``."""
+        rank, started = self.ctx.rank, time.perf_counter()
+        self.rollback.maybe_snapshot(step, self.recovery.capture)
         self.faults.before_step(step, rank)
         t0 = time.perf_counter()
         lr = self.schedule.lr(self.counters.opt_step)
@@ -208,18 +225,21 @@ class Trainer(Feedback):
             out = self.engine.train_step(batches, self.faults.wrap_loss(self.loss_fn, step, rank))
         except LossScaleFloorError as e:
             self.detector.detail = str(e).split(";")[0]
-            return None, Verdict.SCALE_FLOOR, lr, t_data
+            return StepOutcome(step, None, Verdict.SCALE_FLOOR, lr, t_data, started)
         except MemoryBudgetExceeded as e:
             if self.budget is None:
                 raise
             self.detector.detail = str(e)
-            return None, Verdict.BUDGET, lr, t_data
+            return StepOutcome(step, None, Verdict.BUDGET, lr, t_data, started)
         self.faults.after_update(step, self.engine, out.skipped)
-        return out, self.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data
+        return StepOutcome(step, out, self.detector.observe(out.loss, out.grad_norm, out.skipped), lr, t_data, started)
 
-    def _passed(self, step: int, out: Any, lr: float, t_data: float, step_time: float) -> None:
+    def _passed(self, outcome: StepOutcome) -> None:
         """A step every rank judged passed: count it, trust what it confirms, then let
         validation, metrics and the checkpointer each decide whether to act."""
+        step_time = time.perf_counter() - outcome.started
+        step, out, lr, t_data = outcome.step, outcome.result, outcome.lr, outcome.t_data
+        assert out is not None, "a passed step has a result"
         c, last, updated = self.counters, step == self.cfg.train.steps - 1, not out.skipped
         self.rollback.passed(step, updated)
         if updated:
@@ -242,22 +262,6 @@ class Trainer(Feedback):
     def save_checkpoint(self, trusted: bool = False) -> None:
         """The checkpoint of ``counters.step`` completed steps (collective)."""
         self.checkpointer.save(self.engine, self.counters.step, self.header(), trusted=trusted)
-
-    # ---- rollback snapshots ----
-    def capture(self) -> tuple[dict, dict]:
-        """The engine's and the loop's state for a rollback snapshot (under offload or at
-        stage 3 the engine's copy stays on disk, under a tag the good snapshot does not hold)."""
-        good = self.rollback.good
-        handle = (good.engine.get("offload_snapshot") or good.engine.get("disk_snapshot")) if good is not None else None
-        held = handle.get("tag") if handle else None
-        tag = "snapshot1" if held == "snapshot0" else "snapshot0"
-        return self.engine.snapshot_state(tag), {"loop": self.counters.state_dict(),
-                                                 "detector": self.detector.state_dict()}
-
-    def restore(self, engine_sd: dict, loop_sd: dict) -> None:
-        self.engine.load_snapshot_state(engine_sd)
-        self.counters.load_state_dict(loop_sd["loop"])
-        self.detector.load_state_dict(loop_sd["detector"])
 
     # ---- resume ----
     def _resume(self) -> None:

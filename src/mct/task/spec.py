@@ -12,7 +12,9 @@ import torch.nn as nn
 
 ModelFn = Callable[[], nn.Module]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+"""(model, micro-batch) -> scalar loss tensor."""
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+"""Called with param groups (dicts with "params"), returns the optimizer over them."""
 ParamGroupsFn = Callable[[nn.Module], list]
 
 

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from mct.offload.protocols import OffloadedUnits
 from mct.offload.store import UnitState, put_record
-from mct.zero.state import master_index
+from mct.zero.state_io import master_index
 
 
-def optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(offload: OffloadedUnits, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What ``optimizer.state_dict()`` returns in an engine without offload: state
     tensors of full shard size (read from the store) under each master's index, so
     checkpoints move freely between offloaded and resident engines."""
@@ -33,7 +34,7 @@ def optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer) -> dict
     return sd
 
 
-def load_optimizer_state_dict(offload: Any, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+def load_optimizer_state_dict(offload: OffloadedUnits, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """The inverse of ``optimizer_state_dict``: hyperparameters go to ``optimizer``,
     state tensors of the shard's size to the store, the rest stays resident.
     Raises ValueError for a state tensor of the wrong size or dtype."""

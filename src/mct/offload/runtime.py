@@ -31,18 +31,21 @@ gradient chunk once, averages, clips and steps it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import OffloadConfig
 from mct.offload import persist
-from mct.offload.state_dict import load_optimizer_state_dict, optimizer_state_dict
+from mct.offload.torch_format import load_optimizer_state_dict, optimizer_state_dict
 from mct.offload.store import Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
+
+if TYPE_CHECKING:
+    from mct.memory.tracker import MemoryTracker
 
 ALIGN = 64
 """Chunk sizes are multiples of 64 elements, so chunk boundaries fall on vector-width
@@ -54,7 +57,8 @@ class OffloadedState:
     ``inv_divisor()`` is the factor that turns reduced gradient sums into the mean
     (1 / (world * loss scale)). Raises ValueError for a bad offload.dir."""
 
-    def __init__(self, cfg: OffloadConfig, *, stage: int, comm: Comm, device: torch.device, tracker: Any,
+    def __init__(self, cfg: OffloadConfig, *, stage: int, comm: Comm, device: torch.device,
+                 tracker: MemoryTracker,
                  inv_divisor: Callable[[], float]) -> None:
         self.units: list[FlatParamUnit] = []
         self.cfg, self.stage, self.comm = cfg, stage, comm
@@ -186,7 +190,7 @@ class OffloadedState:
             return self._step_chunk(chunk, slot, optimizer, group_of_unit[chunk[0]], inv, clip_coef)
         self._post_scalars = {}
         self.stream.run(chunks, self._reads, compute)
-        self._publish()
+        self.publish()
         self.report_offloaded()
 
     def _reads(self, chunk: tuple[int, int, int]) -> list[Item]:
@@ -249,7 +253,7 @@ class OffloadedState:
                            if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() > 0}
             if a == 0:  # (records may exist already: a state restored from before the first step)
                 for k, dt in elementwise.items():
-                    self._ensure(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
+                    self.ensure_record(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
         else:
             elementwise = state.elementwise
         scalars = {k: v for k, v in post.items() if k not in elementwise}
@@ -284,7 +288,7 @@ class OffloadedState:
                 return [(Item("param", self.param_store, f"u{i}.param", a, b), p)]
         return []
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Stages 1/2 (and persistent stage-3 units): every rank's updated slice of the
         working buffer to every rank, as ``FlatParamUnit.publish_master`` does."""
         for u in self.units:
@@ -362,7 +366,7 @@ class OffloadedState:
             for name in names:
                 src = f"u{i}.{name}"
                 if name == "master" and u.master_is_view:
-                    self._ensure(f"{tag}.{src}", u.layout.shard_numel, torch.float32)
+                    self.ensure_record(f"{tag}.{src}", u.layout.shard_numel, torch.float32)
                     put_record(self.store, f"{tag}.{src}", u.master)
                 else:
                     self._copy_record(src, f"{tag}.{src}")
@@ -388,31 +392,31 @@ class OffloadedState:
                 self.states[i] = None
                 continue
             for name, dt in saved["elementwise"].items():
-                self._ensure(f"u{i}.{name}", u.layout.shard_numel, dt)
+                self.ensure_record(f"u{i}.{name}", u.layout.shard_numel, dt)
                 self._copy_record(f"{tag}.u{i}.{name}", f"u{i}.{name}")
             self.states[i] = UnitState(dict(saved["elementwise"]),
                                        {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                         for k, v in saved["scalars"].items()})
         for i, u in enumerate(self.units):
-            self._refresh_params(i, u)
-        self._publish()
+            self.refresh_params(i, u)
+        self.publish()
         self.end_step()
 
-    def _ensure(self, key: str, numel: int, dtype: torch.dtype) -> None:
+    def ensure_record(self, key: str, numel: int, dtype: torch.dtype) -> None:
         if key not in self.store.records:
             self.store.allocate(key, numel, dtype)
 
     def _copy_record(self, src: str, dst: str) -> None:
         """Store record ``src`` -> ``dst`` (allocated alike if new), a chunk at a time."""
         rec = self.store.records[src]
-        self._ensure(dst, rec.numel, rec.dtype)
+        self.ensure_record(dst, rec.numel, rec.dtype)
         for a in range(0, rec.numel, self.chunk_numel):
             b = min(a + self.chunk_numel, rec.numel)
             buf = self.stream.buffer(0, "copy", rec.dtype, b - a)
             self.stream.fetch(Item("copy", self.store, src, a, b), buf)
             self.store.write(dst, a, buf.to("cpu") if buf.device.type != "cpu" else buf)
 
-    def _refresh_params(self, i: int, u: FlatParamUnit) -> None:
+    def refresh_params(self, i: int, u: FlatParamUnit) -> None:
         """The low-precision copies of unit ``i``'s master (working slice or stage-3
         parameter shard), from the stored master, a chunk at a time."""
         if u.master_is_view:
@@ -426,7 +430,7 @@ class OffloadedState:
                 self.stream.write(0, [(item, t)])
                 self.stream.drain()
 
-    # ---- optimizer state in torch's format (checkpoints: see state_dict.py) ----
+    # ---- optimizer state in torch's format (checkpoints: see torch_format.py) ----
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer_state_dict(self, optimizer)
 
