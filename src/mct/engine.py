@@ -94,7 +94,9 @@ class Engine:
 
         # 1. checkpointing (a model transformation; parameter names do not change)
         self.recompute = apply_checkpointing(model, cfg.checkpointing,
-                                             recompute_context=lambda: self.tracker.category("activations"))
+                                             recompute_context=lambda: self.tracker.category("activations"),
+                                             device=self.device, offload_dir=cfg.offload.dir,
+                                             name=f"rank{self.ctx.rank}", report=self._report_parked)
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = self._discover_groups(optimizer, param_groups)
         self._check_ranks_agree()
@@ -416,10 +418,14 @@ class Engine:
     def close(self) -> None:
         """Release what outlives a step: offload files and the I/O thread (also done
         when the engine is garbage collected). The engine is unusable afterwards."""
+        self.recompute.close()
         if self.offload is not None:
             self.offload.close()
         if self._snapshots is not None:
             self._snapshots.close()
+
+    def _report_parked(self, tier: str, nbytes: int) -> None:
+        self.tracker.set_offloaded(tier, nbytes, source="activations")
 
     def _masters_resident(self, write_back: bool):
         """Offloaded masters read back for the duration (a no-op without offload)."""
