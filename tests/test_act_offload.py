@@ -49,10 +49,12 @@ def _train(rank: int, cfg: EngineConfig, steps: int, n_micro: int = 1) -> dict:
         losses.append(out.loss)
         metrics.append({k: v for k, v in out.metrics.items() if k.startswith(("act_", "peaks"))})
     state = {n: t.numpy() for n, t in engine.full_state_dict().items()}
-    left = _files_under(cfg.offload.dir)
+    off = engine.recompute.offload
+    folder = off.store.dir if off is not None and off.store is not None else None
+    left = _files_under(folder) if folder else []
     engine.close()
     return {"losses": losses, "state": state, "metrics": metrics, "files_between_steps": left,
-            "files_after_close": _files_under(cfg.offload.dir)}
+            "folder_after_close": folder is not None and os.path.exists(folder)}
 
 
 def _files_under(root: str) -> list[str]:
@@ -64,11 +66,12 @@ def _two_rank_runs(rank: int, world: int, root: str) -> dict:
     for stage in (0, 3):
         for policy in ("all", "sqrt"):
             for off in ("none", "disk"):
-                cfg = _cfg(policy, off, os.path.join(root, f"r{rank}"), zero={"stage": stage})
-                out[(stage, policy, off)] = _train(rank, cfg, STEPS, n_micro=2)
+                cfg = _cfg(policy, off, root, zero={"stage": stage})
+                out[(stage, policy, off)] = _train(rank, cfg, STEPS)
     return out
 
 
+@pytest.mark.timeout(1500)
 def test_disk_offload_trains_bit_identically_for_20_steps_stages_0_and_3_on_two_ranks(tmp_path):
     ranks = run_distributed(_two_rank_runs, 2, str(tmp_path), timeout=1200.0)
     for rank, runs in enumerate(ranks):
@@ -82,9 +85,9 @@ def test_disk_offload_trains_bit_identically_for_20_steps_stages_0_and_3_on_two_
                 # the inputs really went to disk (4 blocks: 'all' parks 3 per micro-batch,
                 # sqrt's 2 regions of 2 park 1), and nothing outlived the step or the run
                 parked = [m["act_offload_count"] for m in got["metrics"]]
-                assert parked == [2 * (3 if policy == "all" else 1)] * STEPS, (label, parked)
-                assert got["files_between_steps"] == [] and got["files_after_close"] == [], label
-    assert not os.listdir(tmp_path / "r0") and not os.listdir(tmp_path / "r1")  # private folders removed
+                assert parked == [3 if policy == "all" else 1] * STEPS, (label, parked)
+                assert got["files_between_steps"] == [] and not got["folder_after_close"], label
+    assert not os.listdir(tmp_path)  # both ranks' private folders removed
 
 
 def test_32_blocks_backward_holds_two_region_inputs_plus_one_block_recompute(tmp_path):
@@ -212,3 +215,57 @@ def test_cuda_offload_trains_bit_identically_and_frees_device_bytes(tmp_path, ti
         assert torch.equal(got[name], ref[name]), name
     assert m_got["act_offload_count"] == 7
     assert m_got["peaks"]["backward"]["activations"] < m_ref["peaks"]["backward"]["activations"]
+
+
+def _gpt_work(n_layer: int):
+    from mct.task import gpt_task
+    cfg = EngineConfig.from_dict({"model": {"n_layer": n_layer, "d_model": 16, "n_head": 2, "vocab_size": 101,
+                                            "seq_len": 13}, "data": {"micro_batch_size": 3}})
+    return gpt_task(cfg), cfg
+
+
+@pytest.mark.timeout(900)
+def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
+    from mct.planner.plan import make_plan
+    work, cfg = _gpt_work(8)
+    kw = {"stages": (0,), "policies": ("none", "all"), "precisions": ("fp32",),
+          "act_offloads": ("none", "disk")}
+    ext = make_plan(work, cfg, 1, None, **kw, extrapolate=True, advise=False)
+    full = make_plan(work, cfg, 1, None, **kw, extrapolate=False, advise=False)
+    keys = [(r["stage"], r["policy"], r["act_offload"]) for r in full.rows]
+    # policy 'none' checkpoints nothing, so it plans no activation offload
+    assert sorted(keys) == sorted((s, p, a) for s in (0,) for p in ("none", "all")
+                                  for a in ("none", "disk") if p != "none" or a == "none")
+    assert [(r["peak"], r["phases"]) for r in ext.rows] == [(r["peak"], r["phases"]) for r in full.rows]
+    by = {(r["stage"], r["policy"], r["act_offload"]): r for r in full.rows}
+    on, off = by[(0, "all", "disk")], by[(0, "all", "none")]
+    assert on["phases"]["forward"] < off["phases"]["forward"] and on["peak"] < off["peak"], (on, off)
+    assert on["cost"] > off["cost"]
+
+
+def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
+    from mct.planner.plan import make_plan, resolve_auto
+    work, base = _gpt_work(21)
+    grid = {"stages": (0,), "policies": ("all",), "precisions": ("fp32",)}
+    rows = {r["act_offload"]: r for r in make_plan(work, base, 1, None, **grid, act_offloads=("none", "disk"),
+                                                    advise=False).rows}
+    budget = (rows["none"]["peak"] + rows["disk"]["peak"]) // 2
+    assert rows["disk"]["peak"] < budget < rows["none"]["peak"]
+    cfg = EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}, "checkpointing": {"policy": "auto"},
+                                  "memory": {"budget": str(budget)}})
+    resolved, choice = resolve_auto(cfg, 1, work)
+    assert resolved.checkpointing.offload == "disk" and choice["checkpointing.offload"] == "disk"
+    assert choice["predicted_peak_bytes"] <= budget
+
+
+def test_mct_plan_act_offloads_flag(capsys):
+    from mct.cli import main
+    args = ["plan", "--set", "model.n_layer=4", "--set", "model.d_model=16", "--set", "model.n_head=2",
+            "--set", "model.seq_len=16", "--stages", "0", "--policies", "none,all", "--precisions", "fp32",
+            "--act-offloads", "none,disk"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()[2:-1]]
+    assert sorted((r[1], r[4]) for r in lines) == [("all", "disk"), ("all", "none"), ("none", "none")], out
+    assert main(args[:-1] + ["none,tape"]) == 2
+    assert "--act-offloads 'none,tape'" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
          world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
          precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
-         workers: int | None = None) -> Plan:
+         workers: int | None = None, act_offloads: tuple | None = None) -> Plan:
     """Every ZeRO stage x checkpointing policy x precision (x offload label: 'none',
     'optimizer=cpu|disk', 'optimizer+params=cpu|disk'; default the config's own) of the
     grid dry-run for this model on ``world_size`` ranks (other keys as in ``config``), as plain data: the rows
@@ -59,10 +59,13 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
     repeated blocks are dry-run at two small depths and extended (exact where they
     repeat; ``mct.planner.depth``); False: every configuration at full depth.
     ``workers``: processes for a long grid's dry runs (``mct.planner.pool``; None: one
-    per usable core, at most 8; 1: all in this process); the rows are the same. Raises
+    per usable core, at most 8; 1: all in this process); the rows are the same.
+    ``act_offloads``: checkpointing.offload tiers to plan ('none', 'cpu', 'disk'; default
+    the config's own; each row's ``act_offload``). Raises
     ValueError as ``predict_peak``, or for a bad budget or worker count."""
     cfg = _config(config)
     limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
     work = Workload(model_fn, loss_fn, batch, optimizer, param_groups)
     return make_plan(work, cfg, world_size, limit, stages=stages, policies=policies, precisions=precisions,
-                     offloads=offloads, extrapolate=extrapolate, workers=plan_workers(workers))
+                     offloads=offloads, extrapolate=extrapolate, workers=plan_workers(workers),
+                     act_offloads=act_offloads)
