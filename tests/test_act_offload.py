@@ -243,9 +243,10 @@ def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
     assert on["cost"] > off["cost"]
 
 
+@pytest.mark.timeout(900)
 def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
     from mct.planner.plan import make_plan, resolve_auto
-    work, base = _gpt_work(21)
+    work, base = _gpt_work(8)
     grid = {"stages": (0,), "policies": ("all",), "precisions": ("fp32",)}
     rows = {r["act_offload"]: r for r in make_plan(work, base, 1, None, **grid, act_offloads=("none", "disk"),
                                                     advise=False).rows}
@@ -258,6 +259,7 @@ def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
     assert choice["predicted_peak_bytes"] <= budget
 
 
+@pytest.mark.timeout(900)
 def test_mct_plan_act_offloads_flag(capsys):
     from mct.cli import main
     args = ["plan", "--set", "model.n_layer=4", "--set", "model.d_model=16", "--set", "model.n_head=2",

@@ -217,9 +217,11 @@ class ActivationOffload:
             if self._unsettled is p:
                 self._unsettled = None
             p.host = None
-            if p.path is not None and p.write is not None:
-                path, store = p.path, self.store
-                self._worker.submit(lambda: store.discard(path))  # after its write, in order
+            if p.write is not None:  # let the write end here: the I/O thread must not drop the last reference
+                self.wait_s += p.write.wait()
+                p.write = None
+            if p.path is not None and self.store is not None:
+                self.store.discard(p.path)
             return t
         if p.back is None:
             self._prefetch(p)
