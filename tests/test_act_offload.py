@@ -90,6 +90,16 @@ def test_disk_offload_trains_bit_identically_for_20_steps_stages_0_and_3_on_two_
     assert not os.listdir(tmp_path)  # both ranks' private folders removed
 
 
+@pytest.mark.parametrize("policy", ["selective", "every_k"])
+def test_every_other_policy_trains_bit_identically_with_disk_offload(tmp_path, policy):
+    ref = _train(0, _cfg(policy, "none", str(tmp_path)), 3, n_micro=2)
+    got = _train(0, _cfg(policy, "disk", str(tmp_path)), 3, n_micro=2)
+    assert got["losses"] == ref["losses"]
+    for name in ref["state"]:
+        assert (got["state"][name] == ref["state"][name]).all(), name
+    assert got["metrics"][-1]["act_offload_count"] == 2 * (3 if policy == "selective" else 1)
+
+
 def test_32_blocks_backward_holds_two_region_inputs_plus_one_block_recompute(tmp_path):
     """'all' on a 32-block GPT: without offload the backward peak holds all 32 block
     inputs U plus R (one block's recompute and gradients, the head); with 'disk' it holds

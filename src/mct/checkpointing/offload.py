@@ -21,19 +21,33 @@ the compute memory is host memory, so ``cpu`` is refused with a one-line error.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils.checkpoint import _CachedTorchDispatchMode
 
 from mct.checkpointing.act_store import ActivationStore
 
 ReportFn = Callable[[str, int], None]
+
+
+@contextlib.contextmanager
+def _outside_selective_cache() -> Iterator[None]:
+    """Leave selective checkpointing's replay cache (a dispatch mode that refuses any op
+    its forward did not run) for the duration; modes below it, such as the memory
+    tracker's, stay on."""
+    with contextlib.ExitStack() as stack:
+        while isinstance(_get_current_dispatch_mode(), _CachedTorchDispatchMode):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 class _Job:
@@ -200,6 +214,10 @@ class ActivationOffload:
     def restore(self, p: Parked) -> torch.Tensor:
         """``p``'s tensor on the compute device (exact bytes, its requires_grad), and the
         read of the input parked just before it started. Call inside the replay."""
+        with _outside_selective_cache():
+            return self._restore(p)
+
+    def _restore(self, p: Parked) -> torch.Tensor:
         idx = next((i for i, q in enumerate(self._pending) if q is p), None)
         if idx is None:
             raise RuntimeError("checkpointing.offload: a region's input was already brought back this step "
