@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
     pl.add_argument("--offloads", default=None, help="offload choices to plan, comma-separated: none, optimizer=cpu|disk, "
                     "optimizer+params=cpu|disk (default: the config's own offload setting)")
+    pl.add_argument("--act-offloads", default=None, help="activation offload tiers to plan (checkpointing.offload), "
+                    "comma-separated: none, cpu, disk (default: the config's own)")
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
@@ -420,6 +422,13 @@ def _plan_grid(args: argparse.Namespace) -> "Grid":
             except ValueError as e:
                 raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
         grid["offloads"] = labels
+    if args.act_offloads is not None:
+        tiers = tuple(v.strip() for v in args.act_offloads.split(",") if v.strip())
+        bad = [t for t in tiers if t not in ("none", "cpu", "disk")]
+        if bad or not tiers:
+            raise ValueError(f"--act-offloads {args.act_offloads!r}: {bad or 'nothing'} is not allowed; "
+                             f"choose from none,cpu,disk")
+        grid["act_offloads"] = tiers
     return Grid(**grid)
 
 
@@ -428,12 +437,13 @@ def format_plan(plan) -> str:
     category at that peak, the phase it is in, first-step and init peaks, fits, cost),
     the recommended row marked '*', then the advice line."""
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "peak", *CATEGORIES, "at", "first", "init", "host", "disk",
-            "fits", "cost"]
+    cols = ["stage", "policy", "prec", "offload", "act", "peak", *CATEGORIES, "at", "first", "init", "host",
+            "disk", "fits", "cost"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
-        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], format_bytes(r["peak"]),
+        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], r.get("act_offload", "none"),
+                      format_bytes(r["peak"]),
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),

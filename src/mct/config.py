@@ -287,11 +287,20 @@ class CheckpointingConfig:
     """Module class names that are blocks; [] = children of the longest nn.ModuleList."""
     verify: bool = False
     """First step: compare every recomputed block output with the forward one, by value."""
+    offload: str = "none"
+    """Where each checkpoint region's input waits for backward: 'none' (on the compute device),
+    'cpu' (pinned host memory; CUDA only) or 'disk' (files under offload.dir). Same numerics."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             _fail("checkpointing.policy", self.policy, f"choose one of {', '.join(POLICIES)}")
         _check_range("checkpointing.k", self.k, 1)
+        if self.offload not in OFFLOAD_TIERS:
+            _fail("checkpointing.offload", self.offload, "choose 'none', 'cpu' or 'disk'")
+        if self.offload != "none" and self.policy == "none":
+            _fail("checkpointing.offload", self.offload,
+                  "moves the inputs of checkpoint regions, and checkpointing.policy = 'none' makes none: "
+                  "choose a policy (e.g. 'all' or 'sqrt') or checkpointing.offload = 'none'")
 
 
 @dataclass(kw_only=True)

@@ -89,7 +89,9 @@ class Engine:
 
         # 1. checkpointing (a model transformation; parameter names do not change)
         self.recompute = apply_checkpointing(model, cfg.checkpointing,
-                                             recompute_context=lambda: self.tracker.category("activations"))
+                                             recompute_context=lambda: self.tracker.category("activations"),
+                                             device=self.device, offload_dir=cfg.offload.dir,
+                                             name=f"rank{self.ctx.rank}", report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",
@@ -337,7 +339,8 @@ class Engine:
         load_engine(self, path)
 
     def close(self) -> None:
-        """Release offload files and the I/O thread (also on garbage collection); final."""
+        """Release offload files and the I/O threads (also on garbage collection); final."""
+        self.recompute.close()
         self.residency.close()
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, ContextManager
 import torch.nn as nn
 
 from mct.checkpointing.blocks import find_blocks
+from mct.checkpointing.offload import ActivationOffload, ReportFn
 from mct.checkpointing.policies import context_fn_for, plan_regions
 from mct.checkpointing.region import Region
 from mct.config import CheckpointingConfig
@@ -32,6 +33,7 @@ class CheckpointState:
         self.verify = verify
         self.regions: list[Region] = []
         self._recompute_context = recompute_context
+        self.offload: ActivationOffload | None = None
 
     @property
     def verified(self) -> bool:
@@ -74,32 +76,46 @@ class CheckpointState:
         return {"recompute_policy": self.policy, "recompute_checkpointed_blocks": len(self.checkpointed_blocks),
                 "recompute_regions": len(self.regions), "recompute_calls": self.recompute_calls,
                 "recomputed_blocks": self.recomputed_blocks,
-                "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified}
+                "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified,
+                **(self.offload.metrics() if self.offload is not None else {})}
 
     def reset_step(self) -> None:
         """Zero the per-step counters; call at the start of each optimizer step."""
         for r in self.regions:
             r.recompute_calls = r.recomputed_blocks = 0
             r.recompute_time_s = 0.0
+        if self.offload is not None:
+            self.offload.end_step()
 
     def remove(self) -> None:
         """Restore every patched block's ``forward``; the model is as before ``apply``."""
         for region in self.regions:
             region.remove()
         self.regions = []
+        self.close()
+
+    def close(self) -> None:
+        """End activation offload's I/O thread and remove its files (no-op without it)."""
+        if self.offload is not None:
+            self.offload.close()
 
 
 def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
                         recompute_context: Callable[[], ContextManager] | None = None,
-                        ) -> CheckpointState:
+                        device: Any = "cpu", offload_dir: str = "", name: str = "act",
+                        report: ReportFn | None = None) -> CheckpointState:
     """Patch the blocks chosen by ``cfg.policy`` so backward recomputes them.
 
     Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.
     ``recompute_context`` is entered around every replay (the engine passes its memory
-    tracker's ``activations`` category). Returns the ``CheckpointState``; mutates only
+    tracker's ``activations`` category). ``cfg.offload`` != 'none': each region's input
+    waits for backward in that tier (``ActivationOffload`` on ``device``; 'disk' files in
+    a folder named after ``name`` under ``offload_dir``; ``report(tier, bytes)`` hears the
+    bytes parked). Returns the ``CheckpointState``; mutates only
     the blocks' instance ``forward`` attribute. Raises ValueError for policy 'auto', no
     detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with k larger
-    than the block count, or a model already checkpointed.
+    than the block count, a model already checkpointed, or ``cfg.offload = 'cpu'`` on a
+    CPU ``device``.
     """
     state = CheckpointState(cfg.policy, cfg.verify, recompute_context)
     if cfg.policy in ("none", "auto"):
@@ -111,9 +127,12 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
             f"checkpointing.policy = {cfg.policy!r} found no blocks in {type(model).__name__}: "
             "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
     context_fn = context_fn_for(cfg.policy)
+    if cfg.offload != "none":
+        state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report)
     for indices in plan_regions(cfg.policy, len(blocks), cfg.k):
         region = Region([blocks[i] for i in indices], context_fn, verify=cfg.verify,
                         recompute_context=state.recompute_context)
+        region.offload = state.offload
         state.regions.append(region)
     try:
         for region in state.regions:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, set_checkpoint_early_stop
 
 from mct.checkpointing.blocks import first_tensor, primary
+from mct.checkpointing.offload import Parked
 
 # The private generator gained an ``early_stop`` parameter in newer torch.
 _GENERATOR_TAKES_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters
@@ -60,6 +61,7 @@ class Region:
         self._replaying: list[Any] | None = None
         self._originals: list[Callable] = []
         self._saved_attrs: list[Any] = []
+        self.offload: Any = None  # an ActivationOffload: the region's input waits off the device
 
     @property
     def label(self) -> str:
@@ -154,7 +156,10 @@ class Region:
         return args, {**kwargs, slot: None}
 
     def _start(self, record: _OpenRegion, anchor: torch.Tensor | None) -> Any:
-        # The anchor only tells torch which device's RNG state to stash for replay.
+        # The anchor only tells torch which device's RNG state to stash for replay. torch
+        # keeps it until backward: under offload an empty tensor on its device stands in.
+        if anchor is not None and self.offload is not None:
+            anchor = anchor.detach().new_empty(0)
         anchors = (anchor,) if anchor is not None else ()
         head = (functools.partial(self._replay, record), True, self.context_fn or _noop_contexts, "default", False)
         if _GENERATOR_TAKES_EARLY_STOP:
@@ -177,6 +182,8 @@ class Region:
             return
         region.last_primary = None
         next(region.gen, None)
+        if self.offload is not None:
+            region.calls[0] = (_map_chained(region.calls[0][0], self.offload.park), None)
 
     # -- backward (recompute) ----------------------------------------------------
 
@@ -189,6 +196,8 @@ class Region:
                 x: Any = None
                 for pos, (_, module) in enumerate(self.blocks):
                     (args, kwargs), slot = region.calls[pos]
+                    if pos == 0 and self.offload is not None:  # back from its tier (a local: freed after use)
+                        args, kwargs = _map_chained((args, kwargs), self._restore)
                     if slot == 0:
                         args = (primary(x), *args[1:])
                     elif slot is not None:
@@ -207,6 +216,9 @@ class Region:
             self.recompute_calls += 1
             self.recompute_time_s += time.perf_counter() - start
 
+    def _restore(self, parked: Any) -> Any:
+        return self.offload.restore(parked) if isinstance(parked, Parked) else parked
+
     def _verify(self, pos: int, expected: Any, got: Any) -> None:
         with torch.no_grad(), _disable_current_modes():
             mismatch = _first_mismatch(expected, got)
@@ -216,6 +228,18 @@ class Region:
                 f"output than its forward ({mismatch}). A non-deterministic op runs inside a "
                 "checkpointed region (an RNG outside torch's default generators, a counter, "
                 "a non-deterministic kernel); make it deterministic or exclude the block")
+
+
+def _map_chained(call: tuple[tuple, dict], fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """``call`` with ``fn`` applied to the first block's chained input (its first
+    positional argument, else its first keyword argument), as ``_enter`` finds it."""
+    args, kwargs = call
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if kwargs:
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: fn(kwargs[key])}
+    return args, kwargs
 
 
 def _noop_contexts() -> tuple[contextlib.nullcontext, contextlib.nullcontext]:

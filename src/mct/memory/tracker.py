@@ -184,7 +184,7 @@ class MemoryTracker:
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
-        self._offloaded = {"cpu": 0, "disk": 0}
+        self._offloaded: dict[str, dict[str, int]] = {}
         if self._cuda and enabled:
             self.reset_peaks()  # the device's peak counter predates this tracker
 
@@ -233,17 +233,21 @@ class MemoryTracker:
             if rec is not None:
                 self._set_nbytes(rec, st.nbytes())
 
-    def set_offloaded(self, tier: str, nbytes: int) -> None:
+    def set_offloaded(self, tier: str, nbytes: int, source: str = "state") -> None:
         """Record the bytes of training state parked outside this device's live memory:
         tier 'cpu' (host memory of a CUDA run, or a host tier on CPU) or 'disk'. They
-        count in no category and not in 'total'. Raises ValueError on another tier."""
-        if tier not in self._offloaded:
+        count in no category and not in 'total'. ``source`` keeps owners apart (the
+        offloaded optimizer state, checkpointing's parked 'activations'): each sets its
+        own bytes, ``offloaded()`` sums them. Raises ValueError on another tier."""
+        if tier not in ("cpu", "disk"):
             raise ValueError(f"offload tier must be 'cpu' or 'disk', got {tier!r}")
-        self._offloaded[tier] = int(nbytes)
+        self._offloaded.setdefault(source, {"cpu": 0, "disk": 0})[tier] = int(nbytes)
 
-    def offloaded(self) -> dict[str, int]:
-        """Bytes held in each offload tier ({'cpu': n, 'disk': n}, a new dict)."""
-        return dict(self._offloaded)
+    def offloaded(self, source: str | None = None) -> dict[str, int]:
+        """Bytes held in each offload tier ({'cpu': n, 'disk': n}, a new dict): of every
+        source, or of ``source`` alone."""
+        sources = self._offloaded.values() if source is None else [self._offloaded.get(source, {})]
+        return {tier: sum(s.get(tier, 0) for s in sources) for tier in ("cpu", "disk")}
 
     def require_headroom(self, nbytes: int) -> None:
         """Raise MemoryBudgetExceeded now if live bytes plus ``nbytes`` would pass the

@@ -30,6 +30,7 @@ class Grid:
     policies: tuple[str, ...] = POLICIES
     precisions: tuple[str, ...] = PRECISIONS
     offloads: tuple[str, ...] | None = None
+    act_offloads: tuple[str, ...] | None = None  # checkpointing.offload tiers; None: the config's own
 
 
 def prepare(task: Task | Prepared, cfg: EngineConfig, extrapolate: bool = True) -> Task | Prepared:

@@ -11,15 +11,20 @@ not a measurement (docs/planner.md):
   offload  + OFFLOAD_COST[what]: the step time offload added in benchmarks/offload.py
            (bf16 200M GPT, 2 ranks: optimizer 1.20x, optimizer+params 1.27x of none),
            rounded up.
+  act      + ACT_OFFLOAD_COST[tier] for checkpointing.offload (benchmarks/act_offload.py).
 
 Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
 (tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
 offload setting unless ``Grid.offloads`` is given; ``auto`` tries offload only when nothing
-fits without it.
+fits without it. Activation offload (``checkpointing.offload``: 'none', 'cpu', 'disk') is
+its own axis (``Grid.act_offloads``, default the config's own; rows with policy 'none' only
+plan 'none', since nothing is checkpointed): ``auto`` tries it before state offload, as it
+changes no numerics and moves only the regions' inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +46,16 @@ COMM_SHARE = 0.25
 RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
 OFFLOAD_COST = {"none": 0.0, "optimizer": 0.2, "optimizer+params": 0.3}
 TIERS = ("cpu", "disk")
+ACT_OFFLOAD_COST = {"none": 0.0, "cpu": 0.05, "disk": 0.1}
+ACT_TIERS = ("none", "cpu", "disk")
 
 
-def step_cost(stage: int, policy: str, world: int, offload: str = "none") -> float:
+def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none") -> float:
     """Relative step cost of a configuration (see the module docstring)."""
     compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
-    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]], 4)
+    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]]
+                 + ACT_OFFLOAD_COST[act_offload], 4)
 
 
 def offload_label(cfg: EngineConfig) -> str:
@@ -75,11 +83,13 @@ def offload_keys(label: str) -> dict[str, str]:
 
 
 def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
-                offload: str | None = None) -> EngineConfig:
-    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, and the
-    offload tiers of an offload label) replaced."""
+                offload: str | None = None, act_offload: str | None = None) -> EngineConfig:
+    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
+    tiers of an offload label, checkpointing.offload) replaced."""
     d = cfg.to_dict()
     d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
+    if act_offload is not None:
+        d["checkpointing"]["offload"] = act_offload
     if precision is not None:
         d["precision"]["mode"] = precision
     if offload is not None:
@@ -113,18 +123,20 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none") -> dict[str, Any]:
+        offload: str = "none", act_offload: str = "none") -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, the bytes offload keeps off the device per tier
     (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
-    ``budget`` and its relative cost."""
+    ``budget`` and its relative cost; ``act_offload``: checkpointing.offload."""
     at = run.phases[run.phase]
-    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload, "world": world,
+    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload,
+            "act_offload": act_offload, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
-            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world, offload)}
+            "fits": budget is None or run.peak <= budget,
+            "cost": step_cost(stage, policy, world, offload, act_offload)}
 
 
 @dataclass
@@ -152,7 +164,8 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     other keys as in ``cfg``; ``grid.offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
     precision planned when that is another (ties: the lower peak, then the lower stage).
-    Parameter offload is planned at stage 3 only.
+    Parameter offload is planned at stage 3 only. ``grid.act_offloads``: checkpointing.offload
+    tiers (default ``cfg``'s own), planned for policies other than 'none'.
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every
@@ -167,15 +180,19 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     offloads = tuple(grid.offloads) if grid.offloads else (offload_label(cfg),)
     for label in offloads:
         offload_keys(label)  # a bad label fails before minutes of planning
+    acts = tuple(grid.act_offloads) if grid.act_offloads else (cfg.checkpointing.offload,)
+    for tier in acts:
+        if tier not in ACT_TIERS:
+            raise ValueError(f"activation offload {tier!r}: choose from {', '.join(ACT_TIERS)}")
     work = prepare(work, cfg, extrapolate)
-    choices = [(stage, policy, precision, offload) for precision in precisions for offload in offloads
-               for policy in grid.policies for stage in grid.stages
-               if offload_keys(offload)["params"] == "none" or stage == 3]
+    choices = [(stage, policy, precision, offload, act) for precision in precisions for offload in offloads
+               for act in acts for policy in grid.policies for stage in grid.stages
+               if (offload_keys(offload)["params"] == "none" or stage == 3) and (act == "none" or policy != "none")]
     configs = [with_choice(cfg, *choice) for choice in choices]
     runs = run_jobs(lambda i: predict(work, configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
-    rows = [row(run, stage, policy, precision, world, budget, offload)
-            for run, (stage, policy, precision, offload) in zip(runs, choices)]
+    rows = [row(run, stage, policy, precision, world, budget, offload, act)
+            for run, (stage, policy, precision, offload, act) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -194,6 +211,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
     if plan.recommended is not None:
         r = plan.recommended
         off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
+        off += "" if r.get("act_offload", "none") == "none" else f" checkpointing.offload={r['act_offload']}"
         return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
                 f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
@@ -216,7 +234,7 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     B = batch_size(batch)
     budget = plan.budget
     assert budget is not None
-    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"])
+    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"))
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
@@ -224,7 +242,7 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"])
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"))
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -253,6 +271,12 @@ def auto_offloads(device: str) -> tuple[str, ...]:
     return (f"optimizer={tier}", f"optimizer+params={tier}")
 
 
+def auto_act_offload(device: str) -> str:
+    """The activation offload tier ``auto`` tries: pinned host memory for a CUDA device,
+    disk for a CPU device."""
+    return "cpu" if device == "cuda" else "disk"
+
+
 def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
                  device: str = "cpu") -> tuple[EngineConfig, dict | None]:
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
@@ -274,19 +298,26 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
     grid = Grid(stages, policies, (cfg.precision.mode,))
     plan = make_plan(work, cfg, world, budget, grid, advise=False)
+    acts = (cfg.checkpointing.offload,)
+    if plan.recommended is None and cfg.checkpointing.offload == "none" and set(policies) - {"none"}:
+        acts = ("none", auto_act_offload(device))  # first: it moves only the regions' inputs
+        tried = make_plan(work, cfg, world, budget, dataclasses.replace(grid, act_offloads=acts[1:]), advise=False)
+        plan = tried if tried.recommended is not None else plan
     if plan.recommended is None and not cfg.offload.enabled:
-        grid = Grid(stages, policies, grid.precisions, offloads=auto_offloads(device))
+        grid = dataclasses.replace(grid, offloads=auto_offloads(device), act_offloads=acts)
         plan = make_plan(work, cfg, world, budget, grid, advise=False)
     best = plan.recommended
     if best is None:
         raise ValueError(_advice(plan, work, cfg))
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
-              "offload": best["offload"], "predicted_offloaded_bytes": best["offloaded"],
+              "offload": best["offload"], "checkpointing.offload": best["act_offload"],
+              "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
-    return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"]), choice
+    return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
+                       act_offload=best["act_offload"]), choice
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:
