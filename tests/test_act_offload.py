@@ -236,12 +236,11 @@ def _gpt_work(n_layer: int):
 
 @pytest.mark.timeout(900)
 def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
-    from mct.planner.plan import make_plan
+    from mct.planner.plan import Grid, make_plan
     work, cfg = _gpt_work(8)
-    kw = {"stages": (0,), "policies": ("none", "all"), "precisions": ("fp32",),
-          "act_offloads": ("none", "disk")}
-    ext = make_plan(work, cfg, 1, None, **kw, extrapolate=True, advise=False)
-    full = make_plan(work, cfg, 1, None, **kw, extrapolate=False, advise=False)
+    grid = Grid((0,), ("none", "all"), ("fp32",), act_offloads=("none", "disk"))
+    ext = make_plan(work, cfg, 1, None, grid, extrapolate=True, advise=False)
+    full = make_plan(work, cfg, 1, None, grid, extrapolate=False, advise=False)
     keys = [(r["stage"], r["policy"], r["act_offload"]) for r in full.rows]
     # policy 'none' checkpoints nothing, so it plans no activation offload
     assert sorted(keys) == sorted((s, p, a) for s in (0,) for p in ("none", "all")
@@ -255,11 +254,10 @@ def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
 
 @pytest.mark.timeout(900)
 def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
-    from mct.planner.plan import make_plan, resolve_auto
+    from mct.planner.plan import Grid, make_plan, resolve_auto
     work, base = _gpt_work(8)
-    grid = {"stages": (0,), "policies": ("all",), "precisions": ("fp32",)}
-    rows = {r["act_offload"]: r for r in make_plan(work, base, 1, None, **grid, act_offloads=("none", "disk"),
-                                                    advise=False).rows}
+    grid = Grid((0,), ("all",), ("fp32",), act_offloads=("none", "disk"))
+    rows = {r["act_offload"]: r for r in make_plan(work, base, 1, None, grid, advise=False).rows}
     budget = (rows["none"]["peak"] + rows["disk"]["peak"]) // 2
     assert rows["disk"]["peak"] < budget < rows["none"]["peak"]
     cfg = EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}, "checkpointing": {"policy": "auto"},
