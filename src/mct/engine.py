@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
-from mct.checkpointing import apply_checkpointing, find_blocks
+from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, error_of
 from mct.memory.budget import (StepReserve, apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion,
@@ -92,7 +92,8 @@ class Engine:
         self.model = self._place(model, init_program)
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
-        # 1. checkpointing (a model transformation; parameter names do not change)
+        # 1. checkpointing (a model transformation; parameter names do not change), no KV cache
+        disable_kv_cache(model)
         self.recompute = apply_checkpointing(model, cfg.checkpointing,
                                              recompute_context=lambda: self.tracker.category("activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units

@@ -10,7 +10,8 @@ from mct.task.seeding import seeded
 from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
-from mct.task.tokens import token_batch, token_loss
+from mct.task.chunked import linear_cross_entropy, output_head
+from mct.task.tokens import chunked_token_loss, token_batch, token_loss
 
 __all__ = ["build_model", "builds_on_meta", "check_tokens", "seeded", "task_for", "LossFn", "ModelFn", "OptimizerFactory", "ParamGroupsFn", "Task", "gpt_task", "load_workload",
-           "token_batch", "token_loss"]
+           "token_batch", "token_loss", "chunked_token_loss", "linear_cross_entropy", "output_head"]
