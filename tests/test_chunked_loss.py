@@ -211,3 +211,24 @@ def test_models_whose_head_cannot_be_chunked_are_one_line_errors():
         loss(_Headless(), (x, y))
     with pytest.raises(ValueError, match="train.loss_chunk_tokens"):
         EngineConfig.from_dict({"train": {"loss_chunk_tokens": -1}})
+
+
+def test_plan_has_loss_chunking_rows_and_auto_chooses_it_when_nothing_fits_without():
+    from mct.planner import make_plan, resolve_auto
+    from mct.task import gpt_task
+    cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "vocab_size": 4096, "seq_len": 64},
+                                  "data": {"micro_batch_size": 4}})
+    plan = make_plan(gpt_task(cfg), cfg, 1, None, stages=(0,), policies=("none",), precisions=("fp32",),
+                     loss_chunks=(0, 32))
+    off, on = plan.rows
+    assert (off["loss_chunk_tokens"], on["loss_chunk_tokens"]) == (0, 32)
+    assert off["peak"] - on["peak"] >= 1.5 * 4 * 64 * 4096 * 4 and on["cost"] > off["cost"]
+    budget = (off["peak"] + on["peak"]) // 2
+    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget)}})
+    resolved, choice = resolve_auto(auto, 1, gpt_task(auto))
+    assert resolved.train.loss_chunk_tokens > 0 and choice["train.loss_chunk_tokens"] > 0
+    assert choice["predicted_peak_bytes"] <= budget
+    with pytest.raises(ValueError, match="own loss_fn"):
+        from dataclasses import replace
+        make_plan(replace(gpt_task(cfg), loss_for_chunk=None), cfg, 1, None, stages=(0,), policies=("none",),
+                  precisions=("fp32",), loss_chunks=(0, 32))

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
     pl.add_argument("--offloads", default=None, help="offload choices to plan, comma-separated: none, optimizer=cpu|disk, "
                     "optimizer+params=cpu|disk (default: the config's own offload setting)")
+    pl.add_argument("--loss-chunks", default=None, help="train.loss_chunk_tokens values to plan, comma-separated "
+                    "tokens, 0 = off, e.g. 0,1024 (default: the config's own)")
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
@@ -405,6 +407,14 @@ def _plan_grid(args: argparse.Namespace) -> dict[str, tuple]:
             except ValueError as e:
                 raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
         grid["offloads"] = labels
+    if args.loss_chunks is not None:
+        try:
+            grid["loss_chunks"] = tuple(int(v) for v in args.loss_chunks.split(",") if v.strip())
+        except ValueError:
+            grid["loss_chunks"] = ()
+        if not grid["loss_chunks"] or min(grid["loss_chunks"]) < 0:
+            raise ValueError(f"--loss-chunks {args.loss_chunks!r}: give token counts >= 0, comma-separated "
+                             f"(0 = off), e.g. 0,1024")
     return grid
 
 
@@ -413,12 +423,13 @@ def format_plan(plan) -> str:
     category at that peak, the phase it is in, first-step and init peaks, fits, cost),
     the recommended row marked '*', then the advice line."""
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "peak", *CATEGORIES, "at", "first", "init", "host", "disk",
+    cols = ["stage", "policy", "prec", "offload", "loss_chunk", "peak", *CATEGORIES, "at", "first", "init", "host", "disk",
             "fits", "cost"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
-        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], format_bytes(r["peak"]),
+        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"],
+                      str(r.get("loss_chunk_tokens", 0) or "off"), format_bytes(r["peak"]),
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),

@@ -11,11 +11,17 @@ not a measurement (docs/planner.md):
   offload  + OFFLOAD_COST[what]: the step time offload added in benchmarks/offload.py
            (bf16 200M GPT, 2 ranks: optimizer 1.20x, optimizer+params 1.27x of none),
            rounded up.
+  loss     + LOSS_CHUNK_COST with train.loss_chunk_tokens > 0: the head's matmul runs
+           again in backward (benchmarks/loss_chunk.py). Chunking changes no numerics
+           beyond the order of the loss's reductions.
 
 Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
 (tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
 offload setting unless ``offloads`` is given; ``auto`` tries offload only when nothing
-fits without it.
+fits without it. Loss chunking is a grid axis too (``loss_chunks``: chunk sizes, 0 =
+off; default the config's own); ``auto`` plans it on and off when the config leaves it
+off, nothing fits without it, and the loss is a model source's default
+(``Task.loss_for_chunk``); then offload, when nothing fits with it either.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from mct.planner.dry_run import DryRun, dry_run
 from mct.planner.pool import run_jobs
 from mct.planner.workload import PlannedTask, Workload, batch_size, micro_batches, prepare, smaller_batch
 from mct.task.build import builds_on_meta
+from mct.task.spec import with_loss_chunk
 
 STAGES = (0, 1, 2, 3)
 POLICIES = ("none", "selective", "sqrt", "all")
@@ -40,13 +47,17 @@ COMM_SHARE = 0.25
 RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
 OFFLOAD_COST = {"none": 0.0, "optimizer": 0.2, "optimizer+params": 0.3}
 TIERS = ("cpu", "disk")
+LOSS_CHUNK_COST = 0.02
+AUTO_LOSS_CHUNK = 1024
+"""The chunk ``auto`` plans (tokens): at a 128k vocabulary, 0.5 GiB of fp32 logits per chunk."""
 
 
-def step_cost(stage: int, policy: str, world: int, offload: str = "none") -> float:
+def step_cost(stage: int, policy: str, world: int, offload: str = "none", loss_chunk: int = 0) -> float:
     """Relative step cost of a configuration (see the module docstring)."""
     compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
-    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]], 4)
+    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]]
+                 + (LOSS_CHUNK_COST if loss_chunk > 0 else 0.0), 4)
 
 
 def offload_label(cfg: EngineConfig) -> str:
@@ -74,15 +85,17 @@ def offload_keys(label: str) -> dict[str, str]:
 
 
 def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
-                offload: str | None = None) -> EngineConfig:
-    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, and the
-    offload tiers of an offload label) replaced."""
+                offload: str | None = None, loss_chunk: int | None = None) -> EngineConfig:
+    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
+    tiers of an offload label, train.loss_chunk_tokens) replaced."""
     d = cfg.to_dict()
     d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
     if precision is not None:
         d["precision"]["mode"] = precision
     if offload is not None:
         d["offload"] = {**d["offload"], **offload_keys(offload)}
+    if loss_chunk is not None:
+        d["train"]["loss_chunk_tokens"] = loss_chunk
     return EngineConfig.from_dict(d)
 
 
@@ -113,18 +126,19 @@ def dry_run_cost(work: Workload, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none") -> dict[str, Any]:
+        offload: str = "none", loss_chunk: int = 0) -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, the bytes offload keeps off the device per tier
     (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
     ``budget`` and its relative cost."""
     at = run.phases[run.phase]
-    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload, "world": world,
+    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload,
+            "loss_chunk_tokens": loss_chunk, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
-            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world, offload)}
+            "fits": budget is None or run.peak <= budget, "cost": step_cost(stage, policy, world, offload, loss_chunk)}
 
 
 @dataclass
@@ -148,12 +162,14 @@ class Plan:
 
 def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None, *, stages: tuple = STAGES,
               policies: tuple = POLICIES, precisions: tuple = PRECISIONS, offloads: tuple | None = None,
-              advise: bool = True, extrapolate: bool = True, workers: int = 1) -> Plan:
+              loss_chunks: tuple | None = None, advise: bool = True, extrapolate: bool = True,
+              workers: int = 1) -> Plan:
     """Dry-run every configuration of the grid for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
     precision planned when that is another (ties: the lower peak, then the lower stage).
-    Parameter offload is planned at stage 3 only.
+    Parameter offload is planned at stage 3 only. ``loss_chunks``: train.loss_chunk_tokens
+    values (default ``cfg``'s own; other values need the default loss, ``Task.loss_for_chunk``).
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every
@@ -167,15 +183,17 @@ def make_plan(work: Workload, cfg: EngineConfig, world: int, budget: int | None,
     offloads = tuple(offloads) if offloads else (offload_label(cfg),)
     for label in offloads:
         offload_keys(label)  # a bad label fails before minutes of planning
+    chunks = _loss_chunks(work, cfg, loss_chunks)
     work = prepare(work, cfg, extrapolate)
-    choices = [(stage, policy, precision, offload) for precision in precisions for offload in offloads
-               for policy in policies for stage in stages
+    works = {c: with_loss_chunk(work, c) for c in chunks}
+    choices = [(stage, policy, precision, offload, chunk) for precision in precisions for offload in offloads
+               for chunk in chunks for policy in policies for stage in stages
                if offload_keys(offload)["params"] == "none" or stage == 3]
     configs = [with_choice(cfg, *choice) for choice in choices]
-    runs = run_jobs(lambda i: predict(work, configs[i], world), len(configs), workers=workers,
+    runs = run_jobs(lambda i: predict(works[choices[i][4]], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
-    rows = [row(run, stage, policy, precision, world, budget, offload)
-            for run, (stage, policy, precision, offload) in zip(runs, choices)]
+    rows = [row(run, stage, policy, precision, world, budget, offload, chunk)
+            for run, (stage, policy, precision, offload, chunk) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -193,7 +211,7 @@ def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
         r = plan.recommended
-        off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
+        off = ("" if r["offload"] == "none" else " " + _offload_settings(r["offload"])) + _chunk_setting(r)
         return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
                 f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
@@ -202,7 +220,7 @@ def _advice(plan: Plan, work: Workload, cfg: EngineConfig) -> str:
         return (f"no configuration in precision {plan.precision} (precision.mode) was planned: add it to the "
                 f"precisions planned (--precisions) or set precision.mode to one of them")
     low = min(mine, key=lambda r: r["peak"])
-    off = "" if low["offload"] == "none" else " " + _offload_settings(low["offload"])
+    off = ("" if low["offload"] == "none" else " " + _offload_settings(low["offload"])) + _chunk_setting(low)
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
            f"zero.stage={low['stage']} checkpointing.policy={low['policy']}{off}, needs {format_bytes(low['peak'])} "
            f"(misses by {format_bytes(low['peak'] - plan.budget)})")
@@ -215,7 +233,9 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
     B = batch_size(work.batch)
     budget = plan.budget
     assert budget is not None
-    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"])
+    chunk = low.get("loss_chunk_tokens", cfg.train.loss_chunk_tokens)
+    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], chunk)
+    work = with_loss_chunk(work, chunk)
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
@@ -223,7 +243,7 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"])
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], chunk)
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -240,9 +260,28 @@ def _what_would_fit(plan: Plan, work: Workload, cfg: EngineConfig, low: dict[str
     return "; it would fit with " + " or ".join(hints)
 
 
+def _chunk_setting(r: dict[str, Any]) -> str:
+    chunk = r.get("loss_chunk_tokens", 0)
+    return f" train.loss_chunk_tokens={chunk}" if chunk else ""
+
+
 def _offload_settings(label: str) -> str:
     keys = offload_keys(label)
     return " ".join(f"offload.{k}={v}" for k, v in keys.items() if v != "none")
+
+
+def _loss_chunks(work: Workload, cfg: EngineConfig, loss_chunks: tuple | None) -> tuple[int, ...]:
+    """The grid's train.loss_chunk_tokens values. Raises ValueError for a negative one,
+    or for values other than the config's own with a loss that is the user's."""
+    own = cfg.train.loss_chunk_tokens
+    chunks = tuple(dict.fromkeys(int(c) for c in loss_chunks)) if loss_chunks else (own,)
+    if any(c < 0 for c in chunks):
+        raise ValueError(f"loss chunks {chunks}: each must be >= 0 tokens (0 = off)")
+    if work.loss_for_chunk is None and chunks != (own,):
+        raise ValueError(f"loss chunks {chunks}: this model is trained with its own loss_fn, which mct cannot "
+                         f"chunk; plan it as it is (drop --loss-chunks), or chunk inside it with "
+                         f"mct.task.linear_cross_entropy")
+    return chunks
 
 
 def auto_offloads(device: str) -> tuple[str, ...]:
@@ -256,7 +295,9 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
                  device: str = "cpu") -> tuple[EngineConfig, dict | None]:
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
     cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
-    keys as set). When nothing fits and ``offload`` is not set, offload is planned too
+    keys as set). When nothing fits, loss chunking (``AUTO_LOSS_CHUNK`` tokens, when the
+    config leaves it off and the loss is a model source's default) is planned, then,
+    when ``offload`` is not set, offload too
     (``auto_offloads(device)``; a chosen offload is in the returned config and choice).
     Returns (resolved config, the choice and its prediction; None when nothing was
     'auto'). Raises ValueError when 'auto' has no budget, or when nothing fits (one
@@ -273,18 +314,23 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
     grid = {"stages": stages, "policies": policies, "precisions": (cfg.precision.mode,)}
     plan = make_plan(work, cfg, world, budget, **grid, advise=False)
+    if plan.recommended is None and cfg.train.loss_chunk_tokens == 0 and work.loss_for_chunk is not None:
+        grid["loss_chunks"] = (AUTO_LOSS_CHUNK,)  # the same numerics up to the loss's reduction order
+        plan = make_plan(work, cfg, world, budget, **grid, advise=False)
     if plan.recommended is None and not cfg.offload.enabled:
         plan = make_plan(work, cfg, world, budget, **grid, offloads=auto_offloads(device), advise=False)
     best = plan.recommended
     if best is None:
         raise ValueError(_advice(plan, work, cfg))
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+              "train.loss_chunk_tokens": best["loss_chunk_tokens"],
               "offload": best["offload"], "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
-    return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"]), choice
+    return (with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
+                        loss_chunk=best["loss_chunk_tokens"]), choice)
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:

@@ -26,7 +26,7 @@ from typing import Callable
 
 from mct.config import EngineConfig
 from mct.task.spec import Task
-from mct.task.tokens import loss_for, token_batch, token_loss
+from mct.task.tokens import chunk_choices, loss_for, token_batch, token_loss
 
 
 def load_workload(path: str, cfg: EngineConfig) -> Task:
@@ -56,7 +56,8 @@ def load_workload(path: str, cfg: EngineConfig) -> Task:
         else token_batch(cfg)
     return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or loss_for(cfg, token_loss), batch=batch,
                 optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path,
-                vocab_size=_vocab_of(factory))
+                vocab_size=_vocab_of(factory),
+                loss_for_chunk=None if hooks["loss_fn"] else chunk_choices(token_loss))
 
 
 def _vocab_of(factory: Callable) -> int | None:

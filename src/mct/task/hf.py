@@ -23,7 +23,7 @@ import torch.nn as nn
 from mct.config import EngineConfig
 from mct.models.gpt import optimizer_groups
 from mct.task.spec import Task
-from mct.task.tokens import causal_lm_loss, loss_for, token_batch
+from mct.task.tokens import causal_lm_loss, chunk_choices, loss_for, token_batch
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 """config.json keys that bound the positions a model can embed, in order of preference."""
@@ -137,4 +137,5 @@ def hf_task(cfg: EngineConfig, directory: str) -> Task:
             return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return Task(model_fn=model_fn, loss_fn=loss_for(cfg, causal_lm_loss), batch=token_batch(cfg),
                 param_groups=lambda m: optimizer_groups(m, cfg.train.weight_decay), label=f"hf:{directory}",
-                vocab_size=int(config.vocab_size), max_positions=limit, hf_dir=str(directory))
+                vocab_size=int(config.vocab_size), max_positions=limit, hf_dir=str(directory),
+                loss_for_chunk=chunk_choices(causal_lm_loss))

@@ -86,6 +86,12 @@ def loss_for(cfg: EngineConfig, unchunked: Callable[[nn.Module, tuple], torch.Te
     return chunked_token_loss(chunk) if chunk > 0 else unchunked
 
 
+def chunk_choices(unchunked: Callable[[nn.Module, tuple], torch.Tensor]
+                  ) -> Callable[[int], Callable[[nn.Module, tuple], torch.Tensor]]:
+    """``Task.loss_for_chunk`` of a default loss: chunk tokens -> the loss of that setting."""
+    return lambda chunk: chunked_token_loss(chunk) if chunk > 0 else unchunked
+
+
 def causal_lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The loss of a Hugging Face causal LM on (input_ids, shifted targets): its logits
     (no labels given, no KV cache kept) scored by ``logits_loss``."""
