@@ -284,6 +284,14 @@ def _loss_chunks(work: Workload, cfg: EngineConfig, loss_chunks: tuple | None) -
     return chunks
 
 
+def _chunking_may_fit(plan: Plan, cfg: EngineConfig, work: Workload) -> bool:
+    """Is loss chunking worth planning for ``auto``? The config leaves it off, the loss
+    is a model source's default, and some row's optimizer phase fits the budget
+    (chunking lowers forward and backward, where the logits live, never the step)."""
+    return (cfg.train.loss_chunk_tokens == 0 and work.loss_for_chunk is not None
+            and any(r["phases"].get("optimizer", 0) <= (plan.budget or 0) for r in plan.rows))
+
+
 def auto_offloads(device: str) -> tuple[str, ...]:
     """What ``auto`` tries when nothing fits without offload: host memory for a CUDA
     device, disk for a CPU device (where host memory is the budget)."""
@@ -314,7 +322,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Workload, *,
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
     grid = {"stages": stages, "policies": policies, "precisions": (cfg.precision.mode,)}
     plan = make_plan(work, cfg, world, budget, **grid, advise=False)
-    if plan.recommended is None and cfg.train.loss_chunk_tokens == 0 and work.loss_for_chunk is not None:
+    if plan.recommended is None and _chunking_may_fit(plan, cfg, work):
         grid["loss_chunks"] = (AUTO_LOSS_CHUNK,)  # the same numerics up to the loss's reduction order
         plan = make_plan(work, cfg, world, budget, **grid, advise=False)
     if plan.recommended is None and not cfg.offload.enabled:
