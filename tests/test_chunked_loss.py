@@ -117,10 +117,11 @@ def _model(kind: str) -> nn.Module:
 
 
 def _grad_of_one_step(kind: str, stage: int, chunk: int, rank: int, policy: str = "none",
-                      mode: str = "fp32") -> tuple[float, dict[str, torch.Tensor]]:
+                      mode: str = "fp32", offload: dict | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, gradient) of one step: SGD with lr 1, so old - new parameters = gradient."""
     cfg = EngineConfig.from_dict({"zero": {"stage": stage}, "checkpointing": {"policy": policy},
-                                  "precision": {"mode": mode}, "train": {"loss_chunk_tokens": chunk}})
+                                  "precision": {"mode": mode}, "train": {"loss_chunk_tokens": chunk},
+                                  "offload": offload or {}})
     loss_fn = loss_for(cfg, gpt_loss if kind == "gpt" else causal_lm_loss)
     engine = Engine(_model(kind), lambda g: torch.optim.SGD(g, lr=1.0), cfg)
     before = engine.full_state_dict()
@@ -155,13 +156,19 @@ def test_chunked_loss_equals_unchunked_through_the_engine_every_stage_two_ranks(
         assert loss_rel <= 1e-6 and grad_rel <= 1e-6 and worst <= 1e-5, (kind, stage, loss_rel, grad_rel, worst, name)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_chunked_loss_bf16_and_checkpointing_track_fp32(kind):
+@pytest.mark.parametrize("kind,mode", [("gpt", "bf16"), ("llama", "bf16"), ("gpt", "fp16")])
+def test_chunked_loss_low_precision_and_checkpointing_track_fp32(kind, mode):
     pytest.importorskip("transformers")
     ref_loss, ref = _grad_of_one_step(kind, 0, 0, 0)
-    loss, grad = _grad_of_one_step(kind, 0, 8, 0, policy="selective", mode="bf16")
+    loss, grad = _grad_of_one_step(kind, 0, 8, 0, policy="selective", mode=mode)
     rel, name = max_rel_diff(grad, ref)
     assert abs(loss - ref_loss) <= 2e-2 * ref_loss and rel <= 5e-2, (loss, ref_loss, rel, name)
+
+
+def test_chunked_loss_with_offloaded_parameters_at_stage_3_equals_unchunked():
+    ref_loss, ref = _grad_of_one_step("gpt", 3, 0, 0, policy="all", offload={"optimizer": "cpu", "params": "cpu"})
+    loss, grad = _grad_of_one_step("gpt", 3, 5, 0, policy="all", offload={"optimizer": "cpu", "params": "cpu"})
+    assert abs(loss - ref_loss) <= 1e-6 * ref_loss and _global_rel(grad, ref) <= 1e-6
 
 
 def test_planner_predicts_the_chunked_peak_within_2_percent_and_below_the_unchunked():
