@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "optimizer+params=cpu|disk (default: the config's own offload setting)")
     pl.add_argument("--act-offloads", default=None, help="activation offload tiers to plan (checkpointing.offload), "
                     "comma-separated: none, cpu, disk (default: the config's own)")
+    pl.add_argument("--loss-chunks", default=None, help="train.loss_chunk_tokens values to plan, comma-separated "
+                    "tokens, 0 = off, e.g. 0,1024 (default: the config's own)")
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
@@ -429,6 +431,14 @@ def _plan_grid(args: argparse.Namespace) -> "Grid":
             raise ValueError(f"--act-offloads {args.act_offloads!r}: {bad or 'nothing'} is not allowed; "
                              f"choose from none,cpu,disk")
         grid["act_offloads"] = tiers
+    if args.loss_chunks is not None:
+        try:
+            grid["loss_chunks"] = tuple(int(v) for v in args.loss_chunks.split(",") if v.strip())
+        except ValueError:
+            grid["loss_chunks"] = ()
+        if not grid["loss_chunks"] or min(grid["loss_chunks"]) < 0:
+            raise ValueError(f"--loss-chunks {args.loss_chunks!r}: give token counts >= 0, comma-separated "
+                             f"(0 = off), e.g. 0,1024")
     return Grid(**grid)
 
 
@@ -437,13 +447,13 @@ def format_plan(plan) -> str:
     category at that peak, the phase it is in, first-step and init peaks, fits, cost),
     the recommended row marked '*', then the advice line."""
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "act", "peak", *CATEGORIES, "at", "first", "init", "host",
-            "disk", "fits", "cost"]
+    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "peak", *CATEGORIES, "at", "first", "init",
+            "host", "disk", "fits", "cost"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
         table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], r.get("act_offload", "none"),
-                      format_bytes(r["peak"]),
+                      str(r.get("loss_chunk_tokens", 0) or "off"), format_bytes(r["peak"]),
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),

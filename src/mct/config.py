@@ -209,6 +209,10 @@ class TrainConfig:
     init_from: str = ""
     """Pretrained weights the run starts from: a Hugging Face model directory, a .safetensors file, or an
     mct run dir or checkpoint; each rank reads only its shards' slices. '' = the model's own initialization."""
+    loss_chunk_tokens: int = 0
+    """Chunked linear cross-entropy: the output head, log-softmax and loss run over this many tokens at a
+    time, so the [tokens, vocab] logits never exist (backward recomputes one chunk at a time); 0 = off.
+    Used by the default loss of every model source (docs/planner.md, "Loss chunking")."""
 
     def __post_init__(self) -> None:
         _check_range("train.steps", self.steps, 1)
@@ -227,6 +231,7 @@ class TrainConfig:
         for k in ("max_rollbacks", "snapshot_every", "loss_spike_factor", "grad_norm_factor"):
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.loss_spike_window", self.loss_spike_window, 1)
+        _check_range("train.loss_chunk_tokens", self.loss_chunk_tokens, 0)
         _check_range("train.max_consecutive_skips", self.max_consecutive_skips, 1)
         _check_range("train.lr_cut_factor", self.lr_cut_factor, 0.0, 1.0, lo_open=True)
         _check_range("train.preempt_timeout_s", self.preempt_timeout_s, 0.0, lo_open=True)

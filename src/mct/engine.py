@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
-from mct.checkpointing import apply_checkpointing, find_blocks
+from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, agree
 from mct.memory.budget import apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion, step_reserve
@@ -87,7 +87,8 @@ class Engine:
         self.model = place_model(model, self.device, init_program)
         optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
 
-        # 1. checkpointing (a model transformation; parameter names do not change)
+        # 1. checkpointing (a model transformation; parameter names do not change), no KV cache
+        disable_kv_cache(model)
         self.recompute = apply_checkpointing(model, cfg.checkpointing,
                                              recompute_context=lambda: self.tracker.category("activations"),
                                              device=self.device, offload_dir=cfg.offload.dir,

@@ -136,7 +136,12 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: int64 [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        """idx: int64 [B, T] -> logits [B, T, vocab] in the compute dtype: the output head
+        applied last to ``hidden_states(idx)`` (chunked cross-entropy replaces the head)."""
+        return self.lm_head(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: int64 [B, T] -> the final normed hidden states [B, T, d_model]."""
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len = {self.cfg.seq_len}")
@@ -144,7 +149,11 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The output head (as Hugging Face models name it): weight [vocab, d_model], tied to ``wte``."""
+        return self.lm_head
 
 
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

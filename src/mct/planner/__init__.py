@@ -81,16 +81,19 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
          world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
          precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
-         workers: int | None = None, act_offloads: tuple | None = None) -> Plan:
+         workers: int | None = None, act_offloads: tuple | None = None,
+         loss_chunks: tuple | None = None) -> Plan:
     """``plan_task`` of ``Task(model_fn, loss_fn, batch, optimizer, param_groups)`` over
     ``Grid(stages, policies, precisions, offloads)``: every ZeRO stage x checkpointing
     policy x precision (x offload label: 'none', 'optimizer=cpu|disk',
     'optimizer+params=cpu|disk'; default the config's own) dry-run for this model on
     ``world_size`` ranks, and the recommendation for ``budget``. Raises ValueError as
     ``plan_task``. ``act_offloads``: checkpointing.offload tiers to plan ('none', 'cpu',
-    'disk'; default the config's own; each row's ``act_offload``)."""
+    'disk'; default the config's own; each row's ``act_offload``); ``loss_chunks``:
+    train.loss_chunk_tokens values to plan (0 = off; default the config's own)."""
     task = Task(model_fn, loss_fn, batch, optimizer, param_groups)
     return plan_task(task, config, world_size, budget, Grid(tuple(stages), tuple(policies), tuple(precisions),
                                                             tuple(offloads) if offloads else None,
-                                                            tuple(act_offloads) if act_offloads else None),
+                                                            tuple(act_offloads) if act_offloads else None,
+                                                            tuple(loss_chunks) if loss_chunks else None),
                      extrapolate=extrapolate, workers=workers)

@@ -12,6 +12,9 @@ not a measurement (docs/planner.md):
            (bf16 200M GPT, 2 ranks: optimizer 1.20x, optimizer+params 1.27x of none),
            rounded up.
   act      + ACT_OFFLOAD_COST[tier] for checkpointing.offload (benchmarks/act_offload.py).
+  loss     + LOSS_CHUNK_COST with train.loss_chunk_tokens > 0: the head's matmul runs
+           again in backward (benchmarks/loss_chunk.py). Chunking changes no numerics
+           beyond the order of the loss's reductions.
 
 Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
 (tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
@@ -19,7 +22,10 @@ offload setting unless ``Grid.offloads`` is given; ``auto`` tries offload only w
 fits without it. Activation offload (``checkpointing.offload``: 'none', 'cpu', 'disk') is
 its own axis (``Grid.act_offloads``, default the config's own; rows with policy 'none' only
 plan 'none', since nothing is checkpointed): ``auto`` tries it before state offload, as it
-changes no numerics and moves only the regions' inputs.
+changes no numerics and moves only the regions' inputs. Loss chunking is a grid axis too
+(``Grid.loss_chunks``: chunk sizes, 0 = off; default the config's own); ``auto`` plans it
+when the config leaves it off, nothing fits without it, and the loss is a model source's
+default (``Task.loss_for_chunk``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, mi
                               smaller_batch, task_of, with_batch)
 from mct.planner.pool import run_jobs
 from mct.task.build import builds_on_meta
-from mct.task.spec import Task
+from mct.task.spec import Task, with_loss_chunk
 
 Work = Task | Prepared
 """What a plan's dry runs take: a Task, or the Task with what its plan shares (``prepare``)."""
@@ -48,14 +54,18 @@ OFFLOAD_COST = {"none": 0.0, "optimizer": 0.2, "optimizer+params": 0.3}
 TIERS = ("cpu", "disk")
 ACT_OFFLOAD_COST = {"none": 0.0, "cpu": 0.05, "disk": 0.1}
 ACT_TIERS = ("none", "cpu", "disk")
+LOSS_CHUNK_COST = 0.02
+AUTO_LOSS_CHUNK = 1024
+"""The chunk ``auto`` plans (tokens): at a 128k vocabulary, 0.5 GiB of fp32 logits per chunk."""
 
 
-def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none") -> float:
+def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none",
+              loss_chunk: int = 0) -> float:
     """Relative step cost of a configuration (see the module docstring)."""
     compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
     return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]]
-                 + ACT_OFFLOAD_COST[act_offload], 4)
+                 + ACT_OFFLOAD_COST[act_offload] + (LOSS_CHUNK_COST if loss_chunk > 0 else 0.0), 4)
 
 
 def offload_label(cfg: EngineConfig) -> str:
@@ -83,9 +93,10 @@ def offload_keys(label: str) -> dict[str, str]:
 
 
 def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
-                offload: str | None = None, act_offload: str | None = None) -> EngineConfig:
+                offload: str | None = None, act_offload: str | None = None,
+                loss_chunk: int | None = None) -> EngineConfig:
     """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
-    tiers of an offload label, checkpointing.offload) replaced."""
+    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens) replaced."""
     d = cfg.to_dict()
     d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
     if act_offload is not None:
@@ -94,6 +105,8 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
         d["precision"]["mode"] = precision
     if offload is not None:
         d["offload"] = {**d["offload"], **offload_keys(offload)}
+    if loss_chunk is not None:
+        d["train"]["loss_chunk_tokens"] = loss_chunk
     return EngineConfig.from_dict(d)
 
 
@@ -123,7 +136,7 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none", act_offload: str = "none") -> dict[str, Any]:
+        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0) -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, the bytes offload keeps off the device per tier
@@ -131,12 +144,12 @@ def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget
     ``budget`` and its relative cost; ``act_offload``: checkpointing.offload."""
     at = run.phases[run.phase]
     return {"stage": stage, "policy": policy, "precision": precision, "offload": offload,
-            "act_offload": act_offload, "world": world,
+            "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
             "fits": budget is None or run.peak <= budget,
-            "cost": step_cost(stage, policy, world, offload, act_offload)}
+            "cost": step_cost(stage, policy, world, offload, act_offload, loss_chunk)}
 
 
 @dataclass
@@ -166,6 +179,8 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     precision planned when that is another (ties: the lower peak, then the lower stage).
     Parameter offload is planned at stage 3 only. ``grid.act_offloads``: checkpointing.offload
     tiers (default ``cfg``'s own), planned for policies other than 'none'.
+    ``grid.loss_chunks``: train.loss_chunk_tokens values (default ``cfg``'s own; other
+    values need the default loss, ``Task.loss_for_chunk``).
     ``advise=False`` leaves ``advice`` empty (its search for what would fit dry-runs more).
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every
@@ -184,15 +199,17 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     for tier in acts:
         if tier not in ACT_TIERS:
             raise ValueError(f"activation offload {tier!r}: choose from {', '.join(ACT_TIERS)}")
+    chunks = _loss_chunks(work, cfg, grid.loss_chunks)
     work = prepare(work, cfg, extrapolate)
-    choices = [(stage, policy, precision, offload, act) for precision in precisions for offload in offloads
-               for act in acts for policy in grid.policies for stage in grid.stages
+    works = {c: _with_chunk(work, c) for c in chunks}
+    choices = [(stage, policy, precision, offload, act, chunk) for precision in precisions for offload in offloads
+               for act in acts for chunk in chunks for policy in grid.policies for stage in grid.stages
                if (offload_keys(offload)["params"] == "none" or stage == 3) and (act == "none" or policy != "none")]
     configs = [with_choice(cfg, *choice) for choice in choices]
-    runs = run_jobs(lambda i: predict(work, configs[i], world), len(configs), workers=workers,
+    runs = run_jobs(lambda i: predict(works[choices[i][5]], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
-    rows = [row(run, stage, policy, precision, world, budget, offload, act)
-            for run, (stage, policy, precision, offload, act) in zip(runs, choices)]
+    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk)
+            for run, (stage, policy, precision, offload, act, chunk) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -212,6 +229,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
         r = plan.recommended
         off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
         off += "" if r.get("act_offload", "none") == "none" else f" checkpointing.offload={r['act_offload']}"
+        off += _chunk_setting(r)
         return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
                 f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
@@ -220,7 +238,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
         return (f"no configuration in precision {plan.precision} (precision.mode) was planned: add it to the "
                 f"precisions planned (--precisions) or set precision.mode to one of them")
     low = min(mine, key=lambda r: r["peak"])
-    off = "" if low["offload"] == "none" else " " + _offload_settings(low["offload"])
+    off = ("" if low["offload"] == "none" else " " + _offload_settings(low["offload"])) + _chunk_setting(low)
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
            f"zero.stage={low['stage']} checkpointing.policy={low['policy']}{off}, needs {format_bytes(low['peak'])} "
            f"(misses by {format_bytes(low['peak'] - plan.budget)})")
@@ -234,7 +252,10 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     B = batch_size(batch)
     budget = plan.budget
     assert budget is not None
-    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"))
+    chunk = low.get("loss_chunk_tokens", cfg.train.loss_chunk_tokens)
+    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"),
+                       chunk)
+    work = _with_chunk(work, chunk)
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
@@ -242,7 +263,7 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"))
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"), chunk)
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -259,9 +280,43 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     return "; it would fit with " + " or ".join(hints)
 
 
+def _with_chunk(work: Work, chunk: int) -> Work:
+    """``work`` trained with ``train.loss_chunk_tokens = chunk`` (what a prepared task shares is kept)."""
+    if isinstance(work, Prepared):
+        return dataclasses.replace(work, task=with_loss_chunk(work.task, chunk))
+    return with_loss_chunk(work, chunk)
+
+
+def _chunk_setting(r: dict[str, Any]) -> str:
+    chunk = r.get("loss_chunk_tokens", 0)
+    return f" train.loss_chunk_tokens={chunk}" if chunk else ""
+
+
 def _offload_settings(label: str) -> str:
     keys = offload_keys(label)
     return " ".join(f"offload.{k}={v}" for k, v in keys.items() if v != "none")
+
+
+def _loss_chunks(work: Work, cfg: EngineConfig, loss_chunks: tuple | None) -> tuple[int, ...]:
+    """The grid's train.loss_chunk_tokens values. Raises ValueError for a negative one,
+    or for values other than the config's own with a loss that is the user's."""
+    own = cfg.train.loss_chunk_tokens
+    chunks = tuple(dict.fromkeys(int(c) for c in loss_chunks)) if loss_chunks else (own,)
+    if any(c < 0 for c in chunks):
+        raise ValueError(f"loss chunks {chunks}: each must be >= 0 tokens (0 = off)")
+    if task_of(work).loss_for_chunk is None and chunks != (own,):
+        raise ValueError(f"loss chunks {chunks}: this model is trained with its own loss_fn, which mct cannot "
+                         f"chunk; plan it as it is (drop --loss-chunks), or chunk inside it with "
+                         f"mct.task.linear_cross_entropy")
+    return chunks
+
+
+def _chunking_may_fit(plan: Plan, cfg: EngineConfig, work: Work) -> bool:
+    """Is loss chunking worth planning for ``auto``? The config leaves it off, the loss
+    is a model source's default, and some row's optimizer phase fits the budget
+    (chunking lowers forward and backward, where the logits live, never the step)."""
+    return (cfg.train.loss_chunk_tokens == 0 and task_of(work).loss_for_chunk is not None
+            and any(r["phases"].get("optimizer", 0) <= (plan.budget or 0) for r in plan.rows))
 
 
 def auto_offloads(device: str) -> tuple[str, ...]:
@@ -281,7 +336,9 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
                  device: str = "cpu") -> tuple[EngineConfig, dict | None]:
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
     cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
-    keys as set). When nothing fits and ``offload`` is not set, offload is planned too
+    keys as set). When nothing fits, loss chunking (``AUTO_LOSS_CHUNK`` tokens, when the
+    config leaves it off and the loss is a model source's default) is planned, then,
+    when ``offload`` is not set, offload too
     (``auto_offloads(device)``; a chosen offload is in the returned config and choice).
     Returns (resolved config, the choice and its prediction; None when nothing was
     'auto'). Raises ValueError when 'auto' has no budget, or when nothing fits (one
@@ -303,6 +360,9 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
         acts = ("none", auto_act_offload(device))  # first: it moves only the regions' inputs
         tried = make_plan(work, cfg, world, budget, dataclasses.replace(grid, act_offloads=acts[1:]), advise=False)
         plan = tried if tried.recommended is not None else plan
+    if plan.recommended is None and _chunking_may_fit(plan, cfg, work):
+        grid = dataclasses.replace(grid, loss_chunks=(AUTO_LOSS_CHUNK,))  # same numerics up to the loss's sums
+        plan = make_plan(work, cfg, world, budget, grid, advise=False)
     if plan.recommended is None and not cfg.offload.enabled:
         grid = dataclasses.replace(grid, offloads=auto_offloads(device), act_offloads=acts)
         plan = make_plan(work, cfg, world, budget, grid, advise=False)
@@ -311,13 +371,14 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
         raise ValueError(_advice(plan, work, cfg))
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
               "offload": best["offload"], "checkpointing.offload": best["act_offload"],
+              "train.loss_chunk_tokens": best["loss_chunk_tokens"],
               "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
     return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
-                       act_offload=best["act_offload"]), choice
+                       act_offload=best["act_offload"], loss_chunk=best["loss_chunk_tokens"]), choice
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:

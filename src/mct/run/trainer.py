@@ -43,7 +43,8 @@ from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
-from mct.task import Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for
+from mct.task import (Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for,
+                      with_loss_chunk)
 # build_model and seeded_gpt_loss: re-exported for tests/test_trainer.py
 from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
@@ -77,6 +78,7 @@ class Trainer:
             agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
         self.task = task if task is not None else task_for(cfg)  # the CLI hands on the one it checked
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
+        self.task = with_loss_chunk(self.task, self.cfg.train.loss_chunk_tokens)  # auto may choose chunking
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
         check_tokens(self.task, self.corpus)
         if resume:

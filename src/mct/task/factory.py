@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from mct.config import EngineConfig
 from mct.task.spec import Task
-from mct.task.tokens import token_batch, token_loss
+from mct.task.tokens import chunk_choices, loss_for, token_batch, token_loss
 
 
 def load_workload(path: str, cfg: EngineConfig) -> Task:
@@ -57,9 +57,10 @@ def load_workload(path: str, cfg: EngineConfig) -> Task:
         hooks[name] = hook
     batch = _user_code(path, f"{mod_name}.example_batch()", hooks["example_batch"])(cfg) if hooks["example_batch"] \
         else token_batch(cfg)
-    return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or token_loss, batch=batch,
+    return Task(model_fn=factory, loss_fn=hooks["loss_fn"] or loss_for(cfg, token_loss), batch=batch,
                 optimizer=hooks["optimizer"], param_groups=hooks["param_groups"], label=path,
-                vocab_size=_vocab_of(factory))
+                vocab_size=_vocab_of(factory),
+                loss_for_chunk=None if hooks["loss_fn"] else chunk_choices(token_loss))
 
 
 def _vocab_of(factory: Callable) -> int | None:

@@ -11,7 +11,7 @@ from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.offload.meta_init import InitProgram, record_init
 from mct.task.seeding import micro_seed, seed_everything, seeded
 from mct.task.spec import Task
-from mct.task.tokens import token_batch
+from mct.task.tokens import chunk_choices, loss_for, token_batch
 
 
 seeded_gpt_loss = seeded(gpt_loss)
@@ -49,8 +49,9 @@ def param_groups(model: torch.nn.Module, cfg: EngineConfig) -> list[dict]:
 def gpt_task(cfg: EngineConfig) -> Task:
     """The GPT of ``cfg.model`` as a Task: its loss on one micro-batch of token ids,
     the recipe's optimizer and groups (what ``auto``, ``mct plan`` and ``mct train`` use)."""
-    return Task(model_fn=lambda: GPT(cfg.model), loss_fn=gpt_loss, batch=token_batch(cfg),
-                optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt")
+    return Task(model_fn=lambda: GPT(cfg.model), loss_fn=loss_for(cfg, gpt_loss), batch=token_batch(cfg),
+                optimizer=make_optimizer(cfg), param_groups=lambda m: param_groups(m, cfg), label="gpt",
+                loss_for_chunk=chunk_choices(gpt_loss))
 
 
 def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,

@@ -25,7 +25,7 @@ from mct.errors import user_error
 from mct.models.gpt import optimizer_groups
 from mct.task.hf_checks import check_config, check_raw_config
 from mct.task.spec import Task
-from mct.task.tokens import causal_lm_loss, token_batch
+from mct.task.tokens import causal_lm_loss, chunk_choices, loss_for, token_batch
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 """config.json keys that bound the positions a model can embed, in order of preference."""
@@ -147,7 +147,7 @@ def _weights_initialized_on_meta(tf) -> Iterator[None]:
 
 def hf_task(cfg: EngineConfig, directory: str) -> Task:
     """The Hugging Face causal LM of ``directory`` as a Task: built from config.json in
-    fp32 (``AutoModelForCausalLM.from_config``), trained with ``causal_lm_loss`` and the
+    fp32 (``AutoModelForCausalLM.from_config``), trained with ``causal_lm_loss`` (chunked: ``train.loss_chunk_tokens``) and the
     recipe's AdamW groups (decay on matrices only). Raises ValueError for what
     ``hf_config`` refuses and for ``model.seq_len`` beyond the model's positions."""
     config = hf_config(directory)
@@ -165,6 +165,7 @@ def hf_task(cfg: EngineConfig, directory: str) -> Task:
                 raise ValueError(f"model.source = 'hf:{directory}': transformers cannot build a model from its "
                                  f"config.json ({type(e).__name__}: {' '.join(str(e).split())[:200]}); fix the "
                                  f"field it names") from None
-    return Task(model_fn=model_fn, loss_fn=causal_lm_loss, batch=token_batch(cfg),
+    return Task(model_fn=model_fn, loss_fn=loss_for(cfg, causal_lm_loss), batch=token_batch(cfg),
                 param_groups=lambda m: optimizer_groups(m, cfg.train.weight_decay), label=f"hf:{directory}",
-                vocab_size=int(config.vocab_size), max_positions=limit, hf_dir=str(directory))
+                vocab_size=int(config.vocab_size), max_positions=limit, hf_dir=str(directory),
+                loss_for_chunk=chunk_choices(causal_lm_loss))

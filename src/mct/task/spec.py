@@ -4,6 +4,7 @@ example micro-batch, and the optimizer and parameter groups the engine is given.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,3 +37,15 @@ class Task:
     hf_dir: str | None = None
     """The Hugging Face directory the model comes from (config.json and tokenizer files
     that an HF export writes back); None for other sources."""
+    loss_for_chunk: Callable[[int], LossFn] | None = None
+    """The default loss for a ``train.loss_chunk_tokens`` value (0 = unchunked), so the
+    planner can plan loss chunking on and off; None: the loss is the user's own."""
+
+
+def with_loss_chunk(task: Task, chunk_tokens: int) -> Task:
+    """``task`` trained with ``train.loss_chunk_tokens = chunk_tokens``: its loss_fn
+    swapped for the default loss of that setting; ``task`` itself when its loss is the
+    user's own (``loss_for_chunk`` None)."""
+    if task.loss_for_chunk is None:
+        return task
+    return dataclasses.replace(task, loss_fn=task.loss_for_chunk(chunk_tokens))

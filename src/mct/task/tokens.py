@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.config import EngineConfig
+from mct.task.chunked import head_loss
 
 
 def token_batch(cfg: EngineConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +60,36 @@ def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     whatever the autocast dtype."""
     with torch.autocast(logits.device.type, enabled=False):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def chunked_token_loss(chunk_tokens: int) -> Callable[[nn.Module, tuple], torch.Tensor]:
+    """The default loss of a token-id model with chunked linear cross-entropy
+    (``mct.task.chunked``): the model is called as the unchunked loss calls it (a
+    Hugging Face causal LM as ``model(input_ids=x, use_cache=False)``, any other as
+    ``model(x)``), with its output head computing the loss ``chunk_tokens`` tokens at a
+    time. Raises ValueError for a model that exposes no output head."""
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        params = inspect.signature(model.forward).parameters
+        call = (lambda: _causal_lm(model, x)) if "use_cache" in params and "input_ids" in params else \
+            (lambda: model(x))
+        return head_loss(model, call, y, chunk_tokens)
+    loss.__qualname__ = f"chunked_token_loss({chunk_tokens})"
+    return loss
+
+
+def loss_for(cfg: EngineConfig, unchunked: Callable[[nn.Module, tuple], torch.Tensor]
+             ) -> Callable[[nn.Module, tuple], torch.Tensor]:
+    """A model source's default loss under ``cfg``: ``unchunked`` when
+    ``train.loss_chunk_tokens`` is 0, else ``chunked_token_loss`` of that many tokens."""
+    chunk = cfg.train.loss_chunk_tokens
+    return chunked_token_loss(chunk) if chunk > 0 else unchunked
+
+
+def chunk_choices(unchunked: Callable[[nn.Module, tuple], torch.Tensor]
+                  ) -> Callable[[int], Callable[[nn.Module, tuple], torch.Tensor]]:
+    """``Task.loss_for_chunk`` of a default loss: chunk tokens -> the loss of that setting."""
+    return lambda chunk: chunked_token_loss(chunk) if chunk > 0 else unchunked
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
