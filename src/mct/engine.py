@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
+from mct import optim
 from mct.checkpointing import apply_checkpointing, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, error_of
@@ -90,7 +91,7 @@ class Engine:
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
         self.model = self._place(model, init_program)
-        optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
+        optimizer = optimizer or optim.make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed)
 
         # 1. checkpointing (a model transformation; parameter names do not change)
         self.recompute = apply_checkpointing(model, cfg.checkpointing,
@@ -117,13 +118,17 @@ class Engine:
                                     tracker=self.tracker,
                                     before_unit=(None if init_program is None else
                                                  lambda params: init_program.materialize(params, self.device)),
-                                    after_unit=self._unit_built)
+                                    after_unit=self._unit_built,
+                                    shard_align=optim.shard_align(cfg.optimizer.state_dtype))
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         self.optimizer = optimizer([
             {**hyper[gi], "params": [u.master for u, g in zip(self.sharded.units, self.sharded.group_of_unit)
                                      if g == gi]}
             for gi in range(len(groups))])
+        from mct.zero.state import extent
+        optim.place(self.optimizer, [(u.master, extent(u, self.comm.rank)[0]) for u in self.sharded.units],
+                    cfg.optimizer.state_dtype)
         self._register_buffers()
         self.steps_done = 0
         self._opt_state_tracked = False
@@ -406,7 +411,8 @@ class Engine:
         global numel]}: every per-element tensor of a unit has its master's extent) and
         ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
         from mct.zero import state as zstate
-        return zstate.layout(self.sharded.units, self.sharded.group_of_unit, self.comm.rank)
+        return zstate.layout(self.sharded.units, self.sharded.group_of_unit, self.comm.rank,
+                             zstate.block_spans(self.optimizer))
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every trainable parameter (master and working copies) from fp32 tensors."""
@@ -542,7 +548,7 @@ class Engine:
             index = zstate.master_index(self.optimizer)
             for i in range(len(units)):
                 tensors, extents = read_units([i])
-                zstate.load_unit(units[i], index, rank, tensors, extents, state)
+                zstate.load_unit(units[i], index, rank, tensors, extents, state, zstate.block_spans(self.optimizer))
             zstate.set_optimizer_state(self.optimizer, state, hyper)
             self._opt_state_tracked = False
             self._register_optimizer_state()

@@ -43,10 +43,11 @@ class ShardedModel:
                  *, stage: int, comm: Comm, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  device: torch.device, persistent_numel: int, tracker: Any,
                  before_unit: Callable[[list[nn.Parameter]], None] | None = None,
-                 after_unit: Callable[[FlatParamUnit], None] | None = None) -> None:
+                 after_unit: Callable[[FlatParamUnit], None] | None = None, shard_align: int = 1) -> None:
         """``before_unit(params)`` runs before a unit is packed (e.g. to materialize
         its parameters from the meta device), ``after_unit(unit)`` right after (e.g.
-        to free or offload it), so construction can hold one unit at a time."""
+        to free or offload it), so construction can hold one unit at a time.
+        ``shard_align``: see ``FlatLayout.shard_align`` (block-quantized optimizer state)."""
         self.stage, self.comm, self.tracker = stage, comm, tracker
         names = {id(p): n for n, p in model.named_parameters()}
         unit_of = assign_units(model, blocks)
@@ -62,7 +63,8 @@ class ShardedModel:
                     continue
                 if before_unit is not None:
                     before_unit([p for _, p in mine])
-                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world)
+                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world,
+                                      shard_align=shard_align)
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      param_dtype=param_dtype, reduce_dtype=reduce_dtype,
