@@ -63,13 +63,19 @@ def test_int8_codecs_error_bounds_and_no_zero_second_moment():
 
 
 def test_stochastic_rounding_is_unbiased_and_a_function_of_the_global_index():
-    n = 1 << 16
+    n = noise.T
+    table = noise.NoiseTable(7, torch.device("cpu"))
     x = torch.full((n,), 1.0 + 2.0**-10)  # between two bf16 values
     out = torch.empty(n, dtype=torch.bfloat16)
-    codec.round_bf16(x.clone(), out, noise.noise16(1, 2, 3, 4, 0, n, x.device))
+    codec.round_bf16(x.clone(), out, table.bits16(2, 3, 4, 0, n))
     assert abs(float(out.float().mean()) - float(x[0])) < 2.0**-14
-    assert torch.equal(noise.bits(1, 2, 3, 4, 1000, 500, x.device), noise.bits(1, 2, 3, 4, 0, 1500, x.device)[1000:])
-    assert not torch.equal(noise.bits(1, 2, 3, 4, 0, 64, x.device), noise.bits(1, 2, 4, 4, 0, 64, x.device))
+    u = table.uniform(2, 3, 4, 0, n)
+    assert abs(float(u.mean()) - 0.5) < 0.01 and float(u.min()) >= 0 and float(u.max()) < 1
+    # a piece of the global tensor starting at 1000 draws what the whole tensor draws there
+    assert torch.equal(table.uniform(2, 3, 4, 1000, 500), table.uniform(2, 3, 4, 0, 1500)[1000:])
+    assert torch.equal(table.uniform(2, 3, 4, 9000, 8000), table.uniform(2, 3, 4, 8000, 9000)[1000:])
+    assert not torch.equal(table.uniform(2, 3, 4, 0, 64), table.uniform(2, 4, 4, 0, 64))  # a new step
+    assert torch.equal(noise.NoiseTable(7, torch.device("cpu")).uniform(2, 3, 4, 0, 64), table.uniform(2, 3, 4, 0, 64))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

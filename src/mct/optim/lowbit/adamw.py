@@ -25,7 +25,7 @@ import torch
 from mct.optim.lowbit import codec, noise
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
-CHUNK = 1 << 16
+CHUNK = noise.T
 """Elements decoded at a time (a multiple of codec.BLOCK): the fp32 scratch stays in cache."""
 
 _SALT_M, _SALT_V = 1, 2
@@ -53,6 +53,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.state_dtype, self.seed = state_dtype, int(seed)
         self._place: dict[int, tuple[int, int]] = {}
+        self._noise: dict[torch.device, noise.NoiseTable] = {}
 
     # ---- the engine's protocol ----
     @property
@@ -157,17 +158,22 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             st["exp_avg"][a:b].copy_(m)
             st["exp_avg_sq"][a:b].copy_(v)
             return
-        seed, stream, step, start = where
-        n, dev = b - a, m.device
+        _, stream, step, start = where
+        n, table = b - a, self._table(m.device)
         if self.state_dtype == "bf16":
-            codec.round_bf16(m, st["exp_avg"][a:b], noise.noise16(seed, stream, step, _SALT_M, start, n, dev))
-            codec.round_bf16(v, st["exp_avg_sq"][a:b], noise.noise16(seed, stream, step, _SALT_V, start, n, dev))
+            codec.round_bf16(m, st["exp_avg"][a:b], table.bits16(stream, step, _SALT_M, start, n))
+            codec.round_bf16(v, st["exp_avg_sq"][a:b], table.bits16(stream, step, _SALT_V, start, n))
             return
         ka, kb = a // codec.BLOCK, codec.blocks_of(b)
         codec.encode_signed(m, st["exp_avg"][a:b], st["exp_avg_scale"][ka:kb],
-                            noise.uniform(seed, stream, step, _SALT_M, start, n, dev))
+                            table.uniform(stream, step, _SALT_M, start, n))
         codec.encode_unsigned(v, st["exp_avg_sq"][a:b], st["exp_avg_sq_scale"][ka:kb],
-                              noise.uniform(seed, stream, step, _SALT_V, start, n, dev))
+                              table.uniform(stream, step, _SALT_V, start, n))
+
+    def _table(self, device: torch.device) -> noise.NoiseTable:
+        if device not in self._noise:
+            self._noise[device] = noise.NoiseTable(self.seed, device)
+        return self._noise[device]
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ Maps (non-linear, as the anchors' dynamic maps: more codes near zero, where most
 block's values are):
   first moment m (signed):   code = round(127 * sign(x) * sqrt(|x| / absmax))   int8
   second moment v (>= 0):    code = round(255 * (v / max) ** (1/4))             uint8
-A second moment > 0 never decodes to 0 (its code is at least 1): Adam divides by it.
+A second moment never decodes to 0 (codes are at least 1): Adam divides by it.
 
 Rounding: to nearest, or stochastic with ``noise`` (uniform in [0, 1), one per
 element, from ``mct.optim.lowbit.noise``): unbiased, so small EMA decays are not lost.
@@ -67,12 +67,11 @@ def encode_unsigned(v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     [k], each block's maximum). ``v`` is used as scratch."""
     vb = _blocked(v)
     torch.amax(vb, dim=1, out=scales)
-    positive = vb > 0
     inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
     vb.mul_(inv[:, None]).sqrt_().sqrt_().mul_(255.0)
-    q = _round(vb, noise if noise is None else noise.view(-1, BLOCK)).clamp_(max=255.0)
-    q = torch.where(positive, q.clamp_(min=1.0), q)
-    codes.view(-1, BLOCK).copy_(q)
+    # code >= 1 everywhere: a positive v never decodes to 0 (a zero v, whose m is zero
+    # too, decodes to a value below its block's 255^-4 * max: harmless)
+    codes.view(-1, BLOCK).copy_(_round(vb, noise if noise is None else noise.view(-1, BLOCK)).clamp_(1.0, 255.0))
 
 
 def decode_unsigned(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
