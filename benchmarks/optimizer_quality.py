@@ -47,7 +47,7 @@ def main() -> None:
     base = next((r["val_loss"] for r in rows if r["state_dtype"] == "fp32"), rows[0]["val_loss"])
     for r in rows:
         r["vs_fp32_pct"] = 100.0 * (r["val_loss"] / base - 1.0)
-    print(f"default GPT, {args.steps} steps; CPU: {cpu_line()}")
+    print(f"{'GPT with ' + ' '.join(args.extra) if args.extra else 'default GPT'}, {args.steps} steps; CPU: {cpu_line()}")
     print(format_table(rows, [("state_dtype", "state"), ("val_loss", "val loss"), ("vs_fp32_pct", "% vs fp32"),
                               ("train_loss", "train loss"), ("wall_s", "wall s")]))
     print(f"wrote {write_json(args.out, {'steps': args.steps, 'rows': rows})}")
