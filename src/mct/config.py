@@ -379,6 +379,43 @@ MAX_SEED = 2**63 - 1
 """Seeds feed torch.manual_seed and numpy's SeedSequence: non-negative, below 2**63."""
 
 
+OPTIMIZER_NAMES = ("adamw",)
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer of ``mct train`` and of ``mct.Engine``'s default. The learning rate
+    and weight decay stay ``train.lr`` / ``train.weight_decay`` (their one home: the LR
+    schedule and the recipes' param groups read them there); ``optimizer.lr`` and
+    ``optimizer.weight_decay`` are refused with that hint, so the two can never disagree."""
+
+    name: str = "adamw"
+    """'adamw' (torch.optim.AdamW for fp32 state; mct.optim.lowbit.LowPrecisionAdamW otherwise)."""
+    betas: list[float] = field(default_factory=list)
+    """[beta1, beta2]; [] = the recipe's: (0.9, 0.95) for mct train's models, torch's (0.9, 0.999)
+    for mct.Engine's default optimizer."""
+    eps: float = 0.0
+    """Adam's epsilon; 0 = the recipe's (1e-8)."""
+    state_dtype: str = "fp32"
+    """Adam's two moments: 'fp32' (torch's fused AdamW: 8 bytes/param), 'bf16' (stochastic
+    rounding: 4), 'int8' (blockwise, 256 elements per fp32 scale: ~2.03). Master weights and
+    the update arithmetic stay fp32."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            _fail("optimizer.name", self.name, f"choose one of {', '.join(OPTIMIZER_NAMES)}")
+        if self.state_dtype not in STATE_DTYPES:
+            _fail("optimizer.state_dtype", self.state_dtype, "choose 'fp32', 'bf16' or 'int8'")
+        if self.betas and (len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas)):
+            _fail("optimizer.betas", self.betas, "must be [beta1, beta2], each in [0, 1) (or [] for the recipe's)")
+        _check_range("optimizer.eps", self.eps, 0.0)
+
+    def adam_kwargs(self, betas: tuple[float, float], eps: float) -> dict[str, Any]:
+        """betas / eps for AdamW: the configured ones, else the given recipe defaults."""
+        return {"betas": tuple(self.betas) if self.betas else betas, "eps": self.eps or eps}
+
+
 OFFLOAD_TIERS = ("none", "cpu", "disk")
 
 
@@ -421,7 +458,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
     "precision": PrecisionConfig, "checkpointing": CheckpointingConfig,
     "zero": ZeroConfig, "memory": MemoryConfig, "distributed": DistributedConfig,
-    "offload": OffloadConfig,
+    "offload": OffloadConfig, "optimizer": OptimizerConfig,
 }
 
 
@@ -438,10 +475,15 @@ class EngineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
         self._check_tensor_sizes()
+        if self.optimizer.state_dtype != "fp32" and self.offload.enabled:
+            _fail("optimizer.state_dtype", self.optimizer.state_dtype,
+                  f"is not yet streamed by offload.optimizer = {self.offload.optimizer!r}: set "
+                  f"optimizer.state_dtype = 'fp32' or offload.optimizer = 'none'")
         if self.offload.params != "none" and self.zero.stage not in (3, "auto"):
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
@@ -492,6 +534,9 @@ def _build_section(name: str, klass: type, values: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(klass)}
     out = {}
     for key, value in values.items():
+        if name == "optimizer" and key in ("lr", "weight_decay"):
+            raise ValueError(f"optimizer.{key} is not a key: set train.{key} (its one home, read by the LR "
+                             f"schedule and the param groups)")
         if key not in fields:
             raise ValueError(f"unknown config key {name}.{key}; allowed in [{name}]: {', '.join(sorted(fields))}")
         out[key] = _coerce(f"{name}.{key}", value, hints[key])
@@ -504,8 +549,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     for t in options:
         origin = typing.get_origin(t)
         if origin is list:
-            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            item = (typing.get_args(t) or (str,))[0]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value) and item is str:
                 return list(value)
+            if isinstance(value, list) and item is float:
+                return [_coerce(f"{key}[{i}]", v, float) for i, v in enumerate(value)]
             continue
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
@@ -531,6 +579,9 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
             if text.lower() in ("false", "0", "no", "off"):
                 return False
         elif typing.get_origin(t) is list:
+            items = [s.strip() for s in text.strip("[]").split(",") if s.strip()]
+            if (typing.get_args(t) or (str,))[0] is float:
+                return [_parse_text(f"{key}[{i}]", s, float) for i, s in enumerate(items)]
             return [s.strip() for s in text.split(",") if s.strip()]
         elif t in (int, float):
             try:
@@ -560,6 +611,8 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         if section not in _SECTIONS:
             raise ValueError(f"--set {item!r}: unknown section {section!r}; allowed: {', '.join(_SECTIONS)}")
         hints = typing.get_type_hints(_SECTIONS[section])
+        if section == "optimizer" and key in ("lr", "weight_decay"):
+            raise ValueError(f"--set {item!r}: optimizer.{key} is not a key: set train.{key} (its one home)")
         if key not in hints:
             raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
         if not isinstance(d.setdefault(section, {}), dict):

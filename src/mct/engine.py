@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
+from mct import optim
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, agree
@@ -37,6 +38,7 @@ from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
+from mct.zero.state_io import extent
 from mct.zero.stage3 import Stage3Lifecycle
 
 
@@ -85,7 +87,7 @@ class Engine:
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20))
         self.model = place_model(model, self.device, init_program)
-        optimizer = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
+        optimizer = optimizer or optim.make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed)
 
         # 1. checkpointing (a model transformation; parameter names do not change), no KV cache
         disable_kv_cache(model)
@@ -108,7 +110,7 @@ class Engine:
         self.residency: Residency = residency_for(cfg, stage=self.stage, comm=self.comm, device=self.device,
                                                   tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
         self.offload = self.residency.offloaded  # the offload runtime, or None
-        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel)
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel, optim.shard_align(cfg.optimizer.state_dtype))
         self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
                                     comm=self.comm, device=self.device, tracker=self.tracker,
                                     hooks=UnitHooks(None if init_program is None else
@@ -119,6 +121,8 @@ class Engine:
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))
         self.optimizer = optimizer([{**hyper[gi], "params": [u.master for u, g in owned if g == gi]}
                                     for gi in range(len(groups))])
+        optim.place(self.optimizer, [(u.master, extent(u, self.comm.rank)[0]) for u in self.sharded.units],
+                    cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
         for b in model.buffers():
             self.tracker.register(b, "params")

@@ -211,7 +211,7 @@ class Resident:
         index = zstate.master_index(self.optimizer)
         for i in range(len(units)):
             tensors, extents = read_units([i])
-            zstate.load_unit(units[i], index, rank, tensors, extents, state)
+            zstate.load_unit(units[i], index, rank, tensors, extents, state, zstate.block_spans(self.optimizer))
         zstate.set_optimizer_state(self.optimizer, state, hyper)
         self._opt_state_tracked = False
         self._track_optimizer_state()

@@ -270,8 +270,9 @@ def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: boo
                 continue
             dtype = getattr(torch, spec["dtype"])
             if spec["per_element"]:
-                extents[k] = layout["extents"][f"{unit}/master"]
-                template[k] = torch.empty(layout["local_numel"][f"{unit}/master"], dtype=dtype, device=engine.device)
+                at = k if k in layout["extents"] else f"{unit}/master"  # per-block state has its own extent
+                extents[k] = layout["extents"][at]
+                template[k] = torch.empty(layout["local_numel"][at], dtype=dtype, device=engine.device)
             else:
                 template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
         return shards.load_pieces(template, extents, path / "engine"), extents

@@ -149,7 +149,7 @@ def layout(e: StateOwner) -> dict[str, Any]:
     ``units`` (as in ``state_dict()``), ``extents`` ({``<unit>/master``: [offset,
     global numel]}: every per-element tensor of a unit has its master's extent) and
     ``local_numel`` ({``<unit>/master``: elements this rank holds}). Not collective."""
-    return zstate.layout(e.sharded.units, e.sharded.group_of_unit, e.comm.rank)
+    return zstate.layout(e.sharded.units, e.sharded.group_of_unit, e.comm.rank, zstate.block_spans(e.optimizer))
 
 
 def model_state_bytes(e: StateOwner) -> dict[str, int]:

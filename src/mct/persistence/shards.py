@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -113,17 +114,40 @@ class _StreamingPlanner(DefaultSavePlanner):
 
 def _wrap(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]],
           device: torch.device | None = None) -> dict[str, Any]:
-    """Pieces that cover only part of their global tensor become DTensors (Shard(0))."""
+    """Pieces that cover only part of their global tensor become DTensors (Shard(0)) where
+    every rank's piece is DTensor's own (torch.chunk's) range of it, else ShardedTensors
+    with each piece's explicit offset (shards aligned to quantization blocks): the files'
+    chunks record the offsets either way, so either loads into any other sharding."""
     partial = {k for k, t in tensors.items() if k in extents and t.numel() != extents[k][1]}
-    if _distributed():  # every rank must wrap the same keys (a rank may hold all of a tiny unit)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(partial))
-        partial = {k for keys in everyone for k in keys}
-    if not partial:
+    if not _distributed():
         return dict(tensors)
     mesh = _mesh(device or next(t.device for t in tensors.values() if t.device.type != "meta"))
-    return {k: (DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
+    explicit = set()
+    for k in (k for k in tensors if k in extents):
+        size, off = compute_local_shape_and_global_offset((extents[k][1],), mesh, [Shard(0)])
+        if (tensors[k].numel(), extents[k][0]) != (size[0], off[0]) and tensors[k].numel():
+            explicit.add(k)
+    # every rank must wrap the same keys (a rank may hold all of a tiny unit), the same way
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(partial), sorted(explicit)))
+    partial = {k for keys, _ in everyone for k in keys}
+    explicit = {k for _, keys in everyone for k in keys} & partial
+    if not partial:
+        return dict(tensors)
+    return {k: (_sharded(t, extents[k]) if k in explicit else
+                DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(extents[k][1],), stride=(1,))
                 if k in partial else t) for k, t in tensors.items()}
+
+
+def _sharded(t: torch.Tensor, extent: list[int]) -> Any:
+    """A 1-D ShardedTensor of global size ``extent[1]`` whose local shard is ``t`` at
+    offset ``extent[0]`` (none where ``t`` is empty). Collective."""
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard, ShardMetadata, init_from_local_shards
+    place = f"rank:{dist.get_rank()}/{t.device}"
+    local = [LocalShard(t, ShardMetadata([extent[0]], [t.numel()], place))] if t.numel() else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor is deprecated for DTensor, which has no explicit offsets
+        return init_from_local_shards(local, extent[1])
 
 
 def save_pieces(tensors: dict[str, torch.Tensor], extents: dict[str, list[int]], path: Path, *,
@@ -186,7 +210,8 @@ def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]]
         raise
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in CheckpointException
         raise ValueError(f"{path}: cannot load the sharded state ({type(e).__name__}: {str(e)[:300]})") from None
-    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in wrapped.items()}
+    return {k: (v.to_local() if hasattr(v, "to_local") else
+                template[k] if hasattr(v, "local_shards") else v) for k, v in wrapped.items()}
 
 
 def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:

@@ -119,6 +119,9 @@ def report_table(run: RunData) -> str:
     skipped = max(most("errors.skipped_steps", "skipped_steps"), sum(r.get("skipped") is True for r in run.rows))
     summary = [f"skipped steps: {skipped}", f"rollbacks: {most('rollbacks')}",
                f"resumes: {len((run.meta or {}).get('resumes') or [])}", f"events: {len(run.events)}"]
+    state = ((run.meta or {}).get("config") or {}).get("optimizer", {}).get("state_dtype", "fp32")
+    if state != "fp32":  # Adam's moments in low precision: says why the run's numbers differ from fp32's
+        summary.append(f"optimizer state: {state}")
     lines.append("; ".join(summary))
     if nonfinite:
         lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
@@ -132,7 +135,8 @@ def plot_title(run: RunData) -> str:
     if isinstance(meta.get("n_params"), int):
         bits.append(f"{meta['n_params']:,} parameters")
     for key, section, name in (("mode", "precision", "precision"), ("stage", "zero", "zero stage"),
-                               ("policy", "checkpointing", "checkpointing")):
+                               ("policy", "checkpointing", "checkpointing"),
+                               ("state_dtype", "optimizer", "optimizer state")):
         v = (cfg.get(section) or {}).get(key)
         if v is not None:
             bits.append(f"{name} {v}")

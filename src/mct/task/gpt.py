@@ -8,6 +8,7 @@ import torch
 from mct.config import EngineConfig
 from mct.data.sampler import BatchSampler
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.optim import make_adamw
 from mct.offload.meta_init import InitProgram, record_init
 from mct.task.seeding import micro_seed, seed_everything, seeded
 from mct.task.spec import Task
@@ -18,14 +19,12 @@ seeded_gpt_loss = seeded(gpt_loss)
 """(input_ids, targets, seed): seed the dropout stream, then the GPT loss."""
 
 def make_optimizer(cfg: EngineConfig):
-    """AdamW, with torch's fused kernel where every tensor it is given sits on a device
+    """AdamW (betas (0.9, 0.95), eps 1e-8 unless ``[optimizer]`` says otherwise), with
+    torch's fused kernel for fp32 state where every tensor it is given sits on a device
     that has one (CPU and CUDA): one pass over memory per step, about 7x faster than
-    the default single-tensor loop on CPU (docs/stages.md, "offload")."""
-    def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        params = [p for g in groups for p in g["params"]]
-        fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
-    return factory
+    the default single-tensor loop on CPU (docs/stages.md, "offload"). bf16 / int8 state:
+    ``mct.optim.LowPrecisionAdamW``."""
+    return make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def build_model(cfg: EngineConfig) -> GPT:

@@ -25,10 +25,15 @@ class FlatLayout:
     numel: int
     """Sum of the parameters' elements (unpadded)."""
     world: int
+    shard_align: int = 1
+    """Every shard holds a multiple of this many elements, so shards start at multiples
+    of it on the global flat index (block-quantized optimizer state: a block never
+    straddles two ranks). 1 = today's layouts, unchanged."""
 
     @property
     def padded_numel(self) -> int:
-        return math.ceil(self.numel / self.world) * self.world if self.numel else self.world
+        per = self.world * self.shard_align
+        return math.ceil(self.numel / per) * per if self.numel else per
 
     @property
     def shard_numel(self) -> int:
@@ -66,17 +71,22 @@ parameter allocated on its own, and parity with the reference would suffer."""
 
 
 def build_layout(names: list[str], shapes: list[torch.Size], world: int,
-                 align: int = ALIGN_ELEMENTS) -> FlatLayout:
+                 align: int = ALIGN_ELEMENTS, shard_align: int = 1) -> FlatLayout:
     """Pack parameters in the given order, each at an ``align``-element boundary.
-    ``world`` is the number of shards (1 when nothing is sharded, as at stage 0)."""
+    ``world`` is the number of shards (1 when nothing is sharded, as at stage 0);
+    each shard holds a multiple of ``shard_align`` elements (the offsets of the
+    parameters do not depend on it, only the tail padding does)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    if shard_align < 1:
+        raise ValueError(f"shard_align must be >= 1, got {shard_align}")
     offsets, total = [], 0
     for s in shapes:
         total = math.ceil(total / align) * align
         offsets.append(total)
         total += math.prod(s)
-    return FlatLayout(tuple(names), tuple(torch.Size(s) for s in shapes), tuple(offsets), total, world)
+    return FlatLayout(tuple(names), tuple(torch.Size(s) for s in shapes), tuple(offsets), total, world,
+                      shard_align)
 
 
 def bucket_slices(shard_numel: int, world: int, element_size: int, bucket_bytes: int) -> list[tuple[int, int]]:

@@ -43,10 +43,13 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
 @dataclass(frozen=True)
 class ShardingPolicy:
     """How a ``ShardedModel`` shards: ZeRO ``stage`` 0-3 and, at stage 3, units of at
-    most ``persistent_numel`` elements kept gathered (``zero.persistent_numel``)."""
+    most ``persistent_numel`` elements kept gathered (``zero.persistent_numel``);
+    ``shard_align``: shard boundaries on multiples of it (``FlatLayout.shard_align``:
+    block-quantized optimizer state; 1 for fp32 state, today's layouts)."""
 
     stage: int
     persistent_numel: int = 0
+    shard_align: int = 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class ShardedModel:
         """``sharding``: the stage and what stays gathered; ``precision``: the units'
         dtypes; ``hooks``: what runs around packing each unit (``UnitHooks``), so
         construction can hold one unit at a time."""
-        stage, persistent_numel = sharding.stage, sharding.persistent_numel
+        stage, persistent_numel, shard_align = sharding.stage, sharding.persistent_numel, sharding.shard_align
         hooks = hooks or UnitHooks()
         self.stage, self.comm, self.tracker = stage, comm, tracker
         names = {id(p): n for n, p in model.named_parameters()}
@@ -83,7 +86,8 @@ class ShardedModel:
                     continue
                 if hooks.before is not None:
                     hooks.before([p for _, p in mine])
-                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world)
+                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world,
+                                      shard_align=shard_align)
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      precision=precision, persistent=persistent, full_grads=stage < 2, device=device,

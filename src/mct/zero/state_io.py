@@ -12,6 +12,12 @@ element range ``[offset, offset + n)`` of it it holds:
 These are torch.chunk's ranges, which is also how a DTensor with ``Shard(0)`` splits a
 1-D tensor, so a checkpoint format can map them directly. Scalar optimizer state (Adam's
 ``step``) is the same on every rank: replicated.
+
+Per-block optimizer state (the fp32 scales of int8 moments, one per ``span`` elements,
+named by the optimizer's ``block_state`` {name: span}) is a global 1-D tensor of
+``ceil(numel / span)`` entries; shards start at multiples of ``span`` (the layout's
+``shard_align``), so rank r holds entries ``[lo / span, ceil(min(hi, numel) / span))``:
+whole blocks move when a checkpoint is resharded, nothing is re-quantized.
 """
 
 from __future__ import annotations
@@ -35,19 +41,39 @@ def extent(unit: FlatParamUnit, rank: int) -> tuple[int, int]:
     return min(lo, layout.numel), max(0, min(hi, layout.numel) - lo)
 
 
+def block_spans(optimizer: Any) -> dict[str, int]:
+    """{state name: elements per entry} of the optimizer's per-block state ({} for torch's)."""
+    return dict(getattr(optimizer, "block_state", {}) or {})
+
+
+def block_extent(unit: FlatParamUnit, rank: int, span: int) -> tuple[int, int]:
+    """(offset, length) in entries of a per-block state tensor this rank's shard holds."""
+    off, n = extent(unit, rank)
+    assert off % span == 0, f"unit {unit.name!r}: shard offset {off} is not a multiple of {span}"
+    return off // span, -(-n // span)
+
+
 def unit_record(unit: FlatParamUnit, group: int) -> dict[str, Any]:
     """JSON-ready description of a unit's layout (independent of world size)."""
     return {"name": unit.name, "group": group, "numel": unit.layout.numel,
             "params": [[n, list(s), o] for n, s, o in zip(unit.names, unit.layout.shapes, unit.layout.offsets)]}
 
 
-def layout(units: list[FlatParamUnit], group_of_unit: list[int], rank: int) -> dict[str, Any]:
+def layout(units: list[FlatParamUnit], group_of_unit: list[int], rank: int,
+           spans: dict[str, int] | None = None) -> dict[str, Any]:
     """``units`` (``unit_record`` each), ``extents`` ({``<unit>/master``: [offset, global
     numel]}) and ``local_numel`` ({``<unit>/master``: elements ``rank`` holds}): what a
-    checkpoint needs to know of a rank's state without reading any of it."""
-    return {"units": [unit_record(u, g) for u, g in zip(units, group_of_unit)],
-            "extents": {key(u, MASTER): [extent(u, rank)[0], u.layout.numel] for u in units},
-            "local_numel": {key(u, MASTER): extent(u, rank)[1] for u in units}}
+    checkpoint needs to know of a rank's state without reading any of it. Per-block
+    state (``spans``, see ``block_spans``) gets its own ``<unit>/optim/<name>`` entries."""
+    out = {"units": [unit_record(u, g) for u, g in zip(units, group_of_unit)],
+           "extents": {key(u, MASTER): [extent(u, rank)[0], u.layout.numel] for u in units},
+           "local_numel": {key(u, MASTER): extent(u, rank)[1] for u in units}}
+    for u in units:
+        for name, span in (spans or {}).items():
+            off, n = block_extent(u, rank, span)
+            out["extents"][key(u, f"optim/{name}")] = [off, -(-u.layout.numel // span)]
+            out["local_numel"][key(u, f"optim/{name}")] = n
+    return out
 
 
 def key(unit: FlatParamUnit, what: str) -> str:
@@ -63,6 +89,7 @@ def export_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer,
     that is neither per-element nor scalar (it could not be resharded)."""
     tensors: dict[str, torch.Tensor] = {}
     extents: dict[str, list[int]] = {}
+    spans = block_spans(optimizer)
     for u in units:
         off, n = extent(u, rank)
         tensors[key(u, MASTER)] = u.master.detach()[:n]
@@ -72,7 +99,12 @@ def export_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer,
             if not isinstance(v, torch.Tensor):
                 raise ValueError(f"optimizer state {name!r} of unit {u.name!r} is a {type(v).__name__}, not a "
                                  f"tensor: only tensor state can be checkpointed; use a torch.optim optimizer")
-            if v.shape == u.master.shape:
+            span = spans.get(name, 1)
+            if span > 1 and v.dim() == 1 and v.numel() * span == u.master.numel():
+                boff, bn = block_extent(u, rank, span)
+                tensors[k] = v.detach()[:bn]
+                extents[k] = [boff, -(-u.layout.numel // span)]
+            elif v.shape == u.master.shape:
                 tensors[k] = v.detach()[:n]
                 extents[k] = [off, u.layout.numel]
             elif v.numel() == 1:
@@ -139,10 +171,13 @@ def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ra
     non-finite masters). Reads only; mutates nothing."""
     check_keys(units, tensors)
     optim_keys = {k for k in tensors if "/optim/" in k}
+    spans = block_spans(optimizer)
+    _check_state_names(optimizer, optim_keys)
     for u in units:
-        off, n = extent(u, rank)
-        want = [off, u.layout.numel]
         for k in [key(u, MASTER)] + sorted(k for k in optim_keys if k.startswith(u.name + "/optim/")):
+            span = spans.get(k.split("/optim/")[-1], 1) if "/optim/" in k else 1
+            off, n = extent(u, rank) if span == 1 else block_extent(u, rank, span)
+            want = [off, -(-u.layout.numel // span)]
             t = tensors[k]
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{k!r} is a {type(t).__name__}, not a tensor")
@@ -160,8 +195,19 @@ def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ra
         if not bool(torch.isfinite(master).all()):
             raise ValueError(f"{key(u, MASTER)!r} holds non-finite values")
     for k in optim_keys:
-        if not tensors[k].is_floating_point():
-            raise ValueError(f"{k!r} has dtype {tensors[k].dtype}, expected a floating-point dtype")
+        if not tensors[k].is_floating_point() and tensors[k].dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"{k!r} has dtype {tensors[k].dtype}, expected a floating-point dtype "
+                             f"(or int8 / uint8 codes of quantized state)")
+
+
+def _check_state_names(optimizer: Any, optim_keys: set[str]) -> None:
+    """An optimizer that names its state (``state_names``) gets exactly those names."""
+    want = getattr(optimizer, "state_names", None)
+    have = {k.split("/optim/")[1] for k in optim_keys}
+    if want is not None and have and have != set(want):
+        raise ValueError(f"the state holds optimizer state {sorted(have)}, this optimizer "
+                         f"(state_dtype = {getattr(optimizer, 'state_dtype', '?')!r}) keeps {sorted(want)}: "
+                         f"set optimizer.state_dtype to the one the state was saved with")
 
 
 def load_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
@@ -172,7 +218,7 @@ def load_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ran
     state: dict[int, dict[str, torch.Tensor]] = {}
     index = master_index(optimizer)
     for u in units:
-        load_unit(u, index, rank, tensors, extents, state)
+        load_unit(u, index, rank, tensors, extents, state, block_spans(optimizer))
     set_optimizer_state(optimizer, state, param_groups)
 
 
@@ -182,10 +228,11 @@ def master_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 def load_unit(u: FlatParamUnit, index: dict[int, int], rank: int, tensors: dict[str, torch.Tensor],
-              extents: dict[str, list[int]], state: dict[int, dict[str, torch.Tensor]]) -> None:
+              extents: dict[str, list[int]], state: dict[int, dict[str, torch.Tensor]],
+              spans: dict[str, int] | None = None) -> None:
     """Copy one checked unit's master piece into ``u.master`` and put its optimizer state
-    (padded to the master's length) into ``state`` under the master's index
-    (``master_index``)."""
+    (padded to the master's length; per-block state, ``spans``, to its blocks) into
+    ``state`` under the master's index (``master_index``)."""
     _, n = extent(u, rank)
     with torch.no_grad():
         u.master.zero_()
@@ -193,7 +240,8 @@ def load_unit(u: FlatParamUnit, index: dict[int, int], rank: int, tensors: dict[
         prefix = key(u, "optim/")
         mine = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         if mine:
-            state[index[id(u.master)]] = {name: _padded(t, u.master, n, key(u, f"optim/{name}") in extents)
+            state[index[id(u.master)]] = {name: _padded(t, u.master, n, key(u, f"optim/{name}") in extents,
+                                                        (spans or {}).get(name, 1))
                                           for name, t in mine.items()}
 
 
@@ -208,11 +256,11 @@ def set_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[int, dict[
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _padded(t: torch.Tensor, master: torch.Tensor, n: int, per_element: bool) -> torch.Tensor:
+def _padded(t: torch.Tensor, master: torch.Tensor, n: int, per_element: bool, span: int = 1) -> torch.Tensor:
     if not per_element:
         return t.detach().clone().reshape(()) if t.dim() else t.detach().clone()
-    out = torch.zeros(master.shape, dtype=t.dtype, device=master.device)
-    out[:n].copy_(t)
+    out = torch.zeros(master.numel() // span, dtype=t.dtype, device=master.device)
+    out[:-(-n // span)].copy_(t)
     return out
 
 

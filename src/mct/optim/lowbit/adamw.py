@@ -1,0 +1,181 @@
+"""AdamW whose two moments are kept in bf16 or blockwise int8; the update is fp32.
+
+Each step, per chunk of a parameter (whole blocks): decode the moments to fp32, do
+torch's AdamW arithmetic (decoupled weight decay, bias correction, ``eps`` outside the
+square root) on the fp32 parameter, encode the moments back. Only one chunk's fp32
+moments exist at a time, so the state stays at 2 (bf16) or ~1.03 (int8) bytes per
+element per moment.
+
+Shard invariance: the engine tells the optimizer where each flat master shard starts
+in its unit's global flat tensor (``place``); int8 blocks and the rounding noise are
+laid on that global index, so the bytes of element i do not depend on the world size.
+
+State per parameter (checkpointed as it is, codes and scales; never re-quantized):
+  ``step``                         fp32 scalar
+  ``exp_avg``, ``exp_avg_sq``      bf16 [n] | int8 [n], uint8 [n]
+  ``exp_avg_scale``, ``exp_avg_sq_scale``   (int8 only) fp32 [n / BLOCK], per block
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mct.optim.lowbit import codec, noise
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+CHUNK = noise.T
+"""Elements decoded at a time (a multiple of codec.BLOCK): the fp32 scratch stays in cache."""
+
+_SALT_M, _SALT_V = 1, 2
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW with ``state_dtype`` moments ('bf16': stochastic rounding; 'int8': blockwise
+    codes, stochastic rounding; 'fp32': plain fp32 moments through the same loop, a
+    check of the arithmetic against ``torch.optim.AdamW``). ``seed`` keys the rounding
+    noise. Raises ValueError for arguments torch's AdamW would refuse too, and for
+    amsgrad / maximize (not supported)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: str = "bf16",
+                 seed: int = 0, amsgrad: bool = False, maximize: bool = False) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype = {state_dtype!r}: choose one of {', '.join(STATE_DTYPES)}")
+        if amsgrad or maximize:
+            raise ValueError("LowPrecisionAdamW supports neither amsgrad nor maximize; "
+                             "use optimizer.state_dtype = 'fp32' (torch.optim.AdamW) for them")
+        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.state_dtype, self.seed = state_dtype, int(seed)
+        self._place: dict[int, tuple[int, int]] = {}
+        self._noise: dict[torch.device, noise.NoiseTable] = {}
+
+    # ---- the engine's protocol ----
+    @property
+    def block_state(self) -> dict[str, int]:
+        """Per-block state names -> elements per entry (``mct.zero.state`` reshards them by block)."""
+        return {"exp_avg_scale": codec.BLOCK, "exp_avg_sq_scale": codec.BLOCK} if self.state_dtype == "int8" else {}
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("step", "exp_avg", "exp_avg_sq", *self.block_state)
+
+    @property
+    def shard_align(self) -> int:
+        """Shards of this optimizer's state must start at multiples of this many elements."""
+        return 1 if self.state_dtype == "fp32" else codec.BLOCK
+
+    def place(self, param: torch.Tensor, offset: int, stream: int) -> None:
+        """``param`` starts at global flat index ``offset`` of unit number ``stream``.
+        Raises ValueError when ``offset`` splits a quantization block."""
+        if offset % self.shard_align or (self.shard_align > 1 and param.numel() % self.shard_align):
+            raise ValueError(f"a shard of {param.numel()} elements at offset {offset} is not aligned to "
+                             f"{codec.BLOCK}: build the engine with optimizer.state_dtype = {self.state_dtype!r} in its config "
+                             f"(it aligns the ZeRO shards), not only the optimizer factory")
+        self._place[id(param)] = (int(offset), int(stream))
+
+    # ---- state ----
+    def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, dev = p.numel(), p.device
+        if self.state_dtype == "int8":
+            codec._blocked(p.detach().view(-1))  # asserts whole blocks
+            nb = n // codec.BLOCK
+            return {"step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros(n, dtype=torch.int8, device=dev),
+                    "exp_avg_sq": torch.zeros(n, dtype=torch.uint8, device=dev),
+                    "exp_avg_scale": torch.zeros(nb, dtype=torch.float32, device=dev),
+                    "exp_avg_sq_scale": torch.zeros(nb, dtype=torch.float32, device=dev)}
+        dt = torch.bfloat16 if self.state_dtype == "bf16" else torch.float32
+        return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros(n, dtype=dt, device=dev),
+                "exp_avg_sq": torch.zeros(n, dtype=dt, device=dev)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, then each state tensor back in this optimizer's
+        storage dtype (torch casts every tensor to the parameter's fp32: int8 codes and
+        bf16 moments go there and back exactly)."""
+        super().load_state_dict(state_dict)
+        for p, st in self.state.items():
+            want = self._init_state(p) if "exp_avg" in st else {}
+            for k, v in want.items():
+                if k in st and k != "step":
+                    st[k] = st[k].to(v.dtype)
+
+    # ---- the step ----
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(self._init_state(p))
+                st["step"] += 1
+                self._step_param(p.view(-1), p.grad.view(-1), st, group, self._place.get(id(p), (0, 0)))
+        return loss
+
+    def _step_param(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor], group: dict,
+                    placed: tuple[int, int]) -> None:
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step = int(st["step"].item()) if not _is_fake(st["step"]) else 1
+        step_size = lr / (1 - b1**step)
+        bc2_sqrt = (1 - b2**step) ** 0.5  # as torch's AdamW, for bit parity with fp32 state
+        offset, stream = placed
+        for a in range(0, p.numel(), CHUNK):
+            b = min(a + CHUNK, p.numel())
+            m, v = self._decode(st, a, b)
+            pc, gc = p[a:b], g[a:b]
+            pc.mul_(1 - lr * wd)
+            m.lerp_(gc, 1 - b1)
+            v.mul_(b2).addcmul_(gc, gc, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            pc.addcdiv_(m, denom, value=-step_size)
+            self._encode(st, a, b, m, v, (self.seed, stream, step, offset + a))
+
+    def _decode(self, st: dict[str, torch.Tensor], a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.state_dtype != "int8":
+            return st["exp_avg"][a:b].float(), st["exp_avg_sq"][a:b].float()
+        ka, kb = a // codec.BLOCK, codec.blocks_of(b)
+        dev = st["exp_avg"].device
+        m = codec.decode_signed(st["exp_avg"][a:b], st["exp_avg_scale"][ka:kb],
+                                torch.empty(b - a, dtype=torch.float32, device=dev))
+        v = codec.decode_unsigned(st["exp_avg_sq"][a:b], st["exp_avg_sq_scale"][ka:kb],
+                                  torch.empty(b - a, dtype=torch.float32, device=dev))
+        return m, v
+
+    def _encode(self, st: dict[str, torch.Tensor], a: int, b: int, m: torch.Tensor, v: torch.Tensor,
+                where: tuple[int, int, int, int]) -> None:
+        if self.state_dtype == "fp32":
+            st["exp_avg"][a:b].copy_(m)
+            st["exp_avg_sq"][a:b].copy_(v)
+            return
+        _, stream, step, start = where
+        n, table = b - a, self._table(m.device)
+        if self.state_dtype == "bf16":
+            codec.round_bf16(m, st["exp_avg"][a:b], table.bits16(stream, step, _SALT_M, start, n))
+            codec.round_bf16(v, st["exp_avg_sq"][a:b], table.bits16(stream, step, _SALT_V, start, n))
+            return
+        ka, kb = a // codec.BLOCK, codec.blocks_of(b)
+        codec.encode_signed(m, st["exp_avg"][a:b], st["exp_avg_scale"][ka:kb],
+                            table.uniform(stream, step, _SALT_M, start, n))
+        codec.encode_unsigned(v, st["exp_avg_sq"][a:b], st["exp_avg_sq_scale"][ka:kb],
+                              table.uniform(stream, step, _SALT_V, start, n))
+
+    def _table(self, device: torch.device) -> noise.NoiseTable:
+        if device not in self._noise:
+            self._noise[device] = noise.NoiseTable(self.seed, device)
+        return self._noise[device]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
