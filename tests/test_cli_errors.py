@@ -258,7 +258,7 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
 
 
 # (case id, argv after `mct`, fragment) against one trained tiny hf: run and its damaged copies
-# (tests/test_hf_inputs.py::probe_runs): exports, samples and init-from sources.
+# (tests/task/test_hf_inputs.py::probe_runs): exports, samples and init-from sources.
 HF_RUN_TRAIN = ["train", "--no-progress", "--run-dir", "{root}/new_run", "--model", "hf:{src}", "--set",
                 "model.seq_len=16", "--set", "data.path={dataset}", "--set", "train.steps=1", "--set",
                 "train.eval_every=0"]
@@ -330,7 +330,7 @@ def test_an_oserror_while_training_says_read_or_write(tmp_path):
 @pytest.fixture(scope="module")
 def hf_probe(tmp_path_factory) -> dict[str, str]:
     pytest.importorskip("transformers")
-    from tests.test_hf_inputs import probe_runs
+    from tests.task.test_hf_inputs import probe_runs
     return probe_runs(tmp_path_factory.mktemp("cli_hf"))
 
 

@@ -91,10 +91,10 @@ class Engine:
 
         # 1. checkpointing (a model transformation; parameter names do not change), no KV cache
         disable_kv_cache(model)
-        self.recompute = apply_checkpointing(model, cfg.checkpointing,
-                                             recompute_context=lambda: self.tracker.category("activations"),
-                                             device=self.device, offload_dir=cfg.offload.dir,
-                                             name=f"rank{self.ctx.rank}", report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"))
+        self.recompute = apply_checkpointing(
+            model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
+            device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
+            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"))
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",
@@ -110,7 +110,8 @@ class Engine:
         self.residency: Residency = residency_for(cfg, stage=self.stage, comm=self.comm, device=self.device,
                                                   tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
         self.offload = self.residency.offloaded  # the offload runtime, or None
-        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel, optim.shard_align(cfg.optimizer.state_dtype))
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel,
+                                  shard_align=optim.shard_align(cfg.optimizer.state_dtype))
         self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
                                     comm=self.comm, device=self.device, tracker=self.tracker,
                                     hooks=UnitHooks(None if init_program is None else
@@ -124,8 +125,7 @@ class Engine:
         optim.place(self.optimizer, [(u.master, extent(u, self.comm.rank)[0]) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
-        for b in model.buffers():
-            self.tracker.register(b, "params")
+        self.tracker.register_all(model.buffers(), "params")
         self.steps_done, self._phase_name = 0, "idle"
         self.reserve = (step_reserve(optimizer, hyper, self.sharded.group_of_unit, self.residency.step_masters(),
                                      self.sharded.units, self.precision.param_dtype) if enforce else None)
@@ -141,8 +141,7 @@ class Engine:
     # ---- the step ----
     def train_step(self, batch: Any, loss_fn: LossFn) -> StepResult:
         """One optimizer step over this rank's micro-batch (or list of micro-batches).
-        Raises MemoryBudgetExceeded (memory.enforce) before the optimizer modifies any
-        master or optimizer state; gradients of the failed step are dropped."""
+        MemoryBudgetExceeded (memory.enforce) comes before any state is modified."""
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
@@ -271,23 +270,19 @@ class Engine:
     STATE_FORMAT = engine_state.STATE_FORMAT
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state for a continuation: header + world-size-independent pieces
-        (the same with and without offload). Not collective; mutates nothing."""
+        """This rank's state (header + world-size-independent pieces). Not collective."""
         return engine_state.state_dict(self)
 
     def streamed_state_dict(self) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
-        """(``state_dict()`` with stored pieces as placeholders, their readers): a save
-        holds one piece at a time. Not collective; mutates nothing."""
+        """(``state_dict()`` with placeholders, their readers): one piece at a time."""
         return engine_state.streamed_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` of this layout, all validated first (ValueError,
-        the engine untouched). Collective at stages 1/2."""
+        """Restore a ``state_dict()``, all validated first (ValueError: untouched)."""
         engine_state.load_state_dict(self, state)
 
     def load_state_streamed(self, header: dict[str, Any], read_units: Callable[[list[int]], tuple[dict, dict]]) -> None:
-        """``load_state_dict`` for state read a unit at a time by ``read_units(indices)``,
-        never a second copy of this rank's state. Collective."""
+        """``load_state_dict`` read a unit at a time by ``read_units(indices)``. Collective."""
         engine_state.load_state_streamed(self, header, read_units)
 
     def set_counters(self, scaler: dict[str, Any], steps_done: int) -> None:
@@ -297,8 +292,7 @@ class Engine:
         self.sharded.zero_grad()
 
     def snapshot(self, tag: str = "snapshot") -> EngineSnapshot:
-        """A rollback target that restores itself (``restore()``), kept where the
-        residency keeps it (``Residency.snapshot``); call between steps."""
+        """A rollback target that restores itself, kept where the residency keeps it."""
         return self.residency.snapshot(tag, self)
 
     def snapshot_state(self, tag: str = "snapshot") -> dict[str, Any]:
@@ -339,8 +333,7 @@ class Engine:
         save_engine(self, path)
 
     def load(self, path: str) -> None:
-        """Load a checkpoint written by ``save`` (any world size and ZeRO stage);
-        ValueError naming the file and the fault, the engine untouched. Collective."""
+        """Load a ``save`` checkpoint (any world size, stage); ValueError: untouched."""
         load_engine(self, path)
 
     def close(self) -> None:

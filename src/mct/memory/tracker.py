@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -189,6 +189,11 @@ class MemoryTracker:
             self.reset_peaks()  # the device's peak counter predates this tracker
 
     # -- public API ---------------------------------------------------------------
+
+    def register_all(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """``register`` each of ``tensors`` under ``category``."""
+        for t in tensors:
+            self.register(t, category)
 
     def register(self, tensor: torch.Tensor, category: str) -> None:
         """Count ``tensor``'s storage under ``category`` from now on.

@@ -25,7 +25,7 @@ exactly): bf16 (p = 8) measured 4.1e-4 (tiny GPT) / 6.6e-4 (default GPT), fp16
 offset hides in the low-precision noise (bf16 moves parameters by up to 6e-3 over 50
 steps: Adam turns gradient rounding into lr-sized per-element steps), so the
 end-of-run and per-step tolerances below let a rounded master through (checked in
-tests/test_verify.py with the old construction planted).
+tests/verify/test_verify.py with the old construction planted).
 Tolerances: fp32 1e-5 for loss, gradient norm and parameters (with several
 micro-batches at stages 2/3 the sum order alone moves parameters by ~1e-6);
 bf16/fp16: loss and gradient norm 2e-2 at every step, parameters

@@ -66,6 +66,7 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_masters_are_the_exact_fp32_init_on_two_ranks(tmp_path):
     for rank_result in run_distributed(_two_ranks, 2, str(tmp_path), timeout=300):
         assert rank_result and all(bad == [] for bad in rank_result.values()), rank_result

@@ -147,6 +147,7 @@ def _chunked_vs_unchunked(rank: int, world: int) -> list:
     return rows
 
 
+@pytest.mark.multirank
 def test_chunked_loss_equals_unchunked_through_the_engine_every_stage_two_ranks():
     """The whole gradient within 1e-6; single tensors within 1e-5 (a small gradient
     behind the attention softmax, e.g. a 2-layer Llama's last q_proj, carries the

@@ -89,7 +89,7 @@ def test_an_offloaded_load_that_fails_in_a_later_unit_leaves_the_engine_untouche
 
 
 def two_rank_checks(rank: int, world: int, tmp: str) -> dict[str, bool]:
-    """Run inside a 2-rank job (tests/test_offload.py's): a stage-3 engine with optimizer
+    """Run inside a 2-rank job (tests/offload/test_offload.py's): a stage-3 engine with optimizer
     and parameters on disk saves, a fresh one loads it (each rank reading and staging
     its own element ranges unit by unit) and takes the same next step; the streamed
     weights export equals ``save_file`` of the full state dict, byte for byte."""

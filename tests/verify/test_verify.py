@@ -69,7 +69,7 @@ def test_verify_fails_on_a_wrong_gradient_averaging_factor(reports, stage):
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "mct", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=240)

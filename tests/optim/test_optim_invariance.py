@@ -100,6 +100,7 @@ def _gathered(results: list[dict]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # spawns 2 and 3 ranks several times; slow on a loaded 2-core machine
+@pytest.mark.multirank
 def test_state_and_weights_bytes_equal_on_1_2_3_ranks_and_every_stage():
     dtypes = ["bf16", "int8"]
     runs = {(1, 0): _gathered([_run_all(0, 1, dtypes, [0])]), (1, 3): _gathered([_run_all(0, 1, dtypes, [3])])}
@@ -133,6 +134,7 @@ def _resume(rank: int, world: int, path: str, stage: int) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # spawns 2 and 3 ranks several times; slow on a loaded 2-core machine
+@pytest.mark.multirank
 def test_int8_checkpoint_from_2_ranks_resumes_on_3_and_on_1_bit_exactly(tmp_path):
     path = str(tmp_path / "ck")
     run_distributed(_save_two, 2, path, timeout=600)

@@ -20,9 +20,9 @@ from mct.config import EngineConfig
 from mct.persistence.run_dir import checkpoints
 from mct.run.trainer import train
 from tests.distributed import run_distributed
-from tests.test_resume import _rows, _write_corpus, tiny_run
+from tests.persistence.test_resume import _rows, _write_corpus, tiny_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict:
@@ -86,7 +86,7 @@ def _uninterrupted(rank: int, world: int, d: dict, run: str) -> None:
 # Two ranks where sharding makes the files differ most (stage 1: masters are views of the
 # working buffer; stage 3: nothing is replicated); stage 2 saves exactly what stage 1 does,
 # so one process suffices there, which keeps the suite within its time budget.
-# Stage 1 resumes on 2 ranks in tests/test_resume.py (reshard 1 -> 2); for the suite's
+# Stage 1 resumes on 2 ranks in tests/persistence/test_resume.py (reshard 1 -> 2); for the suite's
 # time one multi-rank kill is kept here.
 @pytest.mark.multirank
 @pytest.mark.cli

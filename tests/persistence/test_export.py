@@ -51,7 +51,7 @@ def _export_rank(rank: int, world: int, out: str, offload: dict) -> bool:
     return True
 
 
-# two ranks with disk offload: tests/test_offload.py::test_two_rank_offloaded_checkpoint_and_export_stream_exactly
+# two ranks with disk offload: tests/offload/test_offload.py::test_two_rank_offloaded_checkpoint_and_export_stream_exactly
 @pytest.mark.parametrize("offload", [{"optimizer": "cpu"}, {"optimizer": "disk", "params": "disk"}],
                          ids=["stage3-cpu", "stage3-disk"])
 def test_engine_export_equals_the_full_state_dict_byte_for_byte(tmp_path, offload):

@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 from mct.config import EngineConfig  # noqa: E402
 from mct.persistence.resume import resume_config  # noqa: E402
 from mct.run.trainer import train  # noqa: E402
-from tests.test_task_hf import save_tiny  # noqa: E402
+from tests.task.test_task_hf import save_tiny  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 

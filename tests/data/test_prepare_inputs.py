@@ -22,7 +22,7 @@ from mct.data.pipeline import prepare
 from mct.data.textstream import cut_ok, safe_cut
 from mct.data.tokenizer import MAX_WORD_BYTES, Encoder, resolve_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIG = ("Hello wörld, this is 日本語 text.\nSecond line  with  two spaces\n\n  \nPara two, 'quoted' x.\n" * 40
        + "solid" * 10 + " end\r\nlast line")
 
@@ -177,6 +177,7 @@ def test_a_killed_runs_partial_directory_is_removed_by_the_next_run(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.cli
 def test_a_signal_mid_prepare_leaves_no_directory_and_no_process(tmp_path, sig):
     (tmp_path / "big.txt").write_text(("word " * 200 + "\n") * 60000)  # ~60 MB: still encoding when signalled
     out = tmp_path / "ds_signal_target"

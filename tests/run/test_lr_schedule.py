@@ -15,7 +15,7 @@ from mct.config import LR_SCHEDULES, EngineConfig, TrainConfig
 from mct.persistence.run_dir import step_dir
 from mct.run.schedule import LRSchedule, lr_at
 from mct.run.trainer import train
-from tests.test_resume import _resume, _rows, _write_corpus, tiny_run
+from tests.persistence.test_resume import _resume, _rows, _write_corpus, tiny_run
 
 
 def _lrs(**keys) -> list[float]:

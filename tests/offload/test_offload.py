@@ -190,7 +190,7 @@ def _two_rank_offload(rank: int, world: int, tmp: str) -> dict:
         out[key] = _compare(rank, world, stage, mode, offload, adamw, 1.0, tmp, reference)
     # stage 3 with small units kept gathered (persistent): published like stages 1/2
     out["persistent"] = _compare(rank, world, 3, "bf16", {"optimizer": "disk"}, adamw, 1.0, tmp, None, 20000)
-    from tests.test_persistence_streaming import two_rank_checks
+    from tests.persistence.test_persistence_streaming import two_rank_checks
     out["streamed"] = two_rank_checks(rank, world, tmp)  # in this job: no second process start-up
     return out
 
@@ -210,7 +210,7 @@ def test_offloaded_state_is_bit_identical_at_stages_1_to_3_on_two_ranks(two_rank
 
 @pytest.mark.multirank
 def test_two_rank_offloaded_checkpoint_and_export_stream_exactly(two_rank):
-    for results in two_rank:  # see tests/test_persistence_streaming.py: two_rank_checks
+    for results in two_rank:  # see tests/persistence/test_persistence_streaming.py: two_rank_checks
         assert all(results["streamed"].values()), results["streamed"]
 
 
@@ -226,7 +226,7 @@ def test_offloaded_bytes_are_reported_apart_and_leave_the_resident_count(two_ran
 
 def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
     from mct.verify.compare import run_verify
-    from tests.test_verify import _cfg
+    from tests.verify.test_verify import _cfg
     out = {}
     for stage, offload in ((1, {"optimizer": "disk"}), (2, {"optimizer": "disk"}),
                            (3, {"optimizer": "disk", "params": "disk"})):
@@ -240,7 +240,7 @@ def _verify_offloaded(rank: int, world: int, data_path: str, tmp: str) -> dict:
 def test_verify_with_offload_passes_at_fp32_tolerance_at_stages_1_to_3(tmp_path):
     """``mct verify`` against the fp32 reference trainer, 2 ranks, 2 micro-batches:
     offloaded state passes at the fp32 tolerance at every stage."""
-    from tests.test_verify import _write_corpus
+    from tests.verify.test_verify import _write_corpus
     reports = run_distributed(_verify_offloaded, 2, _write_corpus(tmp_path / "c.txt"), str(tmp_path),
                               timeout=300)[0]
     for stage, report in reports.items():
@@ -524,7 +524,7 @@ def test_resume_moves_a_run_between_offloaded_and_resident_state_exactly(tmp_pat
     offloaded run. No offload folder outlives a run."""
     from mct.persistence.resume import resume_config
     from mct.run.trainer import train
-    from tests.test_resume import _write_corpus, tiny_run
+    from tests.persistence.test_resume import _write_corpus, tiny_run
     corpus = _write_corpus(tmp_path / "corpus")
     off = {"optimizer": "disk", "params": "disk", "dir": str(tmp_path / "off"), "chunk_mb": 0.002}
     (tmp_path / "off").mkdir()

@@ -22,7 +22,7 @@ from mct.planner.dry_run import dry_run
 from mct.run.trainer import seeded_gpt_loss
 from tests.distributed import run_distributed
 from tests.helpers import adamw, batches, tiny_config
-from tests.test_checkpointing_engine import _micro_batches, sgd
+from tests.checkpointing.test_checkpointing_engine import _micro_batches, sgd
 
 STEPS = 20
 
@@ -72,6 +72,7 @@ def _two_rank_runs(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.multirank
 def test_disk_offload_trains_bit_identically_for_20_steps_stages_0_and_3_on_two_ranks(tmp_path):
     ranks = run_distributed(_two_rank_runs, 2, str(tmp_path), timeout=1200.0)
     for rank, runs in enumerate(ranks):

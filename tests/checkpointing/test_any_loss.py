@@ -79,6 +79,7 @@ def _one(rank: int, world: int, kind: str, stage: int, policy: str):
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.multirank
 def test_labels_loss_of_a_cached_hf_model_matches_the_reference_every_policy(kind, policy, stage):
     if stage == 0:
         loss_rel, param_rel, name = _vs_reference(0, 1, kind, stage, policy)

@@ -17,7 +17,7 @@ import pytest
 
 from mct.reporting.events import read_events
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 40
 
 

@@ -18,7 +18,7 @@ from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
 from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
