@@ -42,7 +42,7 @@ def probe_runs(root: Path) -> dict[str, str]:
     missing a shard, a truncated HF dir. Returns the placeholders of the paths."""
     from transformers import GPT2Config
     from mct.config import EngineConfig
-    from mct.data.prepare import prepare
+    from mct.data.pipeline import prepare
     from mct.data.tokenizer import bytes_tokenizer_json
     from mct.run.trainer import train
     src = root / "gpt2"
