@@ -70,7 +70,7 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from mct.engine import Engine
     from mct.models.gpt import gpt_loss, optimizer_groups
     from mct.memory import host
-    from mct.run.trainer import build_model_on_meta, make_optimizer
+    from mct.task.gpt import build_model_on_meta, make_optimizer
     cfg = EngineConfig.from_dict({
         "model": {"n_layer": spec["layers"], "n_head": 16, "d_model": 1024, "seq_len": 128, "vocab_size": 256},
         "data": {"micro_batch_size": 1}, "precision": {"mode": spec["precision"]}, "zero": {"stage": 3},
