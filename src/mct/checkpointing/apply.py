@@ -60,7 +60,7 @@ class CheckpointState:
     @property
     def recomputing(self) -> bool:
         """True while backward replays a region (a forward pre-hook can read this)."""
-        return any(r._replaying is not None for r in self.regions)
+        return any(r.replaying for r in self.regions)
 
     def recompute_context(self) -> ContextManager:
         """Context the replay of a region runs in (e.g. a memory tracker's category)."""

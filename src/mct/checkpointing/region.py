@@ -64,6 +64,11 @@ class Region:
         self.offload: Any = None  # an ActivationOffload: the region's input waits off the device
 
     @property
+    def replaying(self) -> bool:
+        """True while backward replays this region's forward."""
+        return self._replaying is not None
+
+    @property
     def label(self) -> str:
         names = [n for n, _ in self.blocks]
         return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
