@@ -6,6 +6,7 @@ import copy
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from mct.config import EngineConfig
@@ -153,3 +154,14 @@ def shared_work(rank: int, world: int, jobs: dict[Any, Any]) -> dict[Any, Any] |
     parts: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return {k: v for p in parts for k, v in p.items()} if rank == 0 else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Autouse in a module that imports it: one intra-op thread, as the spawned ranks run.
+    Two threads on a busy 2-core machine spin against each other and make a tiny model's
+    step ~40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

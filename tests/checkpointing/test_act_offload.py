@@ -21,18 +21,12 @@ from mct.models.gpt import GPT, gpt_loss
 from mct.planner.dry_run import dry_run
 from mct.run.trainer import seeded_gpt_loss
 from tests.distributed import run_distributed
-from tests.helpers import adamw, batches, tiny_config
+from tests.helpers import adamw, batches, one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
 from tests.checkpointing.test_checkpointing_engine import _micro_batches, sgd
 
 STEPS = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cfg(policy: str, offload: str, root: str, n_layer: int = 4, **sections) -> EngineConfig:

@@ -13,7 +13,7 @@ from mct.models.gpt import GPT
 from mct.task.seeding import micro_seed
 from mct.run.trainer import seeded_gpt_loss
 from tests.distributed import run_distributed
-from tests.helpers import batches, tiny_config
+from tests.helpers import batches, one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
 
 POLICIES = ["none", "all", "every_k", "sqrt", "selective"]
 N_LAYER = 8
@@ -21,14 +21,6 @@ STEPS = 2
 SEED = 1337
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Two intra-op threads on a busy 2-core machine spin against each other and make a
-    # tiny model's step ~40x slower; the spawned ranks already run with one thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def sgd(groups: list[dict]) -> torch.optim.Optimizer:
