@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from benchmarks.common import cpu_line, write_json
 from mct.config import EngineConfig
 from mct.data import build_data
 from mct.engine import Engine
@@ -52,11 +53,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--stage", type=int, default=0)
     ap.add_argument("--modes", default="fp32,bf16")
+    ap.add_argument("--json", default="bf16_tracking", help="result name or path (.json)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     modes = args.modes.split(",")
     out = {m: run(m, args.steps, args.stage) for m in modes}
     base = out[modes[0]][0]
+    print(cpu_line())
     print(f"{'step':>4} " + " ".join(f"{m:>10} {'diff':>9}" for m in modes))
     for s in range(args.steps + 1):
         label = f"{s:>4}" if s < args.steps else "eval"
@@ -64,6 +67,9 @@ def main() -> None:
     for m in modes:
         print(f"{m}: loss after {args.steps} updates {out[m][0][-1]:.6f}, difference from {modes[0]} "
               f"{out[m][0][-1] - base[-1]:+.3e}; max |master - fp32 init| at construction {out[m][1]:.2e}")
+    path = write_json(args.json, {"steps": args.steps, "stage": args.stage,
+                                  "modes": {m: {"losses": out[m][0], "init_max_abs_err": out[m][1]} for m in modes}})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
