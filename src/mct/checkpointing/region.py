@@ -141,8 +141,8 @@ class Region:
             raise ValueError(f"block {name!r} ran outside the order of its checkpoint region "
                              f"{self.label}; segment policies need the region's blocks called "
                              "consecutively (use policy 'all' or 'every_k' for this model)")
-        slot: str | int = 0 if args else next(iter(kwargs), "")
-        chained = args[0] if args else kwargs.get(slot)  # type: ignore[arg-type]
+        slot = _chained_slot(args, kwargs)
+        chained = None if slot is None else args[0] if slot == 0 else kwargs[slot]
         if chained is not region.last_primary:
             prev = self.blocks[pos - 1][0]
             self._close(abort=True)
@@ -235,16 +235,21 @@ class Region:
                 "a non-deterministic kernel); make it deterministic or exclude the block")
 
 
+def _chained_slot(args: tuple, kwargs: dict) -> str | int | None:
+    """Where a block's chained input sits: 0 (its first positional argument), else the
+    name of its first keyword argument; None when it takes no argument."""
+    return 0 if args else next(iter(kwargs), None)
+
+
 def _map_chained(call: tuple[tuple, dict], fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
-    """``call`` with ``fn`` applied to the first block's chained input (its first
-    positional argument, else its first keyword argument), as ``_enter`` finds it."""
+    """``call`` with ``fn`` applied to the first block's chained input (``_chained_slot``)."""
     args, kwargs = call
-    if args:
+    slot = _chained_slot(args, kwargs)
+    if slot is None:
+        return args, kwargs
+    if slot == 0:
         return (fn(args[0]), *args[1:]), kwargs
-    if kwargs:
-        key = next(iter(kwargs))
-        return args, {**kwargs, key: fn(kwargs[key])}
-    return args, kwargs
+    return args, {**kwargs, slot: fn(kwargs[slot])}
 
 
 def _noop_contexts() -> tuple[contextlib.nullcontext, contextlib.nullcontext]:

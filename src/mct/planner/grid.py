@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,11 +53,12 @@ def task_of(work: Task | Prepared) -> Task:
     return work.task if isinstance(work, Prepared) else work
 
 
-def with_batch(work: Task | Prepared, batch: Any) -> Task | Prepared:
-    """``work`` stepping on ``batch`` instead (what it shares is kept)."""
+def map_task(work: Task | Prepared, fn: Callable[..., Task], *args: Any, **kwargs: Any) -> Task | Prepared:
+    """``work`` with its Task replaced by ``fn(task, *args, **kwargs)`` (e.g. another
+    batch or loss), keeping what a ``Prepared`` shares (the model's structure)."""
     if isinstance(work, Prepared):
-        return dataclasses.replace(work, task=dataclasses.replace(work.task, batch=batch))
-    return dataclasses.replace(work, batch=batch)
+        return dataclasses.replace(work, task=fn(work.task, *args, **kwargs))
+    return fn(work, *args, **kwargs)
 
 
 def micro_batches(batch: Any, grad_accum: int) -> Any:

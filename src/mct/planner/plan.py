@@ -34,12 +34,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mct.config import EngineConfig
+from mct.config import OFFLOAD_TIERS, EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task
 from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
-                              smaller_batch, task_of, with_batch)
+                              map_task, smaller_batch, task_of)
 from mct.planner.pool import run_jobs
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
@@ -53,7 +53,6 @@ RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective":
 OFFLOAD_COST = {"none": 0.0, "optimizer": 0.2, "optimizer+params": 0.3}
 TIERS = ("cpu", "disk")
 ACT_OFFLOAD_COST = {"none": 0.0, "cpu": 0.05, "disk": 0.1}
-ACT_TIERS = ("none", "cpu", "disk")
 LOSS_CHUNK_COST = 0.02
 AUTO_LOSS_CHUNK = 1024
 """The chunk ``auto`` plans (tokens): at a 128k vocabulary, 0.5 GiB of fp32 logits per chunk."""
@@ -197,11 +196,11 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
         offload_keys(label)  # a bad label fails before minutes of planning
     acts = tuple(grid.act_offloads) if grid.act_offloads else (cfg.checkpointing.offload,)
     for tier in acts:
-        if tier not in ACT_TIERS:
-            raise ValueError(f"activation offload {tier!r}: choose from {', '.join(ACT_TIERS)}")
+        if tier not in OFFLOAD_TIERS:
+            raise ValueError(f"activation offload {tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     chunks = _loss_chunks(work, cfg, grid.loss_chunks)
     work = prepare(work, cfg, extrapolate)
-    works = {c: _with_chunk(work, c) for c in chunks}
+    works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
     choices = [(stage, policy, precision, offload, act, chunk) for precision in precisions for offload in offloads
                for act in acts for chunk in chunks for policy in grid.policies for stage in grid.stages
                if (offload_keys(offload)["params"] == "none" or stage == 3) and (act == "none" or policy != "none")]
@@ -255,11 +254,11 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     chunk = low.get("loss_chunk_tokens", cfg.train.loss_chunk_tokens)
     base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"),
                        chunk)
-    work = _with_chunk(work, chunk)
+    work = map_task(work, with_loss_chunk, chunk)
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
-        smaller = with_batch(work, smaller_batch(batch, b))
+        smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
@@ -278,13 +277,6 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     if not hints:
         return "; neither up to 4096 ranks nor a smaller micro-batch alone makes it fit: raise the budget"
     return "; it would fit with " + " or ".join(hints)
-
-
-def _with_chunk(work: Work, chunk: int) -> Work:
-    """``work`` trained with ``train.loss_chunk_tokens = chunk`` (what a prepared task shares is kept)."""
-    if isinstance(work, Prepared):
-        return dataclasses.replace(work, task=with_loss_chunk(work.task, chunk))
-    return with_loss_chunk(work, chunk)
 
 
 def _chunk_setting(r: dict[str, Any]) -> str:
