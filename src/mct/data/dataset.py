@@ -161,9 +161,15 @@ def is_prepared(path: Path) -> bool:
     return path.is_dir() and (path / META).is_file()
 
 
+def is_dataset_dir(path: Path) -> bool:
+    """A directory holding tokens.bin or docs.idx: a dataset made by ``mct prepare``,
+    complete or not (an output, never an input)."""
+    return (path / TOKENS).exists() or (path / DOCS).exists()
+
+
 def looks_partial(path: Path) -> bool:
     """A directory with dataset files but no meta.json: an unfinished or damaged dataset."""
-    return path.is_dir() and not (path / META).exists() and ((path / TOKENS).exists() or (path / DOCS).exists())
+    return path.is_dir() and not (path / META).exists() and is_dataset_dir(path)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ Atomic: everything goes to a hidden sibling of DIR that becomes DIR only when wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -103,13 +104,13 @@ def _single_threaded_tokenizers() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _Reading:
-    """How inputs are read: ``split`` of text files, ``chunk_bytes``, and ``may_cut``,
-    called before a document is cut into pieces."""
+    """How inputs are read: ``split`` of text files, ``chunk_bytes``, ``may_cut``
+    (called before a document is cut into pieces) and ``text_field``."""
 
     split: str
     chunk_bytes: int
     may_cut: Callable[[], None]
-    text_field: str = "text"
+    text_field: str
 
 
 @contextlib.contextmanager
@@ -132,11 +133,11 @@ def _chunks(sources: list[Source], digests: list[dict], how: _Reading) -> Iterat
     return group_text(raw(), how.chunk_bytes)
 
 
-def _texts(sources: list[Source], text_field: str, how: _Reading) -> Iterator[str]:
+def _texts(sources: list[Source], how: _Reading) -> Iterator[str]:
     """Every non-empty document's text (a big one in pieces), streamed: the BPE
     trainer's input. Pieces are cut where its pre-tokenizer cuts, so the counts hold."""
     for chunk in _chunks(sources, [{} for _ in sources], how):
-        yield from parse_chunk(chunk, text_field).texts
+        yield from parse_chunk(chunk, how.text_field).texts
 
 
 def _cut_check(tok: Tokenizer) -> Callable[[], None]:
@@ -202,9 +203,9 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
     out_path = check_out_dir(out)
     sources = expand_inputs(inputs)
     t0 = time.perf_counter()
-    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, text_field, _Reading(split, chunk_bytes, never, text_field)),
-                            progress=progress)
-    how = _Reading(split, chunk_bytes, _cut_check(tok), text_field)
+    reading = _Reading(split, chunk_bytes, never, text_field)
+    tok = resolve_tokenizer(tokenizer, texts=lambda: _texts(sources, reading), progress=progress)
+    how = dataclasses.replace(reading, may_cut=_cut_check(tok))
     digests: list[dict] = [{} for _ in sources]
     counts = dict.fromkeys(("empty", "binary", "checked", "mismatched"), 0)
     from tqdm import tqdm

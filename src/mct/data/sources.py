@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mct.data.columnar import arrow_dir_files, column_chunks
+from mct.data.dataset import is_dataset_dir
 from mct.data.textstream import Utf8Reader, pieces
 from mct.errors import user_error
 
@@ -95,7 +96,7 @@ def _walk(p: Path, raw: str) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(p, onerror=fail):
         d = Path(dirpath)
-        if d != p and (is_dataset_dir(d)):
+        if d != p and is_dataset_dir(d):
             dirnames[:] = []  # a prepared dataset is an output, not text: mct prepare never reads one
             continue
         dirnames[:] = [x for x in dirnames if not x.startswith(".") and x != "__pycache__"]
@@ -108,11 +109,6 @@ def _walk(p: Path, raw: str) -> list[Path]:
             if (d / f).is_file():
                 files.append(d / f)
     return files
-
-
-def is_dataset_dir(d: Path) -> bool:
-    """A directory made by ``mct prepare`` (or a damaged one): meta.json beside tokens.bin or docs.idx."""
-    return (d / "tokens.bin").exists() or (d / "docs.idx").exists()
 
 
 def expand_inputs(inputs: list[str]) -> list[Source]:
@@ -185,7 +181,6 @@ def _open(path: Path) -> io.BufferedReader:
 
 def never() -> None:
     """The ``may_cut`` that allows every cut."""
-    pass
 
 
 def _text_chunks(src: Source, stream: io.BufferedReader, split: str, chunk_bytes: int,
