@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import torch
 
-from mct.dist import error_of
 from mct.offload.protocols import OffloadedUnits
 from mct.offload.store import UnitState, put_record
 from mct.offload.stream import Item
@@ -130,14 +129,13 @@ def stage_units(offload: OffloadedUnits, group_of_unit: list[int], optimizer: to
     from mct.zero import state_io as zstate
     elementwise, scalars, on_device = [], [], []
     try:
-        for i, (u, g) in enumerate(zip(offload.units, group_of_unit)):
-            tensors, extents = read_units([i])
-            agree(error_of(zstate.check_units, [u], optimizer, rank, tensors, extents))
+        for i, tensors, extents in zstate.read_checked(offload.units, optimizer, rank, read_units, agree):
+            u = offload.units[i]
             per = {k[len(u.name) + 1:]: t for k, t in tensors.items() if k in extents}
             stage_unit(offload, i, per, zstate.extent(u, rank)[1])
             elementwise.append({k.removeprefix("optim/"): t.dtype for k, t in per.items() if k != zstate.MASTER})
             scalars.append({k.split("/optim/")[1]: t for k, t in tensors.items() if "/optim/" in k and k not in extents})
-            group = optimizer.param_groups[g]
+            group = optimizer.param_groups[group_of_unit[i]]
             on_device.append(bool(group.get("fused") or group.get("capturable")))
     except BaseException:
         drop_staged(offload)

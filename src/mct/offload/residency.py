@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import torch
 
-from mct.dist import error_of
 from mct.offload.offloaded import Offloaded
 from mct.offload.runtime import OffloadedState
 from mct.offload.snapshot import DiskSnapshot, DiskSnapshots, EngineSnapshot, MemorySnapshot, Restorable, cpu_copy
@@ -200,18 +199,16 @@ class Resident:
         """Every unit read and checked, then (all valid) read again straight into the
         masters and the optimizer state, whose old state is freed first."""
         units, rank = self.sharded.units, self.comm.rank
-        for i, u in enumerate(units):  # pass 1: check every unit, keep none
-            tensors, extents = read_units([i])
-            agree(error_of(zstate.check_units, [u], self.optimizer, rank, tensors, extents))
-            del tensors
+        for _, tensors, _ in zstate.read_checked(units, self.optimizer, rank, read_units, agree):
+            del tensors  # pass 1: check every unit, keep none
         # Everything checked: from here on only mutation (pass 2 reads the same verified bytes).
         self._forget_optimizer_state()
         self.optimizer.state.clear()
         state: dict[int, dict[str, torch.Tensor]] = {}
-        index = zstate.master_index(self.optimizer)
+        index, spans = zstate.master_index(self.optimizer), zstate.block_spans(self.optimizer)
         for i in range(len(units)):
             tensors, extents = read_units([i])
-            zstate.load_unit(units[i], index, rank, tensors, extents, state, zstate.block_spans(self.optimizer))
+            zstate.load_unit(units[i], index, rank, tensors, extents, state, spans)
         zstate.set_optimizer_state(self.optimizer, state, hyper)
         self._opt_state_tracked = False
         self._track_optimizer_state()

@@ -23,10 +23,11 @@ whole blocks move when a checkpoint is resharded, nothing is re-quantized.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
+from mct.dist import error_of
 from mct.zero.flat import FlatParamUnit
 
 MASTER = "master"
@@ -198,6 +199,19 @@ def check_units(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, ra
         if not tensors[k].is_floating_point() and tensors[k].dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"{k!r} has dtype {tensors[k].dtype}, expected a floating-point dtype "
                              f"(or int8 / uint8 codes of quantized state)")
+
+
+def read_checked(units: list[FlatParamUnit], optimizer: torch.optim.Optimizer, rank: int,
+                 read_units: Callable[[list[int]], tuple[dict, dict]],
+                 agree: Callable[[str | None], None]) -> Iterator[tuple[int, dict, dict]]:
+    """(i, tensors, extents) of each unit in turn, read by ``read_units([i])`` and
+    checked (``check_units``); ``agree`` raises any rank's fault on every rank after
+    each unit, so no rank is left in a collective. One unit in memory at a time."""
+    for i, u in enumerate(units):
+        tensors, extents = read_units([i])
+        agree(error_of(check_units, [u], optimizer, rank, tensors, extents))
+        yield i, tensors, extents
+        del tensors, extents  # before the next unit is read
 
 
 def _check_state_names(optimizer: Any, optim_keys: set[str]) -> None:
