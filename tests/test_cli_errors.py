@@ -181,6 +181,14 @@ CASES: list[tuple[str, list[str], str]] = [
     ("prepare-dataset-as-input", ["prepare", "{tmp}/data/lowered_ds", "--out", "{tmp}/ds"], "is a prepared dataset"),
     ("prepare-split-unknown", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--split", "words"], "invalid choice"),
     ("data-prepared-vocab-lowered", [*TRAIN, "--set", "data.path={tmp}/data/lowered_ds"], "holds token id 256"),
+    # mct prepare's streamed text, save_to_disk directories and --text-field, hostile
+    ("prepare-split-line-not-utf8", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/ds", "--split", "line",
+                                     "--no-progress"], "latin1.txt: not UTF-8 text (byte 9)"),
+    ("prepare-save-to-disk-missing-arrow", ["prepare", "{tmp}/data/saved", "--out", "{tmp}/ds"], "which is missing"),
+    ("prepare-text-field-empty", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--text-field", ""],
+     "--text-field is empty"),
+    ("prepare-out-is-input-file", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/data/latin1.txt"],
+     "already exists and is not an empty directory"),
 ]
 
 
@@ -221,6 +229,9 @@ def _data_fixtures(d: Path) -> None:
     (d / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
     (d / "null.jsonl").write_text('{"text": null}\n')
     (d / "dangling").symlink_to(d / "nowhere")
+    (d / "latin1.txt").write_bytes("first\ncaf\xe9\n".encode("latin-1"))
+    (d / "saved").mkdir()
+    (d / "saved" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     ds = d / "lowered_ds"
     ds.mkdir()
     docs = [np.frombuffer(f"document {i}: ".encode() * 20, np.uint8).astype("<u2") for i in range(8)]
