@@ -209,6 +209,14 @@ CASES: list[tuple[str, list[str], str]] = [
     ("plan-loss-chunks-empty", ["plan", "--loss-chunks", ""], "--loss-chunks ''"),
     ("plan-loss-chunks-beyond-64-bits", ["plan", "--loss-chunks", "99999999999999999999999"],
      "train.loss_chunk_tokens = 99999999999999999999999"),
+    # mct prepare's streamed text, save_to_disk directories and --text-field, hostile
+    ("prepare-split-line-not-utf8", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/ds", "--split", "line",
+                                     "--no-progress"], "latin1.txt: not UTF-8 text (byte 9)"),
+    ("prepare-save-to-disk-missing-arrow", ["prepare", "{tmp}/data/saved", "--out", "{tmp}/ds"], "which is missing"),
+    ("prepare-text-field-empty", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--text-field", ""],
+     "--text-field is empty"),
+    ("prepare-out-is-input-file", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/data/latin1.txt"],
+     "already exists and is not an empty directory"),
 ]
 
 
@@ -249,6 +257,9 @@ def _data_fixtures(d: Path) -> None:
     (d / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
     (d / "null.jsonl").write_text('{"text": null}\n')
     (d / "dangling").symlink_to(d / "nowhere")
+    (d / "latin1.txt").write_bytes("first\ncaf\xe9\n".encode("latin-1"))
+    (d / "saved").mkdir()
+    (d / "saved" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     ds = d / "lowered_ds"
     ds.mkdir()
     docs = [np.frombuffer(f"document {i}: ".encode() * 20, np.uint8).astype("<u2") for i in range(8)]
