@@ -40,10 +40,7 @@ class Offloaded:
         the resident shards, averaged here (the chunked step reads them)."""
         if self.offloaded.offload_grads:
             return self.offloaded.local_sq_norm()
-        shards = self.sharded.grad_shards()
-        if shards:
-            torch._foreach_mul_(shards, inv_divisor)
-        return self.sharded.local_sq_norm()
+        return self.sharded.local_sq_norm(inv_divisor)
 
     def update(self, clip_coef: float | None) -> None:
         self.offloaded.step(self.optimizer, self.sharded.group_of_unit, clip_coef)

@@ -132,10 +132,7 @@ class Resident:
         return self.sharded.masters()
 
     def local_sq_norm(self, inv_divisor: float) -> torch.Tensor:
-        shards = self.sharded.grad_shards()
-        if shards:
-            torch._foreach_mul_(shards, inv_divisor)
-        return self.sharded.local_sq_norm()
+        return self.sharded.local_sq_norm(inv_divisor)
 
     def update(self, clip_coef: float | None) -> None:
         shards = self.sharded.grad_shards()

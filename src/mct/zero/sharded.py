@@ -170,12 +170,15 @@ class ShardedModel:
     def masters(self) -> list[torch.Tensor]:
         return [u.master for u in self.units]
 
-    def local_sq_norm(self) -> torch.Tensor:
+    def local_sq_norm(self, inv_divisor: float | None = None) -> torch.Tensor:
         """Sum of squares of this rank's gradient slices, accumulated in fp64 so that
         the global norm (and so the clipping factor) does not depend on how the
         gradient is cut into shards. At stage 0 every rank holds the whole
-        (identical) gradient, so only rank 0 contributes."""
+        (identical) gradient, so only rank 0 contributes. ``inv_divisor``: first
+        average the shards in place (x it; reduced sums -> the mean gradient)."""
         shards = self.grad_shards()
+        if inv_divisor is not None and shards:
+            torch._foreach_mul_(shards, inv_divisor)
         if not shards or (self.stage == 0 and self.comm.rank != 0):
             return torch.zeros((), dtype=torch.float64, device=self._device())
         return sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in shards)

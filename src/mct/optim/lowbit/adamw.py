@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from mct.optim.lowbit import codec, noise
 
@@ -142,7 +143,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             self._encode(st, a, b, m, v, (self.seed, stream, step, offset + a))
 
     def _decode(self, st: dict[str, torch.Tensor], a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.state_dtype != "int8":
+        if self.state_dtype != "int8":  # fp32: views of the state itself (``.float()`` does not copy)
             return st["exp_avg"][a:b].float(), st["exp_avg_sq"][a:b].float()
         ka, kb = a // codec.BLOCK, codec.blocks_of(b)
         dev = st["exp_avg"].device
@@ -155,9 +156,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     def _encode(self, st: dict[str, torch.Tensor], a: int, b: int, m: torch.Tensor, v: torch.Tensor,
                 where: tuple[int, int, int, int]) -> None:
         if self.state_dtype == "fp32":
-            st["exp_avg"][a:b].copy_(m)
-            st["exp_avg_sq"][a:b].copy_(v)
-            return
+            return  # ``_decode`` handed out views of the state: updated in place already
         _, stream, step, start = where
         n, table = b - a, self._table(m.device)
         if self.state_dtype == "bf16":
@@ -177,5 +176,4 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor)
