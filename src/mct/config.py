@@ -529,14 +529,21 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
+def _refused(section: str, key: str) -> str:
+    """Why ``section.key`` is refused although it reads like a key ('' when it is not)."""
+    if section == "optimizer" and key in ("lr", "weight_decay"):
+        return (f"optimizer.{key} is not a key: set train.{key} (its one home, read by the LR schedule and "
+                f"the param groups)")
+    return ""
+
+
 def _build_section(name: str, klass: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(klass)
     fields = {f.name for f in dataclasses.fields(klass)}
     out = {}
     for key, value in values.items():
-        if name == "optimizer" and key in ("lr", "weight_decay"):
-            raise ValueError(f"optimizer.{key} is not a key: set train.{key} (its one home, read by the LR "
-                             f"schedule and the param groups)")
+        if _refused(name, key):
+            raise ValueError(_refused(name, key))
         if key not in fields:
             raise ValueError(f"unknown config key {name}.{key}; allowed in [{name}]: {', '.join(sorted(fields))}")
         out[key] = _coerce(f"{name}.{key}", value, hints[key])
@@ -611,8 +618,8 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         if section not in _SECTIONS:
             raise ValueError(f"--set {item!r}: unknown section {section!r}; allowed: {', '.join(_SECTIONS)}")
         hints = typing.get_type_hints(_SECTIONS[section])
-        if section == "optimizer" and key in ("lr", "weight_decay"):
-            raise ValueError(f"--set {item!r}: optimizer.{key} is not a key: set train.{key} (its one home)")
+        if _refused(section, key):
+            raise ValueError(f"--set {item!r}: {_refused(section, key)}")
         if key not in hints:
             raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
         if not isinstance(d.setdefault(section, {}), dict):

@@ -323,6 +323,20 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte():
         assert ext.phases == full.phases and ext.first_step_phases == full.first_step_phases, (name, stage, policy)
 
 
+def test_dry_run_keeps_its_meta_init_keyword():
+    """``dry_run(..., meta_init=True)`` (the spelling docs/planner.md gave before
+    ``DryRunHooks``) still builds on meta: the same bytes as the hooks form, and a
+    lower initialization peak than building the model whole."""
+    from mct.planner.dry_run import DryRunHooks
+    work, cfg = _gpt_work(2)
+    cfg = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": 3}})
+    args = (work.model_fn, work.loss_fn, work.batch, cfg, 2)
+    old, new, whole = (dry_run(*args, meta_init=True), dry_run(*args, hooks=DryRunHooks(meta_init=True)),
+                       dry_run(*args))
+    assert (old.peak, old.init_peak, old.phases) == (new.peak, new.init_peak, new.phases)
+    assert old.init_peak < whole.init_peak
+
+
 def test_models_without_a_clean_repeated_stack_get_full_dry_runs():
     """A block run twice per forward, too few blocks, blocks of different shapes: the
     planner does not extrapolate them (prepare leaves the task as it is)."""

@@ -18,6 +18,7 @@ path of a clean step (no overflow skip).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -166,13 +167,14 @@ def dry_run_task(task: Task, config: EngineConfig, world_size: int, *, batch: An
 
 def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig, world_size: int, *,
             optimizer: OptimizerFactory | None = None, param_groups: ParamGroupsFn | None = None,
-            hooks: DryRunHooks | None = None) -> DryRun:
+            hooks: DryRunHooks | None = None, meta_init: bool = False) -> DryRun:
     """Build the engine for ``config`` on rank 0 of ``world_size`` simulated ranks and
     run two training steps of ``batch`` (one micro-batch, or a list: gradient
     accumulation) with ``loss_fn``, all on fake tensors. ``optimizer`` and
     ``param_groups(model)`` are what ``mct.Engine`` would be given (None: its defaults).
     ``hooks``: how the model is built and who watches (``DryRunHooks``; None: built
-    whole first, as ``mct.Engine(model_fn())``). Returns the tracked bytes (``DryRun``).
+    whole first, as ``mct.Engine(model_fn())``). ``meta_init=True``: the earlier spelling
+    of ``hooks=DryRunHooks(meta_init=True)``, still accepted. Returns the tracked bytes (``DryRun``).
     Raises ValueError for configs the engine rejects (the same messages) and for a bad
     factory."""
     cfg = _planning_config(config)
@@ -180,6 +182,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     mode = FakeTensorMode()
     tracker = MemoryTracker("cpu", count_fake=True)
     hooks = hooks or DryRunHooks()
+    if meta_init:
+        hooks = dataclasses.replace(hooks, meta_init=True)
     observer = hooks.observer
     copied = hooks.build() if hooks.build is not None else None  # a deep copy of meta tensors: outside the fake mode
     with mode:
