@@ -181,6 +181,12 @@ CASES: list[tuple[str, list[str], str]] = [
     ("prepare-dataset-as-input", ["prepare", "{tmp}/data/lowered_ds", "--out", "{tmp}/ds"], "is a prepared dataset"),
     ("prepare-split-unknown", ["prepare", "{corpus}", "--out", "{tmp}/ds", "--split", "words"], "invalid choice"),
     ("data-prepared-vocab-lowered", [*TRAIN, "--set", "data.path={tmp}/data/lowered_ds"], "holds token id 256"),
+    # review of the task / export / sample area: mct plan's new grid flags
+    ("plan-loss-chunks-empty", ["plan", "--loss-chunks", ""], "--loss-chunks ''"),
+    ("plan-loss-chunks-not-int", ["plan", "--loss-chunks", "0,1.5"], "give token counts >= 0"),
+    ("plan-loss-chunks-negative", ["plan", "--loss-chunks", "0,-1024"], "give token counts >= 0"),
+    ("plan-act-offloads-unknown", ["plan", "--act-offloads", "none,gpu"], "['gpu'] is not allowed"),
+    ("plan-act-offloads-empty", ["plan", "--act-offloads", ","], "nothing is not allowed"),
 ]
 
 
@@ -291,6 +297,8 @@ RUN_CASES: list[tuple[str, list[str], str]] = [
     ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),
     ("init-from-uppercase-suffix-missing", [*HF_RUN_TRAIN, "--init-from", "{root}/none.SAFETENSORS"],
      "no such directory or .safetensors file"),
+    # review of the task / export / sample area
+    ("sample-tokenizer-not-utf8", ["sample", "{badtok_run}"], "is not a readable tokenizer (not UTF-8 text"),
 ]
 
 
