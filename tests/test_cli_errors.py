@@ -220,6 +220,7 @@ CASES: list[tuple[str, list[str], str]] = [
      "--text-field is empty"),
     ("prepare-out-is-input-file", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/data/latin1.txt"],
      "already exists and is not an empty directory"),
+    ("plan-loss-chunks-not-int", ["plan", "--loss-chunks", "0,1.5"], "give token counts >= 0"),
 ]
 
 
@@ -333,6 +334,8 @@ RUN_CASES: list[tuple[str, list[str], str]] = [
     ("export-hf-onto-a-symlink", ["export", "{run}", "--format", "hf", "--out", "{root}/link"], "a symbolic link"),
     ("init-from-uppercase-suffix-missing", [*HF_RUN_TRAIN, "--init-from", "{root}/none.SAFETENSORS"],
      "no such directory or .safetensors file"),
+    # review of the task / export / sample area
+    ("sample-tokenizer-not-utf8", ["sample", "{badtok_run}"], "is not a readable tokenizer (not UTF-8 text"),
 ]
 
 

@@ -4,7 +4,7 @@ Every command meets the file system (configs, corpora, datasets, model directori
 directories, exports). An `OSError` there is almost never a bug in mct: it is a missing path,
 a permission, a full disk or a damaged device. `describe` names the path, says whether mct was
 reading or writing it, and says what to do; `user_error` wraps that in the `ValueError` the CLI
-prints as `mct: error: ...` (exit 2). Nothing here imports the rest of mct.
+prints as `mct: error: ...` (exit 2); `read_text` reads a user's text file through it. Nothing here imports the rest of mct.
 """
 
 from __future__ import annotations
@@ -58,3 +58,12 @@ def user_error(e: OSError, path: str | os.PathLike | None = None, action: str = 
     err = ValueError(describe(e, path, action))
     err.__cause__ = e
     return err
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of ``path``. An OSError becomes ``user_error(e, path)``; a
+    UnicodeDecodeError propagates, for the caller to say what the file should hold."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise user_error(e, path) from None

@@ -239,3 +239,28 @@ def test_plan_has_loss_chunking_rows_and_auto_chooses_it_when_nothing_fits_witho
     with pytest.raises(ValueError, match="own loss_fn"):
         from dataclasses import replace
         make_plan(replace(gpt_task(cfg), loss_for_chunk=None), cfg, 1, None, grid)
+
+
+class _ConfiguredLM(nn.Module):
+    """A user's token model that keeps a ``config`` attribute but takes ids positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"vocab": V}
+        self.wte, self.head = nn.Embedding(V, C), nn.Linear(C, V, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wte(idx))
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+
+def test_a_users_model_with_a_config_attribute_is_called_as_in_training():
+    from mct.run.generate import _logits
+    torch.manual_seed(0)
+    model, x = _ConfiguredLM(), torch.randint(0, V, (1, 8))
+    assert torch.equal(_logits(model, x), model(x)[0, -1])  # as model(x), not model(input_ids=..., use_cache=...)
+    y = torch.randint(0, V, (1, 8))
+    chunked, full = chunked_token_loss(3)(model, (x, y)), F.cross_entropy(model(x)[0], y[0])
+    assert abs(chunked.item() - full.item()) <= 1e-6 * abs(full.item())

@@ -38,7 +38,7 @@ def probe_runs(root: Path) -> dict[str, str]:
     """A tiny GPT-2 dir (vocab 128, its own word-level tokenizer.json), a dataset made by
     `mct prepare` with that tokenizer (which adds an EOS: another tokenizer.json), a
     2-step run on it, and copies of the run: byte tokenizer (prompt-beyond-vocab),
-    truncated / wrong-shaped model.safetensors, no tokenizer.json; a sharded export
+    truncated / wrong-shaped model.safetensors, no tokenizer.json, a non-UTF-8 one; a sharded export
     missing a shard, a truncated HF dir. Returns the placeholders of the paths."""
     from transformers import GPT2Config
     from mct.config import EngineConfig
@@ -61,7 +61,7 @@ def probe_runs(root: Path) -> dict[str, str]:
         train(EngineConfig.from_dict(cfg), run, progress=False)
     (root / "train_stderr.txt").write_text(err.getvalue())
     copies = {}
-    for name in ("bytes_run", "truncated_run", "wrong_run", "notok_run"):
+    for name in ("bytes_run", "truncated_run", "wrong_run", "notok_run", "badtok_run"):
         copies[name] = root / name
         shutil.copytree(run, copies[name], ignore=shutil.ignore_patterns("checkpoints"))
     (copies["bytes_run"] / "tokenizer.json").write_text(bytes_tokenizer_json(eos=False))
@@ -72,6 +72,7 @@ def probe_runs(root: Path) -> dict[str, str]:
     state["transformer.wte.weight"] = torch.zeros(100, 32)
     save_file(state, str(copies["wrong_run"] / "model.safetensors"))
     (copies["notok_run"] / "tokenizer.json").unlink()
+    (copies["badtok_run"] / "tokenizer.json").write_bytes(b'{"model": "\xff"}')
     assert main(["export", str(run), "--format", "hf", "--out", str(root / "sharded"), "--max-shard-size",
                  "20KB"]) == 0
     shards = sorted((root / "sharded").glob("model-*.safetensors"))

@@ -22,10 +22,11 @@ import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
-from mct.errors import user_error
+from mct.errors import read_text, user_error
 from mct.persistence.export import consolidated_state, pick_checkpoint
 from mct.persistence.files import read_json
 from mct.task import task_for
+from mct.task.tokens import forward_tokens
 
 MAX_TOKENS = 100_000
 """The most tokens one ``mct sample`` generates (each one is a forward of the model)."""
@@ -47,9 +48,9 @@ class _Text:
             raise ValueError(f"{str(run_dir)!r} has no tokenizer.json ({where}); mct sample encodes with the "
                              f"run's own tokenizer: copy the tokenizer the run was trained with to {str(path)!r}")
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise user_error(e, path) from None
+            text = read_text(path)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{str(path)!r} is not a readable tokenizer (not UTF-8 text: {e})") from None
         self.hf = None
         if text not in (bytes_tokenizer_json(eos=False), bytes_tokenizer_json(eos=True)):
             from tokenizers import Tokenizer
@@ -108,12 +109,20 @@ def load_run_model(run_dir: str | Path) -> tuple[nn.Module, EngineConfig]:
     weights, in eval mode. Raises ValueError (one line) for a directory that is no
     run, or weights that cannot be read or do not match the model (the first few
     names, or the first wrong shape, named as the model names them)."""
-    run_dir = Path(run_dir)
+    model, cfg, _ = _load(Path(run_dir))
+    return model, cfg
+
+
+def _load(run_dir: Path) -> tuple[nn.Module, EngineConfig, int]:
+    """``load_run_model``, and the vocabulary the model was trained on."""
     cfg = _run_config(run_dir)
-    model = task_for(cfg).model_fn()
+    task = task_for(cfg)
+    model = task.model_fn()
     final = run_dir / "model.safetensors"
-    state = _final_weights(final) if final.is_file() else consolidated_state(pick_checkpoint(run_dir)[0])
-    source = final if final.is_file() else run_dir / "checkpoints"
+    if final.is_file():
+        state, source = _final_weights(final), final
+    else:
+        state, source = consolidated_state(pick_checkpoint(run_dir)[0]), run_dir / "checkpoints"
     params = dict(model.named_parameters())
     if set(params) != set(state):
         raise ValueError(f"{str(source)!r}: the weights do not match the run's model: "
@@ -125,11 +134,11 @@ def load_run_model(run_dir: str | Path) -> tuple[nn.Module, EngineConfig]:
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state[name])
-    return model.eval(), cfg
+    return model.eval(), cfg, task.vocab_size or cfg.model.vocab_size
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out: Any = model(input_ids=ids, use_cache=False) if hasattr(model, "config") else model(ids)
+    out: Any = forward_tokens(model, ids)  # as training called it: a user's model with a .config too
     return (out if isinstance(out, torch.Tensor) else out.logits)[0, -1].float()
 
 
@@ -160,10 +169,9 @@ def sample_text(run_dir: str | Path, prompt: str = "", tokens: int = 200, temper
     ValueError (one line) for bad arguments, a prompt beyond the model's vocabulary, or
     a directory that is no run."""
     check_arguments(tokens, temperature)
-    model, cfg = load_run_model(run_dir)
+    model, cfg, vocab = _load(Path(run_dir))
     text = _Text(Path(run_dir), cfg)
     ids = text.encode(prompt) or [text.encode("\n")[0]]  # an empty prompt starts from a newline
-    vocab = task_for(cfg).vocab_size or cfg.model.vocab_size
     _check_prompt(prompt, ids, vocab, text)
     generator = torch.Generator().manual_seed(seed)
     start = len(ids)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
-from mct.errors import user_error
+from mct.errors import read_text
 from mct.models.gpt import optimizer_groups
 from mct.task.hf_checks import check_config, check_raw_config
 from mct.task.spec import Task
@@ -59,9 +59,7 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"{what}: {path} is missing; a Hugging Face model directory holds config.json "
                          f"(write one with model.config.save_pretrained(DIR))")
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise user_error(e, path) from None
+        text = read_text(path)
     except UnicodeDecodeError as e:
         raise ValueError(f"{what}: {path} is not UTF-8 text ({e})") from None
     try:

@@ -39,7 +39,7 @@ def token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
     ValueError when the model returns neither a loss, logits nor a tensor."""
     x, y = batch
     params = inspect.signature(model.forward).parameters
-    if "use_cache" in params and "input_ids" in params:
+    if _is_causal_lm(params):
         out = _causal_lm(model, x)
     elif "labels" in params:
         out = model(input_ids=x, labels=y)
@@ -70,10 +70,7 @@ def chunked_token_loss(chunk_tokens: int) -> Callable[[nn.Module, tuple], torch.
     time. Raises ValueError for a model that exposes no output head."""
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        params = inspect.signature(model.forward).parameters
-        call = (lambda: _causal_lm(model, x)) if "use_cache" in params and "input_ids" in params else \
-            (lambda: model(x))
-        return head_loss(model, call, y, chunk_tokens)
+        return head_loss(model, lambda: forward_tokens(model, x), y, chunk_tokens)
     loss.__qualname__ = f"chunked_token_loss({chunk_tokens})"
     return loss
 
@@ -82,8 +79,7 @@ def loss_for(cfg: EngineConfig, unchunked: Callable[[nn.Module, tuple], torch.Te
              ) -> Callable[[nn.Module, tuple], torch.Tensor]:
     """A model source's default loss under ``cfg``: ``unchunked`` when
     ``train.loss_chunk_tokens`` is 0, else ``chunked_token_loss`` of that many tokens."""
-    chunk = cfg.train.loss_chunk_tokens
-    return chunked_token_loss(chunk) if chunk > 0 else unchunked
+    return chunk_choices(unchunked)(cfg.train.loss_chunk_tokens)
 
 
 def chunk_choices(unchunked: Callable[[nn.Module, tuple], torch.Tensor]
@@ -97,6 +93,17 @@ def causal_lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     (no labels given, no KV cache kept) scored by ``logits_loss``."""
     x, y = batch
     return logits_loss(_causal_lm(model, x).logits, y)
+
+
+def forward_tokens(model: nn.Module, x: torch.Tensor):
+    """``model``'s output on token ids ``x``: a Hugging Face causal LM (its ``forward``
+    takes ``input_ids`` and ``use_cache``) through ``_causal_lm``, any other as ``model(x)``."""
+    return _causal_lm(model, x) if _is_causal_lm(inspect.signature(model.forward).parameters) else model(x)
+
+
+def _is_causal_lm(params) -> bool:
+    """Do these ``forward`` parameters take a Hugging Face causal LM's call?"""
+    return "use_cache" in params and "input_ids" in params
 
 
 def _causal_lm(model: nn.Module, x: torch.Tensor):
