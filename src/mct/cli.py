@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.add_argument("--plot", metavar="FILE.png", help="also draw the predicted peaks as stacked bars")
     pl.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to plan, comma-separated")
-    pl.add_argument("--policies", default="none,selective,sqrt,all", help="checkpointing policies to plan")
+    pl.add_argument("--policies", default=None, help="checkpointing policies to plan (default none,selective,sqrt,all, "
+                    "and per_block when the config sets checkpointing.per_block)")
     pl.add_argument("--precisions", default="fp32,bf16", help="precision modes to plan")
     pl.add_argument("--offloads", default=None, help="offload choices to plan, comma-separated: none, optimizer=cpu|disk, "
                     "optimizer+params=cpu|disk (default: the config's own offload setting)")
@@ -382,7 +383,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
     from mct.task import task_for
     work = task_for(cfg)
-    grid = _plan_grid(args)
+    grid = _plan_grid(args, cfg)
     try:
         plan = make_plan(work, cfg, args.world_size, limit, grid, extrapolate=not args.full_depth,
                          workers=plan_workers(args.workers))
@@ -398,12 +399,16 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _plan_grid(args: argparse.Namespace) -> "Grid":
+def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
     """--stages/--policies/--precisions/--offloads -> make_plan's ``Grid``. Raises
-    ValueError naming a value that is not a stage, policy, precision mode or offload."""
+    ValueError naming a value that is not a stage, policy, precision mode or offload.
+    --policies defaults to the uniform ones, and 'per_block' when ``cfg`` sets checkpointing.per_block."""
     from mct.planner.grid import Grid
-    allowed = {"stages": ("0", "1", "2", "3"), "policies": ("none", "selective", "sqrt", "all", "every_k"),
+    allowed = {"stages": ("0", "1", "2", "3"),
+               "policies": ("none", "selective", "sqrt", "all", "every_k", "per_block"),
                "precisions": ("fp32", "bf16", "fp16")}
+    if args.policies is None:
+        args.policies = "none,selective,sqrt,all" + (",per_block" if cfg.checkpointing.per_block else "")
     grid: dict[str, tuple] = {}
     for key, ok in allowed.items():
         values = tuple(v.strip() for v in getattr(args, key).split(",") if v.strip())
@@ -446,13 +451,17 @@ def format_plan(plan) -> str:
     """The plan as a table: one row per configuration (steady-state peak, bytes per
     category at that peak, the phase it is in, first-step and init peaks, fits, cost),
     the recommended row marked '*', then the advice line."""
+    from mct.checkpointing import policy_label
+    from mct.config import CheckpointingConfig
     from mct.memory.tracker import CATEGORIES, format_bytes
     cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "peak", *CATEGORIES, "at", "first", "init",
             "host", "disk", "fits", "cost"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
-        table.append([f"{r['stage']}{mark}", r["policy"], r["precision"], r["offload"], r.get("act_offload", "none"),
+        policy = (policy_label(CheckpointingConfig(policy="per_block", per_block=r["per_block"]))
+                  if r.get("per_block") else r["policy"])
+        table.append([f"{r['stage']}{mark}", policy, r["precision"], r["offload"], r.get("act_offload", "none"),
                       str(r.get("loss_chunk_tokens", 0) or "off"), format_bytes(r["peak"]),
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),

@@ -279,13 +279,17 @@ class PrecisionConfig:
                   f"{2.0**self.initial_scale_power:g}: lower min_scale or raise initial_scale_power")
 
 
-POLICIES = ("none", "all", "every_k", "sqrt", "selective", "auto")
+POLICIES = ("none", "all", "every_k", "sqrt", "selective", "auto", "per_block")
+BLOCK_POLICIES = ("all", "selective", "none")
+"""What one block may do under ``checkpointing.per_block``, in the order counts fill the stack:
+the first blocks recompute fully, the next selectively, the rest keep everything."""
 
 
 @dataclass(kw_only=True)
 class CheckpointingConfig:
     policy: str = "none"
-    """Which blocks recompute in backward: none, all, every_k, sqrt, selective, auto."""
+    """Which blocks recompute in backward: none, all, every_k, sqrt, selective, auto, or per_block
+    (each block as checkpointing.per_block says; implied when only per_block is given)."""
     k: int = 2
     """every_k: checkpoint every k-th block (1 = all)."""
     blocks: list[str] = field(default_factory=list)
@@ -295,6 +299,11 @@ class CheckpointingConfig:
     offload: str = "none"
     """Where each checkpoint region's input waits for backward: 'none' (on the compute device),
     'cpu' (pinned host memory; CUDA only) or 'disk' (files under offload.dir). Same numerics."""
+    per_block: dict[str, int] | list[str] = field(default_factory=list)
+    """Each block's own choice (policy 'per_block'): a list of 'all' / 'selective' / 'none', one per
+    block in model order, or counts {all = A, selective = S} (optionally none = N, then A + S + N must
+    be the block count): the first A blocks recompute fully, the next S selectively, the rest none.
+    [] = every block as checkpointing.policy says."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -302,10 +311,43 @@ class CheckpointingConfig:
         _check_range("checkpointing.k", self.k, 1)
         if self.offload not in OFFLOAD_TIERS:
             _fail("checkpointing.offload", self.offload, "choose 'none', 'cpu' or 'disk'")
-        if self.offload != "none" and self.policy == "none":
+        self._check_per_block()
+        if self.offload != "none" and (self.policy == "none" or not self._recomputes_any()):
             _fail("checkpointing.offload", self.offload,
-                  "moves the inputs of checkpoint regions, and checkpointing.policy = 'none' makes none: "
-                  "choose a policy (e.g. 'all' or 'sqrt') or checkpointing.offload = 'none'")
+                  f"moves the inputs of checkpoint regions, and checkpointing.policy = {self.policy!r} "
+                  f"{'' if self.policy == 'none' else f'with checkpointing.per_block = {self.per_block!r} '}"
+                  "makes none: choose a policy (e.g. 'all' or 'sqrt') or checkpointing.offload = 'none'")
+
+    def _check_per_block(self) -> None:
+        """The per_block value on its own, and with policy. Its length against the model's
+        block count is checked where the blocks are found (``mct.checkpointing.block_choices``)."""
+        spec = self.per_block
+        example = "a list like [\"all\", \"selective\", \"none\"] (one per block) or counts like {all = 8, selective = 8}"
+        if self.policy == "per_block" and not spec:
+            _fail("checkpointing.policy", self.policy, f"needs checkpointing.per_block: {example}")
+        if spec and self.policy != "per_block":
+            _fail("checkpointing.per_block", spec,
+                  f"sets each block's policy, and checkpointing.policy = {self.policy!r} sets them all: keep one "
+                  f"(drop checkpointing.policy or set it to 'per_block'; or set checkpointing.per_block = [])")
+        if isinstance(spec, dict):
+            for name, count in spec.items():
+                if name not in BLOCK_POLICIES:
+                    _fail("checkpointing.per_block", spec,
+                          f"{name!r} is not a block policy: count blocks as all, selective or none")
+                check_int(f"checkpointing.per_block.{name}", count, 0)
+            return
+        for i, choice in enumerate(spec):
+            if choice not in BLOCK_POLICIES:
+                _fail(f"checkpointing.per_block[{i}]", choice,
+                      f"choose all, selective or none for each block ({example})")
+
+    def _recomputes_any(self) -> bool:
+        spec = self.per_block
+        if not spec:
+            return True
+        if isinstance(spec, dict):
+            return spec.get("all", 0) + spec.get("selective", 0) > 0
+        return any(c != "none" for c in spec)
 
 
 @dataclass(kw_only=True)
@@ -547,6 +589,8 @@ def _build_section(name: str, klass: type, values: dict[str, Any]) -> Any:
         if key not in fields:
             raise ValueError(f"unknown config key {name}.{key}; allowed in [{name}]: {', '.join(sorted(fields))}")
         out[key] = _coerce(f"{name}.{key}", value, hints[key])
+    if name == "checkpointing" and out.get("per_block") and "policy" not in out:
+        out["policy"] = "per_block"  # per_block alone says what every block does
     return klass(**out)
 
 
@@ -561,6 +605,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return list(value)
             if isinstance(value, list) and item is float:
                 return [_coerce(f"{key}[{i}]", v, float) for i, v in enumerate(value)]
+            continue
+        if origin is dict:
+            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+                return {k: _coerce(f"{key}.{k}", v, typing.get_args(t)[1]) for k, v in value.items()}
             continue
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
@@ -585,6 +633,12 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
                 return True
             if text.lower() in ("false", "0", "no", "off"):
                 return False
+        elif typing.get_origin(t) is dict:
+            if "=" in text:  # name=value,name=value (TOML's {name = value, ...} too)
+                pairs = [s.split("=", 1) for s in text.strip().strip("{}").split(",") if s.strip()]
+                if all(len(p) == 2 for p in pairs):
+                    return {k.strip(): _parse_text(f"{key}.{k.strip()}", v.strip(), typing.get_args(t)[1])
+                            for k, v in pairs}
         elif typing.get_origin(t) is list:
             items = [s.strip() for s in text.strip("[]").split(",") if s.strip()]
             if (typing.get_args(t) or (str,))[0] is float:

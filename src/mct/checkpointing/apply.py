@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from mct.checkpointing.blocks import find_blocks
 from mct.checkpointing.offload import ActivationOffload, ReportFn
-from mct.checkpointing.policies import context_fn_for, plan_regions
+from mct.checkpointing.policies import context_fn_for, policy_label, region_plans
 from mct.checkpointing.region import Region
 from mct.config import CheckpointingConfig
 
@@ -58,6 +58,11 @@ class CheckpointState:
         return [name for r in self.regions for name, _ in r.blocks]
 
     @property
+    def selective_blocks(self) -> list[str]:
+        """Qualified names of the blocks inside a 'selective' region (they keep matmul outputs)."""
+        return [name for r in self.regions if r.mode == "selective" for name, _ in r.blocks]
+
+    @property
     def recomputing(self) -> bool:
         """True while backward replays a region (a forward pre-hook can read this)."""
         return any(r.replaying for r in self.regions)
@@ -69,11 +74,13 @@ class CheckpointState:
     def metrics(self) -> dict[str, Any]:
         """Metric keys as the engine reports them: ``recompute_policy``,
         ``recompute_checkpointed_blocks`` (count), ``recompute_regions``,
-        ``recompute_verified``, and for the current step: ``recompute_calls`` (regions
+        ``recompute_verified``, ``recompute_selective_blocks`` (how many of the checkpointed
+        blocks keep their matmul outputs), and for the current step: ``recompute_calls`` (regions
         replayed), ``recomputed_blocks`` (block forwards rerun),
         ``recompute_time_s`` (host wall time of replays inside backward; CUDA kernels are
         asynchronous, so on GPU this is launch time unless the caller synchronizes)."""
         return {"recompute_policy": self.policy, "recompute_checkpointed_blocks": len(self.checkpointed_blocks),
+                "recompute_selective_blocks": len(self.selective_blocks),
                 "recompute_regions": len(self.regions), "recompute_calls": self.recompute_calls,
                 "recomputed_blocks": self.recomputed_blocks,
                 "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified,
@@ -104,34 +111,35 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
                         recompute_context: Callable[[], ContextManager] | None = None,
                         device: Any = "cpu", offload_dir: str = "", name: str = "act",
                         report: ReportFn | None = None) -> CheckpointState:
-    """Patch the blocks chosen by ``cfg.policy`` so backward recomputes them.
+    """Patch the blocks chosen by ``cfg.policy`` (and ``cfg.per_block``) so backward recomputes them.
 
     Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.
     ``recompute_context`` is entered around every replay (the engine passes its memory
     tracker's ``activations`` category). ``cfg.offload`` != 'none': each region's input
     waits for backward in that tier (``ActivationOffload`` on ``device``; 'disk' files in
     a folder named after ``name`` under ``offload_dir``; ``report(tier, bytes)`` hears the
-    bytes parked). Returns the ``CheckpointState``; mutates only
-    the blocks' instance ``forward`` attribute. Raises ValueError for policy 'auto', no
-    detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with k larger
-    than the block count, a model already checkpointed, or ``cfg.offload = 'cpu'`` on a
+    bytes parked). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
+    mutates only the blocks' instance ``forward`` attribute. Raises ValueError for policy
+    'auto', no detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with
+    k larger than the block count, a ``per_block`` list or counts that do not match it, a model already checkpointed, or ``cfg.offload = 'cpu'`` on a
     CPU ``device``.
     """
-    state = CheckpointState(cfg.policy, cfg.verify, recompute_context)
+    state = CheckpointState(policy_label(cfg), cfg.verify, recompute_context)
     if cfg.policy in ("none", "auto"):
-        plan_regions(cfg.policy, 0, cfg.k)  # 'auto' raises, 'none' patches nothing
+        region_plans(cfg, 0)  # 'auto' raises, 'none' patches nothing
         return state
     blocks = find_blocks(model, cfg.blocks)
     if not blocks:
         raise ValueError(
             f"checkpointing.policy = {cfg.policy!r} found no blocks in {type(model).__name__}: "
             "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
-    context_fn = context_fn_for(cfg.policy)
+    plans = region_plans(cfg, len(blocks))
     if cfg.offload != "none":
         state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report)
-    for indices in plan_regions(cfg.policy, len(blocks), cfg.k):
-        region = Region([blocks[i] for i in indices], context_fn, verify=cfg.verify,
+    for plan in plans:
+        region = Region([blocks[i] for i in plan.blocks], context_fn_for(plan.mode), verify=cfg.verify,
                         recompute_context=state.recompute_context)
+        region.mode = plan.mode
         region.offload = state.offload
         state.regions.append(region)
     try:

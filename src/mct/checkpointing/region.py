@@ -62,6 +62,7 @@ class Region:
         self._originals: list[Callable] = []
         self._saved_attrs: list[Any] = []
         self.offload: Any = None  # an ActivationOffload: the region's input waits off the device
+        self.mode = "all" if context_fn is None else "selective"  # what it keeps inside (apply sets it)
 
     @property
     def replaying(self) -> bool:

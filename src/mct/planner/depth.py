@@ -16,6 +16,14 @@ dry runs, to the byte; docs/planner.md).
 segments: its copies hold the full model's segments as modules of their own (``PlannerSegment``,
 checkpointed with policy 'all'), the blocks inside them stay the ZeRO units.
 
+A mixed stack (``checkpointing.per_block``: runs of blocks with one choice each, e.g. 8
+'all', then 8 'selective', then 16 'none') repeats within each run, not as a whole: its
+copies (``MixedShape``) keep every run, a run of 5 or more blocks cut to 3 (its first, a
+middle and its last block). One copy has every run so; for each cut run one more copy has
+that run one block longer. Every number of the full model is ``A + sum_g m_g (B_g - A)``
+(``m_g``: the blocks run g has beyond 3): the bytes of a window are a sum over blocks, so
+each run's blocks add their own share, whatever the other runs hold.
+
 A model is extrapolated only when that is sound: its blocks are the children of one
 ModuleList, identical in class, parameter and buffer names, shapes, dtypes and
 requires_grad, share no parameter with each other or the rest of the model, their class
@@ -27,6 +35,7 @@ Anything else: a full dry run.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mct.checkpointing import find_blocks
+from mct.checkpointing import block_choices, find_blocks
 from mct.checkpointing.blocks import first_tensor, primary
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES
@@ -80,6 +89,52 @@ class Shape:
     p: int
     m: int
     segments: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def blocks(self) -> int:
+        """Blocks the copies' dry runs step through, together."""
+        return 2 * self.a + self.p
+
+
+CUT = 3
+"""Blocks a cut run of a mixed stack keeps in the smaller copy: its first, a middle and its last."""
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    """How a mixed stack's dry run is extrapolated (module docstring): ``runs``, each
+    run's choice and length in block order; ``grown``, the runs that are cut to ``CUT``
+    blocks (the others are whole in every copy)."""
+
+    runs: tuple[tuple[str, int], ...]
+    grown: tuple[int, ...]
+
+    def lengths(self, longer: int | None = None) -> list[int]:
+        """Each run's length in the smaller copy, or with run ``longer`` one block longer."""
+        return [(CUT if g in self.grown else n) + (g == longer) for g, (_, n) in enumerate(self.runs)]
+
+    def choices(self, longer: int | None = None) -> list[str]:
+        return [c for (c, _), n in zip(self.runs, self.lengths(longer)) for _ in range(n)]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks the copies' dry runs step through, together."""
+        return (len(self.grown) + 1) * sum(self.lengths()) + len(self.grown)
+
+    def mapped(self, k: int | str, g: int) -> list[int | str]:
+        """The blocks of the copy with run ``g`` longer whose windows continue block
+        ``k``'s of the smaller copy: the same block, one place later behind run ``g``; in
+        run ``g`` itself as ``_mapped`` with a period of one."""
+        if k == "head":
+            return [k]
+        assert isinstance(k, int)
+        start = sum(self.lengths()[:g])
+        if k < start:
+            return [k]
+        if k >= start + CUT:
+            return [k + 1]
+        q = k - start
+        return ([k] if q < 2 else []) + ([k + 1] if q >= 1 else [])
 
 
 class PlannerSegment(nn.Module):
@@ -175,8 +230,9 @@ def _called_equally(model: nn.Module, blocks: list[nn.Module], work: Task) -> bo
     return calls[0] > 0 and len(set(calls)) == 1
 
 
-def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Shape | None:
-    """The shallow copies for ``cfg``'s checkpointing policy, or None when dry-running
+def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Shape | MixedShape | None:
+    """The shallow copies for ``cfg``'s checkpointing policy (a mixed ``per_block``: a
+    ``MixedShape``; raises ValueError as ``block_choices``), or None when dry-running
     both would cost no fewer blocks than the model itself (a full dry run then costs no
     more; sqrt's copies hold about 5 sqrt(n) blocks, so it gains from about 40;
     ``cheaper_only=False`` keeps them anyway, as long as they are shallower). The smaller copy
@@ -185,6 +241,12 @@ def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Sha
     the larger one a middle period more; the full model has ``m`` more than the
     smaller copy."""
     n, policy = stack.n, cfg.checkpointing.policy
+    if policy == "per_block":
+        choices = block_choices(cfg.checkpointing, n)
+        assert choices is not None
+        if len(set(choices)) > 1:
+            return _mixed_shape(n, choices, cheaper_only)
+        policy = choices[0]  # one choice for every block: the uniform policy's copies (``copy_config``)
     if policy == "sqrt":
         p = math.ceil(math.sqrt(n))
         r = n - p * ((n - 1) // p)  # the last segment (1..p blocks); the others hold p each
@@ -200,6 +262,15 @@ def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Sha
     a = 3 * p + n % p
     m = (n - a) // p
     return Shape(a, p, m) if m >= 2 and (2 * a + p < n or not cheaper_only) else None
+
+
+def _mixed_shape(n: int, choices: list[str], cheaper_only: bool) -> MixedShape | None:
+    runs: list[tuple[str, int]] = []
+    for c in choices:
+        runs[-1:] = [(c, runs[-1][1] + 1)] if runs and runs[-1][0] == c else [*runs[-1:], (c, 1)]
+    grown = tuple(g for g, (_, length) in enumerate(runs) if length - CUT >= 2)
+    shape = MixedShape(tuple(runs), grown)
+    return shape if grown and (shape.blocks < n or not cheaper_only) else None
 
 
 def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None) -> Callable[[], nn.Module]:
@@ -227,12 +298,23 @@ def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None) -> Calla
     return build
 
 
-def copy_config(cfg: EngineConfig, stack: Stack, shape: Shape) -> EngineConfig:
-    """The config a shallow copy runs: ``cfg`` itself, or for sqrt segments each
-    checkpointed whole (policy 'all' over ``PlannerSegment``s) with the blocks as ZeRO units."""
-    if shape.segments is None:
-        return cfg
+def copy_config(cfg: EngineConfig, stack: Stack, shape: Shape | MixedShape, longer: int | None = None
+                ) -> EngineConfig:
+    """The config a shallow copy runs: ``cfg`` itself; for sqrt segments each
+    checkpointed whole (policy 'all' over ``PlannerSegment``s) with the blocks as ZeRO units;
+    for a ``per_block`` config the copy's own choices (a ``MixedShape``'s, with run
+    ``longer`` one block longer), or with every block alike that uniform policy."""
     d = cfg.to_dict()
+    if cfg.checkpointing.policy == "per_block":
+        full = block_choices(cfg.checkpointing, stack.n)
+        assert full is not None
+        choices = shape.choices(longer) if isinstance(shape, MixedShape) else full[:1]
+        uniform = len(set(choices)) == 1
+        d["checkpointing"] = {**d["checkpointing"], "policy": choices[0] if uniform else "per_block",
+                              "per_block": [] if uniform else choices}
+        return EngineConfig.from_dict(d)
+    if not isinstance(shape, Shape) or shape.segments is None:
+        return cfg
     d["checkpointing"] = {**d["checkpointing"], "policy": "all", "blocks": [SEGMENT]}
     d["zero"] = {**d["zero"], "units": [stack.block_class]}
     return EngineConfig.from_dict(d)
@@ -326,16 +408,36 @@ def _mapped(k: int | str, shape: Shape) -> list[int | str]:
     return ([k] if k < 2 * shape.p else []) + ([k + shape.p] if k >= shape.p else [])
 
 
-def _extend_step(wa: dict[Label, dict[str, int]], wb: dict[Label, dict[str, int]], shape: Shape
+@dataclass
+class Copy:
+    """A larger copy's dry run, its windows, how many times its difference from the
+    smaller copy's is added (``m``), and which of its blocks continue a block of the smaller
+    copy (``mapped(k)``)."""
+
+    run: DryRun
+    windows: Windows
+    m: int
+    mapped: Callable[[int | str], list[int | str]]
+
+
+def _extend_step(wa: dict[Label, dict[str, int]], larger: list[tuple[dict[Label, dict[str, int]], Copy]]
                  ) -> dict[str, dict[str, int]] | None:
-    """Each phase's peak at the full depth: the largest extrapolated window."""
+    """Each phase's peak at the full depth: the largest extrapolated window. A window of
+    the smaller copy continues in each larger copy (in one or, in a middle block of the
+    period that grows there, two windows); each combination is a candidate."""
     out: dict[str, dict[str, int]] = {}
     for (phase, k, n), a in wa.items():
-        for kb in _mapped(k, shape):
-            b = wb.get((phase, kb, n))
-            if b is None:
-                return None
-            full = {c: v + shape.m * (b.get(c, 0) - v) for c, v in a.items()}
+        options = []
+        for wb, copy_ in larger:
+            deltas = []
+            for kb in copy_.mapped(k):
+                b = wb.get((phase, kb, n))
+                if b is None:
+                    return None
+                deltas.append({c: copy_.m * (b.get(c, 0) - v) for c, v in a.items()})
+            options.append(deltas)
+        for combo in itertools.product(*options):
+            full = {c: v + sum(d[c] for d in combo) for c, v in a.items()}
             if phase not in out or full["total"] > out[phase]["total"]:
                 out[phase] = full
     return out
@@ -346,13 +448,19 @@ def extend(a: DryRun, b: DryRun, wa: Windows, wb: Windows, shape: Shape, n_param
     phases), initialization and offloaded bytes likewise. None when a count would fall
     below zero or the copies' windows do not match (they do not repeat: the caller
     runs the full model)."""
-    def ext(x: int, y: int) -> int:
-        return x + shape.m * (y - x)
-    first, steady = (_extend_step(x, y, shape) for x, y in zip(wa.steps[:2], wb.steps[:2]))
+    return extend_copies(a, wa, [Copy(b, wb, shape.m, lambda k: _mapped(k, shape))], n_params)
+
+
+def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> DryRun | None:
+    """``extend`` from the smaller copy and any number of larger ones: every number
+    ``A + sum_i m_i (B_i - A)`` (a mixed stack: one larger copy per grown run)."""
+    def ext(x: int, get: Callable[[DryRun], dict[str, int]], key: str) -> int:
+        return x + sum(c.m * (get(c.run).get(key, 0) - x) for c in copies)
+    first, steady = (_extend_step(wa.steps[i], [(c.windows.steps[i], c) for c in copies]) for i in range(2))
     if first is None or steady is None or set(steady) != set(PHASES) or set(first) != set(PHASES):
         return None
-    init = {c: ext(v, b.init.get(c, 0)) for c, v in a.init.items()}
-    offloaded = {t: ext(v, b.offloaded.get(t, 0)) for t, v in a.offloaded.items()}
+    init = {c: ext(v, lambda r: r.init, c) for c, v in a.init.items()}
+    offloaded = {t: ext(v, lambda r: r.offloaded, t) for t, v in a.offloaded.items()}
     counts = [*init.values(), *offloaded.values(), *(v for p in (steady, first) for d in p.values() for v in d.values())]
     if min(counts, default=0) < 0:
         return None
@@ -363,7 +471,7 @@ def extend(a: DryRun, b: DryRun, wa: Windows, wb: Windows, shape: Shape, n_param
 
 
 def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, *, meta_init: bool,
-                 shape: Shape | None = None) -> DryRun | None:
+                 shape: Shape | MixedShape | None = None) -> DryRun | None:
     """``cfg``'s dry run of the ``stack.n``-block model of ``prepared`` from two shallow
     copies (see the module docstring), or None when the policy gives no shallower copy
     or the copies do not repeat. The initialization peak is the larger of the whole
@@ -374,13 +482,23 @@ def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, 
     shape = shape or shape_for(stack, cfg)
     if shape is None:
         return None
-    run_cfg = copy_config(cfg, stack, shape)
-    segments = shape.segments or (None, None)
-    wa, wb = Windows(stack), Windows(stack)
-    a, b = (dry_run_task(prepared.task, run_cfg, world, batch=batch,
-                         hooks=DryRunHooks(meta_init=meta_init, build=shallow(stack, depth, seg), observer=w))
-            for depth, seg, w in ((shape.a, segments[0], wa), (shape.a + shape.p, segments[1], wb)))
-    run = extend(a, b, wa, wb, shape, prepared.n_params)
+
+    def copy_run(depth: int, segments: tuple[int, ...] | None, run_cfg: EngineConfig) -> tuple[DryRun, Windows]:
+        w = Windows(stack)
+        hooks = DryRunHooks(meta_init=meta_init, build=shallow(stack, depth, segments), observer=w)
+        return dry_run_task(prepared.task, run_cfg, world, batch=batch, hooks=hooks), w
+    if isinstance(shape, MixedShape):
+        mixed = shape
+        a, wa = copy_run(sum(mixed.lengths()), None, copy_config(cfg, stack, mixed))
+        copies = [Copy(*copy_run(sum(mixed.lengths(g)), None, copy_config(cfg, stack, mixed, g)),
+                       mixed.runs[g][1] - CUT, lambda k, g=g: mixed.mapped(k, g)) for g in mixed.grown]
+        run = extend_copies(a, wa, copies, prepared.n_params)
+    else:
+        run_cfg = copy_config(cfg, stack, shape)
+        segments = shape.segments or (None, None)
+        (a, wa), (b, wb) = (copy_run(depth, seg, run_cfg)
+                            for depth, seg in ((shape.a, segments[0]), (shape.a + shape.p, segments[1])))
+        run = extend(a, b, wa, wb, shape, prepared.n_params)
     if run is not None and not meta_init and construction is not None and construction["total"] > run.init_peak:
         run.init_peak = construction["total"]
         run.init = {c: construction.get(c, 0) for c in (*CATEGORIES, "total")}

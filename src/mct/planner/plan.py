@@ -34,10 +34,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mct.checkpointing import block_choices, find_blocks
 from mct.config import OFFLOAD_TIERS, EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
-from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task
+from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
 from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
                               map_task, smaller_batch, task_of)
 from mct.planner.pool import run_jobs
@@ -59,12 +60,25 @@ AUTO_LOSS_CHUNK = 1024
 
 
 def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none",
-              loss_chunk: int = 0) -> float:
-    """Relative step cost of a configuration (see the module docstring)."""
-    compute = 1.0 + RECOMPUTED.get(policy, 1.0) / 3
+              loss_chunk: int = 0, recomputed: float | None = None) -> float:
+    """Relative step cost of a configuration (see the module docstring). ``recomputed``:
+    the recomputed fraction when it is not the policy's own (per_block: ``recomputed_fraction``)."""
+    compute = 1.0 + (RECOMPUTED.get(policy, 1.0) if recomputed is None else recomputed) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
     return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]]
                  + ACT_OFFLOAD_COST[act_offload] + (LOSS_CHUNK_COST if loss_chunk > 0 else 0.0), 4)
+
+
+def recomputed_fraction(choices: list[str]) -> float:
+    """The recomputed share of the blocks' forward under per-block ``choices``: 'all' a
+    whole block, 'selective' half of one (as ``RECOMPUTED``)."""
+    return sum(RECOMPUTED[c] for c in choices) / max(len(choices), 1)
+
+
+def per_block_setting(spec: list[str] | dict[str, int]) -> str:
+    """``checkpointing.per_block`` as a --set argument: 'checkpointing.per_block=all=8,selective=8'."""
+    text = ",".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, dict) else ",".join(spec)
+    return f"checkpointing.per_block={text}"
 
 
 def offload_label(cfg: EngineConfig) -> str:
@@ -95,9 +109,16 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
                 offload: str | None = None, act_offload: str | None = None,
                 loss_chunk: int | None = None) -> EngineConfig:
     """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
-    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens) replaced."""
+    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens) replaced.
+    Policy 'per_block' keeps ``cfg``'s checkpointing.per_block (ValueError when it has none);
+    a uniform policy drops it."""
     d = cfg.to_dict()
+    if policy == "per_block" and not cfg.checkpointing.per_block:
+        raise ValueError("checkpointing policy 'per_block' plans the config's checkpointing.per_block, and it sets "
+                         "none: set it (e.g. --set checkpointing.per_block=all=8,selective=8) or plan other policies")
     d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
+    if policy != "per_block":
+        d["checkpointing"]["per_block"] = []
     if act_offload is not None:
         d["checkpointing"]["offload"] = act_offload
     if precision is not None:
@@ -130,25 +151,30 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
     if stack is None:
         return 1.0
     shape = shape_for(stack, cfg)
-    blocks = stack.n if shape is None else 2 * shape.a + shape.p
+    blocks = stack.n if shape is None else shape.blocks
     return blocks * (1.0 if cfg.checkpointing.policy == "none" else 1.5)
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0) -> dict[str, Any]:
+        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0, *,
+        per_block: list[str] | dict[str, int] | None = None, recomputed: float | None = None) -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, the bytes offload keeps off the device per tier
     (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
-    ``budget`` and its relative cost; ``act_offload``: checkpointing.offload."""
+    ``budget`` and its relative cost; ``act_offload``: checkpointing.offload;
+    ``per_block``: checkpointing.per_block of a 'per_block' row (None for the others),
+    ``recomputed`` its recomputed fraction (``recomputed_fraction``)."""
     at = run.phases[run.phase]
-    return {"stage": stage, "policy": policy, "precision": precision, "offload": offload,
+    return {"stage": stage, "policy": policy, "per_block": per_block if policy == "per_block" else None,
+            "precision": precision, "offload": offload,
             "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
             "fits": budget is None or run.peak <= budget,
-            "cost": step_cost(stage, policy, world, offload, act_offload, loss_chunk)}
+            "cost": step_cost(stage, policy, world, offload, act_offload, loss_chunk,
+                              recomputed if policy == "per_block" else None)}
 
 
 @dataclass
@@ -207,7 +233,8 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     configs = [with_choice(cfg, *choice) for choice in choices]
     runs = run_jobs(lambda i: predict(works[choices[i][5]], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
-    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk)
+    mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}
+    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, **mixed)
             for run, (stage, policy, precision, offload, act, chunk) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
@@ -221,6 +248,25 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     return plan
 
 
+def _per_block_of(work: Work, cfg: EngineConfig) -> dict[str, Any]:
+    """``row``'s per_block keywords: the config's checkpointing.per_block and its recomputed
+    fraction at the model's block count. Raises ValueError as ``block_choices``."""
+    if isinstance(work, Prepared):
+        n = work.stack.n
+    else:
+        n = len(find_blocks(meta_model(task_of(work).model_fn), cfg.checkpointing.blocks))
+    choices = block_choices(with_choice(cfg, 0, "per_block").checkpointing, n)
+    assert choices is not None
+    return {"per_block": cfg.checkpointing.per_block, "recomputed": recomputed_fraction(choices)}
+
+
+def _policy_settings(r: dict[str, Any]) -> str:
+    """A row's checkpointing as --set arguments."""
+    if r["policy"] == "per_block" and r.get("per_block"):
+        return f"checkpointing.policy=per_block {per_block_setting(r['per_block'])}"
+    return f"checkpointing.policy={r['policy']}"
+
+
 def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
     if plan.budget is None:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
@@ -229,7 +275,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
         off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
         off += "" if r.get("act_offload", "none") == "none" else f" checkpointing.offload={r['act_offload']}"
         off += _chunk_setting(r)
-        return (f"recommended: zero.stage={r['stage']} checkpointing.policy={r['policy']} "
+        return (f"recommended: zero.stage={r['stage']} {_policy_settings(r)} "
                 f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
     mine = [r for r in plan.rows if r["precision"] == plan.precision]
@@ -239,7 +285,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
     low = min(mine, key=lambda r: r["peak"])
     off = ("" if low["offload"] == "none" else " " + _offload_settings(low["offload"])) + _chunk_setting(low)
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
-           f"zero.stage={low['stage']} checkpointing.policy={low['policy']}{off}, needs {format_bytes(low['peak'])} "
+           f"zero.stage={low['stage']} {_policy_settings(low)}{off}, needs {format_bytes(low['peak'])} "
            f"(misses by {format_bytes(low['peak'] - plan.budget)})")
     return msg + _what_would_fit(plan, work, cfg, low)
 
@@ -362,6 +408,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
     if best is None:
         raise ValueError(_advice(plan, work, cfg))
     choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
+              "checkpointing.per_block": best["per_block"],
               "offload": best["offload"], "checkpointing.offload": best["act_offload"],
               "train.loss_chunk_tokens": best["loss_chunk_tokens"],
               "predicted_offloaded_bytes": best["offloaded"],

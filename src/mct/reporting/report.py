@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mct.config import parse_bytes
+from mct.checkpointing.policies import policy_label
+from mct.config import CheckpointingConfig, parse_bytes
 from mct.memory.tracker import format_bytes
 from mct.reporting.metrics import read_jsonl
 
@@ -122,10 +123,25 @@ def report_table(run: RunData) -> str:
     state = ((run.meta or {}).get("config") or {}).get("optimizer", {}).get("state_dtype", "fp32")
     if state != "fp32":  # Adam's moments in low precision: says why the run's numbers differ from fp32's
         summary.append(f"optimizer state: {state}")
+    mixed = _per_block_label(run)
+    if mixed:  # each block's own recompute choice: the run's memory and speed follow from it
+        summary.append(f"checkpointing per block: {mixed}")
     lines.append("; ".join(summary))
     if nonfinite:
         lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
     return "\n".join(lines)
+
+
+def _per_block_label(run: RunData) -> str:
+    """The run's checkpointing.per_block as runs ('all*8,selective*8'), '' when it has none
+    or it does not read as one."""
+    section = ((run.meta or {}).get("config") or {}).get("checkpointing") or {}
+    if section.get("policy") != "per_block" or not section.get("per_block"):
+        return ""
+    try:
+        return policy_label(CheckpointingConfig(policy="per_block", per_block=section["per_block"]))
+    except (ValueError, TypeError):
+        return ""
 
 
 def plot_title(run: RunData) -> str:
@@ -138,6 +154,8 @@ def plot_title(run: RunData) -> str:
                                ("policy", "checkpointing", "checkpointing"),
                                ("state_dtype", "optimizer", "optimizer state")):
         v = (cfg.get(section) or {}).get(key)
+        if v == "per_block" and _per_block_label(run):
+            v = _per_block_label(run)
         if v is not None:
             bits.append(f"{name} {v}")
     if meta.get("world_size"):

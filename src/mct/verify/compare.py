@@ -94,6 +94,10 @@ class VerifyReport:
     worst_param_rel: float = 0.0
     loss_tol: float = 0.0
     param_tol: float = 0.0
+    checkpointing: str = "none"
+    """the engine's recompute policy as it ran (``CheckpointState.policy``: per_block as runs)"""
+    recomputed_blocks: int = 0
+    """block forwards the engine recomputed in its last step"""
 
     @property
     def max_loss_rel(self) -> float:
@@ -116,6 +120,9 @@ class VerifyReport:
             lines.append(f"{step:>5} {a:>12.6f} {b:>12.6f} {rel:>10.2e} {g:>10.4g} {gr:>10.4g}"
                          + ("  (skipped: overflow)" if skipped else ""))
         verdict = "PASS" if self.passed else "FAIL"
+        if self.checkpointing != "none":
+            lines.append(f"checkpointing {self.checkpointing}: {self.recomputed_blocks} block forward(s) "
+                         f"recomputed in the last step")
         lines.append(f"max relative loss difference      {self.max_loss_rel:.3e} (tolerance {self.loss_tol:.0e})")
         lines.append(f"max relative grad-norm difference {self.max_grad_norm_rel:.3e} (tolerance {self.loss_tol:.0e})")
         lines.append(f"relative parameter difference     {self.param_rel:.3e} (tolerance {self.param_tol:.0e}); "
@@ -176,6 +183,8 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
                 report.rows.append((step, out.loss, r.loss, _rel(out.loss, r.loss), False))
                 report.grad_norms.append((out.grad_norm, r.grad_norm))
         opt_step += not out.skipped
+    report.checkpointing = engine.recompute.policy
+    report.recomputed_blocks = engine.recompute.recomputed_blocks
     state = engine.full_state_dict()
     if ref is None:
         return None
