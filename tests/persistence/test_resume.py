@@ -293,3 +293,31 @@ def test_resume_reshards_across_world_sizes_and_stages(tmp_path, world, stage, r
         assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(rows, ref))
         resumes_meta = json.loads((run / "metadata.json").read_text())["resumes"]
         assert resumes_meta[-1]["world_size"] == new_world and resumes_meta[-1]["zero_stage"] == new_stage
+
+
+def test_a_resumed_run_keeps_its_per_block_checkpointing_and_trains_as_uninterrupted(tmp_path):
+    """checkpointing.per_block is recorded with the run (metadata, each checkpoint's config)
+    and a resume continues with it: the same losses as the run that was not stopped, the
+    same blocks recomputed; `mct report` names it. Changing it on resume is allowed, a
+    conflicting policy is one line."""
+    from mct.reporting.report import load_run, plot_title, report_table
+    d = tiny_run(_write_corpus(tmp_path / "corpus"), steps=6, checkpoint_every=2, eval_every=0)
+    d["model"]["n_layer"] = 3
+    d["checkpointing"] = {"per_block": {"all": 1, "selective": 1}}
+    base = tmp_path / "base"
+    train(EngineConfig.from_dict(d), base, progress=False)
+    run = _copy(base, tmp_path)
+    shutil.rmtree(step_dir(run, 6))  # as if stopped after the checkpoint of step 4
+    _resume(run)
+    recorded = json.loads((step_dir(run, 6) / "trainer.json").read_text())["config"]["checkpointing"]
+    assert (recorded["policy"], recorded["per_block"]) == ("per_block", {"all": 1, "selective": 1})
+    rows, want = _rows(run), _rows(base)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in want]
+    assert all((r["recompute_policy"], r["recompute_checkpointed_blocks"], r["recompute_selective_blocks"])
+               == ("all*1,selective*1", 2, 1) for r in rows)
+    assert "checkpointing per block: all*1,selective*1" in report_table(load_run(run))
+    assert "checkpointing all*1,selective*1" in plot_title(load_run(run))
+    with pytest.raises(ValueError, match="checkpointing.policy = 'all' sets them all: keep one"):
+        resume_config(run, ["checkpointing.policy=all"], 1)
+    changed = resume_config(run, ["checkpointing.per_block=all=3"], 1).checkpointing
+    assert (changed.policy, changed.per_block) == ("per_block", {"all": 3})
