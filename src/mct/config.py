@@ -322,7 +322,8 @@ class CheckpointingConfig:
         """The per_block value on its own, and with policy. Its length against the model's
         block count is checked where the blocks are found (``mct.checkpointing.block_choices``)."""
         spec = self.per_block
-        example = "a list like [\"all\", \"selective\", \"none\"] (one per block) or counts like {all = 8, selective = 8}"
+        example = ("a list like [\"all\", \"selective\", \"none\"] (one per block) or counts like "
+                   "{all = 8, selective = 8}")
         if self.policy == "per_block" and not spec:
             _fail("checkpointing.policy", self.policy, f"needs checkpointing.per_block: {example}")
         if spec and self.policy != "per_block":

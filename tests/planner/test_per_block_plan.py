@@ -38,7 +38,8 @@ def test_mixed_row_lies_between_none_and_all_and_is_the_measured_peak():
                     policies=("none", "all", "per_block"), precisions=("fp32",), workers=1)
     rows = {r["policy"]: r for r in plan.rows}
     assert rows["per_block"]["per_block"] == MIXED and rows["all"]["per_block"] is None
-    assert rows["all"]["peak"] < rows["per_block"]["peak"] < rows["none"]["peak"], {k: r["peak"] for k, r in rows.items()}
+    peaks = {k: r["peak"] for k, r in rows.items()}
+    assert peaks["all"] < peaks["per_block"] < peaks["none"], peaks
     # 2 of 4 blocks recompute fully, 1 half: between the uniform rows' costs
     assert rows["none"]["cost"] < rows["per_block"]["cost"] < rows["all"]["cost"]
     real = measure(_gpt2, token_loss, lambda s, r: random_batch(s, r, B), cfg, 0, steps=3)
@@ -79,8 +80,8 @@ def test_mixed_stack_depth_extrapolation_equals_the_full_dry_run_to_the_byte(per
 
 def test_deep_mixed_stack_is_extrapolated_from_shallow_copies():
     """At 64 blocks the copies hold far fewer blocks than the model: the plan uses them."""
-    cfg = EngineConfig.from_dict({"model": {"n_layer": 64, "d_model": 16, "n_head": 2, "vocab_size": 101,
-                                            "seq_len": 13}, "checkpointing": {"per_block": {"all": 40, "selective": 8}}})
+    cfg = EngineConfig.from_dict({"model": {"n_layer": 64, "d_model": 16, "n_head": 2, "vocab_size": 101, "seq_len": 13},
+                                  "checkpointing": {"per_block": {"all": 40, "selective": 8}}})
     planned = prepare(gpt_task(cfg), cfg)
     shape = shape_for(planned.stack, cfg)
     assert isinstance(shape, MixedShape) and shape.runs == (("all", 40), ("selective", 8), ("none", 16))

@@ -121,8 +121,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     bytes parked). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
     mutates only the blocks' instance ``forward`` attribute. Raises ValueError for policy
     'auto', no detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with
-    k larger than the block count, a ``per_block`` list or counts that do not match it, a model already checkpointed, or ``cfg.offload = 'cpu'`` on a
-    CPU ``device``.
+    k larger than the block count, a ``per_block`` list or counts that do not match it,
+    a model already checkpointed, or ``cfg.offload = 'cpu'`` on a CPU ``device``.
     """
     state = CheckpointState(policy_label(cfg), cfg.verify, recompute_context)
     if cfg.policy in ("none", "auto"):

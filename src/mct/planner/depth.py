@@ -16,13 +16,9 @@ dry runs, to the byte; docs/planner.md).
 segments: its copies hold the full model's segments as modules of their own (``PlannerSegment``,
 checkpointed with policy 'all'), the blocks inside them stay the ZeRO units.
 
-A mixed stack (``checkpointing.per_block``: runs of blocks with one choice each, e.g. 8
-'all', then 8 'selective', then 16 'none') repeats within each run, not as a whole: its
-copies (``MixedShape``) keep every run, a run of 5 or more blocks cut to 3 (its first, a
-middle and its last block). One copy has every run so; for each cut run one more copy has
-that run one block longer. Every number of the full model is ``A + sum_g m_g (B_g - A)``
-(``m_g``: the blocks run g has beyond 3): the bytes of a window are a sum over blocks, so
-each run's blocks add their own share, whatever the other runs hold.
+A mixed stack (``checkpointing.per_block``) repeats within each run of blocks with one
+choice, not as a whole: one smaller copy and one larger copy per long run, every number
+``A + sum_g m_g (B_g - A)`` (``mct.planner.mixed``).
 
 A model is extrapolated only when that is sound: its blocks are the children of one
 ModuleList, identical in class, parameter and buffer names, shapes, dtypes and
@@ -49,6 +45,7 @@ from mct.checkpointing.blocks import first_tensor, primary
 from mct.config import EngineConfig
 from mct.memory.tracker import CATEGORIES
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, fake_batch, materialize_fake, meta_model
+from mct.planner.mixed import CUT, MixedShape, mixed_shape
 from mct.task.spec import Task
 
 SEGMENT = "PlannerSegment"
@@ -94,47 +91,6 @@ class Shape:
     def blocks(self) -> int:
         """Blocks the copies' dry runs step through, together."""
         return 2 * self.a + self.p
-
-
-CUT = 3
-"""Blocks a cut run of a mixed stack keeps in the smaller copy: its first, a middle and its last."""
-
-
-@dataclass(frozen=True)
-class MixedShape:
-    """How a mixed stack's dry run is extrapolated (module docstring): ``runs``, each
-    run's choice and length in block order; ``grown``, the runs that are cut to ``CUT``
-    blocks (the others are whole in every copy)."""
-
-    runs: tuple[tuple[str, int], ...]
-    grown: tuple[int, ...]
-
-    def lengths(self, longer: int | None = None) -> list[int]:
-        """Each run's length in the smaller copy, or with run ``longer`` one block longer."""
-        return [(CUT if g in self.grown else n) + (g == longer) for g, (_, n) in enumerate(self.runs)]
-
-    def choices(self, longer: int | None = None) -> list[str]:
-        return [c for (c, _), n in zip(self.runs, self.lengths(longer)) for _ in range(n)]
-
-    @property
-    def blocks(self) -> int:
-        """Blocks the copies' dry runs step through, together."""
-        return (len(self.grown) + 1) * sum(self.lengths()) + len(self.grown)
-
-    def mapped(self, k: int | str, g: int) -> list[int | str]:
-        """The blocks of the copy with run ``g`` longer whose windows continue block
-        ``k``'s of the smaller copy: the same block, one place later behind run ``g``; in
-        run ``g`` itself as ``_mapped`` with a period of one."""
-        if k == "head":
-            return [k]
-        assert isinstance(k, int)
-        start = sum(self.lengths()[:g])
-        if k < start:
-            return [k]
-        if k >= start + CUT:
-            return [k + 1]
-        q = k - start
-        return ([k] if q < 2 else []) + ([k + 1] if q >= 1 else [])
 
 
 class PlannerSegment(nn.Module):
@@ -245,7 +201,7 @@ def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Sha
         choices = block_choices(cfg.checkpointing, n)
         assert choices is not None
         if len(set(choices)) > 1:
-            return _mixed_shape(n, choices, cheaper_only)
+            return mixed_shape(n, choices, cheaper_only)
         policy = choices[0]  # one choice for every block: the uniform policy's copies (``copy_config``)
     if policy == "sqrt":
         p = math.ceil(math.sqrt(n))
@@ -262,15 +218,6 @@ def shape_for(stack: Stack, cfg: EngineConfig, cheaper_only: bool = True) -> Sha
     a = 3 * p + n % p
     m = (n - a) // p
     return Shape(a, p, m) if m >= 2 and (2 * a + p < n or not cheaper_only) else None
-
-
-def _mixed_shape(n: int, choices: list[str], cheaper_only: bool) -> MixedShape | None:
-    runs: list[tuple[str, int]] = []
-    for c in choices:
-        runs[-1:] = [(c, runs[-1][1] + 1)] if runs and runs[-1][0] == c else [*runs[-1:], (c, 1)]
-    grown = tuple(g for g, (_, length) in enumerate(runs) if length - CUT >= 2)
-    shape = MixedShape(tuple(runs), grown)
-    return shape if grown and (shape.blocks < n or not cheaper_only) else None
 
 
 def shallow(stack: Stack, depth: int, segments: tuple[int, ...] | None) -> Callable[[], nn.Module]:

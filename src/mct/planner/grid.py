@@ -24,7 +24,8 @@ PRECISIONS = ("fp32", "bf16")
 class Grid:
     """The configurations a plan dry-runs: every ZeRO stage x checkpointing policy x
     precision x offload label ('none', 'optimizer=cpu|disk', 'optimizer+params=cpu|disk';
-    None: the config's own). The other keys are the config's."""
+    None: the config's own). The other keys are the config's. Policy 'per_block' plans the
+    config's own checkpointing.per_block."""
 
     stages: tuple[int, ...] = STAGES
     policies: tuple[str, ...] = POLICIES

@@ -4,7 +4,8 @@ the cheapest configuration that fits a per-rank budget (``mct plan``, ``auto``).
 Relative step cost (1.0 = stage 0, no recomputation, one rank) is a documented model,
 not a measurement (docs/planner.md):
   compute  1 + recomputed_fraction / 3   (forward ~ 1/3 of forward + backward; 'all'
-           and 'sqrt' recompute every block's forward once, 'selective' about half)
+           and 'sqrt' recompute every block's forward once, 'selective' about half;
+           'per_block' the mean over its blocks: ``recomputed_fraction``)
   comm     COMM_SHARE x volume / (2 psi), volume per rank per step in parameters:
            2 psi at stages 0-2 (all-reduce = reduce-scatter + all-gather), 3 psi at
            stage 3 (parameters gathered in forward and again in backward); 0 on one rank.
