@@ -38,7 +38,7 @@ from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
-from mct.zero.state_io import extent
+from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle
 
 
@@ -122,7 +122,7 @@ class Engine:
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))
         self.optimizer = optimizer([{**hyper[gi], "params": [u.master for u, g in owned if g == gi]}
                                     for gi in range(len(groups))])
-        optim.place(self.optimizer, [(u.master, extent(u, self.comm.rank)[0]) for u in self.sharded.units],
+        optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
         self.tracker.register_all(model.buffers(), "params")
