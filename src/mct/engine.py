@@ -107,11 +107,12 @@ class Engine:
                             key="zero.units" if cfg.zero.units else "checkpointing.blocks")
         self.stage = int(cfg.zero.stage)
         # where the state lives, chosen once (offload takes each unit's state as it is built)
+        align = optim.shard_align(cfg.optimizer.state_dtype)  # whole quantization blocks per shard and chunk
         self.residency: Residency = residency_for(cfg, stage=self.stage, comm=self.comm, device=self.device,
-                                                  tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
+                                                  tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor(),
+                                                  chunk_align=align)
         self.offload = self.residency.offloaded  # the offload runtime, or None
-        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel,
-                                  shard_align=optim.shard_align(cfg.optimizer.state_dtype))
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel, shard_align=align)
         self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
                                     comm=self.comm, device=self.device, tracker=self.tracker,
                                     hooks=UnitHooks(None if init_program is None else
