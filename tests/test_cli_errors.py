@@ -200,8 +200,6 @@ CASES: list[tuple[str, list[str], str]] = [
     ("optimizer-betas-one-or-more", [*TRAIN, "--set", "optimizer.betas=1,0.9"], "optimizer.betas = [1.0, 0.9]"),
     ("optimizer-eps-inf", [*TRAIN, "--set", "optimizer.eps=inf"], "optimizer.eps = inf"),
     ("optimizer-state-dtype-unknown", [*TRAIN, "--set", "optimizer.state_dtype=fp8"], "optimizer.state_dtype = 'fp8'"),
-    ("optimizer-state-dtype-offloaded", [*TRAIN, "--set", "optimizer.state_dtype=int8", "--set",
-                                         "offload.optimizer=cpu"], "is not yet streamed"),
     ("act-offload-dir-under-a-file", [*TRAIN, "--set", "checkpointing.policy=all", "--set",
                                       "checkpointing.offload=disk", "--set", "offload.dir={tmp}/broken.toml/acts"],
      "broken.toml"),

@@ -523,10 +523,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
         self._check_tensor_sizes()
-        if self.optimizer.state_dtype != "fp32" and self.offload.enabled:
-            _fail("optimizer.state_dtype", self.optimizer.state_dtype,
-                  f"is not yet streamed by offload.optimizer = {self.offload.optimizer!r}: set "
-                  f"optimizer.state_dtype = 'fp32' or offload.optimizer = 'none'")
         if self.offload.params != "none" and self.zero.stage not in (3, "auto"):
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "

@@ -38,7 +38,7 @@ from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
-from mct.zero.state_io import extent
+from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle
 
 
@@ -107,11 +107,12 @@ class Engine:
                             key="zero.units" if cfg.zero.units else "checkpointing.blocks")
         self.stage = int(cfg.zero.stage)
         # where the state lives, chosen once (offload takes each unit's state as it is built)
+        align = optim.shard_align(cfg.optimizer.state_dtype)  # whole quantization blocks per shard and chunk
         self.residency: Residency = residency_for(cfg, stage=self.stage, comm=self.comm, device=self.device,
-                                                  tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor())
+                                                  tracker=self.tracker, inv_divisor=lambda: 1.0 / self._grad_divisor(),
+                                                  chunk_align=align)
         self.offload = self.residency.offloaded  # the offload runtime, or None
-        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel,
-                                  shard_align=optim.shard_align(cfg.optimizer.state_dtype))
+        sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel, shard_align=align)
         self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
                                     comm=self.comm, device=self.device, tracker=self.tracker,
                                     hooks=UnitHooks(None if init_program is None else
@@ -122,7 +123,7 @@ class Engine:
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))
         self.optimizer = optimizer([{**hyper[gi], "params": [u.master for u, g in owned if g == gi]}
                                     for gi in range(len(groups))])
-        optim.place(self.optimizer, [(u.master, extent(u, self.comm.rank)[0]) for u in self.sharded.units],
+        optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
         self.tracker.register_all(model.buffers(), "params")

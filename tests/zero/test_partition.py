@@ -103,3 +103,16 @@ def test_simulated_comm_runs_the_bucketing_with_shape_checked_no_op_collectives(
         Comm(DistContext.simulated(4), bucket_bytes=2**20).all_gather(torch.ones(3), torch.zeros(10))
     with pytest.raises(ValueError, match="world size"):
         DistContext.simulated(0)
+
+
+def test_a_shard_of_padding_only_starts_block_aligned_past_the_end():
+    """64 elements over 2 ranks in 256-element shards: rank 1 holds padding only. The
+    optimizer places it at 256 on the padded index (block-aligned, where ``extent``
+    clamps its empty piece to 64), and it holds no per-block entry, after the last one."""
+    from types import SimpleNamespace
+
+    from mct.zero.state_io import block_extent, extent, shard_start
+    unit = SimpleNamespace(name="u", layout=build_layout(["w"], [torch.Size([64])], 2, shard_align=256))
+    assert [extent(unit, r) for r in (0, 1)] == [(0, 64), (64, 0)]
+    assert [shard_start(unit, r) for r in (0, 1)] == [0, 256]
+    assert [block_extent(unit, r, 256) for r in (0, 1)] == [(0, 1), (1, 0)]

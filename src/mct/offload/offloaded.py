@@ -29,6 +29,7 @@ class Offloaded:
 
     def bind(self, sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> None:
         self.sharded, self.optimizer = sharded, optimizer
+        self.offloaded.bind(optimizer)
 
     # ---- the step ----
     def step_masters(self) -> list[torch.Tensor]:

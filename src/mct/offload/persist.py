@@ -25,39 +25,43 @@ def unit_pieces(offload: OffloadedUnits, i: int, n: int) -> list[tuple[str, torc
     """Unit ``i``'s state for a streamed save, without reading the store: (what,
     tensor, reader) for ``master`` and each ``optim/<name>`` (scalars first, as torch's
     optimizers order them). A stored piece is a meta-device placeholder of its first
-    ``n`` elements with a ``reader()`` that reads them into a new CPU tensor; resident
-    ones (a master that is a view, scalars) are themselves, with no reader."""
+    ``n`` elements (a per-block state: the entries covering them) with a ``reader()``
+    that reads them into a new CPU tensor; resident ones (a master that is a view,
+    scalars) are themselves, with no reader."""
     u = offload.units[i]
     out: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor] | None]] = []
 
-    def stored(key: str, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    def stored(key: str, dtype: torch.dtype, count: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         def read() -> torch.Tensor:
-            t = torch.empty(n, dtype=dtype)
-            offload.stream.fetch(Item(key, offload.store, key, 0, n), t)
+            t = torch.empty(count, dtype=dtype)
+            offload.stream.fetch(Item(key, offload.store, key, 0, count), t)
             return t
-        return torch.empty(n, dtype=dtype, device="meta"), read
+        return torch.empty(count, dtype=dtype, device="meta"), read
     out.append(("master", u.master.detach()[:n], None) if u.master_is_view
-               else ("master", *stored(f"u{i}.master", torch.float32)))
+               else ("master", *stored(f"u{i}.master", torch.float32, n)))
     st = offload.states[i]
     if st is not None:
         out += [(f"optim/{k}", v.detach() if isinstance(v, torch.Tensor) else v, None) for k, v in st.scalars.items()]
-        out += [(f"optim/{k}", *stored(f"u{i}.{k}", dt)) for k, dt in st.elementwise.items()]
+        out += [(f"optim/{k}", *stored(f"u{i}.{k}", dt, offload.state_numel(k, n))) for k, dt in st.elementwise.items()]
     return out
 
 
 def stage_unit(offload: OffloadedUnits, i: int, pieces: dict[str, torch.Tensor], n: int) -> None:
     """Write unit ``i``'s loaded ``master`` and per-element ``optim/<name>`` pieces
-    (``n`` elements each; the shard's padding becomes zeros) into staging records;
-    the live state is untouched until ``commit_staged``."""
+    (``n`` elements each; per-block ones the entries covering them; the shard's
+    padding becomes zeros) into staging records; the live state is untouched until
+    ``commit_staged``."""
     S = offload.units[i].layout.shard_numel
     for what, t in pieces.items():
-        key = f"{STAGE}.u{i}.{what.removeprefix('optim/')}"
-        if key in offload.store.records and offload.store.records[key].dtype != t.dtype:
-            offload.store.release(key)  # a leftover of another dtype (a load that failed part-way)
-        offload.ensure_record(key, S, t.dtype)
-        put_record(offload.store, key, t.detach().reshape(-1)[:n])
-        if S > n:
-            put_record(offload.store, key, torch.zeros(S - n, dtype=t.dtype), offset=n)
+        name = what.removeprefix("optim/")
+        key, size, have = f"{STAGE}.u{i}.{name}", offload.state_numel(name, S), offload.state_numel(name, n)
+        old = offload.store.records.get(key)
+        if old is not None and (old.dtype != t.dtype or old.numel != size):
+            offload.store.release(key)  # a leftover of another dtype or size (a load that failed part-way)
+        offload.ensure_record(key, size, t.dtype)
+        put_record(offload.store, key, t.detach().reshape(-1)[:have])
+        if size > have:
+            put_record(offload.store, key, torch.zeros(size - have, dtype=t.dtype), offset=have)
 
 
 def drop_staged(offload: OffloadedUnits) -> None:
@@ -81,7 +85,7 @@ def commit_staged(offload: OffloadedUnits, elementwise: list[dict[str, torch.dty
         else:
             store.swap(f"{STAGE}.u{i}.master", f"u{i}.master")
         for k, dt in elementwise[i].items():
-            offload.ensure_record(f"u{i}.{k}", u.layout.shard_numel, dt)
+            offload.ensure_record(f"u{i}.{k}", offload.state_numel(k, u.layout.shard_numel), dt)
             store.swap(f"{STAGE}.u{i}.{k}", f"u{i}.{k}")
         resident = {k: (v.to(offload.device) if on_device[i] else v.clone()) if isinstance(v, torch.Tensor) else v
                     for k, v in scalars[i].items()}
@@ -112,7 +116,10 @@ def streamed_pieces(offload: OffloadedUnits, rank: int) -> tuple[dict[str, torch
                 raise ValueError(f"optimizer state {what!r} of unit {u.name!r} is a {type(t).__name__}, not a "
                                  f"tensor: only tensor state can be checkpointed; use a torch.optim optimizer")
             tensors[k] = t
-            if what == zstate.MASTER or read is not None:
+            span = offload.spans.get(what.removeprefix("optim/"), 1)
+            if span > 1 and read is not None:  # per-block state: whole blocks, one entry each
+                extents[k] = [zstate.block_extent(u, rank, span)[0], -(-u.layout.numel // span)]
+            elif what == zstate.MASTER or read is not None:
                 extents[k] = [off, u.layout.numel]
             if read is not None:
                 readers[k] = read

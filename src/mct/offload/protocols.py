@@ -22,6 +22,10 @@ class OffloadedUnits(Protocol):
     store: Store
     stream: ChunkStream
     device: torch.device
+    spans: dict[str, int]
+    """Per-block optimizer state: name -> master elements per entry."""
+
+    def state_numel(self, name: str, n: int) -> int: ...
 
     def fetch(self, store: Store, key: str, out: torch.Tensor) -> None: ...
 

@@ -102,12 +102,13 @@ class Residency(Protocol):
 
 
 def residency_for(cfg: EngineConfig, *, stage: int, comm: Comm, device: torch.device, tracker: MemoryTracker,
-                  inv_divisor: Callable[[], float]) -> Residency:
-    """The residency ``cfg`` asks for: ``Offloaded`` when ``offload.optimizer`` is set,
-    else ``Resident``. Raises ValueError for a bad offload.dir."""
+                  inv_divisor: Callable[[], float], chunk_align: int = 1) -> Residency:
+    """The residency ``cfg`` asks for: ``Offloaded`` when ``offload.optimizer`` is set
+    (its streamed chunks hold multiples of ``chunk_align`` elements: the optimizer
+    state's block), else ``Resident``. Raises ValueError for a bad offload.dir."""
     if cfg.offload.enabled:
         return Offloaded(OffloadedState(cfg.offload, stage=stage, comm=comm, device=device, tracker=tracker,
-                                        inv_divisor=inv_divisor))
+                                        inv_divisor=inv_divisor, chunk_align=chunk_align))
     return Resident(stage=stage, comm=comm, tracker=tracker, snapshot_dir=cfg.offload.dir)
 
 

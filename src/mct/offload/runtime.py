@@ -9,7 +9,10 @@ What stays resident per flat unit (S = shard numel):
     source instead of ``master.to(param_dtype)`` (the same bits, cast once per step).
   fp32 master [S] only where it *is* the working parameter (fp32, stages 0-2).
 Everything else lives in the store: master, every optimizer state tensor of the
-master's shape, gradient shards (stages 2/3, written as backward reduces them).
+master's shape, gradient shards (stages 2/3, written as backward reduces them), and
+per-block state (the optimizer's ``block_state``: the fp32 scales of int8 moments, one
+entry per block of the master), kept as it is: a low-precision optimizer's state is
+stored and streamed compressed (bf16 moments; int8 / uint8 codes and their scales).
 
 The step is the user's own optimizer, unchanged: for each chunk [a, b) of a unit, a
 chunk-sized proxy parameter (the pool buffer holding the master chunk) with its
@@ -19,6 +22,9 @@ whatever tensor it sits in, so this is bit-identical to stepping the whole shard
 (tested for AdamW single-tensor, foreach and fused). Per-tensor scalars (Adam's
 ``step``) are restored before each chunk and must come out equal from all of them;
 an optimizer whose scalars differ between chunks is not elementwise and is refused.
+An optimizer that lays its state on the unit's global flat index (``placed_as``:
+``mct.optim.lowbit``) is told where each chunk sits; chunks then hold whole blocks
+(``chunk_align``), so the chunked step is the resident step bit for bit there too.
 
 Global clipping and the overflow check need the global norm before any update. At
 stages 2/3 each gradient shard is written out when its unit's reduce completes, and
@@ -31,6 +37,7 @@ gradient chunk once, averages, clips and steps it.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -43,6 +50,7 @@ from mct.offload.store import Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
+from mct.zero.state_io import block_spans
 
 if TYPE_CHECKING:
     from mct.memory.tracker import MemoryTracker
@@ -55,18 +63,21 @@ boundaries of every CPU kernel (bit-identity does not rely on it, but costs noth
 class OffloadedState:
     """Moves each unit's state (``add_unit``) into the configured stores and owns it.
     ``inv_divisor()`` is the factor that turns reduced gradient sums into the mean
-    (1 / (world * loss scale)). Raises ValueError for a bad offload.dir."""
+    (1 / (world * loss scale)). ``chunk_align``: chunks start at multiples of it in a
+    shard (the optimizer's ``shard_align``: whole quantization blocks). Raises
+    ValueError for a bad offload.dir."""
 
     def __init__(self, cfg: OffloadConfig, *, stage: int, comm: Comm, device: torch.device,
                  tracker: MemoryTracker,
-                 inv_divisor: Callable[[], float]) -> None:
+                 inv_divisor: Callable[[], float], chunk_align: int = 1) -> None:
         self.units: list[FlatParamUnit] = []
         self.cfg, self.stage, self.comm = cfg, stage, comm
         self.device, self.tracker, self.inv_divisor = device, tracker, inv_divisor
         self.store: Store | None = None  # opened with the first unit (fake tensors: a NullStore)
         self.param_store: Store | None = None
-        self._chunk_cap = max(ALIGN, int(cfg.chunk_mb * 2**20 / 4) // ALIGN * ALIGN)
-        self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=ALIGN,
+        self.align = math.lcm(ALIGN, chunk_align)
+        self._chunk_cap = max(self.align, int(cfg.chunk_mb * 2**20 / 4) // self.align * self.align)
+        self.stream = ChunkStream(device, slots=cfg.buffers, chunk_numel=self.align,
                                   on_alloc=lambda t: tracker.register(t, "offload"))
         self.offload_grads = stage >= 2
         self.states: list[UnitState | None] = []
@@ -75,6 +86,8 @@ class OffloadedState:
         self.param_shards: list[torch.Tensor | None] = []
         self._given: dict[str, torch.Tensor] = {}  # state buffers handed to the optimizer for a chunk
         self._post_scalars: dict[int, dict[str, Any]] = {}  # per unit: scalars after its first chunk
+        self.spans: dict[str, int] = {}
+        """Per-block optimizer state: name -> master elements per entry (``bind``)."""
 
     @property
     def chunk_numel(self) -> int:
@@ -89,7 +102,7 @@ class OffloadedState:
         i, S = len(self.units), u.layout.shard_numel
         if self.store is None:
             self._open_stores(fake=is_fake(u.master))
-        self.stream.chunk_numel = max(self.chunk_numel, min(self._chunk_cap, -(-S // ALIGN) * ALIGN))
+        self.stream.chunk_numel = max(self.chunk_numel, min(self._chunk_cap, -(-S // self.align) * self.align))
         self.units.append(u)
         self.states.append(None)
         self.grad_stored.append(False)
@@ -113,6 +126,21 @@ class OffloadedState:
             self.store.allocate(f"u{i}.grad", S, torch.float32)
             u.on_new_grad_shard = self._grad_sink(i, u, u.on_new_grad_shard)
         self.report_offloaded()
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer that steps this state: its per-block state (``block_state``) is
+        stored as records of one entry per block."""
+        assert self.align % getattr(optimizer, "shard_align", 1) == 0, (self.align, optimizer.shard_align)
+        self.spans = block_spans(optimizer)
+
+    def state_numel(self, name: str, n: int) -> int:
+        """Entries of optimizer state ``name`` that cover ``n`` master elements."""
+        return -(-n // self.spans.get(name, 1))
+
+    def _state_item(self, i: int, name: str, a: int, b: int) -> Item:
+        """Chunk [a, b) of unit ``i``'s optimizer state ``name`` (a per-block state: its blocks)."""
+        per = self.spans.get(name, 1)
+        return Item(f"state.{name}", self.store, f"u{i}.{name}", a // per, -(-b // per), per)
 
     def _open_stores(self, fake: bool) -> None:
         cfg, rank = self.cfg, self.comm.rank
@@ -199,7 +227,7 @@ class OffloadedState:
         if not self.units[i].master_is_view:
             items.append(Item("master", self.store, f"u{i}.master", a, b))
         if self.states[i] is not None:
-            items += [Item(f"state.{k}", self.store, f"u{i}.{k}", a, b) for k in self.states[i].elementwise]
+            items += [self._state_item(i, k, a, b) for k in self.states[i].elementwise]
         if self.offload_grads and self.grad_stored[i]:
             items.append(Item("grad", self.store, f"u{i}.grad", a, b))
         return items
@@ -218,18 +246,20 @@ class OffloadedState:
             grad = u.grad_shard_or_zeros()[a:b]
         if clip_coef is not None:
             torch._foreach_mul_([grad], clip_coef)
-        post = self._run_optimizer(optimizer, gi, master, grad, i, slot)
+        post = self._run_optimizer(optimizer, gi, master, grad, i, a, slot)
         writes = [] if u.master_is_view else [(Item("master", self.store, f"u{i}.master", a, b), master)]
         writes += self._commit_state(i, a, b, slot, post, master)
         writes += self._update_param_shard(i, u, a, b, slot, master)
         return writes
 
     def _run_optimizer(self, optimizer: torch.optim.Optimizer, gi: int, master: torch.Tensor,
-                       grad: torch.Tensor, i: int, slot: int) -> dict[str, Any]:
-        """``optimizer.step()`` on the chunk alone; returns the state it leaves."""
+                       grad: torch.Tensor, i: int, a: int, slot: int) -> dict[str, Any]:
+        """``optimizer.step()`` on the chunk (elements [a, a + n) of unit ``i``'s shard)
+        alone, placed where it sits (``placed_as``); returns the state it leaves."""
         state = self.states[i]
         if state is not None:
-            self._given = {k: self.stream.buffer(slot, f"state.{k}", dt, master.numel())
+            self._given = {k: self.stream.buffer(slot, f"state.{k}", dt, self.state_numel(k, master.numel()),
+                                                 self.spans.get(k, 1))
                            for k, dt in state.elementwise.items()}
             optimizer.state[master] = {
                 **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.scalars.items()},
@@ -237,8 +267,10 @@ class OffloadedState:
         group = optimizer.param_groups[gi]
         saved, group["params"] = group["params"], [master]
         master.grad = grad
+        placed_as = getattr(optimizer, "placed_as", None)
         try:
-            optimizer.step()
+            with placed_as(master, self.units[i].master, a) if placed_as else contextlib.nullcontext():
+                optimizer.step()
         finally:
             group["params"] = saved
             master.grad = None
@@ -249,11 +281,11 @@ class OffloadedState:
                       master: torch.Tensor) -> list[tuple[Item, torch.Tensor]]:
         state = self.states[i]
         if state is None:  # first step: the optimizer just created this chunk's state
-            elementwise = {k: v.dtype for k, v in post.items()
-                           if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() > 0}
+            elementwise = {k: v.dtype for k, v in post.items() if isinstance(v, torch.Tensor) and v.dim() == 1
+                           and v.numel() == self.state_numel(k, master.numel())}  # per element, or per block
             if a == 0:  # (records may exist already: a state restored from before the first step)
                 for k, dt in elementwise.items():
-                    self.ensure_record(f"u{i}.{k}", self.units[i].layout.shard_numel, dt)
+                    self.ensure_record(f"u{i}.{k}", self.state_numel(k, self.units[i].layout.shard_numel), dt)
         else:
             elementwise = state.elementwise
         scalars = {k: v for k, v in post.items() if k not in elementwise}
@@ -264,10 +296,12 @@ class OffloadedState:
                              f"stepped in offloaded chunks; use offload.optimizer = 'none'")
         writes = []
         for k, dt in elementwise.items():
-            dst = self._given[k] if state is not None else self.stream.buffer(slot, f"state.{k}", dt, b - a)
+            item = self._state_item(i, k, a, b)
+            dst = (self._given[k] if state is not None else
+                   self.stream.buffer(slot, item.name, dt, item.hi - item.lo, item.per))
             if post[k] is not dst:  # first step: fresh tensors from the optimizer (or it replaced one)
                 dst.copy_(post[k])
-            writes.append((Item(f"state.{k}", self.store, f"u{i}.{k}", a, b), dst))
+            writes.append((item, dst))
         if b == self.units[i].layout.shard_numel:
             self.states[i] = UnitState(elementwise, first)
         return writes
@@ -392,7 +426,7 @@ class OffloadedState:
                 self.states[i] = None
                 continue
             for name, dt in saved["elementwise"].items():
-                self.ensure_record(f"u{i}.{name}", u.layout.shard_numel, dt)
+                self.ensure_record(f"u{i}.{name}", self.state_numel(name, u.layout.shard_numel), dt)
                 self._copy_record(f"{tag}.u{i}.{name}", f"u{i}.{name}")
             self.states[i] = UnitState(dict(saved["elementwise"]),
                                        {k: (v.clone() if isinstance(v, torch.Tensor) else v)

@@ -1,8 +1,9 @@
 """Streaming chunks of offloaded state through a small pool of reusable buffers.
 
 ``ChunkStream`` owns ``slots`` buffer sets on the compute device (one buffer per
-tensor name, each ``chunk_numel`` long, allocated on first use and reused for the
-engine's lifetime) and one background I/O thread. ``run`` walks a list of chunks:
+tensor name, each ``chunk_numel`` long, a per-block state's ``chunk_numel / per``;
+allocated on first use and reused for the engine's lifetime) and one background I/O
+thread. ``run`` walks a list of chunks:
 
     read chunk i+1 .. i+slots-1     (I/O thread, ahead)
     compute chunk i                 (calling thread, e.g. an optimizer step)
@@ -35,13 +36,16 @@ from mct.offload.store import Store
 @dataclass(frozen=True)
 class Item:
     """One tensor range of one chunk: record ``key`` of ``store``, elements [lo, hi),
-    held in the slot buffer ``name``."""
+    held in the slot buffer ``name``. ``per``: chunk elements per record entry (1; a
+    per-block state's block size, e.g. the fp32 scales of int8 moments), which sizes
+    the slot buffer."""
 
     name: str
     store: Store
     key: str
     lo: int
     hi: int
+    per: int = 1
 
 
 class ChunkStream:
@@ -66,11 +70,12 @@ class ChunkStream:
         """Seconds the I/O thread spent on reads and writes (written by that thread only)."""
 
     # ---- buffers ----
-    def buffer(self, slot: int, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """The first ``n`` elements of slot ``slot``'s buffer ``name`` (allocated once)."""
+    def buffer(self, slot: int, name: str, dtype: torch.dtype, n: int, per: int = 1) -> torch.Tensor:
+        """The first ``n`` elements of slot ``slot``'s buffer ``name`` (allocated once,
+        ``ceil(chunk_numel / per)`` long: ``per`` chunk elements share one entry)."""
         buf = self._pool[slot].get(name)
         if buf is None or buf.dtype != dtype:
-            buf = self._pool[slot][name] = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
+            buf = self._pool[slot][name] = torch.empty(-(-self.chunk_numel // per), dtype=dtype, device=self.device)
             if self.on_alloc is not None:
                 self.on_alloc(buf)
         return buf[:n]
@@ -87,7 +92,7 @@ class ChunkStream:
     # ---- jobs ----
     def read(self, slot: int, items: Sequence[Item]) -> Future:
         """Fill slot buffers from the stores (asynchronously); ``wait`` before use."""
-        bufs = [self.buffer(slot, it.name, it.store.records[it.key].dtype, it.hi - it.lo) for it in items]
+        bufs = [self.buffer(slot, it.name, it.store.records[it.key].dtype, it.hi - it.lo, it.per) for it in items]
         return self._submit(self._read_job, slot, list(zip(items, bufs)))
 
     def _read_job(self, slot: int, pairs: list[tuple[Item, torch.Tensor]]) -> Any:

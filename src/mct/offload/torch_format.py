@@ -1,6 +1,7 @@
 """Offloaded optimizer state in torch's ``Optimizer.state_dict()`` format, so that
 checkpoints move freely between engines with and without offload (and between tiers):
-state tensors of full shard size under each master's index, scalars beside them.
+state tensors of full shard size under each master's index (per-block state: one entry
+per block of the shard), scalars beside them, in the dtypes the optimizer keeps.
 The ``OffloadedState`` methods of the same names call these; ``offload`` is that state.
 """
 
@@ -28,7 +29,7 @@ def optimizer_state_dict(offload: OffloadedUnits, optimizer: torch.optim.Optimiz
             continue
         entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.scalars.items()}
         for k, dt in st.elementwise.items():
-            entry[k] = torch.empty(u.layout.shard_numel, dtype=dt, device=offload.device)
+            entry[k] = torch.empty(offload.state_numel(k, u.layout.shard_numel), dtype=dt, device=offload.device)
             offload.fetch(offload.store, f"u{i}.{k}", entry[k])
         sd["state"][index[id(u.master)]] = entry
     return sd
@@ -52,12 +53,13 @@ def load_optimizer_state_dict(offload: OffloadedUnits, optimizer: torch.optim.Op
         on_device = bool(group.get("fused") or group.get("capturable"))
         elementwise = {k: v.dtype for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         for k, dt in elementwise.items():
-            if entry[k].numel() != S:
-                raise ValueError(f"optimizer state {k!r} of unit {u.name} has {entry[k].numel()} elements; "
-                                 f"this engine's shard has {S}: the checkpoint is of another layout")
+            if entry[k].numel() != offload.state_numel(k, S):
+                raise ValueError(f"optimizer state {k!r} of unit {u.name} has {entry[k].numel()} entries; "
+                                 f"this engine's shard needs {offload.state_numel(k, S)}: the checkpoint is of "
+                                 f"another layout")
             key = f"u{i}.{k}"
             if key not in offload.store.records:
-                offload.store.allocate(key, S, dt)
+                offload.store.allocate(key, offload.state_numel(k, S), dt)
             elif offload.store.records[key].dtype != dt:
                 raise ValueError(f"optimizer state {k!r} of unit {u.name} is {dt}, the store holds "
                                  f"{offload.store.records[key].dtype}")

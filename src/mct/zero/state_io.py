@@ -42,14 +42,24 @@ def extent(unit: FlatParamUnit, rank: int) -> tuple[int, int]:
     return min(lo, layout.numel), max(0, min(hi, layout.numel) - lo)
 
 
+def shard_start(unit: FlatParamUnit, rank: int) -> int:
+    """Where this rank's shard starts on the unit's padded global flat index (0 when not
+    sharded): ``extent``'s offset, but a shard of tail padding only starts past the end
+    (a multiple of ``layout.shard_align``, where ``extent`` would clamp it to ``numel``)."""
+    return unit.layout.shard_range(rank)[0] if unit.layout.world > 1 else 0
+
+
 def block_spans(optimizer: Any) -> dict[str, int]:
     """{state name: elements per entry} of the optimizer's per-block state ({} for torch's)."""
     return dict(getattr(optimizer, "block_state", {}) or {})
 
 
 def block_extent(unit: FlatParamUnit, rank: int, span: int) -> tuple[int, int]:
-    """(offset, length) in entries of a per-block state tensor this rank's shard holds."""
+    """(offset, length) in entries of a per-block state tensor this rank's shard holds
+    (a shard of tail padding only holds none: it sits at the end, as its master piece)."""
     off, n = extent(unit, rank)
+    if n == 0:
+        return -(-unit.layout.numel // span), 0
     assert off % span == 0, f"unit {unit.name!r}: shard offset {off} is not a multiple of {span}"
     return off // span, -(-n // span)
 

@@ -18,7 +18,8 @@ State per parameter (checkpointed as it is, codes and scales; never re-quantized
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -79,6 +80,19 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                              f"{codec.BLOCK}: build the engine with optimizer.state_dtype = {self.state_dtype!r} in its config "
                              f"(it aligns the ZeRO shards), not only the optimizer factory")
         self._place[id(param)] = (int(offset), int(stream))
+
+    @contextlib.contextmanager
+    def placed_as(self, chunk: torch.Tensor, param: torch.Tensor, start: int) -> Iterator[None]:
+        """For the duration, ``chunk`` (a tensor of its own: the offloaded step's proxy)
+        steps as elements ``[start, start + chunk.numel())`` of the placed ``param``: the
+        same global index, so the same blocks and rounding noise as stepping ``param``.
+        Raises ValueError when the chunk splits a quantization block."""
+        offset, stream = self._place.get(id(param), (0, 0))
+        self.place(chunk, offset + start, stream)
+        try:
+            yield
+        finally:
+            self._place.pop(id(chunk), None)
 
     # ---- state ----
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
