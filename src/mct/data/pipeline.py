@@ -19,6 +19,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -82,6 +83,24 @@ def _init_worker(tok: Tokenizer) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder.append(Encoder(tok))
+
+
+@contextlib.contextmanager
+def _forked_workers_signals() -> Iterator[None]:
+    """While the pool forks its workers: SIGINT ignored and SIGTERM fatal, as ``_init_worker``
+    sets them, so a worker is born with them. A worker inherits the parent's handlers, and one
+    terminated before its initializer ran would otherwise raise KeyboardInterrupt mid-start
+    (a stray traceback on stderr), or, blocked in a lock held by a thread of the parent at fork
+    time, never run the handler at all, so ``Pool.join`` waited forever."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL))}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _worker_task(chunk: Chunk, text_field: str) -> Encoded:
@@ -160,7 +179,8 @@ def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: 
         return
     # fork: workers start in milliseconds and share the parent's imports; spawn elsewhere
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
+    with _forked_workers_signals():
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
     try:
         pending: deque = deque()
         for c in chunks:
