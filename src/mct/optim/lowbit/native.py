@@ -1,12 +1,14 @@
 """The fused CPU kernels of ``LowPrecisionAdamW`` (``kernel.c``), built with the system C
 compiler and called through ctypes.
 
-Why: the same step in eager torch ops is ~30 elementwise passes per chunk (13.6 ns per
-parameter here, 8x torch's fused fp32 AdamW); one pass per 256-element block, in cache,
-runs it at 1-2x (``benchmarks/optimizer_state.py``). torch.compile of the chunk function
-was measured too: 17-25 s to compile cold and ~4 s per process warm, full-size temporaries
-allocated per call, and its weights differed from eager's in the last bit; a 100-line C
-file builds in well under a second and its arithmetic is spelled out.
+Why: the same step in eager torch ops is ~30 elementwise passes per 64K-element chunk, each
+paying a dispatch and a trip through the cache (8-12x torch's fused fp32 AdamW on one core
+here); one pass per 256-element block, its fp32 moments in L1, takes 1.1-1.4x (int8) and
+0.5-0.8x (bf16) of it (``benchmarks/optimizer_state.py``, a shared, noisy 2-core machine).
+torch.compile of the chunk function was measured too: 17-25 s to compile cold and ~4 s per
+process from its cache, full-size temporaries allocated per call, 2.7-4x fused, and its
+weights differed from eager's in the last bit; this 100-line C file builds in ~0.4 s and
+its arithmetic is spelled out.
 
 Built once per machine into ``$XDG_CACHE_HOME/mct/kernels`` (``~/.cache``; the temporary
 directory when that is not writable), named by a hash of the source, the flags, the
