@@ -194,9 +194,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             self._encode(st, a, b, m, v, (self.seed, stream, step, offset + a))
 
     def _kernels_for(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor]) -> native.Kernels | None:
-        """The fused kernels where they apply: contiguous fp32 CPU shard, grad and state
-        (fake ones too: the planner's dry run takes the path the real step takes)."""
-        if self.native is False or p.device.type != "cpu":
+        """The fused kernels where they apply: contiguous fp32 CPU shard, grad and state of
+        whole blocks (fake ones too: the planner's dry run takes the path the real step takes;
+        a bf16 parameter of another length, outside the engine, takes the reference)."""
+        if self.native is False or p.device.type != "cpu" or p.numel() % codec.BLOCK:
             return None
         tensors = (p, g, *(t for k, t in st.items() if k != "step"))
         if not (p.dtype == g.dtype == torch.float32 and all(t.is_contiguous() for t in tensors)):
