@@ -5,10 +5,11 @@
    -ffp-contract=off: no fused multiply-add; sqrtf, division, floorf are IEEE-exact), so the
    bytes equal those of the torch reference in adamw.py (`_step_reference`), whose square
    roots are taken in float64 for the same reason; tests/optim/test_optim_lowbit.py
-   compares the two. (For finite values: a NaN gradient makes its block's scales NaN in
-   both, though the NaN element's own code may differ.) The codes follow codec.py; the noise of element i of a shard placed at
-   global index `offset` is table[(offset + shift + i) mod period] of a table stored twice
-   over (`noise.NoiseTable`): the caller passes o = (offset + shift) mod period.
+   compares the two (for finite values: a NaN gradient makes its block's scales NaN in
+   both, though the NaN element's own code may differ). The codes follow codec.py; the
+   noise of element i of a shard placed at global index `offset` is
+   table[(offset + shift + i) mod period] of a table stored twice over
+   (`noise.NoiseTable`): the caller passes o = (offset + shift) mod period.
 
    h[10]: decay (1 - lr * wd), b1, 1 - b1, b2, 1 - b2, step size (lr / (1 - b1^t)),
           sqrt(1 - b2^t), eps, 1 / 127^2, 1 / 255. */
