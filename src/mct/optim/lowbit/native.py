@@ -2,7 +2,7 @@
 compiler and called through ctypes.
 
 Why: the same step in eager torch ops is ~30 elementwise passes per 64K-element chunk, each
-paying a dispatch and a trip through the cache (8-12x torch's fused fp32 AdamW on one core
+paying a dispatch and a trip through the cache (7-12x torch's fused fp32 AdamW on one core
 here); one pass per 256-element block, its fp32 moments in L1, takes 1.1-1.4x (int8) and
 0.5-0.8x (bf16) of it (``benchmarks/optimizer_state.py``, a shared, noisy 2-core machine).
 torch.compile of the chunk function was measured too: 17-25 s to compile cold and ~4 s per
