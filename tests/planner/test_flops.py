@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.flop_counter import FlopCounterMode
 
 from mct.checkpointing import apply_checkpointing
 from mct.config import EngineConfig
-from mct.planner.flops import COUNTED, ESTIMATED, EXTRA_FORMULAS, step_flops
+from mct.planner.flops import COUNTED, ESTIMATED, EXTRA_FORMULAS, UNKNOWN, step_flops
 from mct.task import task_for, with_loss_chunk
 from mct.task.spec import Task
 
@@ -91,6 +92,17 @@ def test_a_model_that_cannot_run_on_fake_tensors_falls_back_to_6NT():
     assert f.method == ESTIMATED and f.hardware is None and "FLOP count failed" in f.note
     assert f.model == 6 * n_params * 10 * 3 * 2
     assert "6 x parameters x tokens" in f.describe()
+
+
+def test_a_model_that_needs_real_storage_is_not_counted_and_says_so():
+    def factory() -> nn.Module:
+        probe = torch.empty(0)
+        if probe.device.type == "meta" or is_fake(probe):
+            raise RuntimeError("this constructor needs real storage")
+        return nn.Linear(2, 2)
+    f = step_flops(Task(model_fn=factory, loss_fn=lambda m, b: m(b).sum(), batch=torch.zeros(3, 2)), _cfg(), 1)
+    assert f.method == UNKNOWN and f.model == 0 and f.hardware is None
+    assert "meta device" in f.note and f.describe().startswith("not counted")
 
 
 def test_counting_changes_no_global_state():

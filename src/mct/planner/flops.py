@@ -15,7 +15,8 @@ Nothing is computed: a count takes well under a second on small models.
 
 Both are per step: one micro-batch's count x ``data.grad_accum`` x ranks. Where the
 model cannot run on fake tensors the count falls back to ``6 x parameters x tokens``
-(no attention term) and says so in ``method``.
+(no attention term) and says so in ``method``; where the model cannot even be built on
+the meta device, nothing is counted (``model`` 0, no MFU).
 """
 
 from __future__ import annotations
@@ -39,16 +40,19 @@ aten = torch.ops.aten
 
 COUNTED = "flop_counter"
 ESTIMATED = "6NT"
+UNKNOWN = "none"
 
 
 @dataclass(frozen=True)
 class StepFlops:
     """FLOPs of one optimizer step of the whole run (every micro-batch, every rank).
 
-    ``model``: no recompute (the MFU numerator); ``hardware``: with the run's recompute
-    and loss (None when not counted); ``micro_batches``: the micro-batches a step runs
-    over all ranks; ``method``: 'flop_counter' (counted on fake tensors) or '6NT' (6 x
-    parameters x tokens, attention not included); ``note``: why a fallback was taken;
+    ``model``: no recompute (the MFU numerator; 0 when nothing could be counted);
+    ``hardware``: with the run's recompute and loss (None when not counted);
+    ``micro_batches``: the micro-batches a step runs over all ranks; ``method``:
+    'flop_counter' (counted on fake tensors), '6NT' (6 x parameters x tokens, attention
+    not included) or 'none' (not even the parameters could be counted); ``note``: why a
+    fallback was taken;
     ``seconds``: what counting cost."""
 
     model: int
@@ -62,13 +66,15 @@ class StepFlops:
         """One line saying how ``model`` was found."""
         if self.method == COUNTED:
             return "counted with torch FlopCounterMode on fake tensors, no recompute"
-        return f"estimated as 6 x parameters x tokens, attention not counted ({self.note})"
+        if self.method == ESTIMATED:
+            return f"estimated as 6 x parameters x tokens, attention not counted ({self.note})"
+        return f"not counted ({self.note})"
 
 
 def step_flops(task: Task, cfg: EngineConfig, world_size: int) -> StepFlops:
     """The FLOPs of one step of ``task`` under ``cfg`` on ``world_size`` ranks (see the
     module docstring). Never raises for a model that cannot run on fake tensors: it
-    falls back to the 6NT estimate (``method``) with the reason in ``note``."""
+    falls back to the 6NT estimate, or to nothing (``method``), with the reason in ``note``."""
     started = time.perf_counter()
     micro = _first_micro_batch(task.batch)
     n_micro = cfg.data.grad_accum * world_size
@@ -85,9 +91,12 @@ def step_flops(task: Task, cfg: EngineConfig, world_size: int) -> StepFlops:
                          seconds=time.perf_counter() - started)
     except Exception as e:  # noqa: BLE001 - any model code may fail on fake tensors; the estimate remains
         why = f"the FLOP count failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    params = sum(p.numel() for p in {id(p): p for p in meta_model(task.model_fn).parameters()}.values())
-    tokens = _tokens(micro)
-    return StepFlops(6 * params * tokens * n_micro, None, n_micro, ESTIMATED, note=why,
+    try:
+        params = sum(p.numel() for p in {id(p): p for p in meta_model(task.model_fn).parameters()}.values())
+    except Exception as e:  # noqa: BLE001 - a factory that cannot build on meta: nothing to count
+        why += f"; the model cannot be built on the meta device either ({type(e).__name__})"
+        return StepFlops(0, None, n_micro, UNKNOWN, note=why, seconds=time.perf_counter() - started)
+    return StepFlops(6 * params * _tokens(micro) * n_micro, None, n_micro, ESTIMATED, note=why,
                      seconds=time.perf_counter() - started)
 
 

@@ -183,9 +183,9 @@ def summary_table(s: TrainSummary) -> str:
 
 def utilization_lines(u: dict[str, Any]) -> list[str]:
     """The summary's model FLOPs, achieved FLOP/s, MFU and machine lines."""
-    hw = u.get("hardware_flops_per_step")
-    recompute = f"; {format_flops(hw)} with recompute" if hw and hw != u["model_flops_per_step"] else ""
-    lines = [f"model FLOPs   {format_flops(u['model_flops_per_step'])} per step ({u['flops_method']}){recompute}"]
+    model, hw = u.get("model_flops_per_step"), u.get("hardware_flops_per_step")
+    recompute = f"; {format_flops(hw)} with recompute" if hw and hw != model else ""
+    lines = [f"model FLOPs   {format_flops(model) + ' per step' if model else '-'} ({u['flops_method']}){recompute}"]
     if u.get("achieved_flops_per_s"):
         lines.append(f"achieved      {format_rate(u['achieved_flops_per_s'])} (model FLOPs / median step time "
                      f"{u['step_time_s']:.3g} s)")

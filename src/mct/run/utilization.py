@@ -62,8 +62,8 @@ class Utilization:
 
     def row(self, step_time_s: float) -> dict[str, Any]:
         """The metrics row's keys for a step of ``step_time_s`` seconds (README)."""
-        achieved = self.flops.model / step_time_s if step_time_s > 0 else None
-        row: dict[str, Any] = {"model_flops_per_step": self.flops.model, "achieved_flops_per_s": achieved,
+        achieved = self.flops.model / step_time_s if step_time_s > 0 and self.flops.model else None
+        row: dict[str, Any] = {"model_flops_per_step": self.flops.model or None, "achieved_flops_per_s": achieved,
                                "mfu": achieved / self.peak_flops if achieved and self.peak_flops else None}
         if self.flops.hardware is not None:
             row["hardware_flops_per_step"] = self.flops.hardware
@@ -71,7 +71,7 @@ class Utilization:
 
     def summary(self, step_time_s: float | None) -> dict[str, Any]:
         """What the end-of-run summary prints (``reporting.report.summary_table``)."""
-        row = self.row(step_time_s) if step_time_s else {"model_flops_per_step": self.flops.model}
+        row = self.row(step_time_s) if step_time_s else {"model_flops_per_step": self.flops.model or None}
         return {**row, "hardware_flops_per_step": self.flops.hardware, "flops_method": self.flops.describe(),
                 "step_time_s": step_time_s, "peak_flops_per_s": self.peak_flops, "peak_note": self.peak_note,
                 "machine": self.machine}
