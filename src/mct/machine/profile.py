@@ -12,6 +12,7 @@ left out. ``MachineProfile`` is plain data (``to_dict`` / ``from_dict``) so the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -105,7 +106,7 @@ class MachineProfile:
 
 def _rates(d: Any) -> dict[str, float]:
     rates = {str(k): float(v) for k, v in d.items()}
-    if any(not v > 0 or v != v or v == float("inf") for v in rates.values()):
+    if any(not (math.isfinite(v) and v > 0) for v in rates.values()):
         raise ValueError(f"rates must be finite and positive, got {rates}")
     return rates
 
@@ -213,8 +214,9 @@ def _measure_cpu() -> MachineProfile:
                 continue
             one[name], sizes[name] = measured
             torch.set_num_threads(cores)
-            every[name] = one[name] if cores == 1 else _matmul_rate(dtype, "cpu", 2048, lambda: None,
-                                                                    time.perf_counter, start=sizes[name])[0]
+            every[name] = one[name] if cores == 1 else (_matmul_rate(dtype, "cpu", 2048, lambda: None,
+                                                                     time.perf_counter, start=sizes[name])
+                                                        or measured)[0]
         torch.set_num_threads(1)
         copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
     finally:
