@@ -168,5 +168,5 @@ def one_thread():
 
 
 SEEDED_RATES = {"fp32": 50e9, "bf16": 100e9, "fp16": 100e9}
-"""The matmul rates (FLOP/s per core) of the machine profile every test session starts
+"""The matmul rates (FLOP/s per core) of the machine profile every test run starts
 with (conftest.py's ``machine_profile_cache``): MFU in tests divides by these."""
