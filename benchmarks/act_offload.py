@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, format_table, interleave, mib, summarize, write_json  # noqa: E402
+from common import (add_mfu, cpu_line, format_table, interleave, mfu_line, mib, step_utilization,  # noqa: E402
+                    summarize, write_json)
 
 from mct.config import EngineConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
-from mct.models.gpt import GPT  # noqa: E402
+from mct.models.gpt import GPT, gpt_loss  # noqa: E402
 from mct.run.trainer import make_optimizer, seeded_gpt_loss  # noqa: E402
 
 TARGET_TIME = 1.3
@@ -108,6 +109,8 @@ def main() -> None:
     print(f"CPU: {cpu_line()}; torch threads {torch.get_num_threads()}")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir or None) as root:
+        base = engine_config(args, "none", "none", False, root)
+        util = step_utilization(lambda: GPT(base.model), gpt_loss, micro_batch(base, 0)[0][:2], base)
         for policy in args.policies:
             mem = {off: memory(args, policy, off, root) for off in ("none", "disk")}
             t = timing(args, policy, root)
@@ -118,12 +121,16 @@ def main() -> None:
                          "t_none_s": t["none_s"]["median"], "t_disk_s": t["disk_s"]["median"],
                          "ratio": t["median_round_ratio"], "io_wait_s": t["io_wait_s_median"],
                          "identical": t["bit_identical"], "memory": mem, "timing": t,
-                         "meets_time_target": t["median_round_ratio"] <= TARGET_TIME})
+                         "meets_time_target": t["median_round_ratio"] <= TARGET_TIME,
+                         "mfu_none_pct": add_mfu({}, util, t["none_s"]["median"])["mfu_pct"],
+                         "mfu_disk_pct": add_mfu({}, util, t["disk_s"]["median"])["mfu_pct"]})
     print(format_table(rows, [("policy", "policy"), ("act_none_mib", "bwd act none MiB"),
                               ("act_disk_mib", "bwd act disk MiB"), ("peak_none_mib", "peak none MiB"),
                               ("peak_disk_mib", "peak disk MiB"), ("parked_mib", "parked MiB"),
                               ("t_none_s", "step none s"), ("t_disk_s", "step disk s"),
-                              ("ratio", "disk/none"), ("io_wait_s", "io wait s"), ("identical", "bit-identical")]))
+                              ("ratio", "disk/none"), ("io_wait_s", "io wait s"), ("identical", "bit-identical"),
+                              ("mfu_none_pct", "MFU % none"), ("mfu_disk_pct", "MFU % disk")]))
+    print(mfu_line(util))
     path = write_json(args.json, {"args": vars(args), "target_time_ratio": TARGET_TIME, "rows": rows})
     print(f"wrote {path}")
 

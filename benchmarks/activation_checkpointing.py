@@ -13,7 +13,10 @@ micro-batch 16 x 128 tokens) at each ``--layers`` count, and every policy:
   one the targets are judged by -- and ratio of minima), the FLOP-count prediction
   for the time ratio, and the
   targets (``all``: time <= 1.4x, activations <= 0.3x; ``selective``: >= 30% less
-  activation memory for <= 1.15x time; ``sqrt`` between them).
+  activation memory for <= 1.15x time; ``sqrt`` between them);
+- MFU: the model FLOPs of a step (no recompute: the same for every policy, so recompute
+  shows as a lower MFU) over the median step time, against this machine's measured fp32
+  matmul peak x threads (``mct calibrate``).
 
 Tokens are random (the cost of a step does not depend on their values). Run:
 
@@ -27,6 +30,7 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,9 +38,12 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mct.config import EngineConfig
-from mct.engine import Engine
-from mct.models.gpt import GPT
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` importable
+from benchmarks.common import add_mfu, mfu_line, step_utilization  # noqa: E402
+from mct.config import EngineConfig  # noqa: E402
+from mct.engine import Engine  # noqa: E402
+from mct.models.gpt import GPT, gpt_loss  # noqa: E402
+from mct.task.tokens import token_batch  # noqa: E402
 from mct.task.seeding import micro_seed
 from mct.run.trainer import make_optimizer, seeded_gpt_loss
 
@@ -145,21 +152,24 @@ def run(layers: list[int], steps: int, warmup: int, memory_steps: int) -> dict[s
         memory = {p: measure_memory(n_layer, p, memory_steps) for p in POLICIES}
         times = measure_time(n_layer, steps, warmup)
         predicted = predicted_time_ratios(n_layer)
+        cfg = engine_config(n_layer, "none", track=False)
+        util = step_utilization(lambda: GPT(cfg.model), gpt_loss, token_batch(cfg), cfg)
         row = {}
         for p in POLICIES:
-            row[p] = {**memory[p], **times[p], "predicted_time_ratio": predicted[p],
+            row[p] = {**memory[p], **add_mfu(dict(times[p]), util, times[p]["step_s"]),
+                      "predicted_time_ratio": predicted[p],
                       "time_ratio_median": times[p]["step_s"] / times["none"]["step_s"],
                       "time_ratio": times[p]["time_ratio_paired"],
                       "time_ratio_min": times[p]["step_min_s"] / times["none"]["step_min_s"],
                       "act_ratio": memory[p]["act_peak_bytes"] / memory["none"]["act_peak_bytes"],
                       "total_ratio": memory[p]["total_peak_bytes"] / memory["none"]["total_peak_bytes"]}
-        results[str(n_layer)] = {"policies": row, "targets": verdicts(row)}
+        results[str(n_layer)] = {"policies": row, "targets": verdicts(row), "mfu": mfu_line(util)}
     return results
 
 
 def table(results: dict[str, Any]) -> str:
     head = (f"{'L':>3} {'policy':<10} {'act peak':>10} {'x none':>7} {'total peak':>11} {'x none':>7} "
-            f"{'step ms':>8} {'med x':>6} {'pair x':>6} {'min x':>6} {'pred x':>7} {'recomp ms':>9}  target")
+            f"{'step ms':>8} {'med x':>6} {'pair x':>6} {'min x':>6} {'pred x':>7} {'recomp ms':>9} {'MFU %':>6}  target")
     lines = [head, "-" * len(head)]
     for n_layer, res in results.items():
         for p, r in res["policies"].items():
@@ -168,8 +178,13 @@ def table(results: dict[str, Any]) -> str:
                          f"{r['step_s'] * 1e3:>8.0f} {r['time_ratio_median']:>6.3f} {r['time_ratio']:>6.3f} "
                          f"{r['time_ratio_min']:>6.3f} "
                          f"{r['predicted_time_ratio']:>7.3f} "
-                         f"{r['recompute_s'] * 1e3:>9.0f}  {res['targets'].get(p, '')}")
+                         f"{r['recompute_s'] * 1e3:>9.0f} {_pct(r['mfu_pct']):>6}  {res['targets'].get(p, '')}")
+        lines.append(f"    L={n_layer}: {res['mfu']}")
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def main(argv: list[str] | None = None) -> None:

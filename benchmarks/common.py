@@ -1,5 +1,6 @@
 """Shared benchmark helpers: interleaved timing, summary statistics, a plain-text
-table and a JSON result file with the run's environment.
+table, a JSON result file with the run's environment, and MFU columns (``step_utilization``,
+``add_mfu``, ``MFU_COLUMNS``) counted as ``mct train`` counts them.
 
 Benchmarks run on shared, noisy machines: measure every variant in one process,
 round-robin per step (``interleave``), so that a burst of load hits all variants
@@ -19,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mct.config import EngineConfig
+from mct.run.utilization import Utilization
+from mct.task.spec import LossFn, ModelFn, Task
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -115,3 +120,36 @@ def write_json(name_or_path: str, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**payload, "environment": environment()}, indent=2, default=str) + "\n")
     return path
+
+
+MFU_COLUMNS = [("gflop_s", "GFLOP/s"), ("mfu_pct", "MFU %")]
+"""format_table columns for ``add_mfu``'s keys: achieved model FLOP/s and MFU."""
+
+
+def step_utilization(model_fn: ModelFn, loss_fn: LossFn, micro_batch: Any, config: EngineConfig | dict, *,
+                     ranks: int = 1, threads: int | None = None) -> Utilization:
+    """The model FLOPs of one step (``micro_batch`` x ``data.grad_accum`` x ``ranks``),
+    counted on fake tensors as ``mct train`` counts them, and this machine's matmul peak
+    for ``config``'s precision x ``threads`` per rank (default: this process's) x ``ranks``
+    (``mct calibrate``'s cached profile, measured the first time)."""
+    cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
+    util, warning = Utilization.for_run(Task(model_fn, loss_fn, micro_batch), cfg, ranks, "cpu", threads)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    return util
+
+
+def add_mfu(row: dict[str, Any], util: Utilization, step_s: float) -> dict[str, Any]:
+    """``row`` plus ``model_gflop`` (per step), ``gflop_s`` (achieved) and ``mfu_pct`` for
+    a step of ``step_s`` seconds; returns ``row``."""
+    r = util.row(step_s)
+    row["model_gflop"] = util.flops.model / 1e9
+    row["gflop_s"] = r["achieved_flops_per_s"] / 1e9 if r["achieved_flops_per_s"] else None
+    row["mfu_pct"] = 100 * r["mfu"] if r["mfu"] is not None else None
+    return row
+
+
+def mfu_line(util: Utilization) -> str:
+    """How the MFU column was made, and on what, in one line."""
+    return (f"MFU = model FLOPs per step ({util.flops.describe()}) / step time / "
+            f"{util.peak_note}; {util.machine}")

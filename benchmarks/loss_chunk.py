@@ -4,7 +4,8 @@ micro-batch 4, 2 gloo ranks, fp32, ZeRO stage 0 (``--stage``). Both variants tra
 interleaved step by step in the same processes (the default loss, unchunked and chunked),
 so a shared CPU slows them alike. Prints the per-rank step peak (the engine tracker's,
 steady state) and the median step time of each, the peak saved against the logits' fp32
-bytes x 2 (the logits and their gradient), and writes JSON.
+bytes x 2 (the logits and their gradient), the MFU of each (model FLOPs with the unchunked
+loss, one-thread ranks), and writes JSON.
 
     PYTHONPATH=src:. python benchmarks/loss_chunk.py [--chunk 1024] [--steps 4] [--json PATH]
 
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `tests` importable
-from benchmarks.common import cpu_line, format_table, interleave, mib, summarize, write_json  # noqa: E402
+from benchmarks.common import (MFU_COLUMNS, add_mfu, cpu_line, format_table, interleave, mfu_line, mib,  # noqa: E402
+                               step_utilization, summarize, write_json)
 from mct.config import EngineConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
 from mct.task.tokens import causal_lm_loss, loss_for  # noqa: E402
@@ -80,17 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     logits2 = 2 * MBS * WINDOW * VOCAB * 4
     saved = res["unchunked"]["peak"] - res["chunked"]["peak"]
     ratio = res["chunked"]["time"]["median"] / res["unchunked"]["time"]["median"]
-    rows = [{"variant": n, "peak_mib": mib(r["peak"]), "step_s": r["time"]["median"], "iqr_s": r["time"]["iqr"]}
-            for n, r in res.items()]
+    cfg = EngineConfig.from_dict({"zero": {"stage": args.stage}})  # model FLOPs: the unchunked loss's
+    util = step_utilization(llama, loss_for(cfg, causal_lm_loss), _batch(0, 0), cfg, ranks=2, threads=1)
+    rows = [add_mfu({"variant": n, "peak_mib": mib(r["peak"]), "step_s": r["time"]["median"],
+                     "iqr_s": r["time"]["iqr"]}, util, r["time"]["median"]) for n, r in res.items()]
     print(f"HF Llama, vocab {VOCAB}, window {WINDOW}, micro-batch {MBS}, 2 ranks, stage {args.stage}, "
           f"chunk {args.chunk}; {cpu_line()}")
     print(format_table(rows, [("variant", "variant"), ("peak_mib", "peak MiB/rank"), ("step_s", "step s (median)"),
-                              ("iqr_s", "IQR s")]))
+                              ("iqr_s", "IQR s"), *MFU_COLUMNS]))
+    print(mfu_line(util))
     print(f"peak saved: {mib(saved)} MiB = {saved / logits2:.0%} of the logits' fp32 bytes x 2 ({mib(logits2)} MiB); "
           f"step time {ratio:.2f}x")
     path = write_json(args.json, {"chunk": args.chunk, "stage": args.stage, "results": res,
                                   "logits_fp32_x2_bytes": logits2, "peak_saved_bytes": saved,
-                                  "saved_fraction": saved / logits2, "step_time_ratio": ratio})
+                                  "saved_fraction": saved / logits2, "step_time_ratio": ratio, "rows": rows})
     print(f"wrote {path}")
     return 0
 

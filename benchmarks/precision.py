@@ -9,6 +9,9 @@ bytes (params, grads, fp32 master, optimizer state) and the activation peak from
 separate tracked engine, and the loss after N steps on the same batches. Prints a
 table with ratios against fp32 and writes ``benchmarks/results/precision.json``.
 
+MFU: model FLOPs per step (``mct train``'s count) over the median step time, against this
+machine's measured matmul peak of the variant's dtype x threads (``mct calibrate``).
+
     PYTHONPATH=src:. python benchmarks/precision.py [--steps 12] [--micro-batch-size 8] [--threads 1]
         [--variants fp32,bf16,bf16:explicit,bf16:auto:native,fp16]
 
@@ -30,10 +33,13 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import add_mfu, mfu_line, step_utilization
 from mct.config import EngineConfig
 from mct.data import build_data
 from mct.engine import Engine
-from mct.models.gpt import optimizer_groups
+from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.run.utilization import Utilization
+from mct.task.tokens import token_batch
 from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
 
 VARIANTS = ("fp32", "bf16", "bf16:explicit", "fp16")
@@ -41,14 +47,25 @@ VARIANTS = ("fp32", "bf16", "bf16:explicit", "fp16")
 RESULTS = Path(__file__).resolve().parent / "results" / "precision.json"
 
 
-def make_engine(variant: str, micro_batch_size: int, track: bool) -> tuple[Engine, EngineConfig]:
-    """Default GPT (ModelConfig defaults) and `mct train`'s recipe (clip 1.0) in the
-    variant's precision mode, attention and CPU matmul kernels ('mode[:attention[:cpu_matmul]]')."""
+def variant_config(variant: str, micro_batch_size: int, track: bool) -> EngineConfig:
+    """`mct train`'s recipe (clip 1.0) in the variant's precision mode, attention and CPU
+    matmul kernels ('mode[:attention[:cpu_matmul]]')."""
     mode, attention, cpu_matmul = (variant.split(":") + ["", ""])[:3]
-    cfg = EngineConfig.from_dict({"precision": {"mode": mode, "cpu_matmul": cpu_matmul or "auto"},
-                                  "data": {"micro_batch_size": micro_batch_size},
-                                  "memory": {"track": track}, "train": {"grad_clip": 1.0},
-                                  "model": {"attention": attention or "auto"}})
+    return EngineConfig.from_dict({"precision": {"mode": mode, "cpu_matmul": cpu_matmul or "auto"},
+                                   "data": {"micro_batch_size": micro_batch_size},
+                                   "memory": {"track": track}, "train": {"grad_clip": 1.0},
+                                   "model": {"attention": attention or "auto"}})
+
+
+def utilization(variant: str, micro_batch_size: int) -> Utilization:
+    """The variant's model FLOPs per step and matmul peak (its dtype, this process's threads)."""
+    cfg = variant_config(variant, micro_batch_size, track=False)
+    return step_utilization(lambda: GPT(cfg.model), gpt_loss, token_batch(cfg), cfg)
+
+
+def make_engine(variant: str, micro_batch_size: int, track: bool) -> tuple[Engine, EngineConfig]:
+    """Default GPT (ModelConfig defaults) in ``variant_config``."""
+    cfg = variant_config(variant, micro_batch_size, track)
     model = build_model(cfg)
     return Engine(model, make_optimizer(cfg), cfg, param_groups=optimizer_groups(model, cfg.train.weight_decay)), cfg
 
@@ -113,13 +130,15 @@ def summarize(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0]}
 
 
-def build_rows(timed: dict, mem: dict, tokens_per_step: int, variants: tuple[str, ...]) -> list[dict[str, Any]]:
+def build_rows(timed: dict, mem: dict, tokens_per_step: int, variants: tuple[str, ...],
+               utils: dict[str, Utilization]) -> list[dict[str, Any]]:
     rows = []
     for mode in variants:
         t = summarize(timed[mode]["times"])
-        rows.append({"mode": mode, "step_s": t["median"], "step_iqr_s": t["iqr"],
-                     "tokens_per_s": tokens_per_step / t["median"], **mem[mode],
-                     "final_loss": timed[mode]["losses"][-1], "skipped_steps": sum(timed[mode]["skipped"])})
+        rows.append(add_mfu({"mode": mode, "step_s": t["median"], "step_iqr_s": t["iqr"],
+                             "tokens_per_s": tokens_per_step / t["median"], **mem[mode],
+                             "final_loss": timed[mode]["losses"][-1], "skipped_steps": sum(timed[mode]["skipped"])},
+                            utils[mode], t["median"]))
     base = rows[0]
     for r in rows:
         for k in ("step_s", "model_state", "params", "activation_peak", "step_peak"):
@@ -134,6 +153,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     cols = [("mode", lambda r: r["mode"]), ("step s", lambda r: f"{r['step_s']:.3f}"),
             ("x fp32", lambda r: f"{r['step_s_vs_fp32']:.2f}"), ("tok/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
             ("tok/s x fp32", lambda r: f"{r['tokens_per_s_vs_fp32']:.2f}"),
+            ("GFLOP/s", lambda r: f"{r['gflop_s']:.3g}"),
+            ("MFU %", lambda r: "-" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}"),
             ("params MiB", lambda r: mib(r["params"])), ("grads MiB", lambda r: mib(r["grads"])),
             ("master MiB", lambda r: mib(r["master"])), ("optim MiB", lambda r: mib(r["optimizer"])),
             ("state MiB", lambda r: mib(r["model_state"])), ("x fp32", lambda r: f"{r['model_state_vs_fp32']:.2f}"),
@@ -164,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"default GPT {cfg.model}, {tokens_per_step} tokens/step, {torch.get_num_threads()} threads", flush=True)
     cpu = cpu_features()
     print(f"CPU: {cpu}", flush=True)
+    utils = {v: utilization(v, args.micro_batch_size) for v in variants}
     mem = memory_runs(args.micro_batch_size, variants)
     timed = timed_runs(args.steps, args.warmup, args.micro_batch_size, variants)
-    rows = build_rows(timed, mem, tokens_per_step, variants)
+    rows = build_rows(timed, mem, tokens_per_step, variants, utils)
     print(table(rows))
+    for v in variants:
+        print(f"{v}: {mfu_line(utils[v])}")
     for r in rows[1:]:
         if r["mode"].startswith("bf16"):
             verdict = "met" if r["tokens_per_s_vs_fp32"] >= 1.5 else "missed"

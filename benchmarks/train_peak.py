@@ -9,6 +9,9 @@ a checkpoint directory is being written, and after the last step).
 
 The model is the offload benchmark's: d_model 1024, 16 heads, seq 128, vocab 256, bf16,
 ZeRO-3, checkpointing all, optimizer and parameters offloaded to disk, micro-batch 1.
+The run's own metrics rows give the median step time and MFU (``mct train`` records
+``mfu`` per step: model FLOPs over the step time, against the measured bf16 matmul peak
+per core x threads x ranks).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,22 @@ def workers(root: int) -> list[int]:
             if "-m mct" in args and "torch.distributed.run" not in args:
                 found.append(pid)
     return found
+
+
+def step_speed(metrics: Path) -> dict:
+    """Median step time, achieved FLOP/s and MFU of a run's metrics rows, its first
+    (warm-up) step left out when there are more; {} when the run logged none."""
+    try:
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        return {}
+    rows = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
+    rows = rows[1:] if len(rows) > 1 else rows
+    if not rows:
+        return {}
+    med = lambda k: statistics.median(r[k] for r in rows) if all(isinstance(r.get(k), (int, float)) for r in rows) else None
+    return {"step_s": med("step_time_s"), "model_flops_per_step": rows[-1].get("model_flops_per_step"),
+            "achieved_flops_per_s": med("achieved_flops_per_s"), "mfu": med("mfu")}
 
 
 def main() -> None:
@@ -93,11 +113,17 @@ def main() -> None:
     print("|---|---|---|")
     for r in rows:
         print(f"| {r['worker']} | {r['steps_gib']:.2f} | {r['save_gib']:.2f} |")
+    speed = step_speed(run / "metrics.jsonl")
+    if speed:
+        mfu = f"{100 * speed['mfu']:.2f}%" if speed.get("mfu") is not None else "-"
+        gflops = f"{speed['achieved_flops_per_s'] / 1e9:.3g}" if speed.get("achieved_flops_per_s") else "-"
+        print(f"step time (median) {speed['step_s']:.2f} s, {gflops} GFLOP/s achieved, MFU {mfu}")
     if proc.returncode:
         print(out[-3000:])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"cpu": cpu_info(), "layers": args.layers, "steps": args.steps,
-                                           "exit": proc.returncode, "wall_s": wall, "workers": rows}, indent=2))
+                                           "exit": proc.returncode, "wall_s": wall, "workers": rows,
+                                           "speed": speed}, indent=2))
 
 
 if __name__ == "__main__":

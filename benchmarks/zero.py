@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `tests` importable
-from benchmarks.common import format_table, interleave, mib, summarize, write_json  # noqa: E402
+from benchmarks.common import (MFU_COLUMNS, add_mfu, format_table, interleave, mfu_line, mib,  # noqa: E402
+                               step_utilization, summarize, write_json)
 from mct.config import EngineConfig, ModelConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
 from mct.memory.tracker import MemoryTracker  # noqa: E402
@@ -208,7 +209,15 @@ def n_trainable(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in GPT(cfg).parameters() if p.requires_grad)  # tied weight once
 
 
-def summarize_runs(results: list[dict], cfg: ModelConfig, world: int) -> list[dict[str, Any]]:
+def utilization(cfg: ModelConfig, world: int):
+    """Model FLOPs per step (every variant trains the same GPT on the same batches, fp32)
+    and the fp32 matmul peak of ``world`` one-thread ranks."""
+    ecfg = EngineConfig.from_dict({"model": vars(cfg).copy()})
+    return step_utilization(lambda: GPT(ecfg.model), gpt_loss, synthetic_batch(0, 0, cfg), ecfg, ranks=world,
+                            threads=1)  # run_distributed's ranks run one thread each
+
+
+def summarize_runs(results: list[dict], cfg: ModelConfig, world: int, util=None) -> list[dict[str, Any]]:
     n = n_trainable(cfg)
     tokens = world * MICRO_BATCH * cfg.seq_len
     rows = []
@@ -225,6 +234,8 @@ def summarize_runs(results: list[dict], cfg: ModelConfig, world: int) -> list[di
                      "model_state_by_rank": [r["memory"][kind]["model_state"] for r in results],
                      "peaks_by_rank": [r["memory"][kind]["peaks"] for r in results],
                      "engine_phases_rank0": results[0]["engine_phases"].get(kind)})
+        if util is not None:
+            add_mfu(rows[-1], util, t["median"])
     ddp = next(r for r in rows if r["variant"] == "ddp")
     for r in rows:
         r["time_vs_ddp"] = r["step_ms"] / ddp["step_ms"]
@@ -238,7 +249,7 @@ def summarize_runs(results: list[dict], cfg: ModelConfig, world: int) -> list[di
 COLUMNS = [("variant", "variant"), ("step_ms", "step ms"), ("iqr_ms", "IQR ms"), ("tokens_per_s", "tok/s"),
            ("time_vs_ddp", "t/DDP"), ("peak_mib", "peak MiB"), ("peak_vs_ddp", "peak/DDP"),
            ("state_mib", "state MiB"), ("formula_mib", "formula MiB"), ("state_vs_formula", "state/formula"),
-           ("state_vs_ddp", "state/DDP")]
+           ("state_vs_ddp", "state/DDP"), *MFU_COLUMNS]
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -266,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = ModelConfig() if args.layers is None else ModelConfig(n_layer=args.layers)
     results = run_distributed(rank_main, args.world, cfg, args.steps, timeout=1800.0)
-    rows = summarize_runs(results, cfg, args.world)
+    util = utilization(cfg, args.world)
+    rows = summarize_runs(results, cfg, args.world, util)
     print(f"GPT {vars(cfg)}, {n_trainable(cfg):,} trainable params, {args.world} ranks, "
           f"micro-batch {MICRO_BATCH}x{cfg.seq_len}, fp32 AdamW, {args.steps} timed steps (median)")
     print(format_table(rows, COLUMNS))
+    print(mfu_line(util))
     for k in ("mct0", "mct1", "mct2", "mct3"):
         ph = next(r for r in rows if r["variant"] == k)["engine_phases_rank0"]
         print(f"{k}: forward {1e3 * ph['time_forward_s']:.1f} ms, backward {1e3 * ph['time_backward_s']:.1f} ms, "

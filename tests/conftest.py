@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+from mct.machine import MachineProfile, cpu_identity, usable_cores
+from tests.helpers import SEEDED_RATES
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +21,25 @@ def corpus_dir(tmp_path_factory) -> Path:
     for i in range(12):
         (d / f"f{i:02d}.txt").write_text(f"file {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
     return d
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
+    """Machine profiles (MFU's peak) live in a temporary cache for the whole test run
+    (subprocesses inherit ``MCT_CACHE_DIR``), seeded with ``SEEDED_RATES`` for this
+    machine: no test writes the user's cache, and none waits for a measurement unless it
+    asks for one (tests/machine)."""
+    d = tmp_path_factory.mktemp("mct-cache")
+    ident, cores = cpu_identity(), usable_cores()
+    p = MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
+                       threads=cores, matmul_one=dict(SEEDED_RATES),
+                       matmul_all={k: v * cores for k, v in SEEDED_RATES.items()},
+                       matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9)
+    (d / "machine.json").write_text(json.dumps({"version": 1, "profiles": {p.key: p.to_dict()}}))
+    before = os.environ.get("MCT_CACHE_DIR")
+    os.environ["MCT_CACHE_DIR"] = str(d)
+    yield d
+    if before is None:
+        os.environ.pop("MCT_CACHE_DIR", None)
+    else:
+        os.environ["MCT_CACHE_DIR"] = before

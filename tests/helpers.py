@@ -165,3 +165,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+SEEDED_RATES = {"fp32": 50e9, "bf16": 100e9, "fp16": 100e9}
+"""The matmul rates (FLOP/s per core) of the machine profile every test run starts
+with (conftest.py's ``machine_profile_cache``): MFU in tests divides by these."""

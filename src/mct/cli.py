@@ -1,4 +1,5 @@
-"""Command line: mct train | plan | verify | report | export | sample | prepare (also ``python -m mct``).
+"""Command line: mct train | plan | verify | report | export | sample | prepare | calibrate (also
+``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
 ``--nproc N`` re-launches this command under torchrun with N local workers.
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     sm.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
     sm.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    c = sub.add_parser("calibrate", help="measure this machine's matmul FLOP/s per dtype and copy bandwidth "
+                       "(the peak MFU divides by), cached per machine", formatter_class=_DefaultsFormatter)
+    c.add_argument("--force", action="store_true", help="measure again even when the cache holds this machine")
+    c.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="what to measure; auto: the CUDA device where there is one, else the CPU")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
                         "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -492,6 +499,21 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
+    import json
+
+    from mct.machine import calibrate, calibration_table, default_device
+    cal = calibrate(default_device() if args.device == "auto" else args.device, force=args.force)
+    if cal.warning:
+        _warn(cal.warning)
+    if args.json:
+        print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
+                          "profile": cal.profile.to_dict()}, indent=2))
+    else:
+        print(calibration_table(cal))
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.data.pipeline import prepare, summary, terminate_as_interrupt
     with terminate_as_interrupt():
@@ -509,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report,
                "export": cmd_export, "sample": cmd_sample,
-               "prepare": cmd_prepare}[args.command]
+               "prepare": cmd_prepare, "calibrate": cmd_calibrate}[args.command]
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():

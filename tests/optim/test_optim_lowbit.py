@@ -1,16 +1,19 @@
 """mct.optim.lowbit: the codecs, the counter-based noise, the AdamW arithmetic against
-torch's, and the engine's [optimizer] wiring (bytes per parameter, errors)."""
+torch's, the fused CPU kernel against the torch reference (the same bytes), and the
+engine's [optimizer] wiring (bytes per parameter, errors)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import mct
+
 from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.optim import make_adamw
-from mct.optim.lowbit import BLOCK, LowPrecisionAdamW, codec, noise
+from mct.optim.lowbit import BLOCK, LowPrecisionAdamW, codec, native, noise
 from tests.helpers import batches, tiny_config
 
 
@@ -78,6 +81,57 @@ def test_stochastic_rounding_is_unbiased_and_a_function_of_the_global_index():
     assert torch.equal(noise.NoiseTable(7, torch.device("cpu")).uniform(2, 3, 4, 0, 64), table.uniform(2, 3, 4, 0, 64))
 
 
+def _shard_run(state_dtype: str, n: int, offset: int, use_native: bool | None) -> tuple[list[torch.Tensor], LowPrecisionAdamW]:
+    """4 steps on a shard of ``n`` elements placed at ``offset``: gradients over 11 decades,
+    a block of zero gradients at step 2 (a zero absmax). Returns the weights and state."""
+    torch.manual_seed(0)
+    p = torch.randn(n).requires_grad_()
+    opt = LowPrecisionAdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=state_dtype, seed=3,
+                            native=use_native)
+    if n % BLOCK == 0:  # ``place`` refuses a shard of part blocks
+        opt.place(p, offset, 2)
+    g = torch.Generator().manual_seed(1)
+    for s in range(4):
+        p.grad = torch.randn(n, generator=g) * torch.logspace(-9, 2, n)[torch.randperm(n, generator=g)]
+        p.grad[BLOCK:2 * BLOCK] *= float(s != 2)
+        opt.step()
+    return [p.detach(), *opt.state[p].values()], opt
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler: the fused kernel cannot be built here")
+@pytest.mark.parametrize("state_dtype", ["int8", "bf16"])
+def test_fused_kernel_writes_the_bytes_of_the_torch_reference(state_dtype):
+    """The kernel (one call per shard, or two threads' halves) and the reference (64K-element
+    chunks, the last one partial) give identical weights and state: a small shard, and one
+    of two chunks and a piece placed off a chunk boundary."""
+    threads = torch.get_num_threads()
+    for n, offset, k in ((3 * BLOCK, 0, 1), (2 * noise.T + 5 * BLOCK, 77 * BLOCK, 2)):
+        torch.set_num_threads(k)
+        try:
+            fast, opt = _shard_run(state_dtype, n, offset, None)
+        finally:
+            torch.set_num_threads(threads)
+        ref, _ = _shard_run(state_dtype, n, offset, False)
+        assert opt._kernels is not None  # the default ran the kernel
+        for a, b in zip(fast, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b), (state_dtype, n, a.dtype)
+    if state_dtype == "bf16":  # not whole blocks (no engine to align it): the reference, every element stepped
+        fast, opt = _shard_run(state_dtype, BLOCK * 2 + 5, 0, None)
+        ref, _ = _shard_run(state_dtype, BLOCK * 2 + 5, 0, False)
+        assert all(torch.equal(a, b) for a, b in zip(fast, ref)) and bool((fast[2][-5:] != 0).all())  # exp_avg
+
+
+def test_native_true_without_a_compiler_is_refused_and_the_default_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    p = torch.zeros(BLOCK, requires_grad=True)
+    with pytest.raises(ValueError, match="could not be built with .*no-such-cc.*native=None"):
+        LowPrecisionAdamW([p], state_dtype="int8", native=True)
+    opt = LowPrecisionAdamW([p], state_dtype="int8")
+    p.grad = torch.ones(BLOCK)
+    opt.step()
+    assert opt._kernels is None and float(p.detach()[0]) < 0  # the torch reference stepped
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("state_dtype,most", [("fp32", 8.01), ("bf16", 4.1), ("int8", 2.1)])
 def test_tracker_counts_the_smaller_state(stage, state_dtype, most):
@@ -93,6 +147,19 @@ def test_tracker_counts_the_smaller_state(stage, state_dtype, most):
     assert per_param <= most and per_param >= most - 0.2
     assert e.model_state_bytes()["optimizer"] == e.tracker.live()["optimizer"]
     assert isinstance(e.optimizer, torch.optim.AdamW) == (state_dtype == "fp32")
+
+
+def test_planner_dry_run_predicts_the_low_precision_step_exactly():
+    """The dry run (fake tensors) takes the step's real path: the fused kernel allocates
+    its noise table and nothing per chunk, and the prediction is the tracker's peak."""
+    cfg = tiny_config(zero={"stage": 2}, optimizer={"state_dtype": "int8"})
+    factory = make_adamw(cfg.optimizer, lr=1e-3, seed=0)
+    pred = mct.predict_peak(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1)[0], cfg, world_size=1,
+                            optimizer=factory)
+    torch.manual_seed(0)
+    e = Engine(GPT(cfg.model), factory, cfg)
+    peaks = [e.train_step(batches(s, 0, 1)[0], gpt_loss).metrics["peak_bytes"] for s in range(2)]
+    assert pred == peaks[1]
 
 
 def test_default_fp32_path_is_unchanged():

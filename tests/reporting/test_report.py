@@ -12,7 +12,7 @@ import pytest
 from mct.cli import main
 from mct.reporting.metrics import MetricsWriter, decode_row, encode_row, read_jsonl
 from mct.reporting.plots import _markers, plot_plan
-from mct.reporting.report import load_run
+from mct.reporting.report import TrainSummary, load_run, summary_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -113,3 +113,22 @@ def test_plot_plan_from_plain_rows(tmp_path):
     assert plot_plan(plan, tmp_path / "p.png").read_bytes()[:8] == PNG
     with pytest.raises(ValueError, match="no configuration"):
         plot_plan({"rows": []}, tmp_path / "q.png")
+
+
+def test_summary_prints_mfu_lines_and_dashes_where_nothing_was_counted():
+    base = {"hardware_flops_per_step": 3.0e9, "step_time_s": 0.5, "peak_flops_per_s": 2e10,
+            "peak_note": "fp32 matmul peak 10 GFLOP/s per core x 1 thread(s) x 2 rank(s)", "machine": "CPU X (avx2), 2 cores"}
+    counted = {**base, "model_flops_per_step": 2.0e9, "achieved_flops_per_s": 4.0e9, "mfu": 0.2,
+               "flops_method": "counted with torch FlopCounterMode on fake tensors, no recompute"}
+    text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
+                                      tokens_per_s=10.0, skipped_steps=0, utilization=counted)).splitlines()
+    assert ("model FLOPs   2 GFLOP per step (counted with torch FlopCounterMode on fake tensors, no recompute); "
+            "3 GFLOP with recompute") in text
+    assert "achieved      4 GFLOP/s (model FLOPs / median step time 0.5 s)" in text
+    assert f"MFU           20% of 20 GFLOP/s ({base['peak_note']})" in text
+    assert "machine       CPU X (avx2), 2 cores" in text
+    none = {**base, "model_flops_per_step": None, "achieved_flops_per_s": None, "mfu": None,
+            "hardware_flops_per_step": None, "flops_method": "not counted (why)"}
+    text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
+                                      tokens_per_s=10.0, skipped_steps=0, utilization=none)).splitlines()
+    assert "model FLOPs   - (not counted (why))" in text and f"MFU           - ({base['peak_note']})" in text

@@ -15,6 +15,7 @@ from typing import Any
 
 from mct.checkpointing.policies import policy_label
 from mct.config import CheckpointingConfig, parse_bytes
+from mct.machine import format_flops, format_rate
 from mct.memory.tracker import format_bytes
 from mct.reporting.metrics import read_jsonl
 
@@ -175,6 +176,8 @@ class TrainSummary:
     skipped_steps: int
     peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     run_dir: str = ""
+    utilization: dict[str, Any] | None = None
+    """Model FLOPs per step, achieved FLOP/s, MFU and the machine (``mct.run.utilization``)."""
 
 
 def summary_table(s: TrainSummary) -> str:
@@ -185,6 +188,8 @@ def summary_table(s: TrainSummary) -> str:
     if s.final_val_loss is not None:
         lines.append(f"val loss      {s.first_val_loss:.4f} (first eval) -> {s.final_val_loss:.4f} (last)")
     lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
+    if s.utilization:
+        lines += utilization_lines(s.utilization)
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
         lines.append("peak memory by phase (this rank, last logged step):")
@@ -192,3 +197,19 @@ def summary_table(s: TrainSummary) -> str:
         for phase, v in s.peaks.items():
             lines.append("  " + f"{phase:<10}" + "".join(f"{format_bytes(v.get(c, 0)):>13}" for c in [*cats, "total"]))
     return "\n".join(lines)
+
+
+def utilization_lines(u: dict[str, Any]) -> list[str]:
+    """The summary's model FLOPs, achieved FLOP/s, MFU and machine lines."""
+    model, hw = u.get("model_flops_per_step"), u.get("hardware_flops_per_step")
+    recompute = f"; {format_flops(hw)} with recompute" if hw and hw != model else ""
+    lines = [f"model FLOPs   {format_flops(model) + ' per step' if model else '-'} ({u['flops_method']}){recompute}"]
+    if u.get("achieved_flops_per_s"):
+        lines.append(f"achieved      {format_rate(u['achieved_flops_per_s'])} (model FLOPs / median step time "
+                     f"{u['step_time_s']:.3g} s)")
+    if u.get("mfu") is not None:
+        lines.append(f"MFU           {100 * u['mfu']:.3g}% of {format_rate(u['peak_flops_per_s'])} ({u['peak_note']})")
+    else:
+        lines.append(f"MFU           - ({u['peak_note']})")
+    lines.append(f"machine       {u['machine']}")
+    return lines

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 import sys
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -68,23 +70,44 @@ class Validator:
 class StepLog:
     """The metrics row of a step (keys in the README): written every
     ``train.log_every`` steps, after the last one and whenever validation ran. Warns
-    once when the measured peak strays from the planner's prediction."""
+    once when the measured peak strays from the planner's prediction. With a
+    ``utilization`` every row carries the model FLOPs, achieved FLOP/s and MFU of its step."""
 
-    def __init__(self, cfg: EngineConfig, world_size: int, rank: int, predicted: int | None) -> None:
+    def __init__(self, cfg: EngineConfig, world_size: int, rank: int, predicted: int | None,
+                 utilization: Any = None) -> None:
         self.tcfg, self.rank, self.predicted = cfg.train, rank, predicted
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * world_size
+        self.utilization = utilization
         self.warned = False
         self.peaks: dict[str, dict[str, int]] = {}
         """Peak bytes by phase and category of the last logged step."""
+        self.first_step_time: float | None = None
+        """This process's first passed step's seconds (warm-up: kept apart)."""
+        self.step_times: deque[float] = deque(maxlen=100)
+        """The latest passed steps' seconds after the first."""
+
+    def median_step_time(self) -> float | None:
+        """The median of the latest 100 passed steps' seconds, not counting this
+        process's first (warm-up) step unless it is the only one; None before any step."""
+        if self.step_times:
+            return statistics.median(self.step_times)
+        return self.first_step_time
 
     def should_log(self, step: int, last: bool, record: dict[str, Any]) -> bool:
         return step % self.tcfg.log_every == 0 or last or "val_loss" in record
 
     def record(self, step: int, out: Any, lr: float, t_data: float, step_time: float, rollbacks: int) -> dict:
-        return {"step": step, "loss": out.loss, "lr": lr, "step_time_s": step_time,
-                "tokens_per_s": self.tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
-                "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
-                "time_data_s": t_data, "rollbacks": rollbacks}
+        if self.first_step_time is None:
+            self.first_step_time = step_time
+        else:
+            self.step_times.append(step_time)
+        row = {"step": step, "loss": out.loss, "lr": lr, "step_time_s": step_time,
+               "tokens_per_s": self.tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
+               "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,
+               "time_data_s": t_data, "rollbacks": rollbacks}
+        if self.utilization is not None:
+            row.update(self.utilization.row(step_time))
+        return row
 
     def complete(self, record: dict[str, Any], out: Any, errors: dict[str, int]) -> None:
         """Add the engine's per-step metrics, the peaks and the error counters."""

@@ -41,6 +41,7 @@ from mct.run.recovery import Recovery, StepOutcome
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
+from mct.run.utilization import Utilization
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 from mct.task import (Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for,
@@ -97,7 +98,8 @@ class Trainer:
         self.checkpointer = RunCheckpointer(self.run_dir, tcfg, self.stateful(), is_main=ctx.is_main)
         self.validator = Validator(tcfg, self.sampler, self.task.loss_fn)
         predicted = self.choice["predicted_peak_bytes"] if self.choice else None
-        self.log = StepLog(self.cfg, ctx.world_size, ctx.rank, predicted)
+        self.utilization = self._utilization()
+        self.log = StepLog(self.cfg, ctx.world_size, ctx.rank, predicted, self.utilization)
         self.budget = BudgetLoop.maybe(cfg, self.choice, ctx.world_size, self.task)
         self.faults = FaultPlan.from_env()
         if resume:
@@ -105,7 +107,8 @@ class Trainer:
         self.writer = MetricsWriter(self.run_dir, ctx.rank, tensorboard=tcfg.tensorboard)
         if ctx.is_main and not resume:
             write_metadata(self.run_dir, config=self.cfg.to_dict(), world_size=ctx.world_size, backend=ctx.backend,
-                           device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice})
+                           device=str(ctx.device), extra={**self._metadata_extra(), "plan": self.choice,
+                                                          "utilization": self.utilization.metadata()})
             trained_with = copy_tokenizer(self.corpus, self.run_dir)
             if self.task.hf_dir:  # the config and tokenizer stay with the run (export, sample)
                 note = copy_hf_assets(self.task.hf_dir, self.run_dir / "hf", tokenizer=trained_with)
@@ -159,6 +162,16 @@ class Trainer:
             load_engine_state(engine, state_from)
         self.engine, self.cfg = engine, cfg
 
+    def _utilization(self) -> Utilization:
+        """The step's FLOPs and this machine's matmul peak (rank 0 counts, and measures
+        the machine the first time; every rank gets its answer)."""
+        found = None
+        if self.ctx.is_main:
+            found, warning = Utilization.for_run(self.task, self.cfg, self.ctx.world_size, self.ctx.device.type)
+            if warning:
+                print(f"mct: warning: {warning}", file=sys.stderr)
+        return broadcast_from_main(found)
+
     def _metadata_extra(self) -> dict[str, Any]:
         return {"corpus": self.corpus.metadata(),
                 "n_params": sum(p.numel() for p in self.engine.model.parameters()),
@@ -210,7 +223,8 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
         return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=c.last_val, first_val_loss=c.first_val,
                             tokens_per_s=self.log.tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
-                            skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir))
+                            skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir),
+                            utilization=self.utilization.summary(self.log.median_step_time()))
 
     def _step(self, step: int) -> StepOutcome:
         """One training step with the faults of ``MCT_FAULT``."""

@@ -1,10 +1,18 @@
 """AdamW whose two moments are kept in bf16 or blockwise int8; the update is fp32.
 
-Each step, per chunk of a parameter (whole blocks): decode the moments to fp32, do
-torch's AdamW arithmetic (decoupled weight decay, bias correction, ``eps`` outside the
-square root) on the fp32 parameter, encode the moments back. Only one chunk's fp32
-moments exist at a time, so the state stays at 2 (bf16) or ~1.03 (int8) bytes per
-element per moment.
+Each step, per 256-element block of a parameter: decode the moments to fp32, update them
+and the fp32 parameter (decoupled weight decay, bias correction, ``eps`` outside the
+square root), encode the moments back. Only one block's (fused kernel) or one chunk's
+(torch reference) fp32 moments exist at a time, so the state stays at 2 (bf16) or ~1.03
+(int8) bytes per element per moment.
+
+Two implementations, the same bytes: on CPU the fused kernel of ``native.py`` (C, one
+pass per block; built once per machine), elsewhere (CUDA, no C compiler, ``native=False``)
+``_step_reference``, torch ops over 64K-element chunks. Both round
+every operation once: m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
+p = p*(1-lr*wd) - (step_size*m) / (sqrt(v)/sqrt(1-b2^t) + eps), square roots correctly
+rounded (``codec.sqrt_``). The fp32-state loop keeps torch's own AdamW arithmetic (lerp,
+addcmul, addcdiv: fused multiply-adds), bit for bit.
 
 Shard invariance: the engine tells the optimizer where each flat master shard starts
 in its unit's global flat tensor (``place``); int8 blocks and the rounding noise are
@@ -24,11 +32,11 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from mct.optim.lowbit import codec, noise
+from mct.optim.lowbit import codec, native, noise
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 CHUNK = noise.T
-"""Elements decoded at a time (a multiple of codec.BLOCK): the fp32 scratch stays in cache."""
+"""Elements the torch reference decodes at a time (a multiple of codec.BLOCK)."""
 
 _SALT_M, _SALT_V = 1, 2
 
@@ -37,12 +45,15 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     """AdamW with ``state_dtype`` moments ('bf16': stochastic rounding; 'int8': blockwise
     codes, stochastic rounding; 'fp32': plain fp32 moments through the same loop, a
     check of the arithmetic against ``torch.optim.AdamW``). ``seed`` keys the rounding
-    noise. Raises ValueError for arguments torch's AdamW would refuse too, and for
-    amsgrad / maximize (not supported)."""
+    noise. ``native``: None (default) runs the fused CPU kernel where it loads and the
+    torch reference elsewhere; False always the reference; True the kernel for every CPU
+    tensor (ValueError when it cannot be built). Raises ValueError for arguments torch's
+    AdamW would refuse too, and for amsgrad / maximize (not supported)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: str = "bf16",
-                 seed: int = 0, amsgrad: bool = False, maximize: bool = False) -> None:
+                 seed: int = 0, amsgrad: bool = False, maximize: bool = False,
+                 native: bool | None = None) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype = {state_dtype!r}: choose one of {', '.join(STATE_DTYPES)}")
         if amsgrad or maximize:
@@ -56,6 +67,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         self.state_dtype, self.seed = state_dtype, int(seed)
         self._place: dict[int, tuple[int, int]] = {}
         self._noise: dict[torch.device, noise.NoiseTable] = {}
+        self.native = native
+        self._kernels: native.Kernels | None = None
+        self._kernels_tried = False  # a failed build is not retried every step
+        if native and state_dtype != "fp32":
+            self._kernels = self._load_kernels()
 
     # ---- the engine's protocol ----
     @property
@@ -144,20 +160,76 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         step = int(st["step"].item()) if not _is_fake(st["step"]) else 1
         step_size = lr / (1 - b1**step)
         bc2_sqrt = (1 - b2**step) ** 0.5  # as torch's AdamW, for bit parity with fp32 state
+        if self.state_dtype == "fp32":
+            self._step_torch_adamw(p, g, st, (lr, b1, b2, eps, wd, step_size, bc2_sqrt))
+            return
+        h = (1 - lr * wd, b1, 1 - b1, b2, 1 - b2, step_size, bc2_sqrt, eps, 1.0 / 127.0**2, 1.0 / 255.0)
         offset, stream = placed
+        kernels = self._kernels_for(p, g, st)
+        if kernels is None:
+            self._step_reference(p, g, st, h, (stream, step, offset))
+            return
+        table = self._table(p.device)
+        ht = torch.tensor(h, dtype=torch.float32)  # the same float32 roundings torch's ops make of h
+        if _is_fake(p):
+            return  # the planner's dry run: the table and ``ht`` are all the kernel allocates
+        om, ov = (table.shift(stream, step, salt, offset) for salt in (_SALT_M, _SALT_V))
+        if self.state_dtype == "int8":
+            kernels.int8(p, g, st, table.uniform_table, om, ov, noise.T, ht)
+        else:
+            kernels.bf16(p, g, st, table.bits16_table, om, ov, noise.T, ht)
+
+    def _step_torch_adamw(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
+                          hyper: tuple[float, ...]) -> None:
+        """fp32 state: torch's single-tensor AdamW arithmetic, chunk by chunk."""
+        lr, b1, b2, eps, wd, step_size, bc2_sqrt = hyper
         for a in range(0, p.numel(), CHUNK):
             b = min(a + CHUNK, p.numel())
-            m, v = self._decode(st, a, b)
-            pc, gc = p[a:b], g[a:b]
+            m, v, pc, gc = st["exp_avg"][a:b], st["exp_avg_sq"][a:b], p[a:b], g[a:b]
             pc.mul_(1 - lr * wd)
             m.lerp_(gc, 1 - b1)
             v.mul_(b2).addcmul_(gc, gc, value=1 - b2)
             denom = (v.sqrt() / bc2_sqrt).add_(eps)
             pc.addcdiv_(m, denom, value=-step_size)
+
+    def _step_reference(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
+                        h: tuple[float, ...], where: tuple[int, int, int]) -> None:
+        """bf16 / int8 state in torch ops, chunk by chunk: the bytes of ``kernel.c``."""
+        decay, b1, c1, b2, c2, step_size, bc2_sqrt, eps = h[:8]
+        stream, step, offset = where
+        for a in range(0, p.numel(), CHUNK):
+            b = min(a + CHUNK, p.numel())
+            m, v = self._decode(st, a, b)
+            pc, gc = p[a:b], g[a:b]
+            m.mul_(b1).add_(gc * c1)
+            v.mul_(b2).add_(torch.mul(gc, gc).mul_(c2))
+            denom = codec.sqrt_(v.clone()).div_(bc2_sqrt).add_(eps)
+            pc.mul_(decay).sub_(m.mul(step_size).div_(denom))
             self._encode(st, a, b, m, v, (self.seed, stream, step, offset + a))
 
+    def _kernels_for(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor]) -> native.Kernels | None:
+        """The fused kernels where they apply: contiguous fp32 CPU shard, grad and state of
+        whole blocks (fake ones too: the planner's dry run takes the path the real step takes;
+        a bf16 parameter of another length, outside the engine, takes the reference)."""
+        if self.native is False or p.device.type != "cpu" or p.numel() % codec.BLOCK:
+            return None
+        tensors = (p, g, *(t for k, t in st.items() if k != "step"))
+        if not (p.dtype == g.dtype == torch.float32 and all(t.is_contiguous() for t in tensors)):
+            return None
+        if self._kernels is None and not self._kernels_tried:
+            self._kernels, self._kernels_tried = native.load(), True
+        return self._kernels
+
+    def _load_kernels(self) -> native.Kernels:
+        kernels = native.load()
+        if kernels is None:
+            cc = native.compiler() or "no C compiler ($CC, cc, gcc, clang)"
+            raise ValueError(f"native=True, but the fused CPU kernel could not be built with {cc}: install "
+                             "a C compiler, or pass native=None to run the torch reference (the same bytes)")
+        return kernels
+
     def _decode(self, st: dict[str, torch.Tensor], a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.state_dtype != "int8":  # fp32: views of the state itself (``.float()`` does not copy)
+        if self.state_dtype == "bf16":
             return st["exp_avg"][a:b].float(), st["exp_avg_sq"][a:b].float()
         ka, kb = a // codec.BLOCK, codec.blocks_of(b)
         dev = st["exp_avg"].device
@@ -169,8 +241,6 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     def _encode(self, st: dict[str, torch.Tensor], a: int, b: int, m: torch.Tensor, v: torch.Tensor,
                 where: tuple[int, int, int, int]) -> None:
-        if self.state_dtype == "fp32":
-            return  # ``_decode`` handed out views of the state: updated in place already
         _, stream, step, start = where
         n, table = b - a, self._table(m.device)
         if self.state_dtype == "bf16":

@@ -16,6 +16,11 @@ A second moment never decodes to 0 (codes are at least 1): Adam divides by it.
 
 Rounding: to nearest, or stochastic with ``noise`` (uniform in [0, 1), one per
 element, from ``mct.optim.lowbit.noise``): unbiased, so small EMA decays are not lost.
+
+Every operation rounds once, IEEE-exactly, so that ``kernel.c`` (the fused CPU step)
+writes the same bytes: square roots are taken in float64 and rounded to float32
+(``sqrt_``), which is the correctly rounded float32 root; torch's own float32 ``sqrt`` on
+CPU is not always (it differed in the last bit for ~0.7% of inputs here).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ BLOCK = 256
 def blocks_of(numel: int) -> int:
     """Blocks covering ``numel`` elements (the last one may be partial)."""
     return -(-numel // BLOCK)
+
+
+def sqrt_(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) = its correctly rounded square root (through float64), in place."""
+    return x.copy_(x.double().sqrt_())
 
 
 def _round(x: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
@@ -48,7 +58,7 @@ def encode_signed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     torch.amax(xb.abs(), dim=1, out=scales)
     inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
     sign = torch.sign(xb)
-    xb.abs_().mul_(inv[:, None]).sqrt_().mul_(127.0)
+    sqrt_(xb.abs_().mul_(inv[:, None])).mul_(127.0)
     codes.view(-1, BLOCK).copy_(_round(xb, noise if noise is None else noise.view(-1, BLOCK))
                                 .clamp_(max=127.0).mul_(sign))
 
@@ -68,7 +78,7 @@ def encode_unsigned(v: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     vb = _blocked(v)
     torch.amax(vb, dim=1, out=scales)
     inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-    vb.mul_(inv[:, None]).sqrt_().sqrt_().mul_(255.0)
+    sqrt_(sqrt_(vb.mul_(inv[:, None]))).mul_(255.0)
     # code >= 1 everywhere: a positive v never decodes to 0 (a zero v, whose m is zero
     # too, decodes to a value below its block's 255^-4 * max: harmless)
     codes.view(-1, BLOCK).copy_(_round(vb, noise if noise is None else noise.view(-1, BLOCK)).clamp_(1.0, 255.0))

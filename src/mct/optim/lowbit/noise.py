@@ -60,9 +60,13 @@ class NoiseTable:
         b = ((h >> 24) & 0xFFFF).to(torch.int32)
         self.bits16_table = torch.cat([b, b])
 
+    def shift(self, stream: int, step: int, salt: int, start: int) -> int:
+        """Where global index ``start``'s noise sits in either doubled table (in [0, T))."""
+        return (start + mix(self.seed, stream, step, salt)) % T
+
     def _at(self, stream: int, step: int, salt: int, start: int, n: int) -> int:
         assert n <= T, f"a noise slice of {n} elements is longer than the table ({T})"
-        return (start + mix(self.seed, stream, step, salt)) % T
+        return self.shift(stream, step, salt, start)
 
     def uniform(self, stream: int, step: int, salt: int, start: int, n: int) -> torch.Tensor:
         """fp32 [n] (a view: do not modify) for global indices ``start .. start + n - 1``."""

@@ -1,0 +1,109 @@
+"""The machine-profile cache: one JSON file of profiles by key, measured on first use.
+
+The file is ``$MCT_CACHE_DIR/machine.json``, else ``$XDG_CACHE_HOME/mct/machine.json``,
+else ``~/.cache/mct/machine.json``. It holds ``{"version": 1, "profiles": {key:
+profile}}``; a key names what the rates depend on (CPU model and flags or the CUDA
+device, torch version, thread count), so one file serves every machine sharing a home
+directory. A file or entry that cannot be read (truncated, not JSON, another version)
+counts as absent: the profile is measured again and the file rewritten, never a
+traceback. A cache that cannot be written costs a warning, not the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mct.machine.profile import MachineProfile, current_key, format_rate, measure_profile
+
+CACHE_ENV = "MCT_CACHE_DIR"
+FILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A profile and where it came from: ``source`` 'cache' or 'measured'; ``path`` the
+    cache file; ``warning``: why the file was not read or not written (None when fine)."""
+
+    profile: MachineProfile
+    source: str
+    path: Path
+    warning: str | None = None
+
+
+def cache_file() -> Path:
+    """Where profiles are cached (see the module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "machine.json"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mct" / "machine.json"
+
+
+def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = None) -> Calibration:
+    """This machine's profile for ``device`` ('cpu' | 'cuda'): from the cache file
+    (``path``, default ``cache_file()``) when it holds one for this key and ``force`` is
+    off, else measured now (a few seconds) and written there. Raises ValueError only
+    for a device that cannot be measured (``measure_profile``)."""
+    path = path or cache_file()
+    entries, warning = _read(path)
+    key = current_key(device)
+    if not force and key in entries:
+        try:
+            return Calibration(MachineProfile.from_dict(entries[key]), "cache", path)
+        except ValueError as e:
+            warning = f"{path}: {e}; measured again"
+    profile = measure_profile(device)
+    entries[profile.key] = profile.to_dict()
+    try:
+        _write(path, entries)
+    except OSError as e:
+        warning = f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
+    return Calibration(profile, "measured", path, warning)
+
+
+def _read(path: Path) -> tuple[dict, str | None]:
+    """The file's profiles by key ({} when absent or damaged) and why it was not read."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return {}, f"{path} not read ({e}); measured again"
+    if not isinstance(data, dict) or data.get("version") != FILE_VERSION or not isinstance(data.get("profiles"), dict):
+        return {}, f"{path} is not a version-{FILE_VERSION} profile cache; measured again"
+    return dict(data["profiles"]), None
+
+
+def _write(path: Path, entries: dict) -> None:
+    """Write atomically (a temporary file renamed over ``path``): a reader never sees
+    half a file, and two processes racing leave one whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"version": FILE_VERSION, "profiles": entries}, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def calibration_table(cal: Calibration) -> str:
+    """What ``mct calibrate`` prints: the machine, where the profile came from, the
+    matmul rates per dtype and the copy bandwidth."""
+    p = cal.profile
+    where = (f"measured now in {p.seconds:.1f} s, cached in {cal.path}" if cal.source == "measured" else
+             f"cached in {cal.path} (measured {p.measured_at}; --force measures again)")
+    lines = [f"machine  {p.name} ({' '.join(p.flags) or '-'}), torch {p.torch_version}", f"profile  {where}"]
+    if p.device == "cuda":
+        heads, cells = ["matmul (device)"], lambda d: [p.matmul_one[d]]
+    else:
+        heads = ["matmul 1 thread", f"matmul {p.threads} threads"]
+        cells = lambda d: [p.matmul_one[d], p.matmul_all.get(d, float("nan"))]
+    lines.append(f"{'dtype':<6}" + "".join(f"{h:>20}" for h in heads) + f"{'size':>7}")
+    for d in p.matmul_one:
+        lines.append(f"{d:<6}" + "".join(f"{format_rate(v):>20}" for v in cells(d)) + f"{p.matmul_size.get(d, 0):>7}")
+    copy = "device to device" if p.device == "cuda" else "1 thread"
+    lines.append(f"copy ({copy}): {p.memcpy_bytes_per_s / 1e9:.2f} GB/s")
+    lines.append("MFU divides by the 1-thread (CUDA: device) rate of the run's compute dtype x threads per rank x ranks")
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""Measure this machine: ``torch.mm`` FLOP/s per dtype with one thread and with every
+usable core, and a one-thread memory-copy bandwidth; on CUDA the device's own rates.
+
+A matmul rate is the median of a few calls at a square size grown (256, 512, ... at
+most 2048 on CPU, 8192 on CUDA) until one call takes long enough to time well, so a
+slow dtype (fp16 on a CPU without fp16 units) is measured at a small size and the
+whole measurement stays within a few seconds. A dtype whose matmul does not run here is
+left out. ``MachineProfile`` is plain data (``to_dict`` / ``from_dict``) so the cache
+(``mct.machine.cache``) and the run's metadata can hold it as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PROFILE_VERSION = 1
+"""Bumped when a profile gains a rate older code did not measure: a cached profile of
+another version is measured again, never half-used."""
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The precision modes' compute dtypes, by their config names."""
+
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_fp16", "asimd", "sve", "sve2", "bf16", "i8mm")
+"""The CPU flags (x86 ``flags``, Arm ``Features``) that decide which matmul kernels torch runs."""
+
+MIN_CALL_S = 0.03
+"""A matmul size is grown until one call takes at least this long (or the size cap)."""
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """One machine's measured rates, keyed by ``key``.
+
+    ``matmul_one``: FLOP/s of one thread per dtype name (fp32/bf16/fp16; on CUDA the
+    device's); ``matmul_all``: with ``threads`` threads (every usable core; on CUDA the
+    device's again); ``matmul_size``: the square size each dtype was timed at;
+    ``memcpy_bytes_per_s``: bytes one thread copies per second (each read once, written
+    once; on CUDA device to device)."""
+
+    device: str
+    name: str
+    flags: tuple[str, ...]
+    torch_version: str
+    threads: int
+    matmul_one: dict[str, float]
+    matmul_all: dict[str, float]
+    matmul_size: dict[str, int]
+    memcpy_bytes_per_s: float
+    measured_at: str = ""
+    seconds: float = 0.0
+    version: int = PROFILE_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Room for rates a later version adds (collectives, host and disk bandwidth)."""
+
+    @property
+    def key(self) -> str:
+        return machine_key(self.device, self.name, self.flags, self.torch_version, self.threads)
+
+    def peak_flops(self, dtype: str, threads_per_rank: int, ranks: int) -> float | None:
+        """The matmul peak a run of ``ranks`` ranks can reach in ``dtype``: the one-thread
+        rate x ``threads_per_rank`` x ``ranks`` on a CPU, the device rate x ``ranks`` on
+        CUDA. None when ``dtype`` was not measured here."""
+        rate = self.matmul_one.get(dtype)
+        if rate is None:
+            return None
+        return rate * ranks * (1 if self.device == "cuda" else max(1, threads_per_rank))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["flags"] = list(self.flags)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "MachineProfile":
+        """The profile ``to_dict`` wrote. Raises ValueError naming what is wrong (a
+        damaged or foreign entry: the cache then measures again)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a machine profile is a JSON object, got {type(d).__name__}")
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"machine profile version {d.get('version')!r}, this mct reads {PROFILE_VERSION}")
+        try:
+            p = cls(device=str(d["device"]), name=str(d["name"]), flags=tuple(map(str, d["flags"])),
+                    torch_version=str(d["torch_version"]), threads=int(d["threads"]),
+                    matmul_one=_rates(d["matmul_one"]), matmul_all=_rates(d["matmul_all"]),
+                    matmul_size={str(k): int(v) for k, v in d["matmul_size"].items()},
+                    memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=str(d.get("measured_at", "")),
+                    seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
+        if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
+            raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
+        return p
+
+
+def _rates(d: Any) -> dict[str, float]:
+    rates = {str(k): float(v) for k, v in d.items()}
+    if any(not (math.isfinite(v) and v > 0) for v in rates.values()):
+        raise ValueError(f"rates must be finite and positive, got {rates}")
+    return rates
+
+
+def machine_key(device: str, name: str, flags: tuple[str, ...] | list[str], torch_version: str, threads: int) -> str:
+    """The cache key: what the rates depend on."""
+    return f"{device} | {name} | {' '.join(flags) or '-'} | torch {torch_version} | {threads} threads"
+
+
+def format_rate(flops_per_s: float) -> str:
+    """FLOP/s with an SI prefix, e.g. '93.6 GFLOP/s'."""
+    return f"{format_flops(flops_per_s)}/s"
+
+
+def format_flops(n: float) -> str:
+    """FLOPs with an SI prefix, e.g. '1.91 GFLOP'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix}FLOP"
+    return f"{n:.3g} FLOP"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_identity() -> dict[str, Any]:
+    """This CPU: ``model`` (the /proc/cpuinfo model name, else the platform's processor
+    or machine name) and ``flags`` (those of ``KERNEL_FLAGS`` it has, in that order)."""
+    model, flags = platform.processor() or platform.machine() or "?", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return {"model": model, "flags": tuple(f for f in KERNEL_FLAGS if f in flags)}
+
+
+def cpu_line(identity: dict[str, Any] | None = None) -> str:
+    """``cpu_identity()`` as one line: 'MODEL (flags), N cores'."""
+    ident = identity or cpu_identity()
+    return f"{ident['model']} ({' '.join(ident['flags']) or '-'}), {usable_cores()} cores"
+
+
+def current_key(device: str = "cpu") -> str:
+    """The key a profile measured now on ``device`` ('cpu' | 'cuda') would have. Raises
+    ValueError for a device that cannot be measured here (``check_device``)."""
+    check_device(device)
+    if device == "cuda":
+        name, flags = _cuda_identity()
+        return machine_key("cuda", name, flags, torch.__version__, 1)
+    ident = cpu_identity()
+    return machine_key("cpu", ident["model"], ident["flags"], torch.__version__, usable_cores())
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError unless ``device`` is 'cpu', or 'cuda' with a CUDA device torch can use."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} cannot be measured: choose 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device: measure 'cpu' "
+                         "(mct calibrate --device cpu)")
+
+
+def _cuda_identity() -> tuple[str, tuple[str, ...]]:
+    major, minor = torch.cuda.get_device_capability()
+    return torch.cuda.get_device_name(), (f"sm_{major}{minor}", f"cuda {torch.version.cuda}")
+
+
+def default_device() -> str:
+    """'cuda' where torch sees a CUDA device, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def measure_profile(device: str = "cpu") -> MachineProfile:
+    """Measure this machine now (a few seconds). ``device``: 'cpu', or 'cuda' (the
+    current CUDA device). Raises ValueError for a device ``check_device`` refuses."""
+    check_device(device)
+    started = time.perf_counter()
+    profile = _measure_cuda() if device == "cuda" else _measure_cpu()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dataclasses.replace(profile, measured_at=stamp, seconds=round(time.perf_counter() - started, 3))
+
+
+def _measure_cpu() -> MachineProfile:
+    ident, cores, before = cpu_identity(), usable_cores(), torch.get_num_threads()
+    one: dict[str, float] = {}
+    every: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    try:
+        for name, dtype in DTYPES.items():
+            torch.set_num_threads(1)
+            measured = _matmul_rate(dtype, "cpu", 2048, lambda: None, time.perf_counter)
+            if measured is None:
+                continue
+            one[name], sizes[name] = measured
+            torch.set_num_threads(cores)
+            every[name] = one[name] if cores == 1 else (_matmul_rate(dtype, "cpu", 2048, lambda: None,
+                                                                     time.perf_counter, start=sizes[name])
+                                                        or measured)[0]
+        torch.set_num_threads(1)
+        copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
+    finally:
+        torch.set_num_threads(before)
+    return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
+                          threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
+                          memcpy_bytes_per_s=copy)
+
+
+def _measure_cuda() -> MachineProfile:
+    name, flags = _cuda_identity()
+    sync = torch.cuda.synchronize
+    rates: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    prior = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 unless a run turns TF32 on itself
+    try:
+        for dname, dtype in DTYPES.items():
+            measured = _matmul_rate(dtype, "cuda", 8192, sync, _synced_clock(sync), start=1024)
+            if measured is not None:
+                rates[dname], sizes[dname] = measured
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prior
+    copy = _copy_rate("cuda", 256 * 2**20, sync)
+    return MachineProfile(device="cuda", name=name, flags=flags, torch_version=torch.__version__, threads=1,
+                          matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy)
+
+
+def _synced_clock(sync: Callable[[], None]) -> Callable[[], float]:
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+    return clock
+
+
+def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[], None],
+                 clock: Callable[[], float], start: int = 256) -> tuple[float, int] | None:
+    """(FLOP/s, size): the median of 3-7 timed ``torch.mm`` calls of [n, n] x [n, n]
+    (2 n^3 FLOPs each) at the first size from ``start`` (doubling) whose call takes
+    ``MIN_CALL_S`` or reaches ``max_n``. None when ``dtype`` matmuls raise here."""
+    n = start
+    while True:
+        try:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            torch.mm(a, b)  # warm-up: kernel choice, first-touch pages
+            sync()
+        except RuntimeError:
+            return None
+        t0 = clock()
+        torch.mm(a, b)
+        took = clock() - t0
+        if took >= MIN_CALL_S or n >= max_n:
+            break
+        n *= 2
+    times = [took]
+    for _ in range(max(2, min(6, int(0.25 / max(took, 1e-9))))):
+        t0 = clock()
+        torch.mm(a, b)
+        times.append(clock() - t0)
+    return 2.0 * n ** 3 / statistics.median(times), n
+
+
+def _copy_rate(device: str, nbytes: int, sync: Callable[[], None]) -> float:
+    """Bytes per second one ``copy_`` of ``nbytes`` moves (median of 5, after a warm-up)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)

@@ -1,0 +1,116 @@
+"""The machine profile: measured, cached by key, a damaged cache measured again, and
+``mct calibrate``'s output (in-process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mct.machine.cache as cache_mod
+import mct.machine.profile as profile_mod
+from mct.cli import main
+from mct.machine import MachineProfile, cache_file, calibrate, cpu_identity, current_key, usable_cores
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """Matmuls timed at 256 x 256 (no growing): a real measurement in well under a second."""
+    monkeypatch.setattr(profile_mod, "MIN_CALL_S", 0.0)
+
+
+@pytest.fixture
+def stub(monkeypatch) -> list[MachineProfile]:
+    """No measurement: this machine's key with fixed rates; the list holds every profile
+    'measured'."""
+    measured: list[MachineProfile] = []
+
+    def measure(device: str = "cpu") -> MachineProfile:
+        ident = cpu_identity()
+        p = MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
+                           threads=usable_cores(), matmul_one={"fp32": 4e10 + len(measured), "bf16": 8e10},
+                           matmul_all={"fp32": 7e10, "bf16": 1.5e11}, matmul_size={"fp32": 2048, "bf16": 2048},
+                           memcpy_bytes_per_s=6e9, measured_at="2026-01-01T00:00:00Z", seconds=2.5)
+        measured.append(p)
+        return p
+    monkeypatch.setattr(cache_mod, "measure_profile", measure)
+    return measured
+
+
+def test_calibrate_measures_once_then_reads_the_cache(tmp_path, quick):
+    path = tmp_path / "machine.json"
+    first = calibrate(path=path)
+    assert first.source == "measured" and first.warning is None and path.is_file()
+    p = first.profile
+    assert p.key == current_key("cpu") and p.threads >= 1 and p.memcpy_bytes_per_s > 0
+    assert p.matmul_one["fp32"] > 0 and p.matmul_all["fp32"] > 0 and p.matmul_size["fp32"] == 256
+    again = calibrate(path=path)
+    assert again.source == "cache" and again.profile == p
+    assert calibrate(path=path, force=True).source == "measured"
+    assert MachineProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not an object", "old version", "damaged entry"])
+def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage):
+    path = tmp_path / "machine.json"
+    good = calibrate(path=path).profile.to_dict()
+    text = {"truncated": path.read_text()[:40], "not an object": "[1, 2]",
+            "old version": json.dumps({"version": 0, "profiles": {}}),
+            "damaged entry": json.dumps({"version": 1, "profiles": {current_key("cpu"): {**good, "matmul_one": {}}}}),
+            }[damage]
+    path.write_text(text)
+    cal = calibrate(path=path)
+    assert cal.source == "measured" and cal.warning and str(path) in cal.warning and len(stub) == 2
+    assert calibrate(path=path).profile == stub[-1]  # rewritten whole
+
+
+def test_unwritable_cache_warns_and_still_gives_the_profile(tmp_path, stub):
+    (tmp_path / "file").write_text("")
+    cal = calibrate(path=tmp_path / "file" / "machine.json")  # its folder is a file
+    assert cal.source == "measured" and cal.profile.matmul_one["fp32"] > 0
+    assert "MCT_CACHE_DIR" in cal.warning
+
+
+def test_cache_file_follows_mct_cache_dir_then_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    assert cache_file() == tmp_path / "a" / "machine.json"
+    monkeypatch.delenv("MCT_CACHE_DIR")
+    assert cache_file() == tmp_path / "b" / "mct" / "machine.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_file() == tmp_path / "home" / ".cache" / "mct" / "machine.json"
+
+
+def test_peak_is_per_core_rate_times_threads_times_ranks():
+    kw = dict(name="x", flags=(), torch_version="t", threads=8, matmul_one={"fp32": 1e9, "bf16": 3e9},
+              matmul_all={"fp32": 6e9}, matmul_size={"fp32": 1024}, memcpy_bytes_per_s=1e9)
+    cpu, gpu = MachineProfile(device="cpu", **kw), MachineProfile(device="cuda", **kw)
+    assert cpu.peak_flops("bf16", threads_per_rank=2, ranks=3) == 18e9
+    assert gpu.peak_flops("bf16", threads_per_rank=2, ranks=3) == 9e9  # a device is not per thread
+    assert cpu.peak_flops("fp16", 1, 1) is None
+
+
+def test_calibrate_command_prints_the_table_then_json(tmp_path, monkeypatch, capsys, stub):
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path))
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("machine  ") and "measured now in 2.5 s" in out[1]
+    assert out[2].split() == ["dtype", "matmul", "1", "thread", "matmul", str(usable_cores()), "threads", "size"]
+    assert out[3].split() == ["fp32", "40", "GFLOP/s", "70", "GFLOP/s", "2048"]
+    assert out[4].split() == ["bf16", "80", "GFLOP/s", "150", "GFLOP/s", "2048"]
+    assert out[5] == "copy (1 thread): 6.00 GB/s"
+    assert main(["calibrate", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["source"] == "cache" and got["key"] == current_key("cpu") and got["path"] == str(tmp_path / "machine.json")
+    assert got["profile"] == stub[0].to_dict() and len(stub) == 1
+    assert main(["calibrate", "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "measured" and len(stub) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_calibrate_cuda_without_a_device_is_one_line_exit_2(capsys):
+    assert main(["calibrate", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mct: error: device 'cuda'") and "--device cpu" in err and "\n" not in err
