@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest worker per core (pytest-xdist): each worker's torch, and the
+    # `python -m mct` runs it starts, use one thread, so workers do not fight over the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from mct.machine import MachineProfile, cpu_identity, usable_cores
 from tests.helpers import SEEDED_RATES

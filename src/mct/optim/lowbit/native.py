@@ -10,7 +10,8 @@ process from its cache, full-size temporaries allocated per call, 2.7-4x fused, 
 weights differed from eager's in the last bit; this 100-line C file builds in ~0.4 s and
 its arithmetic is spelled out.
 
-Built once per machine into ``$XDG_CACHE_HOME/mct/kernels`` (``~/.cache``; the temporary
+Built once per machine into ``kernels/`` of mct's cache directory (``$MCT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/mct``, ``~/.cache/mct``; the temporary
 directory when that is not writable), named by a hash of the source, the flags, the
 compiler's version and the CPU's flags (``-march=native``), written atomically (ranks may
 build at once). Where no compiler is found or the build fails, ``load()`` returns None and
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mct.machine.cache import cache_file
 
 SOURCE = Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
@@ -99,7 +102,7 @@ def compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mct" / "kernels"
+    base = cache_file().parent / "kernels"  # beside the machine profile ($MCT_CACHE_DIR, ...)
     try:
         base.mkdir(parents=True, exist_ok=True)
         if os.access(base, os.W_OK):
