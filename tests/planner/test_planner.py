@@ -430,6 +430,38 @@ def test_collectives_split_into_many_buckets_are_predicted_as_measured(monkeypat
             assert abs(pred - meas) <= 0.05 * meas, (cfg.zero.stage, name, pred, meas)
 
 
+def _wide_vocab_llama() -> nn.Module:
+    """Untied embedding and head of 8192 x 32 each: the root unit is 8x a block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=44, vocab_size=8192, max_position_embeddings=16,
+                                        use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False))
+
+
+def test_root_unit_holds_its_gradients_and_two_buckets_not_a_flat_fp32_copy(monkeypatch):
+    """Stage 3, bf16, 4 ranks, 10 KiB buckets: the root unit (untied embedding and head,
+    2 MiB as a flat fp32 gradient, ~200 buckets) keeps its parameters' bf16 gradients as
+    they arrive and reduce-scatters them at the end of backward with at most
+    IN_FLIGHT_BUCKETS buckets' copies alive (mct.zero.flat.HeldGrads, mct.zero.comm). It
+    used to hold the flat fp32 gradient from the head's gradient on (the whole backward)
+    and copies of all of it at the end: 'grads' and 'other' of the backward peak were
+    1.0x and 1.25x of it. The dry run's one-tensor shortcut still equals allocating
+    bucket by bucket, to the byte."""
+    from mct.zero import comm
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 8192, (1, 16), generator=g), torch.randint(0, 8192, (1, 16), generator=g))
+    cfg = tiny_config(zero={"stage": 3, "bucket_mb": 0.01}, checkpointing={"policy": "all"}, precision={"mode": "bf16"})
+    root_fp32 = 4 * (2 * 8192 * 32 + 32)
+    run = dry_run(_wide_vocab_llama, token_loss, batch, cfg, 4)
+    monkeypatch.setattr(comm, "BUCKETS_AS_ONE", False)
+    assert dry_run(_wide_vocab_llama, token_loss, batch, cfg, 4) == run
+    peak = run.phases["backward"]
+    # held: the bf16 gradients (0.5x); other: this rank's fp32 shard (0.25x) + two buckets
+    assert peak["grads"] < 0.6 * root_fp32 and peak["other"] < 0.3 * root_fp32, (peak, root_fp32)
+
+
 def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):
     """mct.planner.pool: the same rows from forked workers as from this process, and a
     worker's ValueError raised here with its message."""

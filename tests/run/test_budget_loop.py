@@ -61,3 +61,30 @@ def test_nothing_more_frugal_left_is_one_value_error(tmp_path, corpus_dir, monke
     assert "\n" not in str(e.value)
     kinds = [e["kind"] for e in read_events(tmp_path / "run")]
     assert kinds == ["budget_fallback"]  # none -> all, then nothing below all's prediction
+
+
+def test_fallback_plans_the_runs_own_activation_offload(monkeypatch):
+    """The fallback's candidate rows are dry-run with the running config's
+    checkpointing.offload ('disk' here, as `auto` picks it when nothing fits without it;
+    the `auto` config as given says 'none'), and the next configuration keeps it: no row
+    planned without it, and no policy 'none', which has no regions to offload."""
+    from mct.run.budget_loop import BudgetLoop
+    from mct.task import gpt_task
+    auto = EngineConfig.from_dict({"model": {"n_layer": 2, "n_head": 2, "d_model": 16, "vocab_size": 101,
+                                             "seq_len": 13}, "data": {"micro_batch_size": 2},
+                                   "checkpointing": {"policy": "auto"}, "memory": {"budget": "1GiB", "enforce": True}})
+    d = auto.to_dict()
+    d["checkpointing"].update(policy="all", offload="disk")
+    current = EngineConfig.from_dict(d)
+    planned = []
+    real = plan_module.predict
+
+    def spy(work, cfg, world):
+        planned.append((cfg.checkpointing.policy, cfg.checkpointing.offload))
+        return real(work, cfg, world)
+    monkeypatch.setattr(plan_module, "predict", spy)
+    loop = BudgetLoop(auto, 1, gpt_task(auto), peak=2**40, tried={(0, "all")})
+    new, change = loop.next_config(current, "over budget")
+    assert planned and {tier for _, tier in planned} == {"disk"} and "none" not in {p for p, _ in planned}, planned
+    assert (new.checkpointing.policy, new.checkpointing.offload) == ("sqrt", "disk")
+    assert change["to"]["checkpointing.policy"] == "sqrt"

@@ -116,3 +116,78 @@ def test_a_shard_of_padding_only_starts_block_aligned_past_the_end():
     assert [extent(unit, r) for r in (0, 1)] == [(0, 64), (64, 0)]
     assert [shard_start(unit, r) for r in (0, 1)] == [0, 256]
     assert [block_extent(unit, r, 256) for r in (0, 1)] == [(0, 1), (1, 0)]
+
+
+class _Watched:
+    """Collectives of a world whose ranks all hold what this one does, moving real data,
+    that count how many bucket temporaries are alive at each call."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        import weakref
+        self.world, self.rank, self.ref, self.seen, self.most = world, rank, weakref.ref, [], 0
+
+    def _watch(self, t) -> None:
+        self.seen.append(self.ref(t if t._base is None else t._base))
+        self.most = max(self.most, sum(r() is not None for r in self.seen))
+
+    def reduce_scatter(self, out, inp):
+        self._watch(inp)
+        out.copy_(self.world * inp.view(self.world, -1)[self.rank])
+        return self
+
+    def all_gather(self, out, inp):
+        self._watch(out)
+        out.copy_(inp.repeat(self.world))
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+def test_bucketed_collectives_keep_at_most_their_window_of_buckets_alive(monkeypatch):
+    """A reduce-scatter or all-gather split into 10 buckets, given a window of
+    IN_FLIGHT_BUCKETS (2, the root unit's), holds at most that many buckets' temporaries
+    at once (without one: all 10, a block's, overlapping its backward), lands every
+    column where it belongs, and a reduce-scatter's pending result does not keep its
+    input alive (the full gradient is freed once the call returns). A HeldGrads source
+    (gradients kept as they arrived) reduces as its flat buffer does, bit for bit."""
+    import weakref
+
+    from mct.dist import DistContext
+    from mct.zero import comm as comm_module
+    from mct.zero.flat import HeldGrads
+    from mct.zero.partition import build_layout
+    monkeypatch.setattr(comm_module, "BUCKETS_AS_ONE", False)  # bucket by bucket, as on real ranks
+    assert comm_module.window_numels([4, 4, 4, 2]) == (8, 6) and comm_module.window_numels([4, 3], None) == (7, 7)
+    world, S, k = 4, 1000, comm_module.IN_FLIGHT_BUCKETS
+    comm = comm_module.Comm(DistContext.simulated(world), bucket_bytes=100 * world * 4)  # 100 columns a bucket
+    comm.ops = ops = _Watched(world, comm.rank)
+    for window, most in ((k, k), (None, 10)):
+        ops.seen, ops.most = [], 0
+        full, out = torch.arange(world * S, dtype=torch.float32), torch.zeros(S)
+        pending = comm.reduce_scatter(full, out, async_op=True, window=window)
+        gone = weakref.ref(full)
+        del full
+        assert len(ops.seen) == 10 and ops.most == most and gone() is None, (window, ops.most)
+        pending.wait()
+        lo = comm.rank * S
+        assert torch.equal(out, world * torch.arange(lo, lo + S, dtype=torch.float32))
+        ops.seen, ops.most = [], 0
+        shard, full = torch.arange(S, dtype=torch.float32), torch.zeros(world * S)
+        comm.all_gather(shard, full, async_op=True, window=window).wait()
+        assert len(ops.seen) == 10 and ops.most == most and torch.equal(full, shard.repeat(world))
+    # ragged parameters across shard edges, arriving out of order, one of them twice
+    shapes = [torch.Size([37, 21]), torch.Size([5]), torch.Size([1500, 2])]
+    layout = build_layout(["a", "b", "c"], shapes, world)
+    gen = torch.Generator().manual_seed(0)
+    grads = [(i, torch.randn(shapes[i], generator=gen).to(torch.bfloat16)) for i in (2, 0, 1, 0)]
+    flat = torch.zeros(layout.padded_numel)
+    for i, gr in grads:
+        flat[layout.offsets[i]:layout.offsets[i] + gr.numel()].add_(gr.reshape(-1))
+    S = layout.shard_numel
+    comm = comm_module.Comm(DistContext.simulated(world), bucket_bytes=50 * world * 4)
+    comm.ops = _Watched(world, comm.rank)
+    want, got = torch.zeros(S), torch.zeros(S)
+    comm.reduce_scatter(flat, want, window=k)
+    comm.reduce_scatter(HeldGrads(layout, grads, torch.float32, flat.device), got, window=k)
+    assert torch.equal(got, want) and got.abs().sum() > 0

@@ -51,12 +51,17 @@ class BudgetLoop:
 
     def next_config(self, current: EngineConfig, error: str) -> tuple[EngineConfig, dict[str, Any]]:
         """The next configuration to try and the change record (FORMATS: step added by
-        the caller). Raises ValueError when nothing more frugal is left."""
+        the caller). Only the stage and policy change: the candidates are planned with
+        ``current``'s other keys, what ``auto`` chose included (activation offload, loss
+        chunking, state offload), as the next engine will run them. Raises ValueError
+        when nothing more frugal is left."""
         a = self.auto_cfg
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
         policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
         grid = Grid(stages, policies, (a.precision.mode,))
-        plan = make_plan(self.work, a, self.world, a.memory.budget_bytes, grid, advise=False)  # only the rows are used
+        # the grid's other axes default to current's own (rows with policy 'none' have no
+        # regions to offload: planned only when checkpointing.offload is 'none')
+        plan = make_plan(self.work, current, self.world, a.memory.budget_bytes, grid, advise=False)  # only the rows
         rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
         if not rows:
             stage, policy = _key(current)

@@ -10,15 +10,24 @@ a context made by ``DistContext.simulated(N)``, ``SimulatedCollectives``, whose
 collectives check shapes and move no data. The planner runs the engine on fake
 tensors through the simulated ones: every buffer and temporary of an N-rank run is
 allocated as in the real run, by this same code. One shortcut: a collective split into
-many buckets allocates its per-bucket temporaries (all alive together between issue
-and wait) as one tensor of their total size, so a 70B layer on 512 ranks costs a
+many buckets allocates its per-bucket temporaries as one tensor (the most of them ever
+alive together, then those alive from issue to wait), so a 70B layer on 512 ranks costs a
 handful of fake ops, not hundreds (same bytes, same lifetime).
+
+A collective split into buckets may be given a ``window``: at most that many buckets in
+flight, issuing one more first waits for the oldest (and frees its temporary), so it
+holds that many buckets' copies whatever its size. The root unit's collectives take
+``IN_FLIGHT_BUCKETS`` (an 8B model's embedding + head, 1 B elements, would otherwise copy
+all of its gradient at the end of backward); a block's keep every bucket in flight, so
+its reduce-scatter overlaps the next block's backward. A bucketed reduce-scatter no
+longer needs its input once the call returns (its buckets are copies).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +46,32 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 BUCKETS_AS_ONE = True
 """Simulated collectives allocate a many-bucket collective's temporaries as one tensor
 (False: bucket by bucket, as the real run; the same bytes, tests compare the two)."""
+
+IN_FLIGHT_BUCKETS = 2
+"""The window of the root unit's collectives: buckets in flight at once (double
+buffering), whose temporaries are all such a collective holds besides its input and
+output."""
+
+
+def window_numels(sizes: list[int], k: int | None = IN_FLIGHT_BUCKETS) -> tuple[int, int]:
+    """(most, last): the most elements of bucket temporaries alive at once when buckets of
+    ``sizes`` elements are issued in order with at most ``k`` in flight (None: all), and
+    those alive once the last is issued (until the collective is waited on)."""
+    k = len(sizes) if k is None else k
+    if k >= len(sizes):
+        return sum(sizes), sum(sizes)
+    most = max(sum(sizes[i - k + 1:i + 1]) for i in range(k - 1, len(sizes)))
+    return most, sum(sizes[-k:])
+
+
+def _one_tensor(most: int, last: int, like: torch.Tensor) -> torch.Tensor:
+    """The simulated temporaries: one tensor of ``most`` elements (the peak), then one of
+    ``last`` (what stays alive until the wait), as the real buckets come and go."""
+    tmp = torch.empty(most, dtype=like.dtype, device=like.device)
+    if last != most:
+        del tmp
+        tmp = torch.empty(last, dtype=like.dtype, device=like.device)
+    return tmp
 
 
 @dataclass
@@ -109,9 +144,11 @@ class Pending:
     ``then`` (e.g. accumulate a reduced shard)."""
 
     def __init__(self, works: list, stats: CommStats, nbytes: int, then=None,
-                 keep: list | None = None) -> None:
+                 keep: list | None = None, waited_s: float = 0.0) -> None:
+        """``waited_s``: time already spent waiting on earlier buckets while issuing."""
         self._works, self._stats, self._nbytes, self._then = works, stats, nbytes, then
         self._keep = keep  # temporaries the collective reads or writes: alive until wait()
+        self._waited = waited_s
         self._t0 = time.perf_counter()
 
     def wait(self) -> None:
@@ -120,7 +157,7 @@ class Pending:
         t = time.perf_counter()
         for w in self._works:
             w.wait()
-        self._stats.add(self._nbytes, time.perf_counter() - t)
+        self._stats.add(self._nbytes, time.perf_counter() - t + self._waited)
         self._works = self._keep = None
         if self._then is not None:
             self._then()
@@ -158,36 +195,63 @@ class Comm:
             self.ops.all_reduce(flat[a:a + step], op)
         self.stats.add(t.numel() * t.element_size(), time.perf_counter() - t0)
 
-    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = False,
-                       then=None) -> Pending | None:
-        """Sum ``full`` [world * S] over ranks; this rank's slice [S] lands in ``out``."""
+    def reduce_scatter(self, full: Any, out: torch.Tensor, async_op: bool = False,
+                       then=None, window: int | None = None) -> Pending | None:
+        """Sum ``full`` [world * S] over ranks; this rank's slice [S] lands in ``out``.
+        ``full`` is a tensor, or a source read one bucket at a time (``fill(dst, a, b)``:
+        columns [a, b) of it viewed as [world, S] into ``dst``; ``mct.zero.flat.HeldGrads``),
+        so no tensor of its full size need exist. ``window``: at most that many buckets
+        in flight (None: all)."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 bucket or None, got {window}")
+        source = not isinstance(full, torch.Tensor)
         if self.world == 1:
-            out.copy_(full)
+            full.fill(out.view(1, -1), 0, out.numel()) if source else out.copy_(full)
             if then is not None:
                 then()
             return None
         S = out.numel()
+        nbytes = full.numel() * full.element_size()
         chunks = bucket_slices(S, self.world, full.element_size(), self.bucket_bytes)
-        if self.simulated and BUCKETS_AS_ONE and len(chunks) > 1:
-            # every bucket's contiguous copy of its columns is alive until wait(): one
-            # tensor of their total size holds the same bytes, in O(1) fake ops
-            src = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
-            works, keep = [self.ops.reduce_scatter(out, src)], [full, src]
+        waited = 0.0
+        if len(chunks) == 1:
+            if source:
+                whole = torch.empty(self.world, S, dtype=out.dtype, device=out.device)
+                full.fill(whole, 0, S)
+                full = whole.view(-1)
+            works, keep = [self.ops.reduce_scatter(out, full)], [full]
+        elif self.simulated and BUCKETS_AS_ONE:
+            # the buckets' contiguous copies of their columns, as many alive as the real
+            # run holds at its peak and then until wait(): one tensor, in O(1) fake ops
+            src = _one_tensor(*window_numels([self.world * (b - a) for a, b in chunks], window), out)
+            works, keep = [self.ops.reduce_scatter(out, full)], [src]
         else:
-            view = full.view(self.world, S)
-            works, keep = [], [full]
+            view = None if source else full.view(self.world, S)
+            flight: deque = deque()  # (work, its input copy)
             for a, b in chunks:
-                src = view if (a, b) == (0, S) else view[:, a:b].contiguous()
-                keep.append(src)
-                works.append(self.ops.reduce_scatter(out[a:b], src.view(-1)))
-        p = Pending(works, self.stats, full.numel() * full.element_size(), then, keep)
+                if len(flight) == window:
+                    t = time.perf_counter()
+                    flight.popleft()[0].wait()  # and its copy is freed
+                    waited += time.perf_counter() - t
+                if source:
+                    src = torch.empty(self.world, b - a, dtype=out.dtype, device=out.device)
+                    full.fill(src, a, b)
+                else:
+                    src = view[:, a:b].contiguous()
+                flight.append((self.ops.reduce_scatter(out[a:b], src.view(-1)), src))
+            works, keep = [w for w, _ in flight], [c for _, c in flight]
+        p = Pending(works, self.stats, nbytes, then, keep, waited)
         if not async_op:
             p.wait()
             return None
         return p
 
-    def all_gather(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Pending | None:
-        """``full`` [world * S] <- concatenation of every rank's ``shard`` [S]."""
+    def all_gather(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False,
+                   window: int | None = None) -> Pending | None:
+        """``full`` [world * S] <- concatenation of every rank's ``shard`` [S].
+        ``window``: at most that many buckets in flight (None: all)."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 bucket or None, got {window}")
         if self.world == 1:
             full.copy_(shard)
             return None
@@ -197,25 +261,46 @@ class Comm:
             works = [self.ops.all_gather(full, shard)]
             p = Pending(works, self.stats, full.numel() * full.element_size(), keep=[shard])
         elif self.simulated and BUCKETS_AS_ONE:
-            # the buckets' receive buffers, all alive from issue until the Pending is
-            # dropped (the real scatter-back closure holds them): one tensor of their
-            # total size, held by a closure that moves nothing (simulated data is none)
-            tmp = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
-            works = [self.ops.all_gather(tmp, shard)]
+            # the buckets' receive buffers, as many alive as the real run holds at its peak
+            # and then until the Pending is dropped (the real scatter-back closure holds
+            # them): one tensor, held by a closure. Each landing writes into ``full``, as the
+            # real one does, so a tracker sees ``full``'s storage (resized for the gather)
+            # while the buffers are alive: one copy of one element, no data moved.
+            most, last = window_numels([self.world * (b - a) for a, b in chunks], window)
+            tmp = torch.empty(most, dtype=full.dtype, device=full.device)
+            if window is not None and len(chunks) > window:  # the real run lands buckets while issuing
+                full.view(-1)[:1].copy_(tmp[:1])
+            if last != most:
+                del tmp
+                tmp = torch.empty(last, dtype=full.dtype, device=full.device)
+            works = [self.ops.all_gather(full, shard)]
 
             def scatter_back_simulated() -> None:
-                assert tmp.numel() == full.numel()
+                full.view(-1)[:1].copy_(tmp[:1])
             p = Pending(works, self.stats, full.numel() * full.element_size(), scatter_back_simulated)
         else:
             view = full.view(self.world, S)
-            tmps = [(a, b, torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device))
-                    for a, b in chunks]
-            works = [self.ops.all_gather(t, shard[a:b].contiguous()) for a, b, t in tmps]
+            flight: deque = deque()  # (a, b, work, its receive buffer)
+            waited = 0.0
+            for a, b in chunks:
+                if len(flight) == window:
+                    t = time.perf_counter()
+                    a0, b0, w0, t0 = flight.popleft()
+                    w0.wait()
+                    view[:, a0:b0].copy_(t0.view(self.world, b0 - a0))
+                    del t0  # freed before the next bucket's buffer is made
+                    waited += time.perf_counter() - t
+                tmp = torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device)
+                flight.append((a, b, self.ops.all_gather(tmp, shard[a:b].contiguous()), tmp))
+                del tmp
+            tail = list(flight)
+            del flight
 
             def scatter_back() -> None:
-                for a, b, t in tmps:
+                for a, b, _, t in tail:
                     view[:, a:b].copy_(t.view(self.world, b - a))
-            p = Pending(works, self.stats, full.numel() * full.element_size(), scatter_back)
+            p = Pending([w for _, _, w, _ in tail], self.stats, full.numel() * full.element_size(), scatter_back,
+                        waited_s=waited)
         if not async_op:
             p.wait()
             return None

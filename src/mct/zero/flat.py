@@ -70,6 +70,37 @@ def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_
     return working, (working[lo:hi] if master_is_view else master)
 
 
+class HeldGrads:
+    """A unit's parameter gradients as they arrived, read as its flat ``[world * S]``
+    gradient in the reduce dtype, one bucket of columns at a time (``fill``), so no
+    full-size flat buffer exists: the bytes are the gradients' own (in the compute
+    dtype). Each element is zero plus the arriving gradients in arrival order, in the
+    reduce dtype: the same sums, bit for bit, as adding them into a zeroed flat buffer."""
+
+    def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
+        self._numels = layout.numels()
+
+    def numel(self) -> int:
+        return self.layout.padded_numel
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def fill(self, dst: torch.Tensor, a: int, b: int) -> None:
+        """``dst`` [world, b - a] <- columns [a, b) of the flat gradient viewed as [world, S]."""
+        S = self.layout.shard_numel
+        dst.zero_()
+        for r in range(dst.shape[0]):
+            lo, hi = r * S + a, r * S + b
+            for index, grad in self.grads:
+                off, n = self.layout.offsets[index], self._numels[index]
+                x, y = max(lo, off), min(hi, off + n)
+                if x < y:
+                    dst[r, x - lo:y - lo].add_(grad.reshape(-1)[x - off:y - off])
+
+
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
                  shard_rank: int, precision: PrecisionPolicy, persistent: bool, full_grads: bool,
@@ -112,6 +143,15 @@ class FlatParamUnit:
         # param dtype. Offload points it at a parameter shard kept apart from the master.
         self.gather_source: Callable[[], torch.Tensor] | None = None
         self.gathered = True
+        # Buckets of this unit's collectives in flight at once (None: all); ShardedModel
+        # gives the root unit a window (mct.zero.comm.IN_FLIGHT_BUCKETS).
+        self.bucket_window: int | None = None
+        # Stages 2/3: keep the parameters' gradients as they arrive and read them into the
+        # reduce-scatter's buckets (HeldGrads) instead of a full-size flat gradient from
+        # the first one on; ShardedModel sets it for the root unit (embedding and head:
+        # their gradients arrive at the two ends of backward).
+        self.hold_grads = False
+        self.held: list[tuple[int, torch.Tensor]] = []
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0
@@ -138,7 +178,7 @@ class FlatParamUnit:
         # Writing into the buffer must not look like an in-place change of the
         # parameters to autograd: tensors saved in forward are views of this storage.
         with torch.autograd._unsafe_preserve_version_counter(self.working):
-            self.pending_gather = comm.all_gather(src, self.working, async_op=True) or None
+            self.pending_gather = comm.all_gather(src, self.working, async_op=True, window=self.bucket_window) or None
         if not async_op:
             self.wait_gather()
         elif self.pending_gather is None:
@@ -163,11 +203,16 @@ class FlatParamUnit:
                     self.working.copy_(self.master)
             else:
                 src = self.master.to(self.param_dtype) if not self.master_is_view else self.master.clone()
-                comm.all_gather(src, self.working)
+                comm.all_gather(src, self.working, window=self.bucket_window)
 
     # ---- gradients ----
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into the flat gradient buffer."""
+        """Add one parameter's gradient into the flat gradient buffer (``hold_grads``:
+        keep it until the unit is reduced)."""
+        if self.hold_grads and not self.full_grads:
+            self.held.append((index, grad))
+            self.grads_seen += 1
+            return
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
         off, n = self.layout.offsets[index], self._numels[index]
@@ -180,6 +225,8 @@ class FlatParamUnit:
         all-reduces the whole buffer instead."""
         self.reduced_this_backward = True
         full = self.grad_full
+        if self.held:
+            full, self.held = HeldGrads(self.layout, self.held, self.reduce_dtype, self.device), []
         if full is None:
             return
         if self.layout.world == 1 and self.full_grads:
@@ -191,9 +238,11 @@ class FlatParamUnit:
         out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device)
 
         def accumulate() -> None:
+            # self.grad_full, not ``full``: at stages 2/3 this closure must not keep the
+            # full gradient alive (a bucketed reduce-scatter is done with it on return)
             if self.grad_shard_in_full:
                 # Stage 1 reduces once per step, so the slice holds no earlier reduced sum.
-                full.zero_()
+                self.grad_full.zero_()
                 self.grad_shard.copy_(out)
                 return
             if self.grad_shard is None:
@@ -201,10 +250,11 @@ class FlatParamUnit:
             else:
                 self.grad_shard.add_(out)
             if self.full_grads:
-                full.zero_()
+                self.grad_full.zero_()
         if not self.full_grads:
-            self.grad_full = None  # freed when the collective is done with it
-        self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate)
+            self.grad_full = None  # freed once the collective is done with it
+        self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate,
+                                                  window=self.bucket_window)
 
     def wait_reduce(self) -> None:
         # Cleared first: the completion callback may raise (a budget check on the new
@@ -236,6 +286,7 @@ class FlatParamUnit:
             self.grad_full.zero_()
 
     def new_backward(self) -> None:
+        self.held = []  # none left by a backward that raised before its reduce
         self.grads_seen = 0
         self.reduced_this_backward = False
 

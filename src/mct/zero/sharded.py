@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from mct.precision.policy import PrecisionPolicy
-from mct.zero.comm import Comm
+from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
 from mct.zero.flat import FlatParamUnit
 from mct.zero.partition import build_layout
 
@@ -92,6 +92,15 @@ class ShardedModel:
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      precision=precision, persistent=persistent, full_grads=stage < 2, device=device,
                                      on_new_grad_shard=self._track_grad_shard)
+                if uname == "root":
+                    # embedding + head (+ final norm): 1 B elements at a 128k vocabulary, 5x
+                    # an 8B model's layer. The head's gradient arrives at the start of
+                    # backward, the embedding's at the end: they are kept as they come (no
+                    # full-size fp32 flat gradient through the whole backward) and read into
+                    # buckets at the end, where nothing is left to overlap, so at most
+                    # IN_FLIGHT_BUCKETS buckets' copies are alive, not all of them
+                    unit.bucket_window = IN_FLIGHT_BUCKETS
+                    unit.hold_grads = True
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
                 if hooks.after is not None:
@@ -122,6 +131,8 @@ class ShardedModel:
 
     def _grad_hook(self, unit: FlatParamUnit, index: int):
         def hook(p: torch.Tensor) -> None:
+            if unit.hold_grads and not unit.full_grads:
+                self.tracker.register(p.grad, "grads")  # kept until the unit is reduced
             unit.accumulate_grad(index, p.grad)
             p.grad = None
             if unit.grads_seen == 1 and unit.grad_full is not None and not unit.full_grads:
