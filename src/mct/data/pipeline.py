@@ -85,22 +85,42 @@ def _init_worker(tok: Tokenizer) -> None:
     _worker_encoder.append(Encoder(tok))
 
 
+_forking_workers = False
+"""True while ``_encoded`` forks its pool: ``_forked_worker_signals`` then runs in each child."""
+
+
+def _forked_worker_signals() -> None:
+    """In a forked child, before anything else runs: SIGINT ignored and SIGTERM fatal (as
+    ``_init_worker`` sets them), and both unblocked. A worker terminated before its
+    initializer ran would otherwise run the parent's handler (a KeyboardInterrupt
+    mid-start: a stray traceback), or, blocked in a lock held by a thread of the parent at
+    fork time, never run it at all, so ``Pool.terminate`` waited forever."""
+    if _forking_workers:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
+    os.register_at_fork(after_in_child=_forked_worker_signals)
+
+
 @contextlib.contextmanager
-def _forked_workers_signals() -> Iterator[None]:
-    """While the pool forks its workers: SIGINT ignored and SIGTERM fatal, as ``_init_worker``
-    sets them, so a worker is born with them. A worker inherits the parent's handlers, and one
-    terminated before its initializer ran would otherwise raise KeyboardInterrupt mid-start
-    (a stray traceback on stderr), or, blocked in a lock held by a thread of the parent at fork
-    time, never run the handler at all, so ``Pool.join`` waited forever."""
-    if threading.current_thread() is not threading.main_thread():
+def _forking_pool() -> Iterator[None]:
+    """While the pool forks: Ctrl-C and SIGTERM held back in this process (delivered, never
+    lost, once the pool is up) and the children set up by ``_forked_worker_signals``."""
+    global _forking_workers
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL))}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    _forking_workers = True
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        _forking_workers = False
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _worker_task(chunk: Chunk, text_field: str) -> Encoded:
@@ -179,7 +199,7 @@ def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: 
         return
     # fork: workers start in milliseconds and share the parent's imports; spawn elsewhere
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with _forked_workers_signals():
+    with _forking_pool():
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
     try:
         pending: deque = deque()
