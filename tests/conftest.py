@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import warnings
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one pytest worker per core (pytest-xdist): each worker's torch, and the
@@ -51,3 +53,21 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
         os.environ.pop("MCT_CACHE_DIR", None)
     else:
         os.environ["MCT_CACHE_DIR"] = before
+
+
+_SIGINT_AT_START = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+@pytest.fixture(autouse=True)
+def sigint_as_at_start(request) -> Iterator[None]:
+    """Every test starts with Ctrl-C as the session started with it (handler and signal mask):
+    tests that signal a process (``mct prepare``, the planner's workers, the launcher) rely on
+    it. A change left behind by whatever ran before in this worker is undone and named in a
+    warning, so the leak can be found rather than failing an unrelated test."""
+    now = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    if now != _SIGINT_AT_START:
+        warnings.warn(f"SIGINT state {now} differs from the session's {_SIGINT_AT_START} before "
+                      f"{request.node.nodeid}: restored")
+        signal.signal(signal.SIGINT, _SIGINT_AT_START[0])
+        signal.pthread_sigmask(signal.SIG_SETMASK, _SIGINT_AT_START[1])
+    yield
