@@ -55,19 +55,33 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
         os.environ["MCT_CACHE_DIR"] = before
 
 
-_SIGINT_AT_START = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+def _sigint_state() -> tuple:
+    """SIGINT as this thread sees it: Python's handler, the thread's signal mask, and whether
+    the process ignores it at the C level (``SigIgn`` in /proc: a library can set SIG_IGN
+    behind Python's back, and every subprocess then inherits it)."""
+    ignored = None
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("SigIgn:"))
+        ignored = bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []), ignored
+
+
+_SIGINT_AT_START = _sigint_state()
 
 
 @pytest.fixture(autouse=True)
 def sigint_as_at_start(request) -> Iterator[None]:
-    """Every test starts with Ctrl-C as the session started with it (handler and signal mask):
-    tests that signal a process (``mct prepare``, the planner's workers, the launcher) rely on
-    it. A change left behind by whatever ran before in this worker is undone and named in a
-    warning, so the leak can be found rather than failing an unrelated test."""
-    now = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    """Every test starts with Ctrl-C as the session started with it (handler, signal mask,
+    not ignored): tests that signal a process (``mct prepare``, the planner's workers, the
+    launcher) rely on it. A change left behind by whatever ran before in this worker is
+    undone and named in a warning, so the leak can be found rather than failing an
+    unrelated test."""
+    now = _sigint_state()
     if now != _SIGINT_AT_START:
         warnings.warn(f"SIGINT state {now} differs from the session's {_SIGINT_AT_START} before "
                       f"{request.node.nodeid}: restored")
-        signal.signal(signal.SIGINT, _SIGINT_AT_START[0])
+        signal.signal(signal.SIGINT, _SIGINT_AT_START[0])  # sigaction again: also undoes a C-level SIG_IGN
         signal.pthread_sigmask(signal.SIG_SETMASK, _SIGINT_AT_START[1])
     yield
