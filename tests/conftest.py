@@ -68,6 +68,10 @@ def _sigint_state() -> tuple:
     return signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []), ignored
 
 
+if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+    # a suite started in the background by a shell without job control (`make test &` in a
+    # script) inherits SIGINT ignored, and so would every process the tests signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _SIGINT_AT_START = _sigint_state()
 
 
