@@ -43,6 +43,8 @@ HF_CONFIGS: dict[str, object] = {
 
 # (case id, argv after `mct`, a fragment the one error line must contain)
 CASES: list[tuple[str, list[str], str]] = [
+    ("calibrate-unknown-device", ["calibrate", "--device", "gpu"], "invalid choice: 'gpu'"),
+    ("calibrate-extra-argument", ["calibrate", "--force", "extra"], "unrecognized arguments: extra"),
     ("config-missing", [*TRAIN, "--config", "{tmp}/missing.toml"], "no such file"),
     ("config-directory", [*TRAIN, "--config", "{tmp}"], "is a directory"),
     ("config-dev-null", [*TRAIN, "--config", "/dev/null"], "not a regular file"),
