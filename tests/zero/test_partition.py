@@ -204,6 +204,7 @@ def test_held_gradients_fill_every_rank_column_window_as_the_flat_buffer(world):
     layout = build_layout(["a", "b", "c", "d"], shapes, world)
     gen = torch.Generator().manual_seed(world)
     grads = [(i, torch.randn(shapes[i], generator=gen).to(torch.bfloat16)) for i in (2, 0, 3, 1, 0)]
+    grads.append((2, torch.randn(shapes[2][::-1], generator=gen).t()))  # not contiguous
     flat = torch.zeros(layout.padded_numel)
     for i, gr in grads:
         flat[layout.offsets[i]:layout.offsets[i] + gr.numel()].add_(gr.reshape(-1))

@@ -90,17 +90,26 @@ class HeldGrads:
 
     def fill(self, dst: torch.Tensor, a: int, b: int) -> None:
         """``dst`` [world, b - a] <- columns [a, b) of the flat gradient viewed as [world, S]."""
-        S, world = self.layout.shard_numel, dst.shape[0]
+        S, world, width = self.layout.shard_numel, dst.shape[0], b - a
         dst.zero_()
         for index, grad in self.grads:  # in arrival order, so each element sums as before
             off, n = self.layout.offsets[index], self._numels[index]
-            # the ranks r whose columns [r*S + a, r*S + b) meet [off, off + n): O(pieces), not O(world)
+            # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
             first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
-            for r in range(first, last + 1):
+            if first > last or width <= 0:
+                continue
+            whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
+            flat = grad.reshape(-1)
+            if whole_lo <= whole_hi:  # one strided add for every row it covers whole: O(1) ops, not O(world)
+                rows = flat.as_strided((whole_hi - whole_lo + 1, width), (S, 1),
+                                       flat.storage_offset() + whole_lo * S + a - off)
+                dst[whole_lo:whole_hi + 1].add_(rows)
+            for r in sorted({first, last} - set(range(whole_lo, whole_hi + 1))):
                 lo = r * S + a
-                x, y = max(lo, off), min(lo + b - a, off + n)
+                x, y = max(lo, off), min(lo + width, off + n)
                 if x < y:
-                    dst[r, x - lo:y - lo].add_(grad.reshape(-1)[x - off:y - off])
+                    dst[r, x - lo:y - lo].add_(flat[x - off:y - off])
+            del flat
 
 
 class FlatParamUnit:
