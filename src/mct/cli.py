@@ -456,13 +456,14 @@ def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
 
 def format_plan(plan) -> str:
     """The plan as a table: one row per configuration (steady-state peak, bytes per
-    category at that peak, the phase it is in, first-step and init peaks, fits, cost),
+    category at that peak, the phase it is in, first-step and init peaks, fits, cost,
+    predicted seconds per step and tokens per second),
     the recommended row marked '*', then the advice line."""
     from mct.checkpointing import policy_label
     from mct.config import CheckpointingConfig
     from mct.memory.tracker import CATEGORIES, format_bytes
     cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "peak", *CATEGORIES, "at", "first", "init",
-            "host", "disk", "fits", "cost"]
+            "host", "disk", "fits", "cost", "s/step", "tokens/s"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
@@ -473,14 +474,21 @@ def format_plan(plan) -> str:
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),
-                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}"])
+                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}", _seconds(r.get("step_s")),
+                      f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
     lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
              f"{format_bytes(plan.budget) if plan.budget else 'none'}",
              "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
+    lines += [f"step time: {note}" for note in getattr(plan, "time_notes", [])]
     lines.append(plan.advice)
     return "\n".join(lines)
+
+
+def _seconds(s: float | None) -> str:
+    """Predicted seconds per step, 3 significant digits; '-' when not predicted."""
+    return "-" if s is None else f"{s:.3g}"
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:

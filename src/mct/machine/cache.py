@@ -63,6 +63,36 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
     return Calibration(profile, "measured", path, warning)
 
 
+def cached(device: str = "cpu", *, path: Path | None = None) -> MachineProfile | None:
+    """This machine's cached profile for ``device``, or None: never measures (for a
+    training rank, where a measurement would compete with the other ranks)."""
+    entries, _ = _read(path or cache_file())
+    try:
+        entry = entries.get(current_key(device))
+        return MachineProfile.from_dict(entry) if entry is not None else None
+    except ValueError:
+        return None
+
+
+def remember(profile: MachineProfile, name: str, value: object, *, path: Path | None = None
+             ) -> tuple[MachineProfile, str | None]:
+    """``profile`` with ``extra[name]`` merged with ``value`` (a dict: its keys added to
+    what is there), written back to the cache file (``path``, default ``cache_file()``)
+    under the profile's key: a rate measured on first use (collectives at a world size,
+    the per-op overhead) is measured once. Returns the new profile and a warning when the
+    file could not be written (None when fine)."""
+    path = path or cache_file()
+    merged = {**profile.extra.get(name, {}), **value} if isinstance(value, dict) else value
+    new = MachineProfile.from_dict({**profile.to_dict(), "extra": {**profile.extra, name: merged}})
+    entries, _ = _read(path)
+    entries[new.key] = new.to_dict()
+    try:
+        _write(path, entries)
+    except OSError as e:
+        return new, f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
+    return new, None
+
+
 def _read(path: Path) -> tuple[dict, str | None]:
     """The file's profiles by key ({} when absent or damaged) and why it was not read."""
     try:
