@@ -30,6 +30,7 @@ extrapolated from the largest world measured here (ring scaling).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,36 +251,39 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     return rates_for(profile, world, threads), warnings
 
 
-def measure_op_overhead(rates: Rates, threads: int, steps: int = 6) -> float:
+def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
     """Seconds per dispatched op beyond its roofline: real steps of the built-in GPT of
-    ``OVERHEAD_MODEL`` (one rank, stage 0, no recompute, fp32; the fastest of ``steps``
-    after two warm-ups) minus the compute ``rates`` predict for its dry run, divided by
-    its ops. Runs with ``threads`` torch threads (restored after)."""
+    ``OVERHEAD_MODEL`` (one rank, stage 0, fp32, without and with recompute of every
+    block, so the checkpointing's own work is in it; the median of ``steps`` each,
+    interleaved, after two warm-ups) minus the compute ``rates`` predict for their dry
+    runs, over their ops. Runs with ``threads`` torch threads (restored after)."""
     from mct.config import EngineConfig
     from mct.engine import Engine
     from mct.models.gpt import GPT, gpt_loss
     from mct.planner.dry_run import dry_run
-    cfg = EngineConfig.from_dict({"model": dict(OVERHEAD_MODEL), "train": {"grad_clip": 0.0}})
     T, V = OVERHEAD_MODEL["seq_len"], OVERHEAD_MODEL["vocab_size"]
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
-    work = dry_run(lambda: GPT(cfg.model), gpt_loss, batch, cfg, 1).work
-    assert work is not None
+    cfgs = [EngineConfig.from_dict({"model": dict(OVERHEAD_MODEL), "train": {"grad_clip": 1.0},
+                                    "checkpointing": {"policy": policy}}) for policy in ("none", "all")]
+    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, batch, c, 1).work for c in cfgs]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engine = Engine(GPT(cfg.model), None, cfg)  # on the CPU: a CUDA step's host side dispatches alike
-        times = []
+        engines = [Engine(GPT(c.model), None, c) for c in cfgs]  # on the CPU: a CUDA step's host side alike
+        times: list[list[float]] = [[] for _ in cfgs]
         for i in range(steps + 2):
-            t0 = time.perf_counter()
-            engine.train_step(batch, gpt_loss)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        engine.close()
+            for engine, got in zip(engines, times):
+                t0 = time.perf_counter()
+                engine.train_step(batch, gpt_loss)
+                if i >= 2:
+                    got.append(time.perf_counter() - t0)
+        for engine in engines:
+            engine.close()
     finally:
         torch.set_num_threads(before)
-    compute = step_time(work, rates).compute_s
-    return max(0.0, (min(times) - compute) / work.n_ops)
+    spare = sum(statistics.median(t) - step_time(w, rates).compute_s for t, w in zip(times, works) if w is not None)
+    return max(0.0, spare / sum(w.n_ops for w in works if w is not None))
 
 
 def tokens_per_step(batch: Any, grad_accum: int, world: int) -> int:
