@@ -37,9 +37,14 @@ from typing import Any
 
 import torch
 
+from mct.config import EngineConfig
+from mct.dist import DistContext
+from mct.engine import Engine
 from mct.machine import MachineProfile, calibrate, usable_cores
 from mct.machine.cache import cached, remember
 from mct.machine.collectives import measure_collectives
+from mct.models.gpt import GPT, gpt_loss
+from mct.planner.dry_run import dry_run
 from mct.planner.work import StepWork
 
 BLEND = (2 * 64 ** 3, 2 * 512 ** 3)
@@ -257,10 +262,6 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
     block, so the checkpointing's own work is in it; the median of ``steps`` each,
     interleaved, after two warm-ups) minus the compute ``rates`` predict for their dry
     runs, over their ops. Runs with ``threads`` torch threads (restored after)."""
-    from mct.config import EngineConfig
-    from mct.engine import Engine
-    from mct.models.gpt import GPT, gpt_loss
-    from mct.planner.dry_run import dry_run
     T, V = OVERHEAD_MODEL["seq_len"], OVERHEAD_MODEL["vocab_size"]
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
@@ -270,7 +271,8 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engines = [Engine(GPT(c.model), None, c) for c in cfgs]  # on the CPU: a CUDA step's host side alike
+        alone = DistContext(device=torch.device("cpu"))  # one process on the CPU, whatever group this one is in
+        engines = [Engine(GPT(c.model), None, c, ctx=alone) for c in cfgs]  # a CUDA step's host side alike
         times: list[list[float]] = [[] for _ in cfgs]
         for i in range(steps + 2):
             for engine, got in zip(engines, times):
