@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print JSON instead of the table")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="what to measure; auto: the CUDA device where there is one, else the CPU")
+    c.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="also measure what the time model needs for N ranks on this machine (collectives at N, "
+                        "the per-op overhead at cores / N threads); `mct plan` measures them on first use")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
                         "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -510,10 +513,21 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
+    import dataclasses
+
     from mct.machine import calibrate, calibration_table, default_device
-    cal = calibrate(default_device() if args.device == "auto" else args.device, force=args.force)
+    device = default_device() if args.device == "auto" else args.device
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    cal = calibrate(device, force=args.force)
     if cal.warning:
         _warn(cal.warning)
+    if args.world_size is not None:
+        from mct.planner.steptime import machine_rates
+        _, warnings = machine_rates(args.world_size, device)
+        for w in warnings:
+            _warn(w)
+        cal = dataclasses.replace(calibrate(device), source=cal.source)
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
                           "profile": cal.profile.to_dict()}, indent=2))

@@ -93,6 +93,25 @@ def remember(profile: MachineProfile, name: str, value: object, *, path: Path | 
     return new, None
 
 
+def _extra_lines(extra: dict) -> list[str]:
+    """The time model's rates a profile holds (``MachineProfile.extra``), one line each."""
+    lines = []
+    if extra.get("copy_all_bytes_per_s"):
+        lines.append(f"copy (every thread): {extra['copy_all_bytes_per_s'] / 1e9:.2f} GB/s")
+    if extra.get("disk_bytes_per_s"):
+        lines.append(f"disk write: {extra['disk_bytes_per_s'] / 1e9:.2f} GB/s")
+    for dtype, curve in (extra.get("matmul_curve") or {}).items():
+        lines.append(f"matmul {dtype} 1 thread by size: " + ", ".join(
+            f"{round((f / 2) ** (1 / 3))}: {format_rate(r)}" for f, r in curve))
+    if extra.get("op_overhead_s"):
+        lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {t} thread(s)"
+                                                      for t, s in sorted(extra["op_overhead_s"].items())))
+    for key, kinds in sorted((extra.get("collectives") or {}).items()):
+        lines.append(f"collectives {key}: " + ", ".join(
+            f"{k} {1e6 * lat:.0f} us + {bw / 1e9:.2f} GB/s" for k, (lat, bw) in kinds.items()))
+    return lines
+
+
 def _read(path: Path) -> tuple[dict, str | None]:
     """The file's profiles by key ({} when absent or damaged) and why it was not read."""
     try:
@@ -135,5 +154,6 @@ def calibration_table(cal: Calibration) -> str:
         lines.append(f"{d:<6}" + "".join(f"{format_rate(v):>20}" for v in cells(d)) + f"{p.matmul_size.get(d, 0):>7}")
     copy = "device to device" if p.device == "cuda" else "1 thread"
     lines.append(f"copy ({copy}): {p.memcpy_bytes_per_s / 1e9:.2f} GB/s")
+    lines += _extra_lines(p.extra)
     lines.append("MFU divides by the 1-thread (CUDA: device) rate of the run's compute dtype x threads per rank x ranks")
     return "\n".join(lines)

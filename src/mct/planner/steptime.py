@@ -30,7 +30,6 @@ extrapolated from the largest world measured here (ring scaling).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,7 +165,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
             notes.append(f"no {dtype} matmul curve: the peak for every size")
             curve = [[2.0 * 16 ** 3, one], [2.0 * 512 ** 3, one]]
         matmul[dtype] = tuple((f, f / (r * _blend(f, speedup))) for f, r in curve)
-        peak[dtype] = one * speedup
+        peak[dtype] = max(one, *(r for _, r in curve)) * speedup  # the fastest size seen: calls vary under load
     share = 2.0 * extra.get("copy_all_bytes_per_s", profile.memcpy_bytes_per_s * threads) / ranks_here
     curve = extra.get("copy_curve") or [[32.0 * 2**20, profile.memcpy_bytes_per_s]]
     copy = tuple((2.0 * b, min(2.0 * r * threads, share)) for b, r in curve)  # a copy reads and writes
@@ -259,9 +258,10 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
 def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
     """Seconds per dispatched op beyond its roofline: real steps of the built-in GPT of
     ``OVERHEAD_MODEL`` (one rank, stage 0, fp32, without and with recompute of every
-    block, so the checkpointing's own work is in it; the median of ``steps`` each,
-    interleaved, after two warm-ups) minus the compute ``rates`` predict for their dry
-    runs, over their ops. Runs with ``threads`` torch threads (restored after)."""
+    block, so the checkpointing's own work is in it; the fastest of ``steps`` each,
+    interleaved, after two warm-ups: a busy machine only ever slows a step down) minus
+    the compute ``rates`` predict for their dry runs, over their ops. Runs with
+    ``threads`` torch threads (restored after)."""
     T, V = OVERHEAD_MODEL["seq_len"], OVERHEAD_MODEL["vocab_size"]
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
@@ -284,7 +284,7 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
             engine.close()
     finally:
         torch.set_num_threads(before)
-    spare = sum(statistics.median(t) - step_time(w, rates).compute_s for t, w in zip(times, works) if w is not None)
+    spare = sum(min(t) - step_time(w, rates).compute_s for t, w in zip(times, works) if w is not None)
     return max(0.0, spare / sum(w.n_ops for w in works if w is not None))
 
 
