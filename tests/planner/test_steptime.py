@@ -28,8 +28,8 @@ from mct.task.spec import Task
 L, D, S, V, B = 5, 32, 16, 96, 2
 
 
-def _cfg(stage: int = 0, policy: str = "none", **extra) -> EngineConfig:
-    return EngineConfig.from_dict({"model": {"n_layer": L, "n_head": 2, "d_model": D, "seq_len": S,
+def _cfg(stage: int = 0, policy: str = "none", layers: int = L, **extra) -> EngineConfig:
+    return EngineConfig.from_dict({"model": {"n_layer": layers, "n_head": 2, "d_model": D, "seq_len": S,
                                              "vocab_size": V, "dropout": 0.0},
                                    "zero": {"stage": stage}, "checkpointing": {"policy": policy}, **extra})
 
@@ -108,16 +108,16 @@ def test_more_recompute_never_predicts_faster_and_stage3_communicates_more():
     At 2 ranks stage 3 gathers the parameters again in backward: more collective bytes
     and seconds than stage 2."""
     rates = rates_for(_profile(), 2, 1, ranks_here=2)
-    task = _task(_cfg())
-    cfgs = {p: _cfg(3, p) for p in ("none", "selective", "all")}
-    cfgs["per_block"] = _cfg(3, "per_block", checkpointing={"policy": "per_block", "per_block": {"all": 2}})
+    task = _task(_cfg(layers=3))
+    cfgs = {p: _cfg(3, p, layers=3) for p in ("none", "selective", "all")}
+    cfgs["per_block"] = _cfg(3, "per_block", layers=3, checkpointing={"policy": "per_block", "per_block": {"all": 2}})
     work = {p: dry_run(task.model_fn, task.loss_fn, task.batch, c, 2).work for p, c in cfgs.items()}
     order = ("none", "per_block", "all")
     for key in (lambda w: w.flops, lambda w: w.n_ops, lambda w: step_time(w, rates).total):
         assert key(work["none"]) < key(work["per_block"]) < key(work["all"]), [key(work[p]) for p in order]
     assert work["none"].flops <= work["selective"].flops < work["all"].flops  # it keeps the matmuls' outputs
     assert step_time(work["none"], rates).total < step_time(work["selective"], rates).total
-    two, three = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(2), 2).work, work["none"]
+    two, three = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(2, layers=3), 2).work, work["none"]
     assert three.comm_bytes > two.comm_bytes
     assert step_time(three, rates).comm_s > step_time(two, rates).comm_s
     assert {k for k, _, _ in three.comm} >= {"reduce_scatter", "all_gather"}

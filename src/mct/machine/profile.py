@@ -311,27 +311,30 @@ def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[],
 
 
 def _matmul_by_dim(dtype: torch.dtype, device: str, sync: Callable[[], None],
-                   dims: tuple[int, ...] = MATMUL_DIMS, side: int = 1024) -> list[list[float]]:
-    """[[d, FLOP/s], ...] of ``torch.mm`` of [side, d] x [d, side] for each d (the fastest
-    of a few repeats of a batch of calls, about 10 ms each)."""
+                   dims: tuple[int, ...] | None = None, side: int = 1024) -> list[list[float]]:
+    """[[d, FLOP/s], ...] of ``torch.mm`` of [side, d] x [d, side] for each d (default
+    ``MATMUL_DIMS``; the fastest of a few repeats of a batch of calls, about 10 ms each)."""
     out = []
-    for d in dims:
+    for d in dims or MATMUL_DIMS:
         a = torch.randn(side, d, device=device).to(dtype)
         b = torch.randn(d, side, device=device).to(dtype)
         flops = 2.0 * side * d * side
         torch.mm(a, b)
-        sync()
-        reps = max(1, min(200, int(1e9 / flops)))
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-            sync()
-            best = min(best, (time.perf_counter() - t0) / reps)
-        out.append([float(d), flops / best])
+        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync)])
     return out
+
+
+def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5) -> float:
+    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls."""
+    best = float("inf")
+    for _ in range(tries):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
 
 
 def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None]) -> list[float]:
@@ -344,16 +347,7 @@ def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None]) -> lis
     ops = ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: torch.nn.functional.gelu(x), 2),
            (lambda: torch.softmax(rows, -1), 2), (lambda: torch.nn.functional.layer_norm(rows, (256,)), 2))
     moved = sum(k for _, k in ops) * nbytes
-    reps = max(1, 2**22 // nbytes)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for op, _ in ops:
-                op()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
+    best = _fastest(lambda: [op() for op, _ in ops], max(1, 2**22 // nbytes), sync)
     return [moved / len(ops), moved / best]
 
 
@@ -361,14 +355,7 @@ def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:
     """Bytes per second of a pinned host-to-device copy (the fastest of 5)."""
     dev = torch.empty_like(host, device="cuda")
     dev.copy_(host)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return host.numel() / best
+    return host.numel() / _fastest(lambda: dev.copy_(host, non_blocking=True), 1, sync)
 
 
 def disk_rate(folder: Path | None = None, nbytes: int = 32 * 2**20) -> float:
@@ -398,13 +385,4 @@ def _copy_rate(device: str, nbytes: int, sync: Callable[[], None]) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    reps = max(1, 2**22 // nbytes)
-    best = float("inf")
-    for _ in range(7):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dst.copy_(src)
-        sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return nbytes / best
+    return nbytes / _fastest(lambda: dst.copy_(src), max(1, 2**22 // nbytes), sync, tries=7)
