@@ -16,8 +16,11 @@ from mct.machine import MachineProfile, cache_file, calibrate, cpu_identity, cur
 
 @pytest.fixture
 def quick(monkeypatch):
-    """Matmuls timed at 256 x 256 (no growing): a real measurement in well under a second."""
+    """Matmuls timed at 256 x 256 (no growing), the time model's rates at two matmul widths
+    and one elementwise size: a real measurement in about a second."""
     monkeypatch.setattr(profile_mod, "MIN_CALL_S", 0.0)
+    monkeypatch.setattr(profile_mod, "MATMUL_DIMS", (16, 64))
+    monkeypatch.setattr(profile_mod, "ELEMENTWISE_SIZES", (2**16,))
 
 
 @pytest.fixture

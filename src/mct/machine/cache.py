@@ -100,9 +100,12 @@ def _extra_lines(extra: dict) -> list[str]:
         lines.append(f"copy (every thread): {extra['copy_all_bytes_per_s'] / 1e9:.2f} GB/s")
     if extra.get("disk_bytes_per_s"):
         lines.append(f"disk write: {extra['disk_bytes_per_s'] / 1e9:.2f} GB/s")
-    for dtype, curve in (extra.get("matmul_curve") or {}).items():
-        lines.append(f"matmul {dtype} 1 thread by size: " + ", ".join(
-            f"{round((f / 2) ** (1 / 3))}: {format_rate(r)}" for f, r in curve))
+    for dtype, curve in (extra.get("matmul_by_dim") or {}).items():
+        lines.append(f"matmul {dtype} 1 thread by smallest dimension: " + ", ".join(
+            f"{int(d)}: {format_rate(r)}" for d, r in curve))
+    if extra.get("elementwise_curve"):
+        lines.append("elementwise 1 thread by bytes an op moves: " + ", ".join(
+            f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in extra["elementwise_curve"]))
     if extra.get("op_overhead_s"):
         lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {t} thread(s)"
                                                       for t, s in sorted(extra["op_overhead_s"].items())))

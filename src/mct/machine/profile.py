@@ -39,13 +39,14 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_
 MIN_CALL_S = 0.03
 """A matmul size is grown until one call takes at least this long (or the size cap)."""
 
-COPY_SIZES = (2**16, 2**19, 2**22)
-"""Bytes of the one-thread copy curve (``extra['copy_curve']``): tensors that stay in a
-core's caches copy several times faster than the 32 MiB of ``memcpy_bytes_per_s``."""
+ELEMENTWISE_SIZES = (2**16, 2**19, 2**22)
+"""Bytes per tensor of the one-thread elementwise curve (``extra['elementwise_curve']``):
+tensors that stay in a core's caches move several times faster than 32 MiB ones."""
 
-CURVE_SIZES = (16, 32, 64, 128, 256, 512)
-"""Square sizes of the one-thread matmul curve (``extra['matmul_curve']``): small
-matmuls run far below the peak, and a model's are mostly small on a CPU."""
+MATMUL_DIMS = (16, 32, 64, 128, 256, 512)
+"""The smallest dimension of the one-thread matmuls of ``extra['matmul_by_dim']``
+([1024, d] x [d, 1024]): a matmul with a short side (a head's width, a narrow layer) runs
+far below the square peak, and a model's are mostly such on a CPU."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,10 @@ class MachineProfile:
     seconds: float = 0.0
     version: int = PROFILE_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
-    """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_curve'
-    {dtype: [[FLOPs of one call, FLOP/s], ...]} one thread at ``CURVE_SIZES``;
-    'copy_curve' [[bytes, bytes/s], ...] one thread at ``COPY_SIZES``;
+    """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_by_dim'
+    {dtype: [[smallest dimension, FLOP/s], ...]} one thread at ``MATMUL_DIMS``;
+    'elementwise_curve' [[bytes an op reads and writes, bytes/s], ...] one thread at
+    ``ELEMENTWISE_SIZES``;
     'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
     temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device); 'collectives' {'<backend>:<world>': {kind: [latency s,
     bytes/s]}} and 'op_overhead_s' {'<threads>': s}, measured on first use."""
@@ -234,13 +236,13 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
                                                         or measured)[0]
         torch.set_num_threads(1)
         copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
-        curve = {name: _matmul_curve(DTYPES[name], "cpu", lambda: None) for name in one}
-        copies = [[n, _copy_rate("cpu", n, lambda: None)] for n in COPY_SIZES]
+        curve = {name: _matmul_by_dim(DTYPES[name], "cpu", lambda: None) for name in one}
+        elementwise = [_elementwise_rate("cpu", n, lambda: None) for n in ELEMENTWISE_SIZES]
         torch.set_num_threads(cores)
         copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
     finally:
         torch.set_num_threads(before)
-    extra = {"matmul_curve": curve, "copy_curve": copies, "copy_all_bytes_per_s": copy_all,
+    extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy_all,
              "disk_bytes_per_s": disk_rate(disk)}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
@@ -262,9 +264,11 @@ def _measure_cuda(disk: Path | None) -> MachineProfile:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prior
     copy = _copy_rate("cuda", 256 * 2**20, sync)
-    curve = {d: _matmul_curve(DTYPES[d], "cuda", sync, sizes=(*CURVE_SIZES, 1024, 2048)) for d in rates}
+    curve = {d: _matmul_by_dim(DTYPES[d], "cuda", sync, dims=(*MATMUL_DIMS, 1024, 2048), side=8192) for d in rates}
+    elementwise = [_elementwise_rate("cuda", n, sync) for n in (2**20, 2**24, 2**27)]
     host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-    extra = {"matmul_curve": curve, "copy_all_bytes_per_s": copy, "disk_bytes_per_s": disk_rate(disk),
+    extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy,
+             "disk_bytes_per_s": disk_rate(disk),
              "host_bytes_per_s": _transfer_rate(host, sync)}
     return MachineProfile(device="cuda", name=name, flags=flags, torch_version=torch.__version__, threads=1,
                           matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy,
@@ -306,41 +310,52 @@ def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[],
     return 2.0 * n ** 3 / min(times), n  # the fastest call: a loaded machine only ever slows one down
 
 
-def _matmul_curve(dtype: torch.dtype, device: str, sync: Callable[[], None],
-                  sizes: tuple[int, ...] = CURVE_SIZES) -> list[list[float]]:
-    """[[FLOPs of one call, FLOP/s], ...] of ``torch.mm`` at each square size (the
-    fastest of a few repeats of a batch of calls, about 20 ms each)."""
+def _matmul_by_dim(dtype: torch.dtype, device: str, sync: Callable[[], None],
+                   dims: tuple[int, ...] | None = None, side: int = 1024) -> list[list[float]]:
+    """[[d, FLOP/s], ...] of ``torch.mm`` of [side, d] x [d, side] for each d (default
+    ``MATMUL_DIMS``; the fastest of a few repeats of a batch of calls, about 10 ms each)."""
     out = []
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+    for d in dims or MATMUL_DIMS:
+        a = torch.randn(side, d, device=device).to(dtype)
+        b = torch.randn(d, side, device=device).to(dtype)
+        flops = 2.0 * side * d * side
         torch.mm(a, b)
-        sync()
-        reps = max(1, min(2000, int(2e7 / n ** 3)))
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-            sync()
-            best = min(best, (time.perf_counter() - t0) / reps)
-        out.append([2.0 * n ** 3, 2.0 * n ** 3 / best])
+        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync)])
     return out
+
+
+def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5) -> float:
+    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls."""
+    best = float("inf")
+    for _ in range(tries):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None]) -> list[float]:
+    """[bytes an op reads and writes, bytes/s] of a training step's usual elementwise ops
+    on fp32 tensors of ``nbytes`` (add, in-place multiply, GELU, softmax, layer norm: the
+    fastest of a few repeats of the set)."""
+    n = nbytes // 4
+    x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+    rows = x.view(-1, 256)
+    ops = ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: torch.nn.functional.gelu(x), 2),
+           (lambda: torch.softmax(rows, -1), 2), (lambda: torch.nn.functional.layer_norm(rows, (256,)), 2))
+    moved = sum(k for _, k in ops) * nbytes
+    best = _fastest(lambda: [op() for op, _ in ops], max(1, 2**22 // nbytes), sync)
+    return [moved / len(ops), moved / best]
 
 
 def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:
     """Bytes per second of a pinned host-to-device copy (the fastest of 5)."""
     dev = torch.empty_like(host, device="cuda")
     dev.copy_(host)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return host.numel() / best
+    return host.numel() / _fastest(lambda: dev.copy_(host, non_blocking=True), 1, sync)
 
 
 def disk_rate(folder: Path | None = None, nbytes: int = 32 * 2**20) -> float:
@@ -370,13 +385,4 @@ def _copy_rate(device: str, nbytes: int, sync: Callable[[], None]) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    reps = max(1, 2**22 // nbytes)
-    best = float("inf")
-    for _ in range(7):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dst.copy_(src)
-        sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return nbytes / best
+    return nbytes / _fastest(lambda: dst.copy_(src), max(1, 2**22 // nbytes), sync, tries=7)

@@ -4,13 +4,14 @@
     step_s = compute + overhead + communication + offload
 
 - **compute**: each op of the steady-state step on its own roofline,
-  ``max(matmul seconds of its FLOPs, bytes / memory bandwidth)``. Matmul seconds come
-  from the profile's one-thread curve (``extra['matmul_curve']``: small matmuls run far
-  below the peak) in the op's dtype, minus the smallest size's time (a call's fixed cost,
-  counted in ``overhead``), never below FLOPs / peak; threads speed up the large ones (the
-  measured every-thread speed-up, blended in from 2 x 64^3 to 2 x 512^3 FLOPs). Bandwidth
-  is the one-thread copy curve at the op's bytes (cache-resident tensors move faster), at
-  most the every-thread copy rate shared by the ranks on this machine.
+  ``max(FLOPs / matmul rate, bytes / elementwise rate)``. The matmul rate is the
+  profile's one-thread rate of the op's dtype at its smallest matrix dimension
+  (``extra['matmul_by_dim']``: a matmul with a short side runs far below the square peak);
+  threads speed up the large ones (the measured every-thread speed-up, blended in from 2 x
+  64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
+  elementwise ops at the op's bytes (``extra['elementwise_curve']``: cache-resident tensors
+  move faster) x threads, the largest size's at most the every-thread copy rate shared by
+  the ranks on this machine.
 - **overhead**: ``ops x op_overhead_s``, the time one dispatched op costs beyond its
   roofline (Python, the dispatcher, autograd, the engine's memory tracker), measured on
   first use at the rank's thread count: a real step of a tiny built-in GPT minus its
@@ -48,6 +49,8 @@ from mct.planner.work import StepWork
 
 BLEND = (2 * 64 ** 3, 2 * 512 ** 3)
 """Matmul FLOPs between which the threads' speed-up is blended in (small matmuls run on one thread)."""
+PARALLEL_BYTES = 2**20
+"""Elementwise ops moving at least this many bytes run on every thread of the rank."""
 OVERHEAD_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
 """The built-in GPT whose real steps measure the per-op overhead: small enough that its
 ops cost almost nothing but their dispatch."""
@@ -56,40 +59,33 @@ MAX_MEASURED_WORLD = 8
 
 @dataclass(frozen=True)
 class Rates:
-    """What turns one rank's ``StepWork`` into seconds: ``matmul`` {dtype: ((FLOPs of a
-    call, seconds of a call), ...)} ascending, at this rank's threads; ``peak`` {dtype:
-    FLOP/s}; ``copy`` ((bytes, bytes/s), ...) ascending, per rank; ``op_s``: overhead
-    per dispatched op; ``collectives`` {kind: (latency s, bytes/s)} at the world size;
-    ``tiers`` {'cpu'|'disk': bytes/s} of offload traffic (absent: counted in the ops);
-    ``notes``: what was not measured."""
+    """What turns one rank's ``StepWork`` into seconds: ``matmul`` {dtype: ((smallest
+    dimension, FLOP/s of a large matmul), ...)} ascending, at this rank's threads (one
+    thread's for small matmuls: see ``matmul_s``); ``speedup`` {dtype: threads' speed-up of
+    large matmuls}; ``elementwise`` ((bytes, bytes/s), ...) ascending, per rank; ``op_s``:
+    overhead per dispatched op; ``collectives`` {kind: (latency s, bytes/s)} at the world
+    size; ``tiers`` {'cpu'|'disk': bytes/s} of offload traffic (absent: counted in the
+    ops); ``notes``: what was not measured."""
 
     matmul: dict[str, tuple[tuple[float, float], ...]]
-    peak: dict[str, float]
-    copy: tuple[tuple[float, float], ...]
+    speedup: dict[str, float]
+    elementwise: tuple[tuple[float, float], ...]
     op_s: float
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
     tiers: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
-    def matmul_s(self, dtype: str, flops: float) -> float:
-        """Seconds of one matmul of ``flops`` in ``dtype`` (fp32's curve when ``dtype``
-        has none), beyond a call's fixed cost."""
+    def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
+        """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
+        ``dtype`` has none) whose smallest dimension is ``dim`` (0: unknown, the largest
+        measured), beyond a call's fixed cost (``op_s``)."""
         curve = self.matmul.get(dtype) or self.matmul["fp32"]
-        peak = self.peak.get(dtype) or self.peak["fp32"]
-        floor = flops / peak
-        if flops <= curve[0][0]:
-            return floor
-        t = _loglog(curve, flops) if flops < curve[-1][0] else curve[-1][1] * flops / curve[-1][0]
-        return max(t - curve[0][1], floor)
+        rate = _loglog(curve, dim) if dim > 0 else curve[-1][1]
+        return flops / (rate * _blend(flops, self.speedup.get(dtype, 1.0)))
 
     def memory_s(self, nbytes: float) -> float:
-        """Seconds to read and write ``nbytes`` (an op's inputs and outputs)."""
-        if nbytes <= 0:
-            return 0.0
-        pts = self.copy
-        rate = pts[0][1] if nbytes <= pts[0][0] else pts[-1][1] if nbytes >= pts[-1][0] else \
-            nbytes / _loglog(tuple((b, b / r) for b, r in pts), nbytes)
-        return nbytes / rate
+        """Seconds of an elementwise op that reads and writes ``nbytes``."""
+        return nbytes / _loglog(self.elementwise, nbytes) if nbytes > 0 else 0.0
 
     def collective_s(self, kind: str, nbytes: float, buckets: int) -> float:
         """Seconds of one collective (kind 'object': an object all-gather or barrier,
@@ -124,15 +120,16 @@ class StepTime:
 def step_time(work: StepWork, rates: Rates) -> StepTime:
     """The seconds of one step of ``work`` at ``rates`` (the module docstring's sum)."""
     compute = 0.0
-    for (dtype, flops, nbytes), n in work.ops.items():
-        compute += n * max(rates.matmul_s(dtype, flops) if flops else 0.0, rates.memory_s(nbytes))
+    for (dtype, flops, nbytes, dim), n in work.ops.items():
+        compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes))
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
     return StepTime(compute, work.n_ops * rates.op_s, comm, offload)
 
 
 def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
-    """y at ``x`` on the piecewise-linear interpolation of ``points`` in log-log."""
+    """y at ``x`` on the piecewise-linear interpolation of ``points`` in log-log (the
+    end's y beyond either end)."""
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x0 <= x <= x1:
             w = math.log(x / x0) / math.log(x1 / x0)
@@ -157,18 +154,19 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     threads = threads or threads_per_rank(world, device)
     ranks_here = ranks_here or (1 if device == "cuda" else max(1, min(world, usable_cores())))
     extra, notes = profile.extra, []
-    matmul, peak = {}, {}
+    matmul, speedup = {}, {}
     for dtype, one in profile.matmul_one.items():
-        speedup = _speedup(profile, dtype, threads)
-        curve = extra.get("matmul_curve", {}).get(dtype)
+        speedup[dtype] = _speedup(profile, dtype, threads)
+        curve = extra.get("matmul_by_dim", {}).get(dtype)
         if not curve:
-            notes.append(f"no {dtype} matmul curve: the peak for every size")
-            curve = [[2.0 * 16 ** 3, one], [2.0 * 512 ** 3, one]]
-        matmul[dtype] = tuple((f, f / (r * _blend(f, speedup))) for f, r in curve)
-        peak[dtype] = max(one, *(r for _, r in curve)) * speedup  # the fastest size seen: calls vary under load
+            notes.append(f"no {dtype} matmul rates by dimension: the peak for every shape")
+            curve = [[1.0, one]]
+        matmul[dtype] = tuple((float(d), float(r)) for d, r in curve)
+    curve = extra.get("elementwise_curve") or [[64.0 * 2**20, 2.0 * profile.memcpy_bytes_per_s]]
     share = 2.0 * extra.get("copy_all_bytes_per_s", profile.memcpy_bytes_per_s * threads) / ranks_here
-    curve = extra.get("copy_curve") or [[32.0 * 2**20, profile.memcpy_bytes_per_s]]
-    copy = tuple((2.0 * b, min(2.0 * r * threads, share)) for b, r in curve)  # a copy reads and writes
+    x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
+    elementwise = tuple((b, r * (x if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
+        (curve[-1][0], min(curve[-1][1] * x, share)),)
     op_s = extra.get("op_overhead_s", {}).get(str(threads))
     if op_s is None:
         notes.append(f"no per-op overhead measured at {threads} thread(s)")
@@ -180,8 +178,8 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     tiers = {"disk": float(extra.get("disk_bytes_per_s") or 0.0)}
     if device == "cuda" and extra.get("host_bytes_per_s"):
         tiers["cpu"] = float(extra["host_bytes_per_s"])
-    return Rates(matmul, peak, copy, float(op_s or 0.0), collectives, {k: v for k, v in tiers.items() if v},
-                 tuple(notes))
+    return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
+                 {k: v for k, v in tiers.items() if v}, tuple(notes))
 
 
 def _speedup(profile: MachineProfile, dtype: str, threads: int) -> float:

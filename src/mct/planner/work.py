@@ -49,15 +49,16 @@ the head's weight gradient with."""
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()}}
 
-OpKey = tuple[str, int, int]
-"""(dtype name, FLOPs, bytes) of one op; ('', 0, 0) for a view."""
+OpKey = tuple[str, int, int, int]
+"""(dtype name, FLOPs, bytes, smallest matrix dimension) of one op; ('', 0, 0, 0) for a
+view; the dimension is 0 for an op without FLOPs."""
 CommKey = tuple[str, int, int]
 """(kind, bytes, buckets) of one collective (``mct.zero.comm.SimulatedCollectives.calls``)."""
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes): calls},
+    """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes, dim): calls},
     ``comm`` {(kind, bytes, buckets): calls}, ``offload`` {tier: bytes moved to and from
     it per step}. Counts of a deep model are linear in its depth (``extend``; an
     extrapolated one's may be negative, its sums are right)."""
@@ -72,7 +73,7 @@ class StepWork:
 
     @property
     def flops(self) -> int:
-        return sum(f * n for (_, f, _), n in self.ops.items())
+        return sum(f * n for (_, f, _, _), n in self.ops.items())
 
     @property
     def comm_bytes(self) -> int:
@@ -97,7 +98,7 @@ class StepWork:
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched under it (enter it above the fake mode): ``ops``
-    {(dtype, FLOPs, bytes): calls}. Computes nothing itself; each op runs below."""
+    {(dtype, FLOPs, bytes, dim): calls}. Computes nothing itself; each op runs below."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,19 +112,23 @@ class OpCounter(TorchDispatchMode):
 
 
 def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
-    """(dtype, FLOPs, bytes) of one call of ``func``: the dtype of its first floating
+    """(dtype, FLOPs, bytes, dim) of one call of ``func``: the dtype of its first floating
     tensor input ('' when none), FLOPs by torch's formulas (0 for ops without one), the
-    bytes of its distinct tensor inputs and outputs (0 for a view)."""
+    bytes of its distinct tensor inputs and outputs (0 for a view), and for an op with
+    FLOPs the smallest of its first two tensor inputs' last two dimensions (a matmul's
+    short side, an attention head's width: what its speed depends on besides its size)."""
     if func.is_view:
-        return ("", 0, 0)
+        return ("", 0, 0, 0)
     formula = FORMULAS.get(func._overloadpacket)
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     seen: set[int] = set()
-    nbytes, dtype = 0, ""
+    nbytes, dtype, mats = 0, "", []
     for t in tree_leaves((args, kwargs, out)):
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             nbytes += t.numel() * t.element_size()
             if not dtype and t.is_floating_point():
                 dtype = DTYPE_NAMES.get(t.dtype, str(t.dtype))
-    return (dtype, flops, nbytes)
+            if flops and t.dim() >= 2 and len(mats) < 2:
+                mats.append(min(int(t.shape[-1]), int(t.shape[-2])))
+    return (dtype, flops, nbytes, min(mats) if mats else 0)
