@@ -15,9 +15,13 @@ round, after a barrier), so a burst of load from elsewhere hits them alike:
   train-notrack the same loop with ``memory.track = false`` (the loop's cost alone)
 
 Every variant uses ``mct train``'s recipe (AdamW of the recipe, grad clip 1.0, the seeded
-loss, the sampler's batches of the default corpus); the ratio printed is each variant's
-median step over the engine's. The mean is printed too: it carries the costs that come
-every N steps (snapshot, metrics line), which a median leaves out.
+loss, the sampler's batches of the default corpus). Printed per variant: the median
+step (the slowest rank's, per round) over the engine's; the mean, which carries what
+comes every N steps (the counted step, snapshot, metrics line) and a median leaves out;
+the CPU seconds of the ranks' processes over the engine's (what load from other
+processes changes least); and, for the loops, rank 0's time outside ``Engine.train_step``
+within the same steps (the loop's own cost, which load cannot move from one variant to
+another).
 
     PYTHONPATH=src:. python benchmarks/instruments.py [--model llama-small|llama-medium|gpt]
         [--precision bf16|fp32] [--ranks 2] [--steps 12] [--variants engine,train]
@@ -29,6 +33,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +100,14 @@ def _worker(rank: int, world: int, base: dict[str, Any], variants: list[str], st
     from mct.task import seeded, task_for
     from mct.task.gpt import step_batches
 
-    run = {}
+    run, inside = {}, {}
     for name in variants:
         track = name in ("engine+track", "train")
         cfg = EngineConfig.from_dict({**base, "memory": {"track": track}})
         if name.startswith("train"):
             trainer = Trainer(cfg, Path(root) / name, progress=True)
             trainer.bar = Progress(trainer.progress_enabled, cfg.train.steps, 0)
+            inside[name] = _time_engine_steps(trainer.engine)
             run[name] = lambda i, t=trainer: t.run_step()
         else:
             engine, (_, sampler) = _engine(cfg), build_data(cfg, world)
@@ -112,8 +118,37 @@ def _worker(rank: int, world: int, base: dict[str, Any], variants: list[str], st
                     g["lr"] = sch.lr(i)
                 e.train_step(step_batches(s, c, i, rank), lf)
             run[name] = step
-    times = interleave(run, steps, warmup=1, before_each=dist.barrier)
-    return times
+    cpu: dict[str, list[float]] = {name: [] for name in run}
+    times = interleave({name: _cpu_timed(fn, cpu[name]) for name, fn in run.items()}, steps, warmup=1,
+                       before_each=dist.barrier)
+    return {"times": times, "cpu_s": {name: c[1:] for name, c in cpu.items()},
+            "engine_s": {name: spent[1:] for name, spent in inside.items()}}
+
+
+def _cpu_timed(fn, into: list[float]):
+    """``fn`` recording the CPU seconds this process spends in each call: what another
+    process's load on the machine changes least (it still shares caches and cores)."""
+    def call(i: int) -> None:
+        t0 = time.process_time()
+        fn(i)
+        into.append(time.process_time() - t0)
+    return call
+
+
+def _time_engine_steps(engine) -> list[float]:
+    """Wrap ``engine.train_step`` to record its seconds per call (the loop's own cost is
+    the rest of the step, measured within the same step, so load cannot blur it)."""
+    spent: list[float] = []
+    step = engine.train_step
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+    engine.train_step = timed
+    return spent
 
 
 def main() -> None:
@@ -134,17 +169,27 @@ def main() -> None:
         base = config_for(args.model, args.precision, Path(tmp), args.stage)
         per_rank = run_distributed(_worker, args.ranks, base, variants, args.steps, tmp, timeout=7200)
     # a step ends when its slowest rank ends: per round, the max over ranks
-    times = {v: [max(r[v][i] for r in per_rank) for i in range(args.steps)] for v in variants}
+    times = {v: [max(r["times"][v][i] for r in per_rank) for i in range(args.steps)] for v in variants}
     ref = statistics.median(times["engine"])
+    cpu = {v: [sum(r["cpu_s"][v][i] for r in per_rank) for i in range(args.steps)] for v in variants}
     rows = [{"variant": v, "median_ms": 1e3 * statistics.median(t), "mean_ms": 1e3 * statistics.mean(t),
-             "x_engine": statistics.median(t) / ref, "mean_x_engine": statistics.mean(t) / statistics.mean(times["engine"])}
+             "x_engine": statistics.median(t) / ref, "mean_x_engine": statistics.mean(t) / statistics.mean(times["engine"]),
+             "cpu_x_engine": statistics.mean(cpu[v]) / statistics.mean(cpu["engine"])}
             for v, t in times.items()]
+    for row in rows:  # rank 0's loop outside the engine, within the same steps
+        engine_s = per_rank[0]["engine_s"].get(row["variant"])
+        if engine_s:
+            own = [t - e for t, e in zip(per_rank[0]["times"][row["variant"]], engine_s)]
+            row["loop_ms"] = 1e3 * statistics.mean(own)
+            row["loop_pct"] = 100 * sum(own) / sum(per_rank[0]["times"][row["variant"]])
     print(f"{args.model}, {args.precision}, stage {args.stage}, {args.ranks} gloo rank(s) x 1 thread, "
           f"{args.steps} rounds after 1 warm-up; {cpu_line()}")
     print(format_table(rows, [("variant", "variant"), ("median_ms", "median ms"), ("x_engine", "x engine"),
-                              ("mean_ms", "mean ms"), ("mean_x_engine", "mean x engine")]))
+                              ("mean_ms", "mean ms"), ("mean_x_engine", "mean x engine"),
+                              ("cpu_x_engine", "CPU s x engine (mean)"),
+                              ("loop_ms", "loop outside engine, mean ms"), ("loop_pct", "% of step")]))
     path = write_json(args.json, {"model": args.model, "precision": args.precision, "stage": args.stage,
-                                  "ranks": args.ranks, "rows": rows, "times_s": times})
+                                  "ranks": args.ranks, "rows": rows, "times_s": times, "cpu_s": cpu})
     print(f"wrote {path}")
 
 
