@@ -90,18 +90,21 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["flags"]))
 
 
-# ---- the variants: each returns step(i) -> loss ----
+# ---- the variants: each returns step(i) -> the step's mean loss over ranks (``loss_fn``: the
+# cross-entropy, or one that labels the forward for a profile) ----
 
-def _mct(size: str, precision: str, recompute: bool, rank: int) -> Callable[[int], float]:
+def _mct(size: str, precision: str, recompute: bool, rank: int,
+         loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     from mct import Engine, EngineConfig
     cfg = EngineConfig.from_dict({"zero": {"stage": 3}, "precision": {"mode": precision},
                                   "checkpointing": {"policy": "all" if recompute else "none"},
                                   "train": {"grad_clip": CLIP}, "memory": {"track": False}})
     engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)
-    return lambda i: engine.train_step(batch(size, i, rank), causal_lm_loss).loss
+    return lambda i: engine.train_step(batch(size, i, rank), loss_fn).loss
 
 
-def _fsdp2(size: str, precision: str, recompute: bool, rank: int) -> Callable[[int], float]:
+def _fsdp2(size: str, precision: str, recompute: bool, rank: int,
+           loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = llama(size)
@@ -116,7 +119,7 @@ def _fsdp2(size: str, precision: str, recompute: bool, rank: int) -> Callable[[i
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(i: int) -> float:
-        loss = causal_lm_loss(model, batch(size, i, rank))
+        loss = loss_fn(model, batch(size, i, rank))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -127,7 +130,8 @@ def _fsdp2(size: str, precision: str, recompute: bool, rank: int) -> Callable[[i
     return step
 
 
-def _deepspeed(size: str, precision: str, recompute: bool, rank: int) -> Callable[[int], float]:
+def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
+               loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     import deepspeed
     import torch.distributed as dist
     model = llama(size)
@@ -142,7 +146,7 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int) -> Callabl
                                       config=config, dist_init_required=False)
 
     def step(i: int) -> float:
-        loss = causal_lm_loss(engine, batch(size, i, rank))
+        loss = loss_fn(engine, batch(size, i, rank))
         engine.backward(loss)
         engine.step()
         mean = loss.detach().float().clone()
