@@ -37,8 +37,11 @@ then pass ``--deepspeed-python /tmp/ds-venv/bin/python``: the benchmark runs its
 that interpreter (every variant, so they still interleave). Without it the DeepSpeed
 column is skipped with a one-line note.
 
-    PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--rounds 2]
-        [--steps 3] [--deepspeed-python PATH]
+    PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--precisions bf16,fp32]
+        [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH]
+
+Memory: each row runs in two fresh processes; the medium size holds about 2.2 (mct), 1.8
+(FSDP2) and 2.5 GiB (DeepSpeed) per rank, all three alive at once: ~13 GiB for the row.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ SIZES = {  # hidden, layers, heads, kv heads, vocab, seq, micro-batch (the issue
     "medium": (1024, 8, 16, 4, 32000, 256, 2),
 }
 LR, CLIP = 1e-3, 1.0
+BUCKET = 25 * 2**20 // 4
+"""DeepSpeed's reduce and prefetch buckets, in elements: mct's ``zero.bucket_mb = 25`` of fp32
+(DeepSpeed's defaults, 5e8 and 5e7 elements, are sized for GPUs: 2 GiB per rank of fp32 buckets
+put the medium size out of this machine's memory)."""
 PEERS = ("fsdp2", "deepspeed")
 
 
@@ -139,7 +146,8 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     *_, mbs = SIZES[size]
     config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3}, "bf16": {"enabled": precision == "bf16"},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": BUCKET, "stage3_prefetch_bucket_size": BUCKET},
+              "bf16": {"enabled": precision == "bf16"},
               "gradient_clipping": CLIP, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
               "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
@@ -190,10 +198,12 @@ def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[st
     return out
 
 
-def _rows(sizes: list[str]) -> list[dict[str, Any]]:
-    precisions = ["bf16", "fp32"] if native_bf16() else ["fp32"]
+def _rows(sizes: list[str], precisions: list[str], checkpointed: bool) -> list[dict[str, Any]]:
+    if "bf16" in precisions and not native_bf16():
+        print("note: bf16 rows left out: this CPU has no native bf16 (avx512_bf16 or amx_bf16)")
+        precisions = [p for p in precisions if p != "bf16"]
     rows = [{"size": s, "precision": p, "recompute": False} for s in sizes for p in precisions]
-    if "medium" in sizes:  # the issue's checkpointed rows
+    if "medium" in sizes and checkpointed:  # the issue's checkpointed rows
         rows += [{"size": "medium", "precision": p, "recompute": True} for p in precisions]
     return rows
 
@@ -209,6 +219,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the small size only, 1 round")
     ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--precisions", default="bf16,fp32")
+    ap.add_argument("--checkpointed-rows", action=argparse.BooleanOptionalAction, default=True,
+                    help="the medium size with full activation checkpointing too")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     ap.add_argument("--deepspeed-python", default=None, help="an interpreter that imports deepspeed (docstring)")
@@ -217,9 +230,12 @@ def main() -> None:
     args = ap.parse_args()
     sizes = ["small"] if args.quick else args.sizes.split(",")
     rounds = 1 if args.quick else args.rounds
+    precisions = args.precisions.split(",")
     bad = [s for s in sizes if s not in SIZES]
     if bad:
         ap.error(f"--sizes {args.sizes!r}: {bad[0]!r} is not a size; choose from {','.join(SIZES)}")
+    if any(p not in ("bf16", "fp32") for p in precisions):
+        ap.error(f"--precisions {args.precisions!r}: choose from bf16,fp32")
     if args.deepspeed_python and not args.with_deepspeed:  # run everything under that interpreter
         argv = [a for a in sys.argv[1:]]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
@@ -231,10 +247,12 @@ def main() -> None:
               "in a scratch venv)")
     from tests.distributed import run_distributed
     world = 2
-    results = run_distributed(_worker, world, _rows(sizes), variants, args.steps, rounds, timeout=4 * 3600)
     table, peaks = [], {}
-    for k, row in enumerate(results[0]):
-        per_step = {v: [max(r[k]["times"][v][i] for r in results) for i in range(len(row["times"][v]))]
+    for row in _rows(sizes, precisions, args.checkpointed_rows):  # fresh ranks per row: what a row freed never weighs on the next
+        print(f"row: {row}", file=sys.stderr, flush=True)
+        results = [r[0] for r in run_distributed(_worker, world, [row], variants, args.steps, rounds, timeout=4 * 3600)]
+        row = results[0]
+        per_step = {v: [max(r["times"][v][i] for r in results) for i in range(len(row["times"][v]))]
                     for v in variants}
         med = {v: statistics.median(t) for v, t in per_step.items()}
         best_peer = min((med[v], v) for v in variants if v in PEERS)
