@@ -2,8 +2,8 @@
 (and of FSDP2, and of DeepSpeed ZeRO-3 when ``deepspeed`` imports) on the transformers
 Llama of ``benchmarks/peers.py``, 2 gloo ranks x 1 thread, rank 0's events grouped.
 
-Each variant is built as ``peers.py`` builds it, steps once to warm up, then one step is
-recorded. Rank 0's CPU events are put in one group each, by the first rule that holds:
+Each variant is built as ``peers.py`` builds it, steps once to warm up, then ``--steps``
+steps are recorded (per-step means printed: one step under load is one burst). Rank 0's CPU events are put in one group each, by the first rule that holds:
 
   communication  a collective (``c10d::``, ``gloo:``, DeepSpeed's ``comm``/shm ops) and all
                  under it: time the calling thread spends in or blocked on one
@@ -72,8 +72,9 @@ def group_of(event) -> str:
     return "other"
 
 
-def summarize(prof, wall_s: float, top: int) -> dict[str, Any]:
-    """Self CPU ms per group (casts/copies apart), the top ops, of rank 0's profile."""
+def summarize(prof, wall_s: float, top: int, steps: int) -> dict[str, Any]:
+    """Self CPU ms per step by group (casts/copies apart), the top ops, of rank 0's profile
+    of ``steps`` steps that took ``wall_s`` seconds."""
     groups = dict.fromkeys(GROUPS, 0.0)
     casts = dict.fromkeys(GROUPS, 0.0)
     off_main = dict.fromkeys(GROUPS, 0.0)  # on other threads (gloo's, I/O): may overlap the main thread
@@ -81,7 +82,7 @@ def summarize(prof, wall_s: float, top: int) -> dict[str, Any]:
     main = next((e.thread for e in events if e.name == FORWARD), None)
     for e in events:
         g = group_of(e)
-        ms = e.self_cpu_time_total / 1e3
+        ms = e.self_cpu_time_total / 1e3 / steps
         if e.thread != main:
             off_main[g] += ms
             continue
@@ -89,12 +90,13 @@ def summarize(prof, wall_s: float, top: int) -> dict[str, Any]:
         if e.name in CASTS:
             casts[g] += ms
     ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
-    return {"wall_ms": 1e3 * wall_s, "groups_ms": groups, "casts_ms": casts, "other_threads_ms": off_main,
-            "top_ops": [{"op": a.key, "self_ms": a.self_cpu_time_total / 1e3, "calls": a.count} for a in ops]}
+    return {"wall_ms": 1e3 * wall_s / steps, "groups_ms": groups, "casts_ms": casts, "other_threads_ms": off_main,
+            "top_ops": [{"op": a.key, "self_ms": a.self_cpu_time_total / 1e3 / steps, "calls": a.count // steps}
+                        for a in ops]}
 
 
 def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[str], top: int,
-            trace_dir: str | None) -> list[dict[str, Any]]:
+            trace_dir: str | None, steps: int) -> list[dict[str, Any]]:
     import gc
     import warnings
 
@@ -112,10 +114,11 @@ def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[st
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
-                step(1)
+                for i in range(steps):
+                    step(1 + i)
                 wall = time.perf_counter() - t0
             if rank == 0:
-                out.append({**row, "variant": v, **summarize(prof, wall, top)})
+                out.append({**row, "variant": v, **summarize(prof, wall, top, steps)})
                 if trace_dir:
                     name = f"{row['size']}_{row['precision']}{'_ckpt' if row['recompute'] else ''}_{v}.json"
                     prof.export_chrome_trace(str(Path(trace_dir) / name))
@@ -131,6 +134,7 @@ def main() -> None:
     ap.add_argument("--precisions", default="bf16,fp32")
     ap.add_argument("--recompute", action="store_true", help="checkpointing: every decoder layer recomputed")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant (per-step means printed)")
     ap.add_argument("--trace-dir", default=None, help="also write Chrome traces here")
     ap.add_argument("--json", default="profile_step", help="result name or path (.json)")
     args = ap.parse_args()
@@ -148,8 +152,10 @@ def main() -> None:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     from tests.distributed import run_distributed
     rows = [{"size": s, "precision": p, "recompute": args.recompute} for s in sizes for p in precisions]
-    results = run_distributed(_worker, 2, rows, variants, args.top, args.trace_dir, timeout=4 * 3600)[0]
-    print(f"rank 0 of 2 gloo ranks x 1 thread, one profiled step after one warm-up; {cpu_line()}")
+    results = run_distributed(_worker, 2, rows, variants, args.top, args.trace_dir, args.steps,
+                              timeout=4 * 3600)[0]
+    print(f"rank 0 of 2 gloo ranks x 1 thread, {args.steps} profiled steps after one warm-up, per-step means; "
+          f"{cpu_line()}")
     for r in results:
         g, c, o = r["groups_ms"], r["casts_ms"], r["other_threads_ms"]
         total = sum(g.values())
