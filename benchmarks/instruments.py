@@ -41,26 +41,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `tests` importable
 from benchmarks.common import cpu_line, format_table, interleave, write_json  # noqa: E402
+from benchmarks.peers import SIZES, llama_config  # noqa: E402
 from mct.config import CLI_RECIPE, EngineConfig  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
-LLAMAS = {  # (hidden, layers, heads, kv heads, vocab, seq, micro-batch): the sizes of issue "Speed on a model..."
-    "llama-small": (256, 4, 4, 4, 8192, 256, 4),
-    "llama-medium": (1024, 8, 16, 4, 32000, 256, 2),
-}
+LLAMAS = {f"llama-{size}": size for size in SIZES}  # the sizes of benchmarks/peers.py
 VARIANTS = ("engine", "engine+track", "train", "train-notrack")
 
 
 def llama_dir(name: str, root: Path) -> tuple[str, int, int]:
-    """Write the transformers Llama ``name`` as a Hugging Face directory under ``root``
-    (config.json only: ``mct train --model hf:DIR`` builds it from its config).
-    Returns (the directory, seq_len, micro-batch)."""
-    from transformers import LlamaConfig
-    hidden, layers, heads, kv, vocab, seq, mbs = LLAMAS[name]
+    """Write the transformers Llama ``name`` (``peers.py``'s size) as a Hugging Face
+    directory under ``root`` (config.json only: ``mct train --model hf:DIR`` builds it from
+    its config). Returns (the directory, seq_len, micro-batch)."""
+    size = LLAMAS[name]
+    *_, seq, mbs = SIZES[size]
     path = root / name
-    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                max_position_embeddings=seq, tie_word_embeddings=False).save_pretrained(path)
+    llama_config(size).save_pretrained(path)
     return str(path), seq, mbs
 
 

@@ -72,17 +72,23 @@ put the medium size out of this machine's memory)."""
 PEERS = ("fsdp2", "deepspeed")
 
 
-def llama(size: str) -> torch.nn.Module:
-    """The size's Llama, seeded: the same weights in every variant and process."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(size: str):
+    """The transformers ``LlamaConfig`` of ``size`` (MLP 2.75 x hidden, untied head)."""
+    from transformers import LlamaConfig
     from transformers.utils import logging
     logging.set_verbosity_error()
     hidden, layers, heads, kv, vocab, seq, _ = SIZES[size]
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                       max_position_embeddings=seq, tie_word_embeddings=False, use_cache=False)
+
+
+def llama(size: str) -> torch.nn.Module:
+    """The size's Llama, seeded: the same weights in every variant and process."""
+    from transformers import LlamaForCausalLM
+    config = llama_config(size)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        max_position_embeddings=seq, tie_word_embeddings=False, use_cache=False))
+    return LlamaForCausalLM(config)
 
 
 def batch(size: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
