@@ -114,6 +114,7 @@ class Trainer:
                 note = copy_hf_assets(self.task.hf_dir, self.run_dir / "hf", tokenizer=trained_with)
                 if note:
                     print(f"mct: warning: {note}", file=sys.stderr)
+        self.bar = Progress(False, tcfg.steps, 0)  # fit() draws the real one; run_step() alone draws none
         self.recovery = Recovery(self, ctx=ctx, run_dir=self.run_dir, counters=self.counters, data=self.data,
                                  schedule=self.schedule, detector=self.detector, rollback=self.rollback,
                                  budget=self.budget, checkpointer=self.checkpointer, writer=self.writer, stop=self.stop)
