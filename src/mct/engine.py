@@ -140,14 +140,19 @@ class Engine:
             self.tracker.refresh(unit.working)
 
     # ---- the step ----
-    def train_step(self, batch: Any, loss_fn: LossFn) -> StepResult:
+    def train_step(self, batch: Any, loss_fn: LossFn, *, track_memory: bool = True) -> StepResult:
         """One optimizer step over this rank's micro-batch (or list of micro-batches).
-        MemoryBudgetExceeded (memory.enforce) comes before any state is modified."""
+        MemoryBudgetExceeded (memory.enforce) comes before any state is modified.
+        ``track_memory=False``: the CPU tracker counts no allocation in this step (the
+        per-op cost is gone; ``mct train`` counts only the steps it logs) and its metrics
+        carry ``peak_bytes`` None and no ``peaks``; ignored under a budget, which is
+        checked at every allocation, and where ``memory.track`` is off or the device is CUDA."""
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
         try:
-            with cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name):
+            with (cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name),
+                  contextlib.nullcontext() if track_memory else self.tracker.uncounted()):
                 out = self._train_step(micro, loss_fn)
             if self._trim:
                 host.trim()
@@ -236,9 +241,11 @@ class Engine:
 
     def _step_metrics(self, times: dict[str, float]) -> dict[str, Any]:
         stats = self.comm.stats
+        counted = self.tracker.counting or not self.tracker.enabled  # disabled: zeros, as always
         m: dict[str, Any] = {**{f"time_{k}_s": v for k, v in times.items()}, "time_comm_s": stats.time_s,
                              "comm_bytes": stats.bytes, "comm_calls": stats.calls,
-                             "peak_bytes": self.tracker.peak_total(), "peaks": self.tracker.peaks(),
+                             "peak_bytes": self.tracker.peak_total() if counted else None,
+                             "peaks": self.tracker.peaks() if counted else {},
                              "live": self.tracker.live(), **self.scaler.metrics(), **self.recompute.metrics()}
         if self.stage3 is not None:
             m["zero3_gathers"] = self.stage3.gathers

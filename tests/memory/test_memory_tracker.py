@@ -434,3 +434,37 @@ def test_cuda_path_budget_is_checked_at_phase_exit(monkeypatch):
         with tracker.phase("forward"):
             stats.alloc(1500)
             stats.alloc(-1500)          # freed before exit: the peak still counts
+
+
+def test_uncounted_installs_no_mode_records_no_peak_and_keeps_registered_books():
+    tracker = MemoryTracker()
+    w = torch.randn(8, 8)                              # 256 bytes
+    tracker.register(w, "params")
+    with tracker.phase("forward"):
+        before = w @ w                                 # counted: 256 activations
+    tracker.reset_peaks()
+    with tracker.uncounted():
+        assert not tracker.counting
+        with tracker.phase("forward"), tracker.category("grads"):
+            assert _get_current_dispatch_mode() is None
+            y = w @ w @ w                              # not counted
+        g = torch.zeros(4)
+        tracker.register(g, "grads")                   # explicit registration still counts
+        del before                                     # a counted storage freed inside is subtracted
+        gc.collect()
+    assert tracker.counting
+    assert tracker.peaks() == {}
+    assert tracker.live() == _zeros(params=256, grads=16)
+    with tracker.phase("forward"):                     # counting resumes, exact
+        z = w + 1
+    assert tracker.peaks()["forward"] == _zeros(params=256, grads=16, activations=256)
+    assert y.shape == z.shape == (8, 8)
+
+
+def test_uncounted_is_a_no_op_under_a_budget():
+    tracker = MemoryTracker(budget_bytes=300)
+    w = torch.randn(8, 8)
+    with pytest.raises(MemoryBudgetExceeded):
+        with tracker.uncounted(), tracker.phase("forward"):
+            assert tracker.counting and _get_current_dispatch_mode() is not None
+            w @ w @ w

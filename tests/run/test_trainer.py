@@ -79,6 +79,26 @@ def test_evaluation_does_not_change_the_training_trajectory(tmp_path, corpus_dir
     assert losses[0] == losses[1]
 
 
+
+def test_rows_logged_every_third_step_carry_the_memory_of_an_every_step_run(tmp_path, corpus_dir):
+    # the steps between logged rows run without the tracker's per-op counting: what the
+    # rows say (memory peaks included) is what a run that counts every step says
+    runs = {}
+    for log_every in (1, 3):
+        train(EngineConfig.from_dict(tiny(corpus_dir, log_every=log_every, eval_every=4)),
+              tmp_path / f"run{log_every}", progress=False)
+        rows = [json.loads(line) for line in (tmp_path / f"run{log_every}" / "metrics.jsonl").read_text().splitlines()]
+        runs[log_every] = {r["step"]: r for r in rows}
+    assert sorted(runs[3]) == [0, 3, 4, 5]  # every third, the validated one, the last
+    timed = ("tokens_per_s", "achieved_flops_per_s", "mfu")  # and every key naming a time
+    for step, row in runs[3].items():
+        every = runs[1][step]
+        assert set(row) == set(every), step
+        for key, value in row.items():
+            if "time" not in key and key not in timed:
+                assert value == every[key], (step, key)
+        assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] > 0
+
 @pytest.mark.cli
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mct", "train", "--set", "zero.stage=9"],

@@ -181,6 +181,7 @@ class MemoryTracker:
         self._category_stack: list[str] = []
         self._watermark = 0                     # lowest peak among global + active phases
         self._depth = 0                         # nesting of phase()/category(): the mode's owner
+        self._paused = False                    # inside uncounted(): no per-op counting, no phase peaks
         self._mode: _CountingMode | None = None
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
@@ -264,6 +265,31 @@ class MemoryTracker:
         if snap["total"] + nbytes > self.budget_bytes:
             self._check_budget({**snap, "total": snap["total"] + nbytes})
 
+    @property
+    def counting(self) -> bool:
+        """Are phases counting allocations now (enabled, and not inside ``uncounted()``)?"""
+        return self.enabled and not self._paused
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Within: ``phase()`` and ``category()`` count nothing (no dispatch mode, so ops
+        run at full speed) and record no peaks, so ``peaks()`` has no entry for them.
+        What is registered (``register``/``unregister``/``refresh``) stays counted, and
+        storages counted before are still subtracted when freed, so ``live()`` stays
+        exact for all but what is allocated inside and kept past it: use it around work
+        whose allocations are transient (a training step whose peaks nobody reads).
+        A no-op with a budget (checked at every allocation) and on CUDA (its counters
+        cost no per-op work). Enter it outside every phase."""
+        if self._paused or self.budget_bytes is not None or self._cuda or not self.enabled:
+            yield
+            return
+        assert self._depth == 0, "uncounted() is entered outside every phase and category"
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     @contextmanager
     def phase(self, name: str, category: str = "activations") -> Iterator[None]:
         """Record the peak of total live bytes while inside, under ``name``.
@@ -275,6 +301,9 @@ class MemoryTracker:
         _check_category(category)
         if not self.enabled:
             self._peaks.setdefault(name, dict.fromkeys(CATEGORIES + ("total",), 0))
+            yield
+            return
+        if self._paused:
             yield
             return
         if self._cuda:
@@ -305,7 +334,7 @@ class MemoryTracker:
         bytes are all "activations". Raises ValueError on an unknown category.
         """
         _check_category(name)
-        if not self.enabled:
+        if not self.enabled or self._paused:
             yield
             return
         self._category_stack.append(name)

@@ -69,7 +69,9 @@ class Validator:
 
 class StepLog:
     """The metrics row of a step (keys in the README): written every
-    ``train.log_every`` steps, after the last one and whenever validation ran. Warns
+    ``train.log_every`` steps, after the last one and whenever validation ran; its
+    memory peaks are those of that step, counted by the tracker in full (the steps in
+    between run uncounted: nothing reads their peaks). Warns
     once when the measured peak strays from the planner's prediction. With a
     ``utilization`` every row carries the model FLOPs, achieved FLOP/s and MFU of its step."""
 
@@ -94,8 +96,10 @@ class StepLog:
             return statistics.median(self.step_times)
         return self.first_step_time
 
-    def should_log(self, step: int, last: bool, record: dict[str, Any]) -> bool:
-        return step % self.tcfg.log_every == 0 or last or "val_loss" in record
+    def should_log(self, step: int, last: bool, validated: bool) -> bool:
+        """Is the row of ``step`` written (every ``log_every`` steps, the last, a validated one)?
+        Known before the step runs: the memory tracker counts only the steps it is true of."""
+        return step % self.tcfg.log_every == 0 or last or validated
 
     def record(self, step: int, out: Any, lr: float, t_data: float, step_time: float, rollbacks: int) -> dict:
         if self.first_step_time is None:

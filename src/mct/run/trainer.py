@@ -114,6 +114,7 @@ class Trainer:
                 note = copy_hf_assets(self.task.hf_dir, self.run_dir / "hf", tokenizer=trained_with)
                 if note:
                     print(f"mct: warning: {note}", file=sys.stderr)
+        self.bar = Progress(False, tcfg.steps, 0)  # fit() draws the real one; run_step() alone draws none
         self.recovery = Recovery(self, ctx=ctx, run_dir=self.run_dir, counters=self.counters, data=self.data,
                                  schedule=self.schedule, detector=self.detector, rollback=self.rollback,
                                  budget=self.budget, checkpointer=self.checkpointer, writer=self.writer, stop=self.stop)
@@ -203,21 +204,8 @@ class Trainer:
         self.bar = Progress(self.progress_enabled, tcfg.steps, c.step)
         first, loss, t_start = c.step, float("nan"), time.perf_counter()
         while c.step < tcfg.steps:
-            outcome = self._step(c.step)
-            code, signum = worst_verdict(outcome.verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
-            agreed = list(Verdict)[code]
-            if agreed is not outcome.verdict:
-                self.detector.detail = f"{agreed.value} on another rank"
-            if agreed is Verdict.BUDGET:
-                self.recovery.budget_fallback(outcome.step)
-            elif agreed is not Verdict.PASSED:
-                self.recovery.roll_back(outcome.step, agreed)
-                self.bar.jump(c.step)
-            else:
-                loss = outcome.result.loss
-                self._passed(outcome)
-            if signum:
-                self.recovery.preempt(signum, self.bar)
+            passed = self.run_step()
+            loss = loss if passed is None else passed
         self.bar.close()
         if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
             self.save_checkpoint()
@@ -227,6 +215,29 @@ class Trainer:
                             tokens_per_s=self.log.tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
                             skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir),
                             utilization=self.utilization.summary(self.log.median_step_time()))
+
+    def run_step(self) -> float | None:
+        """One turn of the loop at step ``counters.step``: the step, the ranks' agreed
+        verdict, then what it calls for (the passed step's metrics, validation and
+        checkpoint; a rollback; the budget fallback; a preemption). Returns the loss of a
+        passed step, else None. Collective. ``fit`` calls it; so can a caller that times steps."""
+        outcome = self._step(self.counters.step)
+        code, signum = worst_verdict(outcome.verdict.code, self.stop.signum, self.engine.comm, self.engine.device)
+        agreed = list(Verdict)[code]
+        if agreed is not outcome.verdict:
+            self.detector.detail = f"{agreed.value} on another rank"
+        passed = None
+        if agreed is Verdict.BUDGET:
+            self.recovery.budget_fallback(outcome.step)
+        elif agreed is not Verdict.PASSED:
+            self.recovery.roll_back(outcome.step, agreed)
+            self.bar.jump(self.counters.step)
+        else:
+            passed = outcome.result.loss
+            self._passed(outcome)
+        if signum:
+            self.recovery.preempt(signum, self.bar)
+        return passed
 
     def _step(self, step: int) -> StepOutcome:
         """One training step with the faults of ``MCT_FAULT``."""
@@ -239,8 +250,11 @@ class Trainer:
             g["lr"] = lr
         batches = step_batches(self.sampler, self.cfg, self.data.position(step), rank)
         t_data = time.perf_counter() - t0
-        try:
-            out = self.engine.train_step(batches, self.faults.wrap_loss(self.loss_fn, step, rank))
+        last = step == self.cfg.train.steps - 1
+        logged = self.log.should_log(step, last, self.validator.should_validate(step, last))
+        loss_fn = self.faults.wrap_loss(self.loss_fn, step, rank)
+        try:  # only a logged row shows memory: the steps between skip the tracker's per-op cost
+            out = self.engine.train_step(batches, loss_fn, track_memory=logged)
         except LossScaleFloorError as e:
             self.detector.detail = str(e).split(";")[0]
             return StepOutcome(step, None, Verdict.SCALE_FLOOR, lr, t_data, started)
@@ -269,7 +283,7 @@ class Trainer:
         if self.validator.should_validate(step, last):
             c.validated(self.validator.run(self.engine, self.ctx.rank, self.ctx.world_size))
             record["val_loss"] = c.last_val
-        if self.log.should_log(step, last, record):
+        if self.log.should_log(step, last, "val_loss" in record):
             self.log.complete(record, out, {"skipped_steps": c.skipped,
                                             "consecutive_skips": self.detector.consecutive_skips})
             self.writer.log(record)
