@@ -206,18 +206,19 @@ class FlatParamUnit:
                 comm.all_gather(src, self.working, window=self.bucket_window)
 
     # ---- gradients ----
-    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, index: int, grad: torch.Tensor, last: bool = True) -> None:
         """Add one parameter's gradient into the flat gradient buffer (``hold_grads``:
-        keep it until the unit is reduced)."""
+        keep it until the unit is reduced). ``last=False``: a partial sum, more of this
+        parameter's gradient follows in this backward (a tiled MLP's earlier tiles); only
+        a last part counts in ``grads_seen``."""
         if self.hold_grads and not self.full_grads:
             self.held.append((index, grad))
-            self.grads_seen += 1
-            return
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-        off, n = self.layout.offsets[index], self._numels[index]
-        self.grad_full[off:off + n].add_(grad.reshape(-1))
-        self.grads_seen += 1
+        else:
+            if self.grad_full is None:
+                self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+            off, n = self.layout.offsets[index], self._numels[index]
+            self.grad_full[off:off + n].add_(grad.reshape(-1))
+        self.grads_seen += int(last)
 
     def reduce(self, comm: Comm, async_op: bool) -> None:
         """Sum grad_full over ranks into grad_shard (added to what is there), then
