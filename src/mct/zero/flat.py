@@ -152,6 +152,11 @@ class FlatParamUnit:
         # their gradients arrive at the two ends of backward).
         self.hold_grads = False
         self.held: list[tuple[int, torch.Tensor]] = []
+        # Stages 2/3: grad_full laid out bucket by bucket (``bucket_major``), so each bucket
+        # of the reduce-scatter reads a contiguous slice of it instead of a copy of its
+        # columns; ShardedModel sets the buckets (the ones Comm.reduce_scatter cuts).
+        self.grad_buckets: list[tuple[int, int]] | None = None
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0
@@ -216,9 +221,36 @@ class FlatParamUnit:
         else:
             if self.grad_full is None:
                 self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-            off, n = self.layout.offsets[index], self._numels[index]
-            self.grad_full[off:off + n].add_(grad.reshape(-1))
+            flat = grad.reshape(-1)
+            if self._bucket_major():
+                for lo, hi, at in self._bucket_pieces(index):
+                    self.grad_full[at:at + hi - lo].add_(flat[lo:hi])
+            else:
+                off, n = self.layout.offsets[index], self._numels[index]
+                self.grad_full[off:off + n].add_(flat)
         self.grads_seen += int(last)
+
+    def _bucket_major(self) -> bool:
+        return self.grad_buckets is not None and not self.full_grads and self.bucket_window is None
+
+    def _bucket_pieces(self, index: int) -> list[tuple[int, int, int]]:
+        """Where parameter ``index`` lies in the bucket-major gradient: (lo, hi, at) pieces,
+        its elements [lo, hi) at [at, at + hi - lo). Element (rank r, column c) of the
+        [world, S] flat gradient, c in bucket [a, b), sits at world * a + r * (b - a) + c - a."""
+        pieces = self._pieces.get(index)
+        if pieces is None:
+            S, world, buckets = self.layout.shard_numel, self.layout.world, self.grad_buckets
+            assert buckets is not None
+            off, n = self.layout.offsets[index], self._numels[index]
+            pieces = []
+            for r in range(off // S, (off + n - 1) // S + 1 if n else 0):
+                c0, c1 = max(off, r * S) - r * S, min(off + n, (r + 1) * S) - r * S
+                for a, b in buckets:
+                    x, y = max(c0, a), min(c1, b)
+                    if x < y:
+                        pieces.append((r * S + x - off, r * S + y - off, world * a + r * (b - a) + x - a))
+            self._pieces[index] = pieces
+        return pieces
 
     def reduce(self, comm: Comm, async_op: bool) -> None:
         """Sum grad_full over ranks into grad_shard (added to what is there), then
@@ -255,7 +287,8 @@ class FlatParamUnit:
         if not self.full_grads:
             self.grad_full = None  # freed once the collective is done with it
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate,
-                                                  window=self.bucket_window)
+                                                  window=self.bucket_window,
+                                                  bucket_major=self._bucket_major() and isinstance(full, torch.Tensor))
 
     def wait_reduce(self) -> None:
         # Cleared first: the completion callback may raise (a budget check on the new

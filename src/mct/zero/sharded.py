@@ -21,7 +21,7 @@ import torch.nn as nn
 from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
 from mct.zero.flat import FlatParamUnit
-from mct.zero.partition import build_layout
+from mct.zero.partition import bucket_slices, build_layout
 
 
 def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[int, str]:
@@ -106,6 +106,10 @@ class ShardedModel:
                     # IN_FLIGHT_BUCKETS buckets' copies are alive, not all of them
                     unit.bucket_window = IN_FLIGHT_BUCKETS
                     unit.hold_grads = True
+                elif stage >= 2 and layout.world > 1:
+                    # its gradient accumulates bucket by bucket: the reduce-scatter copies nothing
+                    unit.grad_buckets = bucket_slices(layout.shard_numel, layout.world,
+                                                      precision.reduce_dtype.itemsize, comm.bucket_bytes)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
                 if hooks.after is not None:
