@@ -197,3 +197,68 @@ def test_a_model_without_an_mlp_or_with_an_untileable_one_is_a_one_line_error():
         model(torch.randn(4, requires_grad=True))
     state.remove()
     assert "forward" not in model.layers[0].mlp.__dict__
+
+
+@pytest.mark.parametrize("mode,stage", [("fp32", 3), ("bf16", 0)])
+def test_mct_verify_passes_with_tiled_mlps(tmp_path, mode, stage):
+    """The reference is the untiled model (copied before the engine tiles it)."""
+    import random
+    from mct.verify.compare import run_verify
+    rnd = random.Random(0)
+    (tmp_path / "c.txt").write_text("".join(rnd.choice("abcdefgh ijkl\n") for _ in range(50_000)))
+    cfg = EngineConfig.from_dict({"model": dict(TINY_MODEL), "data": {"path": str(tmp_path / "c.txt"),
+                                                                      "micro_batch_size": 2, "grad_accum": 2},
+                                  "train": {"warmup_steps": 0}, "zero": {"stage": stage}, "precision": {"mode": mode},
+                                  "checkpointing": {"policy": "all", "mlp_tile_tokens": 5}})
+    report = run_verify(cfg, 3)
+    assert report.passed and report.mlp_tiles == 2 * 2 * 7, report.table()  # 2 MLPs x 2 micro-batches x 7 tiles
+    assert "MLPs in tiles of 5 tokens: 28 tile(s)" in report.table()
+
+
+def test_plan_has_mlp_tile_rows_and_auto_chooses_tiling_when_nothing_fits_without():
+    from mct.planner import Grid, make_plan, resolve_auto
+    from mct.task import gpt_task
+    cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "seq_len": 64, "n_layer": 3}, "data": {"micro_batch_size": 4}})
+    grid = Grid((0,), ("none",), ("fp32",), mlp_tiles=(0, 8))
+    off, on = make_plan(gpt_task(cfg), cfg, 1, None, grid).rows
+    assert (off["mlp_tile_tokens"], on["mlp_tile_tokens"]) == (0, 8) and on["peak"] < off["peak"]
+    roomy = make_plan(gpt_task(cfg), cfg, 1, off["peak"], grid)
+    assert roomy.recommended["mlp_tile_tokens"] == 0  # equal cost: the untiled row (no extra MLP forward)
+    # zero.stage = 'auto', policy 'none': nothing fits without tiling, tiles of AUTO_MLP_TILE do
+    from mct.planner.plan import AUTO_MLP_TILE
+    stages = Grid((0, 1, 2, 3), ("none",), ("fp32",), mlp_tiles=(0, AUTO_MLP_TILE))
+    rows = make_plan(gpt_task(cfg), cfg, 1, None, stages).rows
+    budget = min(r["peak"] for r in rows if r["mlp_tile_tokens"])
+    assert budget < min(r["peak"] for r in rows if not r["mlp_tile_tokens"])
+    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget)}})
+    resolved, choice = resolve_auto(auto, 1, gpt_task(auto))
+    assert resolved.checkpointing.mlp_tile_tokens == choice["checkpointing.mlp_tile_tokens"] == AUTO_MLP_TILE
+    assert choice["predicted_peak_bytes"] <= budget
+
+
+@pytest.mark.slow
+def test_llama3_8b_plan_with_tiles_of_1024_tokens(tmp_path):
+    """The issue's example (config.json only; window 8192, micro-batch 1, 8 ranks, bf16,
+    stage 3, all, loss chunks of 1024): tiles of 1024 tokens take the MLP's recompute out
+    of the backward peak. What is left in 'other' is ZeRO-3's prefetch of the previous
+    layer (its all-gather's receive buffers, 0.41 GiB) and the RMSNorm's fp32 backward
+    temporaries (0.63 GiB): docs/planner.md."""
+    import json
+
+    from mct.planner import Grid, make_plan
+    from mct.task import task_for
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "tie_word_embeddings": False}))
+    cfg = EngineConfig.from_dict({"model": {"source": f"hf:{tmp_path}", "seq_len": 8192},
+                                  "data": {"micro_batch_size": 1}, "precision": {"mode": "bf16"},
+                                  "train": {"loss_chunk_tokens": 1024}})
+    plan = make_plan(task_for(cfg), cfg, 8, None, Grid((3,), ("all",), ("bf16",), mlp_tiles=(0, 1024)), workers=1)
+    off, on = plan.rows
+    gib = 2**30
+    mlp_hidden = 8192 * 14336 * 2  # one [tokens, intermediate] bf16 tensor
+    assert off["peak"] - on["peak"] >= 3 * mlp_hidden, (off["peak"] / gib, on["peak"] / gib)
+    assert on["breakdown"]["activations"] <= off["breakdown"]["activations"] - 3 * mlp_hidden
+    assert on["breakdown"]["other"] <= 1.1 * gib, on["breakdown"]["other"] / gib
