@@ -262,3 +262,21 @@ def test_llama3_8b_plan_with_tiles_of_1024_tokens(tmp_path):
     assert off["peak"] - on["peak"] >= 3 * mlp_hidden, (off["peak"] / gib, on["peak"] / gib)
     assert on["breakdown"]["activations"] <= off["breakdown"]["activations"] - 3 * mlp_hidden
     assert on["breakdown"]["other"] <= 1.1 * gib, on["breakdown"]["other"] / gib
+
+
+@pytest.mark.parametrize("policy", ["none", "all"])
+def test_dropout_inside_the_mlp_is_replayed_tile_by_tile(policy):
+    """Each tile's backward restores the RNG state its forward started from, so the masks
+    are the forward's (a different mask would change the gradient by far more than 1e-6);
+    on CPU the tiles even draw the untiled masks (the generator's stream is per element)."""
+    grads = {}
+    for tile in (0, 7):
+        torch.manual_seed(0)
+        cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "dropout": 0.1},
+                                      "checkpointing": {"policy": policy, "mlp_tile_tokens": tile}})
+        engine = Engine(GPT(cfg.model), lambda g: torch.optim.SGD(g, lr=1.0), cfg)
+        before = engine.full_state_dict()
+        torch.manual_seed(5)
+        out = engine.train_step(batches(0, 0, B=2, T=T)[0], gpt_loss)
+        grads[tile] = out.loss, {k: v - engine.full_state_dict()[k] for k, v in before.items()}
+    assert grads[7][0] == grads[0][0] and _rel(grads[7][1], grads[0][1]) <= 1e-6
