@@ -21,7 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 from mct.machine import MachineProfile, cpu_identity, usable_cores
-from tests.helpers import SEEDED_RATES
+from tests.helpers import SEEDED_EXTRA, SEEDED_RATES
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,8 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
     p = MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                        threads=cores, matmul_one=dict(SEEDED_RATES),
                        matmul_all={k: v * cores for k, v in SEEDED_RATES.items()},
-                       matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9)
+                       matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9,
+                       extra=dict(SEEDED_EXTRA))
     (d / "machine.json").write_text(json.dumps({"version": 1, "profiles": {p.key: p.to_dict()}}))
     before = os.environ.get("MCT_CACHE_DIR")
     os.environ["MCT_CACHE_DIR"] = str(d)

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print JSON instead of the table")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="what to measure; auto: the CUDA device where there is one, else the CPU")
+    c.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="also measure what the time model needs for N ranks on this machine (collectives at N, "
+                        "the per-op overhead at cores / N threads); `mct plan` measures them on first use")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
                         "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -465,13 +468,14 @@ def _token_counts(flag: str, text: str) -> tuple[int, ...]:
 
 def format_plan(plan) -> str:
     """The plan as a table: one row per configuration (steady-state peak, bytes per
-    category at that peak, the phase it is in, first-step and init peaks, fits, cost),
+    category at that peak, the phase it is in, first-step and init peaks, fits, cost,
+    predicted seconds per step and tokens per second),
     the recommended row marked '*', then the advice line."""
     from mct.checkpointing import policy_label
     from mct.config import CheckpointingConfig
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first", "init",
-            "host", "disk", "fits", "cost"]
+    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first",
+            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
@@ -483,14 +487,21 @@ def format_plan(plan) -> str:
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),
-                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}"])
+                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}", _seconds(r.get("step_s")),
+                      f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
     lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
              f"{format_bytes(plan.budget) if plan.budget else 'none'}",
              "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
+    lines += [f"step time: {note}" for note in getattr(plan, "time_notes", [])]
     lines.append(plan.advice)
     return "\n".join(lines)
+
+
+def _seconds(s: float | None) -> str:
+    """Predicted seconds per step, 3 significant digits; '-' when not predicted."""
+    return "-" if s is None else f"{s:.3g}"
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
@@ -512,10 +523,21 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
+    import dataclasses
+
     from mct.machine import calibrate, calibration_table, default_device
-    cal = calibrate(default_device() if args.device == "auto" else args.device, force=args.force)
+    device = default_device() if args.device == "auto" else args.device
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    cal = calibrate(device, force=args.force)
     if cal.warning:
         _warn(cal.warning)
+    if args.world_size is not None:
+        from mct.planner.steptime import machine_rates
+        _, warnings = machine_rates(args.world_size, device)
+        for w in warnings:
+            _warn(w)
+        cal = dataclasses.replace(calibrate(device), source=cal.source)
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
                           "profile": cal.profile.to_dict()}, indent=2))

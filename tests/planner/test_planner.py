@@ -163,6 +163,7 @@ def test_plan_is_plain_data_with_a_recommendation():
     assert row["peak"] == sum(row["breakdown"].values()) and row["phase"] in row["phases"]
 
 
+@pytest.mark.slow  # in make test, not make test-fast
 def test_mct_plan_plans_a_hugging_face_model_by_module_convention(capsys):
     """A Hugging Face GPT-2 by `--model module:factory`; a budget nothing fits: the table
     (JSON) is printed, then one line on stderr and exit 2."""
@@ -297,7 +298,9 @@ EXTRAPOLATED = [("llama", 1, "all", "bf16", 3), ("llama", 3, "selective", "bf16"
                 ("gpt21", 3, "sqrt", "bf16", 2)]
 
 
-def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte():
+@pytest.mark.slow  # three full dry runs of deep models: in make test, not make test-fast
+@pytest.mark.parametrize("name, stage, policy, precision, world", EXTRAPOLATED)
+def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte(name, stage, policy, precision, world):
     """Two shallow copies, extended per window, against the dry run of the whole model:
     the steady-state step, the first step, initialization and each phase, equal."""
     from mct.planner.depth import extrapolated, shape_for
@@ -306,21 +309,19 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte():
     from mct.planner.dry_run import DryRunHooks
     from mct.planner.grid import micro_batches, prepare
     from mct.task import builds_on_meta
-    works = {"llama": _llama_work(), "gpt21": _gpt_work(21)}
-    for name, stage, policy, precision, world in EXTRAPOLATED:
-        work, base = works[name]
-        cfg = with_choice(base, stage, policy, precision)
-        planned = prepare(work, cfg)
-        assert isinstance(planned, Prepared) and planned.stack is not None, name
-        batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
-        ext = extrapolated(planned, cfg, world, batch, meta_init=meta_init,
-                           shape=shape_for(planned.stack, cfg, cheaper_only=False))  # sqrt of 21: not cheaper
-        full = dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
-                       param_groups=work.param_groups, hooks=DryRunHooks(meta_init=meta_init))
-        assert ext is not None, (name, stage, policy)
-        assert (ext.peak, ext.phase, ext.first_step_peak, ext.init_peak, ext.n_params) == \
-            (full.peak, full.phase, full.first_step_peak, full.init_peak, full.n_params), (name, stage, policy)
-        assert ext.phases == full.phases and ext.first_step_phases == full.first_step_phases, (name, stage, policy)
+    work, base = _llama_work() if name == "llama" else _gpt_work(21)
+    cfg = with_choice(base, stage, policy, precision)
+    planned = prepare(work, cfg)
+    assert isinstance(planned, Prepared) and planned.stack is not None, name
+    batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
+    ext = extrapolated(planned, cfg, world, batch, meta_init=meta_init,
+                       shape=shape_for(planned.stack, cfg, cheaper_only=False))  # sqrt of 21: not cheaper
+    full = dry_run(work.model_fn, work.loss_fn, batch, cfg, world, optimizer=work.optimizer,
+                   param_groups=work.param_groups, hooks=DryRunHooks(meta_init=meta_init))
+    assert ext is not None, (name, stage, policy)
+    assert (ext.peak, ext.phase, ext.first_step_peak, ext.init_peak, ext.n_params) == \
+        (full.peak, full.phase, full.first_step_peak, full.init_peak, full.n_params), (name, stage, policy)
+    assert ext.phases == full.phases and ext.first_step_phases == full.first_step_phases, (name, stage, policy)
 
 
 def test_dry_run_keeps_its_meta_init_keyword():
@@ -462,6 +463,7 @@ def test_root_unit_holds_its_gradients_and_two_buckets_not_a_flat_fp32_copy(monk
     assert peak["grads"] < 0.6 * root_fp32 and peak["other"] < 0.3 * root_fp32, (peak, root_fp32)
 
 
+@pytest.mark.slow  # in make test, not make test-fast
 def test_grid_in_worker_processes_equals_the_grid_in_one_process(monkeypatch):
     """mct.planner.pool: the same rows from forked workers as from this process, and a
     worker's ValueError raised here with its message."""

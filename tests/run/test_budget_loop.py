@@ -37,6 +37,7 @@ def underpredict(monkeypatch, factors: dict[str, float]) -> None:
     monkeypatch.setattr(plan_module, "predict", optimistic)
 
 
+@pytest.mark.slow  # in make test, not make test-fast
 def test_overrun_under_auto_moves_to_the_next_frugal_configuration(tmp_path, corpus_dir, monkeypatch):
     underpredict(monkeypatch, {"none": 0.4})  # 'none' looks like 4.3 MB: chosen for a 5 MB budget, then overruns
     train(config(corpus_dir, "auto", "5MB"), tmp_path / "auto", progress=False)
@@ -54,6 +55,7 @@ def test_overrun_under_auto_moves_to_the_next_frugal_configuration(tmp_path, cor
         (tmp_path / "all" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # in make test, not make test-fast
 def test_nothing_more_frugal_left_is_one_value_error(tmp_path, corpus_dir, monkeypatch):
     underpredict(monkeypatch, {"none": 0.25, "all": 0.25, "sqrt": 0.25})  # none 2.7, sqrt 1.4, all 0.9 MB
     with pytest.raises(ValueError, match="no configuration predicted to need less is left") as e:

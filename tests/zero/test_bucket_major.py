@@ -24,7 +24,8 @@ def test_bucket_major_gradient_is_the_flat_gradient_bucket_by_bucket(world, cols
                          precision=PrecisionPolicy.for_mode("fp32"), persistent=False, full_grads=False,
                          device=torch.device("cpu"))
     S = layout.shard_numel
-    unit.grad_buckets = buckets = bucket_slices(S, world, 4, cols * world * 4)
+    unit.reduce_in_place, unit.grad_buckets = True, bucket_slices(S, world, 4, cols * world * 4)
+    buckets = unit.grad_buckets
     assert len(buckets) > 1 or cols == 1000
     g = torch.Generator().manual_seed(world)
     grads = [torch.randn(s, generator=g) for s in shapes]

@@ -191,3 +191,26 @@ def test_bucketed_collectives_keep_at_most_their_window_of_buckets_alive(monkeyp
     comm.reduce_scatter(flat, want, window=k)
     comm.reduce_scatter(HeldGrads(layout, grads, torch.float32, flat.device), got, window=k)
     assert torch.equal(got, want) and got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("world", [1, 3, 8, 64])
+def test_held_gradients_fill_every_rank_column_window_as_the_flat_buffer(world):
+    """HeldGrads.fill gives, for any column window [a, b), every rank's row of the flat
+    gradient viewed as [world, S], bit for bit as adding the arrivals (out of order, one
+    parameter twice, parameters across many shards) into a zeroed flat buffer."""
+    from mct.zero.flat import HeldGrads
+    from mct.zero.partition import build_layout
+    shapes = [torch.Size([37, 21]), torch.Size([5]), torch.Size([1500, 2]), torch.Size([1])]
+    layout = build_layout(["a", "b", "c", "d"], shapes, world)
+    gen = torch.Generator().manual_seed(world)
+    grads = [(i, torch.randn(shapes[i], generator=gen).to(torch.bfloat16)) for i in (2, 0, 3, 1, 0)]
+    grads.append((2, torch.randn(shapes[2][::-1], generator=gen).t()))  # not contiguous
+    flat = torch.zeros(layout.padded_numel)
+    for i, gr in grads:
+        flat[layout.offsets[i]:layout.offsets[i] + gr.numel()].add_(gr.reshape(-1))
+    S = layout.shard_numel
+    held = HeldGrads(layout, grads, torch.float32, flat.device)
+    for a, b in ((0, S), (0, 1), (S // 3, S // 2 + 1), (S - 1, S)):
+        dst = torch.full((world, b - a), float("nan"))
+        held.fill(dst, a, b)
+        assert torch.equal(dst, flat.view(world, S)[:, a:b]), (world, a, b)

@@ -63,6 +63,55 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
     return Calibration(profile, "measured", path, warning)
 
 
+def cached(device: str = "cpu", *, path: Path | None = None) -> MachineProfile | None:
+    """This machine's cached profile for ``device``, or None: never measures (for a
+    training rank, where a measurement would compete with the other ranks)."""
+    entries, _ = _read(path or cache_file())
+    try:
+        entry = entries.get(current_key(device))
+        return MachineProfile.from_dict(entry) if entry is not None else None
+    except ValueError:
+        return None
+
+
+def remember(profile: MachineProfile, name: str, value: object, *, path: Path | None = None
+             ) -> tuple[MachineProfile, str | None]:
+    """``profile`` with ``extra[name]`` merged with ``value`` (a dict: its keys added to
+    what is there), written back to the cache file (``path``, default ``cache_file()``)
+    under the profile's key: a rate measured on first use (collectives at a world size,
+    the per-op overhead) is measured once. Returns the new profile and a warning when the
+    file could not be written (None when fine)."""
+    path = path or cache_file()
+    merged = {**profile.extra.get(name, {}), **value} if isinstance(value, dict) else value
+    new = MachineProfile.from_dict({**profile.to_dict(), "extra": {**profile.extra, name: merged}})
+    entries, _ = _read(path)
+    entries[new.key] = new.to_dict()
+    try:
+        _write(path, entries)
+    except OSError as e:
+        return new, f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
+    return new, None
+
+
+def _extra_lines(extra: dict) -> list[str]:
+    """The time model's rates a profile holds (``MachineProfile.extra``), one line each."""
+    lines = []
+    if extra.get("copy_all_bytes_per_s"):
+        lines.append(f"copy (every thread): {extra['copy_all_bytes_per_s'] / 1e9:.2f} GB/s")
+    if extra.get("disk_bytes_per_s"):
+        lines.append(f"disk write: {extra['disk_bytes_per_s'] / 1e9:.2f} GB/s")
+    for dtype, curve in (extra.get("matmul_curve") or {}).items():
+        lines.append(f"matmul {dtype} 1 thread by size: " + ", ".join(
+            f"{round((f / 2) ** (1 / 3))}: {format_rate(r)}" for f, r in curve))
+    if extra.get("op_overhead_s"):
+        lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {t} thread(s)"
+                                                      for t, s in sorted(extra["op_overhead_s"].items())))
+    for key, kinds in sorted((extra.get("collectives") or {}).items()):
+        lines.append(f"collectives {key}: " + ", ".join(
+            f"{k} {1e6 * lat:.0f} us + {bw / 1e9:.2f} GB/s" for k, (lat, bw) in kinds.items()))
+    return lines
+
+
 def _read(path: Path) -> tuple[dict, str | None]:
     """The file's profiles by key ({} when absent or damaged) and why it was not read."""
     try:
@@ -105,5 +154,6 @@ def calibration_table(cal: Calibration) -> str:
         lines.append(f"{d:<6}" + "".join(f"{format_rate(v):>20}" for v in cells(d)) + f"{p.matmul_size.get(d, 0):>7}")
     copy = "device to device" if p.device == "cuda" else "1 thread"
     lines.append(f"copy ({copy}): {p.memcpy_bytes_per_s / 1e9:.2f} GB/s")
+    lines += _extra_lines(p.extra)
     lines.append("MFU divides by the 1-thread (CUDA: device) rate of the run's compute dtype x threads per rank x ranks")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Measure this machine: ``torch.mm`` FLOP/s per dtype with one thread and with every
 usable core, and a one-thread memory-copy bandwidth; on CUDA the device's own rates.
 
-A matmul rate is the median of a few calls at a square size grown (256, 512, ... at
+A matmul rate is the fastest of several calls (a loaded machine only ever slows a call
+down, so the fastest is the best estimate of the peak) at a square size grown (256, 512, ... at
 most 2048 on CPU, 8192 on CUDA) until one call takes long enough to time well, so a
 slow dtype (fp16 on a CPU without fp16 units) is measured at a small size and the
 whole measurement stays within a few seconds. A dtype whose matmul does not run here is
@@ -15,7 +16,7 @@ import dataclasses
 import math
 import os
 import platform
-import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used."""
 
@@ -37,6 +38,14 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_
 
 MIN_CALL_S = 0.03
 """A matmul size is grown until one call takes at least this long (or the size cap)."""
+
+COPY_SIZES = (2**16, 2**19, 2**22)
+"""Bytes of the one-thread copy curve (``extra['copy_curve']``): tensors that stay in a
+core's caches copy several times faster than the 32 MiB of ``memcpy_bytes_per_s``."""
+
+CURVE_SIZES = (16, 32, 64, 128, 256, 512)
+"""Square sizes of the one-thread matmul curve (``extra['matmul_curve']``): small
+matmuls run far below the peak, and a model's are mostly small on a CPU."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,12 @@ class MachineProfile:
     seconds: float = 0.0
     version: int = PROFILE_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
-    """Room for rates a later version adds (collectives, host and disk bandwidth)."""
+    """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_curve'
+    {dtype: [[FLOPs of one call, FLOP/s], ...]} one thread at ``CURVE_SIZES``;
+    'copy_curve' [[bytes, bytes/s], ...] one thread at ``COPY_SIZES``;
+    'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
+    temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device); 'collectives' {'<backend>:<world>': {kind: [latency s,
+    bytes/s]}} and 'op_overhead_s' {'<threads>': s}, measured on first use."""
 
     @property
     def key(self) -> str:
@@ -191,17 +205,18 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def measure_profile(device: str = "cpu") -> MachineProfile:
+def measure_profile(device: str = "cpu", disk: Path | None = None) -> MachineProfile:
     """Measure this machine now (a few seconds). ``device``: 'cpu', or 'cuda' (the
-    current CUDA device). Raises ValueError for a device ``check_device`` refuses."""
+    current CUDA device); ``disk``: the folder whose disk is timed (``disk_rate``).
+    Raises ValueError for a device ``check_device`` refuses."""
     check_device(device)
     started = time.perf_counter()
-    profile = _measure_cuda() if device == "cuda" else _measure_cpu()
+    profile = _measure_cuda(disk) if device == "cuda" else _measure_cpu(disk)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return dataclasses.replace(profile, measured_at=stamp, seconds=round(time.perf_counter() - started, 3))
 
 
-def _measure_cpu() -> MachineProfile:
+def _measure_cpu(disk: Path | None) -> MachineProfile:
     ident, cores, before = cpu_identity(), usable_cores(), torch.get_num_threads()
     one: dict[str, float] = {}
     every: dict[str, float] = {}
@@ -219,14 +234,20 @@ def _measure_cpu() -> MachineProfile:
                                                         or measured)[0]
         torch.set_num_threads(1)
         copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
+        curve = {name: _matmul_curve(DTYPES[name], "cpu", lambda: None) for name in one}
+        copies = [[n, _copy_rate("cpu", n, lambda: None)] for n in COPY_SIZES]
+        torch.set_num_threads(cores)
+        copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
     finally:
         torch.set_num_threads(before)
+    extra = {"matmul_curve": curve, "copy_curve": copies, "copy_all_bytes_per_s": copy_all,
+             "disk_bytes_per_s": disk_rate(disk)}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
-                          memcpy_bytes_per_s=copy)
+                          memcpy_bytes_per_s=copy, extra=extra)
 
 
-def _measure_cuda() -> MachineProfile:
+def _measure_cuda(disk: Path | None) -> MachineProfile:
     name, flags = _cuda_identity()
     sync = torch.cuda.synchronize
     rates: dict[str, float] = {}
@@ -241,8 +262,13 @@ def _measure_cuda() -> MachineProfile:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prior
     copy = _copy_rate("cuda", 256 * 2**20, sync)
+    curve = {d: _matmul_curve(DTYPES[d], "cuda", sync, sizes=(*CURVE_SIZES, 1024, 2048)) for d in rates}
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    extra = {"matmul_curve": curve, "copy_all_bytes_per_s": copy, "disk_bytes_per_s": disk_rate(disk),
+             "host_bytes_per_s": _transfer_rate(host, sync)}
     return MachineProfile(device="cuda", name=name, flags=flags, torch_version=torch.__version__, threads=1,
-                          matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy)
+                          matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy,
+                          extra=extra)
 
 
 def _synced_clock(sync: Callable[[], None]) -> Callable[[], float]:
@@ -254,7 +280,7 @@ def _synced_clock(sync: Callable[[], None]) -> Callable[[], float]:
 
 def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[], None],
                  clock: Callable[[], float], start: int = 256) -> tuple[float, int] | None:
-    """(FLOP/s, size): the median of 3-7 timed ``torch.mm`` calls of [n, n] x [n, n]
+    """(FLOP/s, size): the fastest of 5-9 timed ``torch.mm`` calls of [n, n] x [n, n]
     (2 n^3 FLOPs each) at the first size from ``start`` (doubling) whose call takes
     ``MIN_CALL_S`` or reaches ``max_n``. None when ``dtype`` matmuls raise here."""
     n = start
@@ -273,23 +299,84 @@ def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[],
             break
         n *= 2
     times = [took]
-    for _ in range(max(2, min(6, int(0.25 / max(took, 1e-9))))):
+    for _ in range(max(4, min(8, int(0.3 / max(took, 1e-9))))):
         t0 = clock()
         torch.mm(a, b)
         times.append(clock() - t0)
-    return 2.0 * n ** 3 / statistics.median(times), n
+    return 2.0 * n ** 3 / min(times), n  # the fastest call: a loaded machine only ever slows one down
 
 
-def _copy_rate(device: str, nbytes: int, sync: Callable[[], None]) -> float:
-    """Bytes per second one ``copy_`` of ``nbytes`` moves (median of 5, after a warm-up)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
+def _matmul_curve(dtype: torch.dtype, device: str, sync: Callable[[], None],
+                  sizes: tuple[int, ...] = CURVE_SIZES) -> list[list[float]]:
+    """[[FLOPs of one call, FLOP/s], ...] of ``torch.mm`` at each square size (the
+    fastest of a few repeats of a batch of calls, about 20 ms each)."""
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.mm(a, b)
+        sync()
+        reps = max(1, min(2000, int(2e7 / n ** 3)))
+        best = float("inf")
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            sync()
+            best = min(best, (time.perf_counter() - t0) / reps)
+        out.append([2.0 * n ** 3, 2.0 * n ** 3 / best])
+    return out
+
+
+def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:
+    """Bytes per second of a pinned host-to-device copy (the fastest of 5)."""
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host)
+    best = float("inf")
     for _ in range(5):
         sync()
         t0 = time.perf_counter()
-        dst.copy_(src)
+        dev.copy_(host, non_blocking=True)
         sync()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+        best = min(best, time.perf_counter() - t0)
+    return host.numel() / best
+
+
+def disk_rate(folder: Path | None = None, nbytes: int = 32 * 2**20) -> float:
+    """Bytes per second written (and fsync'ed) to a file in ``folder`` (default the
+    temporary directory), the fastest of 3; 0.0 when it cannot be written."""
+    folder = Path(folder or tempfile.gettempdir())
+    data = os.urandom(1 << 20) * (nbytes >> 20)
+    best = float("inf")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f".disk-rate.{os.getpid()}"
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            best = min(best, time.perf_counter() - t0)
+        path.unlink(missing_ok=True)
+    except OSError:
+        return 0.0
+    return nbytes / best
+
+
+def _copy_rate(device: str, nbytes: int, sync: Callable[[], None]) -> float:
+    """Bytes per second one ``copy_`` of ``nbytes`` moves (the fastest of 7, after a warm-up)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps = max(1, 2**22 // nbytes)
+    best = float("inf")
+    for _ in range(7):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return nbytes / best

@@ -411,10 +411,13 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     counts = [*init.values(), *offloaded.values(), *(v for p in (steady, first) for d in p.values() for v in d.values())]
     if min(counts, default=0) < 0:
         return None
+    work = None
+    if a.work is not None and all(c.run.work is not None for c in copies):
+        work = a.work.extend([(c.run.work, c.m) for c in copies])  # type: ignore[misc]
     worst = max(steady, key=lambda k: steady[k]["total"])
     return DryRun(peak=steady[worst]["total"], phase=worst, phases=steady,
                   first_step_peak=max(v["total"] for v in first.values()), first_step_phases=first,
-                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded)
+                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, work=work)
 
 
 def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, *, meta_init: bool,

@@ -30,7 +30,9 @@ from torch.utils._pytree import tree_map
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
+from mct.zero.comm import SimulatedCollectives
 from mct.memory.tracker import CATEGORIES, MemoryTracker
+from mct.planner.work import OpCounter, StepWork
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
 
@@ -57,6 +59,11 @@ class DryRun:
     n_params: int
     offloaded: dict[str, int]
     """Bytes offload keeps off the device, per tier ({'cpu': n, 'disk': n}); not in any peak."""
+    work: StepWork | None = dataclasses.field(default=None, compare=False)
+    """The steady-state step's ops, collectives and offload traffic (``mct.planner.work``):
+    what the time model (``mct.planner.steptime``) turns into seconds. Not compared: two
+    dry runs are equal when their bytes are (an extrapolated count has other keys than a
+    full one, with the same sums)."""
 
 
 def meta_model(model_fn: ModelFn) -> nn.Module:
@@ -201,10 +208,15 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         first = engine.train_step(data, loss_fn).metrics["peaks"]
         if observer is not None:
             observer.end_step(first)
-        steady = engine.train_step(data, loss_fn).metrics["peaks"]
+        collectives = engine.comm.ops
+        if isinstance(collectives, SimulatedCollectives):
+            collectives.calls.clear()  # the steady step's only
+        with OpCounter() as counter:
+            steady = engine.train_step(data, loss_fn).metrics["peaks"]
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
+        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), _traffic(engine.tracker))
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])
@@ -212,7 +224,18 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
-                  n_params=n_params, offloaded=offloaded)
+                  n_params=n_params, offloaded=offloaded, work=work)
+
+
+def _traffic(tracker: MemoryTracker) -> dict[str, int]:
+    """Bytes a step moves to and from each offload tier: the offloaded state and the
+    parked activations, each written and read back once per step."""
+    out: dict[str, int] = {}
+    for source in ("state", "activations"):
+        for tier, n in tracker.offloaded(source).items():
+            if n:
+                out[tier] = out.get(tier, 0) + 2 * n
+    return out
 
 
 def _build(model_fn: ModelFn, tracker: MemoryTracker, meta_init: bool,

@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from mct.checkpointing import apply_checkpointing
 from mct.config import EngineConfig
 from mct.planner.dry_run import fake_batch, fake_built_model, materialize_fake, meta_model
+from mct.planner.work import EXTRA_FORMULAS
 from mct.precision import PrecisionPolicy
 from mct.task.spec import LossFn, Task
 
-aten = torch.ops.aten
 
 COUNTED = "flop_counter"
 ESTIMATED = "6NT"
@@ -121,28 +121,6 @@ def count_flops(task: Task, micro_batch: Any, loss_fn: LossFn, cfg: EngineConfig
                 loss = loss_fn(model, batch)
             loss.backward()
     return int(counter.get_total_flops())
-
-
-def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def _addmm_inplace_flops(acc, a, b, *args, out_shape=None, **kwargs) -> int:
-    return 2 * a[0] * a[1] * b[1]
-
-
-EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
-                  aten.addmm_: _addmm_inplace_flops}
-"""What torch's counter does not know. Fake tensors live on the CPU, whose flash
-attention kernel it misses (it knows the CUDA ones): counted as torch counts SDPA, the
-full [S, S] score matrix (no causal discount), 2 matmuls forward and 5 backward (the
-scores recomputed). ``addmm_``: the in-place matmul chunked cross-entropy accumulates
-the head's weight gradient with."""
 
 
 def _first_micro_batch(batch: Any) -> Any:

@@ -47,6 +47,7 @@ from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
 from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
                               map_task, smaller_batch, task_of)
 from mct.planner.pool import run_jobs
+from mct.planner.steptime import Rates, machine_rates, step_time, tokens_per_step
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
 
@@ -167,15 +168,19 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
         offload: str = "none", act_offload: str = "none", loss_chunk: int = 0, mlp_tile: int = 0, *,
-        per_block: list[str] | dict[str, int] | None = None, recomputed: float | None = None) -> dict[str, Any]:
+        per_block: list[str] | dict[str, int] | None = None, recomputed: float | None = None,
+        rates: Rates | None = None, tokens: int = 0) -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
     bytes per category at that peak, each phase's peak, the first-step and
     initialization peaks, the bytes offload keeps off the device per tier
     (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
     ``budget`` and its relative cost; ``act_offload``: checkpointing.offload;
     ``per_block``: checkpointing.per_block of a 'per_block' row (None for the others),
-    ``recomputed`` its recomputed fraction (``recomputed_fraction``)."""
+    ``recomputed`` its recomputed fraction (``recomputed_fraction``). With ``rates``
+    (``mct.planner.steptime``): ``step_s``, the predicted seconds per step, ``time`` its
+    terms, and ``tokens_per_s`` (``tokens`` per step over ``step_s``); else None."""
     at = run.phases[run.phase]
+    timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     return {"stage": stage, "policy": policy, "per_block": per_block if policy == "per_block" else None,
             "precision": precision, "offload": offload,
             "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "mlp_tile_tokens": mlp_tile, "world": world,
@@ -184,7 +189,9 @@ def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
             "fits": budget is None or run.peak <= budget,
             "cost": step_cost(stage, policy, world, offload, act_offload, loss_chunk,
-                              recomputed if policy == "per_block" else None)}
+                              recomputed if policy == "per_block" else None),
+            "step_s": timed.total if timed else None, "time": timed.to_dict() if timed else None,
+            "tokens_per_s": tokens / timed.total if timed and timed.total > 0 else None}
 
 
 @dataclass
@@ -199,15 +206,18 @@ class Plan:
     precision: str
     recommended: dict[str, Any] | None
     advice: str
+    time_notes: list[str] = dataclasses.field(default_factory=list)
+    """What the rows' step times could not count (a rate not measured here), one line each."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
                 "precision": self.precision, "advice": self.advice, "recommended": self.recommended,
-                "rows": self.rows}
+                "rows": self.rows, "time_notes": self.time_notes}
 
 
 def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
-              advise: bool = True, extrapolate: bool = True, workers: int = 1) -> Plan:
+              advise: bool = True, extrapolate: bool = True, workers: int = 1, rates: Rates | None = None,
+              device: str = "cpu", measure: bool = True) -> Plan:
     """Dry-run every configuration of the ``grid`` for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``grid.offloads``: offload labels, default ``cfg``'s own);
     recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
@@ -222,7 +232,10 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     configuration is dry-run at full depth. What every configuration shares (the
     model's structure, its construction) is found once (``prepare``). ``workers`` > 1:
     a long grid's dry runs run in up to that many forked processes (``mct.planner.pool``;
-    the same rows).
+    the same rows). ``rates``: what turns each row's step into seconds (``step_s``,
+    ``tokens_per_s``); default this machine's for ``device`` (``steptime.machine_rates``:
+    measured on first use, then cached; ``measure=False``: the cache only, no step times
+    without one).
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -236,6 +249,11 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
             raise ValueError(f"activation offload {tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     chunks = _loss_chunks(work, cfg, grid.loss_chunks)
     tiles = tuple(dict.fromkeys(int(t) for t in grid.mlp_tiles)) if grid.mlp_tiles else (cfg.checkpointing.mlp_tile_tokens,)
+    notes: list[str] = []
+    if rates is None:
+        rates, notes = machine_rates(world, device, measure=measure)
+    notes = [*notes, *(rates.notes if rates else ["no machine profile cached: no step times (mct calibrate)"])]
+    tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)
     work = prepare(work, cfg, extrapolate)
     works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
     choices = [(stage, policy, precision, offload, act, chunk, tile) for precision in precisions for offload in offloads
@@ -245,8 +263,8 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     runs = run_jobs(lambda i: predict(works[choices[i][5]], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
     mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}
-    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, tile, **mixed)
-            for run, (stage, policy, precision, offload, act, chunk, tile) in zip(runs, choices)]
+    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, tile, **mixed, rates=rates,
+                tokens=tokens) for run, (stage, policy, precision, offload, act, chunk, tile) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -255,7 +273,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["mlp_tile_tokens"] > 0, r["peak"],
                                                                     r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
-    plan = Plan(rows, budget, world, n_params, mode, best, "")
+    plan = Plan(rows, budget, world, n_params, mode, best, "", notes)
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan
@@ -416,21 +434,23 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
     stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
     policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
     grid = Grid(stages, policies, (cfg.precision.mode,))
-    plan = make_plan(work, cfg, world, budget, grid, advise=False)
+    rates, _ = machine_rates(world, device, measure=False)  # a training rank measures nothing
+    plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
     acts = (cfg.checkpointing.offload,)
     if plan.recommended is None and cfg.checkpointing.offload == "none" and set(policies) - {"none"}:
         acts = ("none", auto_act_offload(device))  # first: it moves only the regions' inputs
-        tried = make_plan(work, cfg, world, budget, dataclasses.replace(grid, act_offloads=acts[1:]), advise=False)
+        tried = make_plan(work, cfg, world, budget, dataclasses.replace(grid, act_offloads=acts[1:]), advise=False,
+                          rates=rates, measure=False)
         plan = tried if tried.recommended is not None else plan
     if plan.recommended is None and _chunking_may_fit(plan, cfg, work):
         grid = dataclasses.replace(grid, loss_chunks=(AUTO_LOSS_CHUNK,))  # same numerics up to the loss's sums
-        plan = make_plan(work, cfg, world, budget, grid, advise=False)
+        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
     if plan.recommended is None and _tiling_may_fit(cfg, work):
         grid = dataclasses.replace(grid, mlp_tiles=(AUTO_MLP_TILE,))  # same numerics up to the weight gradients' sums
-        plan = make_plan(work, cfg, world, budget, grid, advise=False)
+        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
     if plan.recommended is None and not cfg.offload.enabled:
         grid = dataclasses.replace(grid, offloads=auto_offloads(device), act_offloads=acts)
-        plan = make_plan(work, cfg, world, budget, grid, advise=False)
+        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
     best = plan.recommended
     if best is None:
         raise ValueError(_advice(plan, work, cfg))
@@ -443,7 +463,8 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
               "predicted_first_step_peak_bytes": best["first_step_peak"],
-              "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world}
+              "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world,
+              "predicted_step_s": best["step_s"], "predicted_tokens_per_s": best["tokens_per_s"]}
     return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
                        act_offload=best["act_offload"], loss_chunk=best["loss_chunk_tokens"],
                        mlp_tile=best["mlp_tile_tokens"]), choice

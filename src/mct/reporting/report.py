@@ -103,14 +103,18 @@ def _cell(v: Any, fmt: str, width: int) -> str:
 
 
 def report_table(run: RunData) -> str:
-    """Per logged step: loss, val loss, tokens/s, peak; then a summary of skips,
-    rollbacks, resumes and non-finite values."""
-    lines = [f"{'step':>6} {'loss':>8} {'val_loss':>9} {'tokens/s':>10} {'peak':>11}"]
+    """Per logged step: loss, val loss, tokens/s, peak, the measured and the predicted
+    seconds of the step and their ratio; then a summary of skips, rollbacks, resumes and
+    non-finite values, and the median step time beside the prediction."""
+    lines = [f"{'step':>6} {'loss':>8} {'val_loss':>9} {'tokens/s':>10} {'peak':>11} {'s/step':>9} "
+             f"{'predicted':>9} {'ratio':>6}"]
     for r in run.rows:
         peak = r.get("peak_bytes")
         peak_s = format_bytes(peak) if isinstance(peak, int) else ""
         lines.append(f"{_cell(r.get('step'), 'd', 6)} {_cell(r.get('loss'), '.4f', 8)} "
-                     f"{_cell(r.get('val_loss'), '.4f', 9)} {_cell(r.get('tokens_per_s'), '.0f', 10)} {peak_s:>11}")
+                     f"{_cell(r.get('val_loss'), '.4f', 9)} {_cell(r.get('tokens_per_s'), '.0f', 10)} {peak_s:>11} "
+                     f"{_cell(r.get('step_time_s'), '.3g', 9)} {_cell(r.get('predicted_step_s'), '.3g', 9)} "
+                     f"{_cell(_ratio(r.get('step_time_s'), r.get('predicted_step_s')), '.2f', 6)}")
     def most(*keys: str) -> int:  # counters are cumulative: the largest value seen
         vals = [v for r in run.rows for k in keys
                 for v in [(r.get("errors") or {}).get(k[7:]) if k.startswith("errors.") else r.get(k)]
@@ -128,9 +132,30 @@ def report_table(run: RunData) -> str:
     if mixed:  # each block's own recompute choice: the run's memory and speed follow from it
         summary.append(f"checkpointing per block: {mixed}")
     lines.append("; ".join(summary))
+    timing = step_time_line(run.rows)
+    if timing:
+        lines.append(timing)
     if nonfinite:
         lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
     return "\n".join(lines)
+
+
+def _ratio(measured: Any, predicted: Any) -> float | None:
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+             for v in (measured, predicted))
+    return measured / predicted if ok else None
+
+
+def step_time_line(rows: list[dict[str, Any]]) -> str:
+    """'step time: measured median X s (after the first logged step), predicted Y s,
+    measured / predicted Z'; '' when the rows carry no prediction."""
+    pred = [r["predicted_step_s"] for r in rows if _ratio(r.get("step_time_s"), r.get("predicted_step_s"))]
+    meas = sorted(r["step_time_s"] for r in rows[1:] if _ratio(r.get("step_time_s"), r.get("predicted_step_s")))
+    if not pred or not meas:
+        return ""
+    median = meas[len(meas) // 2] if len(meas) % 2 else (meas[len(meas) // 2 - 1] + meas[len(meas) // 2]) / 2
+    return (f"step time: measured median {median:.3g} s, predicted {pred[-1]:.3g} s "
+            f"(measured / predicted {median / pred[-1]:.2f})")
 
 
 def _per_block_label(run: RunData) -> str:
@@ -207,8 +232,13 @@ def utilization_lines(u: dict[str, Any]) -> list[str]:
     if u.get("achieved_flops_per_s"):
         lines.append(f"achieved      {format_rate(u['achieved_flops_per_s'])} (model FLOPs / median step time "
                      f"{u['step_time_s']:.3g} s)")
+    if u.get("predicted_step_s") and u.get("step_time_s"):
+        lines.append(f"step time     {u['step_time_s']:.3g} s measured (median), {u['predicted_step_s']:.3g} s "
+                     f"predicted (measured / predicted {u['step_time_s'] / u['predicted_step_s']:.2f})")
     if u.get("mfu") is not None:
         lines.append(f"MFU           {100 * u['mfu']:.3g}% of {format_rate(u['peak_flops_per_s'])} ({u['peak_note']})")
+    elif u.get("mfu_over_peak"):
+        lines.append(f"MFU           - ({u['mfu_over_peak']})")
     else:
         lines.append(f"MFU           - ({u['peak_note']})")
     lines.append(f"machine       {u['machine']}")

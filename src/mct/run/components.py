@@ -79,6 +79,7 @@ class StepLog:
         self.tokens_per_step = cfg.data.micro_batch_size * cfg.model.seq_len * cfg.data.grad_accum * world_size
         self.utilization = utilization
         self.warned = False
+        self.mfu_warned = False
         self.peaks: dict[str, dict[str, int]] = {}
         """Peak bytes by phase and category of the last logged step."""
         self.first_step_time: float | None = None
@@ -107,6 +108,11 @@ class StepLog:
                "time_data_s": t_data, "rollbacks": rollbacks}
         if self.utilization is not None:
             row.update(self.utilization.row(step_time))
+            warning = row.pop("mfu_over_peak", None)
+            if warning and not self.mfu_warned:  # once: every later step would say the same
+                self.mfu_warned = True
+                row["mfu_warning"] = warning
+                print(f"mct: warning (rank {self.rank}): {warning}", file=sys.stderr)
         return row
 
     def complete(self, record: dict[str, Any], out: Any, errors: dict[str, int]) -> None:

@@ -167,7 +167,9 @@ class Trainer:
         the machine the first time; every rank gets its answer)."""
         found = None
         if self.ctx.is_main:
-            found, warning = Utilization.for_run(self.task, self.cfg, self.ctx.world_size, self.ctx.device.type)
+            planned = (self.choice or {}).get("predicted_step_s")  # auto's plan has it; else a dry run now
+            found, warning = Utilization.for_run(self.task, self.cfg, self.ctx.world_size, self.ctx.device.type,
+                                                 predicted_step_s=planned)
             if warning:
                 print(f"mct: warning: {warning}", file=sys.stderr)
         return broadcast_from_main(found)

@@ -18,6 +18,9 @@ import torch
 from mct.config import EngineConfig
 from mct.machine import DTYPES, calibrate, cpu_line, format_rate
 from mct.planner.flops import StepFlops, step_flops
+from mct.planner.grid import prepare
+from mct.planner.plan import predict
+from mct.planner.steptime import machine_rates, step_time
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
 
@@ -34,13 +37,19 @@ class Utilization:
     peak_note: str
     machine: str
     profile: dict[str, Any]
+    predicted_step_s: float | None = None
+    """The time model's seconds per step of this run (``mct.planner.steptime``; None when
+    the dry run could not run)."""
 
     @classmethod
     def for_run(cls, task: Task, cfg: EngineConfig, world_size: int, device_type: str,
-                threads_per_rank: int | None = None) -> tuple["Utilization", str | None]:
+                threads_per_rank: int | None = None, predicted_step_s: float | None = None
+                ) -> tuple["Utilization", str | None]:
         """Count ``task``'s step FLOPs under ``cfg`` and load (or measure, the first time
-        on this machine) the machine profile of ``device_type``. Returns the utilization
-        and a warning about the profile cache (None when fine). Call on one rank."""
+        on this machine) the machine profile of ``device_type``; the predicted step time
+        is ``predicted_step_s`` (the plan ``auto`` made) or a dry run's now
+        (``predict_step_s``). Returns the utilization and a warning about the profile
+        cache (None when fine). Call on one rank."""
         flops = step_flops(task, cfg, world_size)
         cal = calibrate("cuda" if device_type == "cuda" else "cpu")
         prof, threads = cal.profile, threads_per_rank or torch.get_num_threads()
@@ -58,23 +67,38 @@ class Utilization:
             note = (f"{dtype} matmul peak {format_rate(rate)} per core x {threads} thread(s) x "
                     f"{world_size} rank(s){kernels}")
         name = (f"{prof.name} ({' '.join(prof.flags)})" if prof.device == "cuda" else cpu_line())
-        return cls(flops, peak, note, f"{name}, torch {prof.torch_version}", prof.to_dict()), cal.warning
+        if predicted_step_s is None:
+            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads)
+        return cls(flops, peak, note, f"{name}, torch {prof.torch_version}", prof.to_dict(),
+                   predicted_step_s), cal.warning
 
     def row(self, step_time_s: float) -> dict[str, Any]:
-        """The metrics row's keys for a step of ``step_time_s`` seconds (README)."""
+        """The metrics row's keys for a step of ``step_time_s`` seconds (README). A step
+        whose model FLOP/s exceed the profile's peak (a profile measured while the machine
+        was busy) gets no MFU but ``mfu_over_peak`` (the warning line, ``over_peak``)."""
         achieved = self.flops.model / step_time_s if step_time_s > 0 and self.flops.model else None
+        mfu = achieved / self.peak_flops if achieved and self.peak_flops else None
         row: dict[str, Any] = {"model_flops_per_step": self.flops.model or None, "achieved_flops_per_s": achieved,
-                               "mfu": achieved / self.peak_flops if achieved and self.peak_flops else None}
+                               "mfu": None if mfu is not None and mfu > 1 else mfu,
+                               "predicted_step_s": self.predicted_step_s}
+        if mfu is not None and mfu > 1:
+            row["mfu_over_peak"] = self.over_peak(achieved)  # type: ignore[arg-type]
         if self.flops.hardware is not None:
             row["hardware_flops_per_step"] = self.flops.hardware
         return row
+
+    def over_peak(self, achieved: float) -> str:
+        """The warning for model FLOP/s above the measured peak."""
+        return (f"achieved {format_rate(achieved)} exceeds this machine's measured peak "
+                f"{format_rate(self.peak_flops or 0.0)} ({self.peak_note}): the profile was measured while the "
+                f"machine was busy; no MFU printed. Measure it again on a quiet machine: mct calibrate --force")
 
     def summary(self, step_time_s: float | None) -> dict[str, Any]:
         """What the end-of-run summary prints (``reporting.report.summary_table``)."""
         row = self.row(step_time_s) if step_time_s else {"model_flops_per_step": self.flops.model or None}
         return {**row, "hardware_flops_per_step": self.flops.hardware, "flops_method": self.flops.describe(),
                 "step_time_s": step_time_s, "peak_flops_per_s": self.peak_flops, "peak_note": self.peak_note,
-                "machine": self.machine}
+                "machine": self.machine, "predicted_step_s": self.predicted_step_s}
 
     def metadata(self) -> dict[str, Any]:
         """metadata.json's record of how MFU is made: the FLOP count and the profile."""
@@ -82,5 +106,19 @@ class Utilization:
         return {"flops": {"model_flops_per_step": f.model, "hardware_flops_per_step": f.hardware,
                           "micro_batches_per_step": f.micro_batches, "method": f.method, "note": f.note,
                           "count_seconds": round(f.seconds, 3)},
-                "peak_flops_per_s": self.peak_flops, "peak_note": self.peak_note, "machine_profile": self.profile}
+                "peak_flops_per_s": self.peak_flops, "peak_note": self.peak_note, "machine_profile": self.profile,
+                "predicted_step_s": self.predicted_step_s}
+
+
+def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int) -> float | None:
+    """The time model's seconds per step of ``task`` under ``cfg`` (a dry run, depth
+    extrapolated, and this machine's rates; in a training rank nothing is spawned: the
+    collectives only when cached). None when the model cannot be dry-run or a concrete
+    config is missing (``auto`` unresolved)."""
+    try:
+        rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
+        run = predict(prepare(task, cfg), cfg, world_size)
+    except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
+        return None
+    return step_time(run.work, rates).total if rates is not None and run.work is not None else None
 

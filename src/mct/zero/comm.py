@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,27 +116,38 @@ class _Done:
 class SimulatedCollectives:
     """Collectives of an N-rank group that exists only on paper: shapes are checked,
     no data moves (outputs keep whatever they hold; on fake tensors they hold none),
-    and every rank is taken to hold the same objects. Used by the planner."""
+    and every rank is taken to hold the same objects. Used by the planner.
+
+    ``calls`` counts what the real group would have moved: ``(kind, bytes, buckets)``
+    -> calls, ``bytes`` the collective's full size (the reduce-scatter's input, the
+    all-gather's output, the all-reduced tensor), ``buckets`` how many raw collectives
+    the real run issues for it (``zero.bucket_mb``); kind 'object' for an object
+    all-gather or a barrier (latency only). The planner's time model reads it."""
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self.calls: Counter[tuple[str, int, int]] = Counter()
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _Done:
+    def reduce_scatter(self, out: torch.Tensor, inp: Any, buckets: int = 1) -> _Done:
         assert inp.numel() == self.world * out.numel(), (inp.shape, out.shape, self.world)
+        self.calls["reduce_scatter", inp.numel() * inp.element_size(), buckets] += 1
         return _Done()
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _Done:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, buckets: int = 1) -> _Done:
         assert out.numel() == self.world * inp.numel(), (out.shape, inp.shape, self.world)
+        self.calls["all_gather", out.numel() * out.element_size(), buckets] += 1
         return _Done()
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+    def all_reduce(self, t: torch.Tensor, op: str, buckets: int = 1) -> None:
         assert op in ("sum", "max"), op
+        self.calls["all_reduce", t.numel() * t.element_size(), buckets] += 1
 
     def all_gather_object(self, obj: Any, world: int) -> list[Any]:
+        self.calls["object", 0, 1] += 1
         return [obj] * world
 
     def barrier(self) -> None:
-        pass
+        self.calls["object", 0, 1] += 1
 
 
 class Pending:
@@ -184,8 +195,8 @@ class Comm:
             return
         if op not in ("sum", "max"):
             raise ValueError(f"all_reduce_ op must be 'sum' or 'max', got {op!r}")
-        if self.simulated:
-            self.ops.all_reduce(t, op)  # in place, chunked or not: no temporaries
+        if self.simulated:  # in place, chunked or not: no temporaries
+            self.ops.all_reduce(t, op, buckets=-(-t.numel() // max(1, self.bucket_bytes // t.element_size())))
             self.stats.add(t.numel() * t.element_size(), 0.0)
             return
         t0 = time.perf_counter()
@@ -225,8 +236,8 @@ class Comm:
             works, keep = [self.ops.reduce_scatter(out, full)], [full]
         elif bucket_major:
             assert window is None, "a bucket-major input keeps every bucket in flight"
-            if self.simulated:  # no temporaries to allocate: one shape-checked call
-                works = [self.ops.reduce_scatter(out, full)]
+            if self.simulated and BUCKETS_AS_ONE:  # no temporaries to allocate: one shape-checked call
+                works = [self.ops.reduce_scatter(out, full, buckets=len(chunks))]
             else:
                 works = [self.ops.reduce_scatter(out[a:b], full[self.world * a:self.world * b]) for a, b in chunks]
             keep = [full]  # every bucket reads it in place until done
@@ -234,7 +245,7 @@ class Comm:
             # the buckets' contiguous copies of their columns, as many alive as the real
             # run holds at its peak and then until wait(): one tensor, in O(1) fake ops
             src = _one_tensor(*window_numels([self.world * (b - a) for a, b in chunks], window), out)
-            works, keep = [self.ops.reduce_scatter(out, full)], [src]
+            works, keep = [self.ops.reduce_scatter(out, full, buckets=len(chunks))], [src]
         else:
             view = None if source else full.view(self.world, S)
             flight: deque = deque()  # (work, its input copy)
@@ -283,7 +294,7 @@ class Comm:
             if last != most:
                 del tmp
                 tmp = torch.empty(last, dtype=full.dtype, device=full.device)
-            works = [self.ops.all_gather(full, shard)]
+            works = [self.ops.all_gather(full, shard, buckets=len(chunks))]
 
             def scatter_back_simulated() -> None:
                 full.view(-1)[:1].copy_(tmp[:1])

@@ -80,7 +80,6 @@ class HeldGrads:
     def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
-        self._numels = layout.numels()
 
     def numel(self) -> int:
         return self.layout.padded_numel
@@ -90,15 +89,30 @@ class HeldGrads:
 
     def fill(self, dst: torch.Tensor, a: int, b: int) -> None:
         """``dst`` [world, b - a] <- columns [a, b) of the flat gradient viewed as [world, S]."""
-        S = self.layout.shard_numel
         dst.zero_()
-        for r in range(dst.shape[0]):
-            lo, hi = r * S + a, r * S + b
-            for index, grad in self.grads:
-                off, n = self.layout.offsets[index], self._numels[index]
-                x, y = max(lo, off), min(hi, off + n)
-                if x < y:
-                    dst[r, x - lo:y - lo].add_(grad.reshape(-1)[x - off:y - off])
+        for index, grad in self.grads:  # in arrival order, so each element sums as before
+            add_columns(dst, grad.reshape(-1), self.layout.offsets[index], self.layout.shard_numel, a, b)
+
+
+def add_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int, b: int) -> None:
+    """``dst`` [world, b - a] += columns [a, b) of a parameter's gradient ``flat`` (its
+    elements at [off, off + numel) of a flat [world * S] gradient viewed as [world, S]).
+    One strided add for the rows it covers whole, one per partly covered row: O(1) ops,
+    not O(world)."""
+    world, width, n = dst.shape[0], b - a, flat.numel()
+    # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
+    first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
+    if first > last or width <= 0:
+        return
+    whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
+    if whole_lo <= whole_hi:
+        rows = flat.as_strided((whole_hi - whole_lo + 1, width), (S, 1), flat.storage_offset() + whole_lo * S + a - off)
+        dst[whole_lo:whole_hi + 1].add_(rows)
+    for r in sorted({first, last} - set(range(whole_lo, whole_hi + 1))):
+        lo = r * S + a
+        x, y = max(lo, off), min(lo + width, off + n)
+        if x < y:
+            dst[r, x - lo:y - lo].add_(flat[x - off:y - off])
 
 
 class FlatParamUnit:
@@ -152,11 +166,14 @@ class FlatParamUnit:
         # their gradients arrive at the two ends of backward).
         self.hold_grads = False
         self.held: list[tuple[int, torch.Tensor]] = []
-        # Stages 2/3: grad_full laid out bucket by bucket (``bucket_major``), so each bucket
-        # of the reduce-scatter reads a contiguous slice of it instead of a copy of its
-        # columns; ShardedModel sets the buckets (the ones Comm.reduce_scatter cuts).
+        # Stages 2/3 (ShardedModel sets both for a block's unit): ``reduce_in_place``: its
+        # reduce-scatter reads each bucket of grad_full in place (``bucket_major``), no copy
+        # of its columns; ``grad_buckets``: those buckets (the ones Comm.reduce_scatter
+        # cuts), grad_full laid out bucket by bucket, bucket [a, b) of the [world, S]
+        # gradient at [world * a, world * b). None in a dry run whose collectives allocate
+        # as one (``BUCKETS_AS_ONE``): the same bytes, in one add per gradient.
+        self.reduce_in_place = False
         self.grad_buckets: list[tuple[int, int]] | None = None
-        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0
@@ -222,35 +239,15 @@ class FlatParamUnit:
             if self.grad_full is None:
                 self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
             flat = grad.reshape(-1)
-            if self._bucket_major():
-                for lo, hi, at in self._bucket_pieces(index):
-                    self.grad_full[at:at + hi - lo].add_(flat[lo:hi])
+            if self.grad_buckets is not None and self.reduce_in_place:
+                world, off = self.layout.world, self.layout.offsets[index]
+                for a, b in self.grad_buckets:  # bucket [a, b): [world, b - a] at [world * a, world * b)
+                    add_columns(self.grad_full[world * a:world * b].view(world, b - a), flat, off,
+                                self.layout.shard_numel, a, b)
             else:
                 off, n = self.layout.offsets[index], self._numels[index]
                 self.grad_full[off:off + n].add_(flat)
         self.grads_seen += int(last)
-
-    def _bucket_major(self) -> bool:
-        return self.grad_buckets is not None and not self.full_grads and self.bucket_window is None
-
-    def _bucket_pieces(self, index: int) -> list[tuple[int, int, int]]:
-        """Where parameter ``index`` lies in the bucket-major gradient: (lo, hi, at) pieces,
-        its elements [lo, hi) at [at, at + hi - lo). Element (rank r, column c) of the
-        [world, S] flat gradient, c in bucket [a, b), sits at world * a + r * (b - a) + c - a."""
-        pieces = self._pieces.get(index)
-        if pieces is None:
-            S, world, buckets = self.layout.shard_numel, self.layout.world, self.grad_buckets
-            assert buckets is not None
-            off, n = self.layout.offsets[index], self._numels[index]
-            pieces = []
-            for r in range(off // S, (off + n - 1) // S + 1 if n else 0):
-                c0, c1 = max(off, r * S) - r * S, min(off + n, (r + 1) * S) - r * S
-                for a, b in buckets:
-                    x, y = max(c0, a), min(c1, b)
-                    if x < y:
-                        pieces.append((r * S + x - off, r * S + y - off, world * a + r * (b - a) + x - a))
-            self._pieces[index] = pieces
-        return pieces
 
     def reduce(self, comm: Comm, async_op: bool) -> None:
         """Sum grad_full over ranks into grad_shard (added to what is there), then
@@ -288,7 +285,7 @@ class FlatParamUnit:
             self.grad_full = None  # freed once the collective is done with it
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate,
                                                   window=self.bucket_window,
-                                                  bucket_major=self._bucket_major() and isinstance(full, torch.Tensor))
+                                                  bucket_major=self.reduce_in_place and isinstance(full, torch.Tensor))
 
     def wait_reduce(self) -> None:
         # Cleared first: the completion callback may raise (a budget check on the new

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from mct.precision.policy import PrecisionPolicy
+from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
 from mct.zero.flat import FlatParamUnit
 from mct.zero.partition import bucket_slices, build_layout
@@ -108,8 +109,10 @@ class ShardedModel:
                     unit.hold_grads = True
                 elif stage >= 2 and layout.world > 1:
                     # its gradient accumulates bucket by bucket: the reduce-scatter copies nothing
-                    unit.grad_buckets = bucket_slices(layout.shard_numel, layout.world,
-                                                      precision.reduce_dtype.itemsize, comm.bucket_bytes)
+                    unit.reduce_in_place = True
+                    if not (comm.simulated and collectives.BUCKETS_AS_ONE):
+                        unit.grad_buckets = bucket_slices(layout.shard_numel, layout.world,
+                                                          precision.reduce_dtype.itemsize, comm.bucket_bytes)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
                 if hooks.after is not None:

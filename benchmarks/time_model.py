@@ -1,0 +1,200 @@
+"""Time model accuracy: the planner's predicted seconds per step (``mct.planner.steptime``)
+against real steps of the same configurations, on models it was not tuned for: a
+Hugging Face Llama, a Hugging Face GPT-2 with dropout, the built-in GPT at odd sizes;
+ZeRO stages 0-3, checkpointing none/selective/all and a per_block mix, 1 and 2 gloo
+ranks, fp32 and (where the CPU has native bf16) bf16. Beside each time, the dry run's
+predicted peak against the engine tracker's measured one.
+
+    PYTHONPATH=src:. python benchmarks/time_model.py [--worlds 1 2] [--models ...] [--steps 4]
+                                                    [--threads N] [--calibrate]
+
+Real: ``--warmup`` (2) steps, then ``--steps`` (4) timed ``Engine.train_step`` calls
+(median; the fastest beside it: a busy machine only slows steps down); 2 ranks are spawned gloo processes (tests/distributed.py), every configuration in
+one pair. Each rank runs ``--threads`` torch threads (default: the usable cores shared
+out, as ``mct train --nproc`` does). Prints the table with the CPU, its flags and the load,
+the median and worst |error|; writes benchmarks/results/time_model.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
+
+import torch  # noqa: E402
+
+from benchmarks.common import cpu_line, format_table, write_json  # noqa: E402
+from mct.config import EngineConfig  # noqa: E402
+from mct.machine import calibrate, cpu_identity, usable_cores  # noqa: E402
+from mct.planner import token_loss  # noqa: E402
+from mct.planner.grid import prepare  # noqa: E402
+from mct.planner.plan import predict  # noqa: E402
+from mct.planner.steptime import machine_rates, step_time  # noqa: E402
+from mct.task.spec import Task  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+B = 4
+VOCAB = 1000
+PER_BLOCK = {"all": 2, "selective": 1}
+"""The mixed stack: the first two blocks recomputed whole, the next selectively, the rest none."""
+CHOICES = ((0, "none"), (1, "selective"), (2, "all"), (3, "per_block"), (3, "none"), (0, "all"))
+"""(stage, policy) per model, precision and world: every stage and policy, not every pair."""
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=96, num_attention_heads=6,
+                                        num_key_value_heads=2, intermediate_size=260, vocab_size=VOCAB,
+                                        max_position_embeddings=128, use_cache=False, attn_implementation="sdpa",
+                                        tie_word_embeddings=False))
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=96, n_embd=84, n_layer=4, n_head=3,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0,
+                                      eos_token_id=0, use_cache=False, attn_implementation="sdpa"))
+
+
+GPT_ODD = {"n_layer": 5, "n_head": 3, "d_model": 78, "seq_len": 80, "vocab_size": 997, "dropout": 0.1}
+
+
+def gpt_odd():
+    from mct.models.gpt import GPT
+    return GPT(EngineConfig.from_dict({"model": dict(GPT_ODD)}).model)
+
+
+MODELS = {"hf_llama": (hf_llama, 128, VOCAB), "hf_gpt2": (hf_gpt2, 96, VOCAB),
+          "gpt_odd": (gpt_odd, GPT_ODD["seq_len"], GPT_ODD["vocab_size"])}
+
+
+def loss_of(name: str):
+    if name == "gpt_odd":
+        from mct.models.gpt import gpt_loss
+        return gpt_loss
+    return token_loss
+
+
+def batch(name: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, T, V = MODELS[name]
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def config(model: str, stage: int, policy: str, precision: str) -> EngineConfig:
+    ck = {"policy": policy, "per_block": PER_BLOCK if policy == "per_block" else []}
+    return EngineConfig.from_dict({"model": dict(GPT_ODD) if model == "gpt_odd" else {},
+                                   "zero": {"stage": stage}, "checkpointing": ck,
+                                   "precision": {"mode": precision}, "train": {"grad_clip": 1.0}})
+
+
+def grid(models: list[str], precisions: list[str]) -> list[tuple[str, int, str, str]]:
+    return [(m, s, p, q) for m in models for q in precisions for s, p in CHOICES]
+
+
+def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, threads: int) -> list[dict]:
+    """Real steps of every configuration on this rank: median seconds and the tracker's peak."""
+    from mct.engine import Engine
+    torch.set_num_threads(threads)
+    out = []
+    for m, s, p, q in configs:
+        torch.manual_seed(0)
+        engine = Engine(MODELS[m][0](), None, config(m, s, p, q))
+        times, peak = [], 0
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            res = engine.train_step(batch(m, i, rank), loss_of(m))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+                peak = max(peak, res.metrics["peak_bytes"])
+        engine.close()
+        out.append({"step_s": statistics.median(times), "best_s": min(times), "times": times, "peak": peak})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--precisions", nargs="+", default=None, help="default fp32, and bf16 on a CPU with native bf16")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    ap.add_argument("--calibrate", action="store_true", help="measure the machine profile again first")
+    ap.add_argument("--json", default="time_model")
+    args = ap.parse_args()
+    flags = cpu_identity()["flags"]
+    native_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    precisions = args.precisions or (["fp32", "bf16"] if native_bf16 else ["fp32"])
+    if args.calibrate:
+        calibrate(force=True)
+    configs = grid(args.models, precisions)
+    started, rows = time.perf_counter(), []
+    for world in args.worlds:
+        threads = args.threads or max(1, usable_cores() // world)
+        rates, notes = machine_rates(world, threads=threads)
+        for note in notes + list(rates.notes if rates else []):
+            print(f"note: {note}", file=sys.stderr)
+        t0 = time.perf_counter()
+        real = (measure_all(0, 1, configs, args.warmup, args.steps, threads) if world == 1 else
+                run_distributed(measure_all, world, configs, args.warmup, args.steps, threads, timeout=3600)[0])
+        real_s = time.perf_counter() - t0
+        for (m, s, p, q), got in zip(configs, real):
+            cfg = config(m, s, p, q)
+            task = Task(MODELS[m][0], loss_of(m), batch(m, 0, 0))
+            t1 = time.process_time()
+            run = predict(prepare(task, cfg), cfg, world)
+            assert run.work is not None and rates is not None
+            pred = step_time(run.work, rates)
+            rows.append({"model": m, "stage": s, "policy": p, "precision": q, "ranks": world, "threads": threads,
+                         "predicted_s": pred.total, **pred.to_dict(), "measured_s": got["step_s"],
+                         "best_s": got["best_s"], "times": got["times"],
+                         "error_pct": 100 * (pred.total / got["step_s"] - 1),
+                         "best_error_pct": 100 * (pred.total / got["best_s"] - 1),
+                         "predicted_peak": run.peak, "measured_peak": got["peak"],
+                         "peak_error_pct": 100 * (run.peak / got["peak"] - 1) if got["peak"] else None,
+                         "ops": run.work.n_ops, "dry_run_cpu_s": time.process_time() - t1})
+        print(f"{world} rank(s): {len(configs)} configurations measured in {real_s:.0f} s", file=sys.stderr)
+    table = [{**r, "pred": f"{r['predicted_s']:.4f}", "meas": f"{r['measured_s']:.4f}",
+              "err": f"{r['error_pct']:+.1f}", "best": f"{r['best_s']:.4f}", "best_err": f"{r['best_error_pct']:+.1f}",
+              "comp": f"{r['compute_s']:.4f}", "over": f"{r['overhead_s']:.4f}",
+              "comm": f"{r['comm_s']:.4f}",
+              "peak_err": "-" if r["peak_error_pct"] is None else f"{r['peak_error_pct']:+.2f}"} for r in rows]
+    print(f"CPU: {cpu_line()}; load average {tuple(round(x, 2) for x in __import__('os').getloadavg())}")
+    print(f"profile: {calibrate().profile.measured_at}")
+    print(format_table(table, [("model", "model"), ("stage", "stage"), ("policy", "policy"),
+                               ("precision", "prec"), ("ranks", "ranks"), ("threads", "thr"),
+                               ("pred", "predicted s"), ("meas", "measured s"), ("err", "error %"),
+                               ("best", "fastest s"), ("best_err", "vs fastest %"),
+                               ("comp", "compute s"), ("over", "overhead s"), ("comm", "comm s"),
+                               ("peak_err", "peak error %")]))
+    errors = [abs(r["error_pct"]) for r in rows]
+    best = [abs(r["best_error_pct"]) for r in rows]
+    peaks = [abs(r["peak_error_pct"]) for r in rows if r["peak_error_pct"] is not None]
+    summary = {"configurations": len(rows), "median_abs_error_pct": statistics.median(errors),
+               "worst_abs_error_pct": max(errors), "median_abs_error_vs_fastest_pct": statistics.median(best),
+               "worst_abs_error_vs_fastest_pct": max(best), "median_abs_peak_error_pct": statistics.median(peaks),
+               "worst_abs_peak_error_pct": max(peaks), "seconds": time.perf_counter() - started}
+    for world in args.worlds:
+        e = [abs(r["error_pct"]) for r in rows if r["ranks"] == world]
+        f = [abs(r["best_error_pct"]) for r in rows if r["ranks"] == world]
+        print(f"{world} rank(s): median |error| {statistics.median(e):.1f}%, worst {max(e):.1f}% "
+              f"(against the fastest step: {statistics.median(f):.1f}%, {max(f):.1f}%; {len(e)} configurations)")
+    print(f"all: median |error| {summary['median_abs_error_pct']:.1f}%, worst {summary['worst_abs_error_pct']:.1f}% "
+          f"(against the fastest step: {summary['median_abs_error_vs_fastest_pct']:.1f}%, "
+          f"{summary['worst_abs_error_vs_fastest_pct']:.1f}%); peak: median |error| "
+          f"{summary['median_abs_peak_error_pct']:.2f}%, worst {summary['worst_abs_peak_error_pct']:.2f}% "
+          f"({len(rows)} configurations, {summary['seconds']:.0f} s)")
+    print(f"wrote {write_json(args.json, {'rows': rows, 'summary': summary})}")
+
+
+if __name__ == "__main__":
+    main()

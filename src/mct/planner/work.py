@@ -1,0 +1,129 @@
+"""What one training step does, counted on the dry run's fake tensors: every ATen op
+(its FLOPs, the bytes it reads and writes, its dtype), every collective the simulated
+communicator was asked for, and the bytes offload moves. Plain counts, independent of
+any machine: ``mct.planner.steptime`` turns them into seconds with a machine profile.
+
+``OpCounter`` is a ``TorchDispatchMode`` the dry run enters for its steady-state step
+(the second), so it sees the same ops the engine dispatches in a real step: forward,
+backward with its recompute, the optimizer, the casts, ZeRO's copies. FLOPs come from
+torch's own ``FlopCounterMode`` formulas (``torch.utils.flop_counter.flop_registry``,
+plus ``mct.planner.flops.EXTRA_FORMULAS``); bytes are the sizes of the op's tensor
+inputs and outputs (each storage once); a view moves nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+aten = torch.ops.aten
+
+
+def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _addmm_inplace_flops(acc, a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a[0] * a[1] * b[1]
+
+
+EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+                  aten.addmm_: _addmm_inplace_flops}
+"""What torch's counter does not know. Fake tensors live on the CPU, whose flash
+attention kernel it misses (it knows the CUDA ones): counted as torch counts SDPA, the
+full [S, S] score matrix (no causal discount), 2 matmuls forward and 5 backward (the
+scores recomputed). ``addmm_``: the in-place matmul chunked cross-entropy accumulates
+the head's weight gradient with."""
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()}}
+
+OpKey = tuple[str, int, int]
+"""(dtype name, FLOPs, bytes) of one op; ('', 0, 0) for a view."""
+CommKey = tuple[str, int, int]
+"""(kind, bytes, buckets) of one collective (``mct.zero.comm.SimulatedCollectives.calls``)."""
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes): calls},
+    ``comm`` {(kind, bytes, buckets): calls}, ``offload`` {tier: bytes moved to and from
+    it per step}. Counts of a deep model are linear in its depth (``extend``; an
+    extrapolated one's may be negative, its sums are right)."""
+
+    ops: dict[OpKey, int] = field(default_factory=dict)
+    comm: dict[CommKey, int] = field(default_factory=dict)
+    offload: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n_ops(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def flops(self) -> int:
+        return sum(f * n for (_, f, _), n in self.ops.items())
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(b * n for (_, b, _), n in self.comm.items())
+
+    def extend(self, larger: list[tuple["StepWork", int]]) -> "StepWork":
+        """The counts at full depth: ``A + sum_i m_i (B_i - A)`` for each larger copy
+        ``B_i`` added ``m_i`` times (``mct.planner.depth``). Counts are signed: an op whose
+        size grows with the depth (the gradient norm over every parameter, the root
+        unit's padding) has one key per depth, the smaller's count falls below zero and
+        the larger's rises, so any sum over the keys (seconds, bytes, ops) is the linear
+        extrapolation of the copies' sums."""
+        out = []
+        for name in ("ops", "comm", "offload"):
+            a = getattr(self, name)
+            keys = set(a).union(*(getattr(b, name) for b, _ in larger))
+            d = {k: a.get(k, 0) + sum(m * (getattr(b, name).get(k, 0) - a.get(k, 0)) for b, m in larger)
+                 for k in keys}
+            out.append({k: v for k, v in d.items() if v})
+        return StepWork(*out)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op dispatched under it (enter it above the fake mode): ``ops``
+    {(dtype, FLOPs, bytes): calls}. Computes nothing itself; each op runs below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[OpKey] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops[op_key(func, args, kwargs, out)] += 1
+        return out
+
+
+def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
+    """(dtype, FLOPs, bytes) of one call of ``func``: the dtype of its first floating
+    tensor input ('' when none), FLOPs by torch's formulas (0 for ops without one), the
+    bytes of its distinct tensor inputs and outputs (0 for a view)."""
+    if func.is_view:
+        return ("", 0, 0)
+    formula = FORMULAS.get(func._overloadpacket)
+    flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+    seen: set[int] = set()
+    nbytes, dtype = 0, ""
+    for t in tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            nbytes += t.numel() * t.element_size()
+            if not dtype and t.is_floating_point():
+                dtype = DTYPE_NAMES.get(t.dtype, str(t.dtype))
+    return (dtype, flops, nbytes)

@@ -1,0 +1,165 @@
+"""The time model (mct.planner.steptime): the seconds its formula gives for handmade
+counts and a handmade profile, the dry run's counts (recompute adds ops, stage 3 adds
+collectives), depth extrapolation of the time, and plan rows carrying step_s and
+tokens_per_s (also in `mct plan --json`)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mct.cli import main
+from mct.config import EngineConfig
+from mct.machine import MachineProfile
+from mct.models.gpt import GPT, gpt_loss
+from mct.planner import dry_run
+from mct.planner.grid import Grid
+from mct.planner.depth import Prepared, extrapolated, shape_for
+from mct.planner.grid import prepare
+from mct.planner.plan import make_plan, predict
+from mct.planner.steptime import Rates, rates_for, step_time
+from mct.planner.work import StepWork, op_key
+from mct.task.build import builds_on_meta
+from mct.task.spec import Task
+
+L, D, S, V, B = 5, 32, 16, 96, 2
+
+
+def _cfg(stage: int = 0, policy: str = "none", **extra) -> EngineConfig:
+    return EngineConfig.from_dict({"model": {"n_layer": L, "n_head": 2, "d_model": D, "seq_len": S,
+                                             "vocab_size": V, "dropout": 0.0},
+                                   "zero": {"stage": stage}, "checkpointing": {"policy": policy}, **extra})
+
+
+def _task(cfg: EngineConfig) -> Task:
+    batch = (torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long))
+    return Task(lambda: GPT(cfg.model), gpt_loss, batch)
+
+
+def _profile(**extra) -> MachineProfile:
+    """A handmade 4-core profile: fp32 one thread 5e9 FLOP/s at 1e9 FLOPs a call (peak
+    1e10), 4 cores 3x as fast."""
+    base = {"matmul_curve": {"fp32": [[1e4, 1e8], [1e6, 1e9], [1e9, 5e9]]},
+            "copy_curve": [[1e5, 4e9], [1e7, 1e9]], "copy_all_bytes_per_s": 2e9,
+            "op_overhead_s": {"1": 1e-5, "4": 2e-5},
+            "collectives": {"gloo:2": {"all_reduce": [1e-4, 1e9], "reduce_scatter": [2e-4, 5e8],
+                                       "all_gather": [3e-4, 2.5e8]}},
+            "disk_bytes_per_s": 1e8}
+    return MachineProfile(device="cpu", name="handmade", flags=("avx2",), torch_version="x", threads=4,
+                          matmul_one={"fp32": 1e10}, matmul_all={"fp32": 3e10}, matmul_size={"fp32": 1024},
+                          memcpy_bytes_per_s=1e9, extra={**base, **extra})
+
+
+RATES = Rates(matmul={"fp32": ((1e4, 1e-4), (1e6, 1e-3), (1e8, 1e-2))}, peak={"fp32": 1e10},
+              copy=((1e5, 4e9), (1e7, 1e9)), op_s=1e-5,
+              collectives={"all_reduce": (1e-4, 1e9), "reduce_scatter": (2e-4, 5e8)}, tiers={"disk": 1e8})
+
+
+def test_handmade_counts_and_rates_give_exactly_the_formulas_seconds():
+    """Each op on its roofline, the overhead per op, each collective's latency per bucket
+    plus bytes over bandwidth, offload bytes over the tier's rate."""
+    work = StepWork(ops={("fp32", 10 ** 6, 10 ** 5): 3,   # matmul-bound: 1e-3 - 1e-4 s each
+                         ("fp32", 10 ** 4, 10 ** 7): 2,   # memory-bound: 1e7 / 1e9 s each
+                         ("", 0, 0): 5},                  # views: overhead only
+                    comm={("all_reduce", 10 ** 6, 2): 1, ("reduce_scatter", 5 * 10 ** 5, 1): 4, ("object", 0, 1): 1},
+                    offload={"disk": 10 ** 6, "cpu": 10 ** 6})  # 'cpu' has no rate here: counted in the ops
+    t = step_time(work, RATES)
+    assert math.isclose(t.compute_s, 3 * (1e-3 - 1e-4) + 2 * 1e-2, rel_tol=1e-12)
+    assert math.isclose(t.overhead_s, 10 * 1e-5, rel_tol=1e-12)
+    assert math.isclose(t.comm_s, (2 * 1e-4 + 1e-3) + 4 * (2e-4 + 1e-3) + 2 * 1e-4, rel_tol=1e-12)
+    assert math.isclose(t.offload_s, 1e-2, rel_tol=1e-12)
+    assert math.isclose(t.total, t.compute_s + t.overhead_s + t.comm_s + t.offload_s)
+    # between measured sizes: log-log interpolation of a call's seconds, less the smallest's
+    mid = math.exp((math.log(1e-3) + math.log(1e-2)) / 2)
+    assert math.isclose(RATES.matmul_s("fp32", 1e7), mid - 1e-4, rel_tol=1e-12)
+    assert RATES.matmul_s("fp32", 1e3) == 1e3 / 1e10  # below the curve: the peak
+
+
+def test_rates_from_a_handmade_profile_share_threads_and_bandwidth():
+    """Large matmuls speed up by the measured every-core factor, small ones not; the
+    ranks on one machine share its copy bandwidth; collectives and overhead as measured."""
+    one, four = rates_for(_profile(), 1, 1, ranks_here=1), rates_for(_profile(), 1, 4, ranks_here=1)
+    assert one.matmul_s("fp32", 1e9) == pytest.approx(0.2 - 1e-4)
+    assert four.matmul_s("fp32", 1e4 * 0.99) == pytest.approx(1e4 * 0.99 / 3e10)  # the peak of 4 threads: 3x
+    assert four.peak["fp32"] == pytest.approx(3e10)
+    assert four.matmul_s("fp32", 2e9) == pytest.approx(2 * 0.2 / 3 - 1e-4)  # past the blend: the full 3x
+    assert one.matmul_s("fp32", 1e6) / 3 < four.matmul_s("fp32", 1e6) < one.matmul_s("fp32", 1e6)  # part of it
+    assert one.op_s == 1e-5 and four.op_s == 2e-5
+    two = rates_for(_profile(), 2, 1, ranks_here=2)  # two 1-thread ranks: each half the every-core bandwidth
+    assert two.copy[-1] == (2e7, min(2 * 1e9, 2 * 2e9 / 2))
+    assert two.collectives["reduce_scatter"] == (2e-4, 5e8)
+    bare = rates_for(_profile(op_overhead_s={}, collectives={}), 2, 1)
+    assert bare.op_s == 0.0 and not bare.collectives and len(bare.notes) == 2
+
+
+def test_more_recompute_never_predicts_faster_and_stage3_communicates_more():
+    """Same model and stage: recomputing no block < two blocks whole (per_block) < every
+    block whole, in FLOPs, ops and seconds; selective recomputes no matmul (fewer FLOPs
+    than all) but more than none; its ops may outnumber all's (it replays the cheap ops
+    and keeps the matmuls' outputs), and so, on a small model, may its time, as measured
+    in benchmarks/time_model.py.
+    At 2 ranks stage 3 gathers the parameters again in backward: more collective bytes
+    and seconds than stage 2."""
+    rates = rates_for(_profile(), 2, 1, ranks_here=2)
+    task = _task(_cfg())
+    cfgs = {p: _cfg(3, p) for p in ("none", "selective", "all")}
+    cfgs["per_block"] = _cfg(3, "per_block", checkpointing={"policy": "per_block", "per_block": {"all": 2}})
+    work = {p: dry_run(task.model_fn, task.loss_fn, task.batch, c, 2).work for p, c in cfgs.items()}
+    order = ("none", "per_block", "all")
+    for key in (lambda w: w.flops, lambda w: w.n_ops, lambda w: step_time(w, rates).total):
+        assert key(work["none"]) < key(work["per_block"]) < key(work["all"]), [key(work[p]) for p in order]
+    assert work["none"].flops <= work["selective"].flops < work["all"].flops  # it keeps the matmuls' outputs
+    assert step_time(work["none"], rates).total < step_time(work["selective"], rates).total
+    two, three = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(2), 2).work, work["none"]
+    assert three.comm_bytes > two.comm_bytes
+    assert step_time(three, rates).comm_s > step_time(two, rates).comm_s
+    assert {k for k, _, _ in three.comm} >= {"reduce_scatter", "all_gather"}
+
+
+def test_one_rank_moves_nothing_between_ranks():
+    task = _task(_cfg(3, "none"))
+    work = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(3, "none"), 1).work
+    assert work is not None and not work.comm and work.flops > 0
+
+
+@pytest.mark.parametrize("stage,policy", [(0, "none"), (3, "all")])
+def test_extrapolated_time_equals_the_full_dry_runs(stage, policy):
+    """Depth extrapolation extends the counts linearly (signed: an op whose size grows
+    with the depth has a key per depth): the same seconds as a dry run of every block,
+    to rounding."""
+    cfg = _cfg(stage, policy)
+    task = _task(cfg)
+    rates = rates_for(_profile(), 2, 1, ranks_here=2)
+    prepared = prepare(task, cfg)
+    assert isinstance(prepared, Prepared)
+    shape = shape_for(prepared.stack, cfg, cheaper_only=False)  # 5 blocks: copies of 3 and 4, m = 2
+    ext = extrapolated(prepared, cfg, 2, task.batch, meta_init=builds_on_meta(cfg), shape=shape)
+    full = predict(task, cfg, 2)
+    assert ext.peak == full.peak  # extrapolated indeed, to the byte
+    assert ext.work.n_ops == full.work.n_ops and ext.work.flops == full.work.flops
+    assert ext.work.comm_bytes == full.work.comm_bytes
+    assert step_time(ext.work, rates).total == pytest.approx(step_time(full.work, rates).total, rel=1e-9)
+
+
+def test_op_key_counts_flops_bytes_and_views():
+    a, b = torch.ones(4, 8), torch.ones(8, 3)
+    assert op_key(torch.ops.aten.mm.default, (a, b), {}, a @ b) == ("fp32", 2 * 4 * 8 * 3, 4 * (32 + 24 + 12))
+    assert op_key(torch.ops.aten.view.default, (a, [32]), {}, a.view(32)) == ("", 0, 0)
+
+
+def test_plan_rows_carry_step_s_and_tokens_per_s(capsys):
+    """make_plan's rows and `mct plan --json` (the seeded profile of the test session)."""
+    cfg = _cfg()
+    plan = make_plan(_task(cfg), cfg, 2, None, Grid(stages=(0, 3), policies=("none",), precisions=("fp32",)),
+                     rates=RATES, advise=False)
+    for r in plan.rows:
+        assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(B * S * 2 / r["step_s"])
+        assert r["step_s"] == pytest.approx(sum(r["time"].values()))
+    assert main(["plan", "--json", "--world-size", "2", "--stages", "0", "--policies", "none", "--precisions",
+                 "fp32", "--set", "model.n_layer=2", "--set", "model.d_model=32", "--set", "model.n_head=2",
+                 "--set", "model.seq_len=16", "--set", "model.vocab_size=96"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["time"]["comm_s"] > 0
