@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "comma-separated: none, cpu, disk (default: the config's own)")
     pl.add_argument("--loss-chunks", default=None, help="train.loss_chunk_tokens values to plan, comma-separated "
                     "tokens, 0 = off, e.g. 0,1024 (default: the config's own)")
+    pl.add_argument("--mlp-tiles", default=None, help="checkpointing.mlp_tile_tokens values to plan, comma-separated "
+                    "tokens, 0 = off, e.g. 0,1024 (default: the config's own)")
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
@@ -447,14 +449,21 @@ def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
                              f"choose from none,cpu,disk")
         grid["act_offloads"] = tiers
     if args.loss_chunks is not None:
-        try:
-            grid["loss_chunks"] = tuple(int(v) for v in args.loss_chunks.split(",") if v.strip())
-        except ValueError:
-            grid["loss_chunks"] = ()
-        if not grid["loss_chunks"] or min(grid["loss_chunks"]) < 0:
-            raise ValueError(f"--loss-chunks {args.loss_chunks!r}: give token counts >= 0, comma-separated "
-                             f"(0 = off), e.g. 0,1024")
+        grid["loss_chunks"] = _token_counts("--loss-chunks", args.loss_chunks)
+    if args.mlp_tiles is not None:
+        grid["mlp_tiles"] = _token_counts("--mlp-tiles", args.mlp_tiles)
     return Grid(**grid)
+
+
+def _token_counts(flag: str, text: str) -> tuple[int, ...]:
+    """Comma-separated token counts >= 0 (0 = off). Raises ValueError naming ``flag``."""
+    try:
+        counts = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 0:
+        raise ValueError(f"{flag} {text!r}: give token counts >= 0, comma-separated (0 = off), e.g. 0,1024")
+    return counts
 
 
 def format_plan(plan) -> str:
@@ -465,15 +474,16 @@ def format_plan(plan) -> str:
     from mct.checkpointing import policy_label
     from mct.config import CheckpointingConfig
     from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "peak", *CATEGORIES, "at", "first", "init",
-            "host", "disk", "fits", "cost", "s/step", "tokens/s"]
+    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first",
+            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
         policy = (policy_label(CheckpointingConfig(policy="per_block", per_block=r["per_block"]))
                   if r.get("per_block") else r["policy"])
         table.append([f"{r['stage']}{mark}", policy, r["precision"], r["offload"], r.get("act_offload", "none"),
-                      str(r.get("loss_chunk_tokens", 0) or "off"), format_bytes(r["peak"]),
+                      str(r.get("loss_chunk_tokens", 0) or "off"), str(r.get("mlp_tile_tokens", 0) or "off"),
+                      format_bytes(r["peak"]),
                       *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
                       format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
                       format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),

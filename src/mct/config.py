@@ -304,11 +304,16 @@ class CheckpointingConfig:
     block in model order, or counts {all = A, selective = S} (optionally none = N, then A + S + N must
     be the block count): the first A blocks recompute fully, the next S selectively, the rest none.
     [] = every block as checkpointing.policy says."""
+    mlp_tile_tokens: int = 0
+    """Run each block's MLP (its submodule named mlp, feed_forward or ffn) over this many tokens at a
+    time: forward keeps only the MLP's input, backward recomputes and back-propagates one tile at a
+    time; 0 = off. Any policy; same numerics up to the summation order of the MLP's weight gradients."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             _fail("checkpointing.policy", self.policy, f"choose one of {', '.join(POLICIES)}")
         _check_range("checkpointing.k", self.k, 1)
+        check_int("checkpointing.mlp_tile_tokens", self.mlp_tile_tokens, 0)
         if self.offload not in OFFLOAD_TIERS:
             _fail("checkpointing.offload", self.offload, "choose 'none', 'cpu' or 'disk'")
         self._check_per_block()

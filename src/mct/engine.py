@@ -117,7 +117,8 @@ class Engine:
                                     comm=self.comm, device=self.device, tracker=self.tracker,
                                     hooks=UnitHooks(None if init_program is None else
                                                     lambda params: init_program.materialize(params, self.device),
-                                                    self._unit_built))
+                                                    self._unit_built),
+                                    partial_grads=lambda: self.recompute.more_tiles)
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
                                        cfg.zero.prefetch, root=model) if self.stage == 3 else None)
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))

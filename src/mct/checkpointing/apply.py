@@ -15,6 +15,7 @@ from mct.checkpointing.blocks import find_blocks
 from mct.checkpointing.offload import ActivationOffload, ReportFn
 from mct.checkpointing.policies import context_fn_for, policy_label, region_plans
 from mct.checkpointing.region import Region
+from mct.checkpointing.tiled import MLP_NAMES, TiledMLPs, find_mlps
 from mct.config import CheckpointingConfig
 
 
@@ -34,6 +35,13 @@ class CheckpointState:
         self.regions: list[Region] = []
         self._recompute_context = recompute_context
         self.offload: ActivationOffload | None = None
+        self.tiled: TiledMLPs | None = None  # checkpointing.mlp_tile_tokens
+
+    @property
+    def more_tiles(self) -> bool:
+        """True while backward runs a tiled MLP's tile other than its last: the gradients
+        arriving at its weights now are partial sums (``mct.checkpointing.tiled``)."""
+        return self.tiled is not None and self.tiled.more_tiles
 
     @property
     def verified(self) -> bool:
@@ -84,7 +92,8 @@ class CheckpointState:
                 "recompute_regions": len(self.regions), "recompute_calls": self.recompute_calls,
                 "recomputed_blocks": self.recomputed_blocks,
                 "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified,
-                **(self.offload.metrics() if self.offload is not None else {})}
+                **(self.offload.metrics() if self.offload is not None else {}),
+                **(self.tiled.metrics() if self.tiled is not None else {})}
 
     def reset_step(self) -> None:
         """Zero the per-step counters; call at the start of each optimizer step."""
@@ -93,12 +102,17 @@ class CheckpointState:
             r.recompute_time_s = 0.0
         if self.offload is not None:
             self.offload.end_step()
+        if self.tiled is not None:
+            self.tiled.tiles = 0
 
     def remove(self) -> None:
         """Restore every patched block's ``forward``; the model is as before ``apply``."""
         for region in self.regions:
             region.remove()
         self.regions = []
+        if self.tiled is not None:
+            self.tiled.remove()
+            self.tiled = None
         self.close()
 
     def close(self) -> None:
@@ -123,17 +137,22 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     'auto', no detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with
     k larger than the block count, a ``per_block`` list or counts that do not match it,
     a model already checkpointed, or ``cfg.offload = 'cpu'`` on a CPU ``device``.
+    ``cfg.mlp_tile_tokens`` > 0 (any policy): each block's MLP runs over tiles of that many
+    tokens (``mct.checkpointing.tiled``); ValueError when no block has one.
     """
     state = CheckpointState(policy_label(cfg), cfg.verify, recompute_context)
-    if cfg.policy in ("none", "auto"):
-        region_plans(cfg, 0)  # 'auto' raises, 'none' patches nothing
-        return state
+    if cfg.policy == "auto":
+        region_plans(cfg, 0)  # raises: the planner resolves it first
+    if cfg.policy == "none" and not cfg.mlp_tile_tokens:
+        return state  # patches nothing
     blocks = find_blocks(model, cfg.blocks)
     if not blocks:
+        key = f"checkpointing.policy = {cfg.policy!r}" if cfg.policy != "none" else \
+            f"checkpointing.mlp_tile_tokens = {cfg.mlp_tile_tokens}"
         raise ValueError(
-            f"checkpointing.policy = {cfg.policy!r} found no blocks in {type(model).__name__}: "
+            f"{key} found no blocks in {type(model).__name__}: "
             "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
-    plans = region_plans(cfg, len(blocks))
+    plans = region_plans(cfg, len(blocks)) if cfg.policy != "none" else []
     if cfg.offload != "none":
         state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report)
     for plan in plans:
@@ -145,7 +164,19 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     try:
         for region in state.regions:
             region.install()
+        if cfg.mlp_tile_tokens:
+            _tile_mlps(state, blocks, cfg.mlp_tile_tokens)
     except BaseException:
         state.remove()
         raise
     return state
+
+
+def _tile_mlps(state: CheckpointState, blocks: list[tuple[str, nn.Module]], tile_tokens: int) -> None:
+    mlps = find_mlps(blocks)
+    if not mlps:
+        raise ValueError(
+            f"checkpointing.mlp_tile_tokens = {tile_tokens}: no block of the model ({blocks[0][0]}, ...) has an MLP "
+            f"child named {' / '.join(MLP_NAMES)}; name the MLP submodule so, or set checkpointing.mlp_tile_tokens = 0")
+    state.tiled = TiledMLPs(tile_tokens, state.recompute_context)
+    state.tiled.install(mlps)

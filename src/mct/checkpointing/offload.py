@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-from torch.utils.checkpoint import _CachedTorchDispatchMode
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from mct.checkpointing.act_store import ActivationStore
 
@@ -40,12 +40,12 @@ ReportFn = Callable[[str, int], None]
 
 
 @contextlib.contextmanager
-def _outside_selective_cache() -> Iterator[None]:
-    """Leave selective checkpointing's replay cache (a dispatch mode that refuses any op
-    its forward did not run) for the duration; modes below it, such as the memory
-    tracker's, stay on."""
+def outside_selective_cache() -> Iterator[None]:
+    """Leave selective checkpointing's dispatch modes for the duration: its replay cache
+    (which refuses any op its forward did not run) and its forward's caching (which keeps
+    matmul outputs for the replay); modes below them, such as the memory tracker's, stay on."""
     with contextlib.ExitStack() as stack:
-        while isinstance(_get_current_dispatch_mode(), _CachedTorchDispatchMode):
+        while isinstance(_get_current_dispatch_mode(), (_CachedTorchDispatchMode, _CachingTorchDispatchMode)):
             stack.enter_context(_pop_mode_temporarily())
         yield
 
@@ -214,7 +214,7 @@ class ActivationOffload:
     def restore(self, p: Parked) -> torch.Tensor:
         """``p``'s tensor on the compute device (exact bytes, its requires_grad), and the
         read of the input parked just before it started. Call inside the replay."""
-        with _outside_selective_cache():
+        with outside_selective_cache():
             return self._restore(p)
 
     def _restore(self, p: Parked) -> torch.Tensor:

@@ -33,6 +33,7 @@ class Grid:
     offloads: tuple[str, ...] | None = None
     act_offloads: tuple[str, ...] | None = None  # checkpointing.offload tiers; None: the config's own
     loss_chunks: tuple[int, ...] | None = None  # train.loss_chunk_tokens values; None: the config's own
+    mlp_tiles: tuple[int, ...] | None = None  # checkpointing.mlp_tile_tokens values; None: the config's own
 
 
 def prepare(task: Task | Prepared, cfg: EngineConfig, extrapolate: bool = True) -> Task | Prepared:

@@ -26,7 +26,11 @@ plan 'none', since nothing is checkpointed): ``auto`` tries it before state offl
 changes no numerics and moves only the regions' inputs. Loss chunking is a grid axis too
 (``Grid.loss_chunks``: chunk sizes, 0 = off; default the config's own); ``auto`` plans it
 when the config leaves it off, nothing fits without it, and the loss is a model source's
-default (``Task.loss_for_chunk``).
+default (``Task.loss_for_chunk``). MLP tiling (``checkpointing.mlp_tile_tokens``) is one
+too (``Grid.mlp_tiles``, default the config's own); ``auto`` plans ``AUTO_MLP_TILE`` when
+nothing fits otherwise and the model's blocks have an MLP. Its cost (one more forward of
+each tiled MLP in backward) is not in ``step_cost``: at equal cost the untiled row is
+recommended. It changes no numerics beyond the summation order of the MLP's weight gradients.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mct.checkpointing import block_choices, find_blocks
+from mct.checkpointing import block_choices, find_blocks, find_mlps
 from mct.config import OFFLOAD_TIERS, EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
@@ -59,6 +63,8 @@ ACT_OFFLOAD_COST = {"none": 0.0, "cpu": 0.05, "disk": 0.1}
 LOSS_CHUNK_COST = 0.02
 AUTO_LOSS_CHUNK = 1024
 """The chunk ``auto`` plans (tokens): at a 128k vocabulary, 0.5 GiB of fp32 logits per chunk."""
+AUTO_MLP_TILE = 1024
+"""The MLP tile ``auto`` plans (tokens): an 8B Llama's [tile, 14336] bf16 intermediates are 28 MiB."""
 
 
 def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none",
@@ -109,9 +115,10 @@ def offload_keys(label: str) -> dict[str, str]:
 
 def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
                 offload: str | None = None, act_offload: str | None = None,
-                loss_chunk: int | None = None) -> EngineConfig:
+                loss_chunk: int | None = None, mlp_tile: int | None = None) -> EngineConfig:
     """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
-    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens) replaced.
+    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens,
+    checkpointing.mlp_tile_tokens) replaced.
     Policy 'per_block' keeps ``cfg``'s checkpointing.per_block (ValueError when it has none);
     a uniform policy drops it."""
     d = cfg.to_dict()
@@ -129,6 +136,8 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
         d["offload"] = {**d["offload"], **offload_keys(offload)}
     if loss_chunk is not None:
         d["train"]["loss_chunk_tokens"] = loss_chunk
+    if mlp_tile is not None:
+        d["checkpointing"]["mlp_tile_tokens"] = mlp_tile
     return EngineConfig.from_dict(d)
 
 
@@ -158,7 +167,7 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0, *,
+        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0, mlp_tile: int = 0, *,
         per_block: list[str] | dict[str, int] | None = None, recomputed: float | None = None,
         rates: Rates | None = None, tokens: int = 0) -> dict[str, Any]:
     """One plan row as plain data: the configuration, its steady-state peak with the
@@ -174,7 +183,7 @@ def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     return {"stage": stage, "policy": policy, "per_block": per_block if policy == "per_block" else None,
             "precision": precision, "offload": offload,
-            "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "world": world,
+            "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "mlp_tile_tokens": mlp_tile, "world": world,
             "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
             "phases": {k: v["total"] for k, v in run.phases.items()},
             "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
@@ -239,6 +248,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
         if tier not in OFFLOAD_TIERS:
             raise ValueError(f"activation offload {tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     chunks = _loss_chunks(work, cfg, grid.loss_chunks)
+    tiles = tuple(dict.fromkeys(int(t) for t in grid.mlp_tiles)) if grid.mlp_tiles else (cfg.checkpointing.mlp_tile_tokens,)
     notes: list[str] = []
     if rates is None:
         rates, notes = machine_rates(world, device, measure=measure)
@@ -246,20 +256,22 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)
     work = prepare(work, cfg, extrapolate)
     works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
-    choices = [(stage, policy, precision, offload, act, chunk) for precision in precisions for offload in offloads
-               for act in acts for chunk in chunks for policy in grid.policies for stage in grid.stages
+    choices = [(stage, policy, precision, offload, act, chunk, tile) for precision in precisions for offload in offloads
+               for act in acts for chunk in chunks for tile in tiles for policy in grid.policies for stage in grid.stages
                if (offload_keys(offload)["params"] == "none" or stage == 3) and (act == "none" or policy != "none")]
     configs = [with_choice(cfg, *choice) for choice in choices]
     runs = run_jobs(lambda i: predict(works[choices[i][5]], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
     mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}
-    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, **mixed, rates=rates,
-                tokens=tokens) for run, (stage, policy, precision, offload, act, chunk) in zip(runs, choices)]
+    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, tile, **mixed, rates=rates,
+                tokens=tokens) for run, (stage, policy, precision, offload, act, chunk, tile) in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
     mine = [r for r in rows if r["precision"] == mode]
-    fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["peak"], r["stage"]))
+    # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
+    fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["mlp_tile_tokens"] > 0, r["peak"],
+                                                                    r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
     plan = Plan(rows, budget, world, n_params, mode, best, "", notes)
     if advise:
@@ -318,7 +330,7 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     assert budget is not None
     chunk = low.get("loss_chunk_tokens", cfg.train.loss_chunk_tokens)
     base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"),
-                       chunk)
+                       chunk, low.get("mlp_tile_tokens"))
     work = map_task(work, with_loss_chunk, chunk)
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
@@ -327,7 +339,8 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"), chunk)
+    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"), chunk,
+                         low.get("mlp_tile_tokens"))
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -345,8 +358,9 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
 
 
 def _chunk_setting(r: dict[str, Any]) -> str:
-    chunk = r.get("loss_chunk_tokens", 0)
-    return f" train.loss_chunk_tokens={chunk}" if chunk else ""
+    chunk, tile = r.get("loss_chunk_tokens", 0), r.get("mlp_tile_tokens", 0)
+    return (f" train.loss_chunk_tokens={chunk}" if chunk else "") + (f" checkpointing.mlp_tile_tokens={tile}"
+                                                                     if tile else "")
 
 
 def _offload_settings(label: str) -> str:
@@ -376,6 +390,14 @@ def _chunking_may_fit(plan: Plan, cfg: EngineConfig, work: Work) -> bool:
             and any(r["phases"].get("optimizer", 0) <= (plan.budget or 0) for r in plan.rows))
 
 
+def _tiling_may_fit(cfg: EngineConfig, work: Work) -> bool:
+    """Is MLP tiling worth planning for ``auto``? The config leaves it off and the model's
+    blocks have an MLP (``mct.checkpointing.find_mlps``)."""
+    if cfg.checkpointing.mlp_tile_tokens:
+        return False
+    return bool(find_mlps(find_blocks(meta_model(task_of(work).model_fn), cfg.checkpointing.blocks)))
+
+
 def auto_offloads(device: str) -> tuple[str, ...]:
     """What ``auto`` tries when nothing fits without offload: host memory for a CUDA
     device, disk for a CPU device (where host memory is the budget)."""
@@ -394,7 +416,8 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
     """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
     cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
     keys as set). When nothing fits, loss chunking (``AUTO_LOSS_CHUNK`` tokens, when the
-    config leaves it off and the loss is a model source's default) is planned, then,
+    config leaves it off and the loss is a model source's default) is planned, then MLP
+    tiling (``AUTO_MLP_TILE`` tokens, when the config leaves it off and the blocks have an MLP), then,
     when ``offload`` is not set, offload too
     (``auto_offloads(device)``; a chosen offload is in the returned config and choice).
     Returns (resolved config, the choice and its prediction; None when nothing was
@@ -422,6 +445,9 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
     if plan.recommended is None and _chunking_may_fit(plan, cfg, work):
         grid = dataclasses.replace(grid, loss_chunks=(AUTO_LOSS_CHUNK,))  # same numerics up to the loss's sums
         plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
+    if plan.recommended is None and _tiling_may_fit(cfg, work):
+        grid = dataclasses.replace(grid, mlp_tiles=(AUTO_MLP_TILE,))  # same numerics up to the weight gradients' sums
+        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
     if plan.recommended is None and not cfg.offload.enabled:
         grid = dataclasses.replace(grid, offloads=auto_offloads(device), act_offloads=acts)
         plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
@@ -432,6 +458,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
               "checkpointing.per_block": best["per_block"],
               "offload": best["offload"], "checkpointing.offload": best["act_offload"],
               "train.loss_chunk_tokens": best["loss_chunk_tokens"],
+              "checkpointing.mlp_tile_tokens": best["mlp_tile_tokens"],
               "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
@@ -439,7 +466,8 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
               "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world,
               "predicted_step_s": best["step_s"], "predicted_tokens_per_s": best["tokens_per_s"]}
     return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
-                       act_offload=best["act_offload"], loss_chunk=best["loss_chunk_tokens"]), choice
+                       act_offload=best["act_offload"], loss_chunk=best["loss_chunk_tokens"],
+                       mlp_tile=best["mlp_tile_tokens"]), choice
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:

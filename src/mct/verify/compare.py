@@ -98,6 +98,10 @@ class VerifyReport:
     """the engine's recompute policy as it ran (``CheckpointState.policy``: per_block as runs)"""
     recomputed_blocks: int = 0
     """block forwards the engine recomputed in its last step"""
+    mlp_tile_tokens: int = 0
+    """checkpointing.mlp_tile_tokens as it ran (0: untiled)"""
+    mlp_tiles: int = 0
+    """MLP tiles the engine back-propagated in its last step"""
 
     @property
     def max_loss_rel(self) -> float:
@@ -123,6 +127,9 @@ class VerifyReport:
         if self.checkpointing != "none":
             lines.append(f"checkpointing {self.checkpointing}: {self.recomputed_blocks} block forward(s) "
                          f"recomputed in the last step")
+        if self.mlp_tile_tokens:
+            lines.append(f"MLPs in tiles of {self.mlp_tile_tokens} tokens: {self.mlp_tiles} tile(s) back-propagated "
+                         f"in the last step")
         lines.append(f"max relative loss difference      {self.max_loss_rel:.3e} (tolerance {self.loss_tol:.0e})")
         lines.append(f"max relative grad-norm difference {self.max_grad_norm_rel:.3e} (tolerance {self.loss_tol:.0e})")
         lines.append(f"relative parameter difference     {self.param_rel:.3e} (tolerance {self.param_tol:.0e}); "
@@ -185,6 +192,8 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
         opt_step += not out.skipped
     report.checkpointing = engine.recompute.policy
     report.recomputed_blocks = engine.recompute.recomputed_blocks
+    report.mlp_tile_tokens = cfg.checkpointing.mlp_tile_tokens
+    report.mlp_tiles = engine.recompute.metrics().get("mlp_tiles", 0)
     state = engine.full_state_dict()
     if ref is None:
         return None

@@ -207,12 +207,15 @@ class Comm:
         self.stats.add(t.numel() * t.element_size(), time.perf_counter() - t0)
 
     def reduce_scatter(self, full: Any, out: torch.Tensor, async_op: bool = False,
-                       then=None, window: int | None = None) -> Pending | None:
+                       then=None, window: int | None = None, bucket_major: bool = False) -> Pending | None:
         """Sum ``full`` [world * S] over ranks; this rank's slice [S] lands in ``out``.
         ``full`` is a tensor, or a source read one bucket at a time (``fill(dst, a, b)``:
         columns [a, b) of it viewed as [world, S] into ``dst``; ``mct.zero.flat.HeldGrads``),
         so no tensor of its full size need exist. ``window``: at most that many buckets
-        in flight (None: all)."""
+        in flight (None: all). ``bucket_major``: the tensor ``full`` holds, bucket after
+        bucket (``bucket_slices(S, world, ...)``), each bucket's [world, b - a] columns
+        contiguously at [world * a, world * b): every bucket reads its slice in place, no
+        copy; ``full`` stays alive until the wait."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 bucket or None, got {window}")
         source = not isinstance(full, torch.Tensor)
@@ -231,6 +234,13 @@ class Comm:
                 full.fill(whole, 0, S)
                 full = whole.view(-1)
             works, keep = [self.ops.reduce_scatter(out, full)], [full]
+        elif bucket_major:
+            assert window is None, "a bucket-major input keeps every bucket in flight"
+            if self.simulated and BUCKETS_AS_ONE:  # no temporaries to allocate: one shape-checked call
+                works = [self.ops.reduce_scatter(out, full, buckets=len(chunks))]
+            else:
+                works = [self.ops.reduce_scatter(out[a:b], full[self.world * a:self.world * b]) for a, b in chunks]
+            keep = [full]  # every bucket reads it in place until done
         elif self.simulated and BUCKETS_AS_ONE:
             # the buckets' contiguous copies of their columns, as many alive as the real
             # run holds at its peak and then until wait(): one tensor, in O(1) fake ops

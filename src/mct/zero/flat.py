@@ -80,7 +80,6 @@ class HeldGrads:
     def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
-        self._numels = layout.numels()
 
     def numel(self) -> int:
         return self.layout.padded_numel
@@ -90,26 +89,30 @@ class HeldGrads:
 
     def fill(self, dst: torch.Tensor, a: int, b: int) -> None:
         """``dst`` [world, b - a] <- columns [a, b) of the flat gradient viewed as [world, S]."""
-        S, world, width = self.layout.shard_numel, dst.shape[0], b - a
         dst.zero_()
         for index, grad in self.grads:  # in arrival order, so each element sums as before
-            off, n = self.layout.offsets[index], self._numels[index]
-            # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
-            first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
-            if first > last or width <= 0:
-                continue
-            whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
-            flat = grad.reshape(-1)
-            if whole_lo <= whole_hi:  # one strided add for every row it covers whole: O(1) ops, not O(world)
-                rows = flat.as_strided((whole_hi - whole_lo + 1, width), (S, 1),
-                                       flat.storage_offset() + whole_lo * S + a - off)
-                dst[whole_lo:whole_hi + 1].add_(rows)
-            for r in sorted({first, last} - set(range(whole_lo, whole_hi + 1))):
-                lo = r * S + a
-                x, y = max(lo, off), min(lo + width, off + n)
-                if x < y:
-                    dst[r, x - lo:y - lo].add_(flat[x - off:y - off])
-            del flat
+            add_columns(dst, grad.reshape(-1), self.layout.offsets[index], self.layout.shard_numel, a, b)
+
+
+def add_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int, b: int) -> None:
+    """``dst`` [world, b - a] += columns [a, b) of a parameter's gradient ``flat`` (its
+    elements at [off, off + numel) of a flat [world * S] gradient viewed as [world, S]).
+    One strided add for the rows it covers whole, one per partly covered row: O(1) ops,
+    not O(world)."""
+    world, width, n = dst.shape[0], b - a, flat.numel()
+    # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
+    first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
+    if first > last or width <= 0:
+        return
+    whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
+    if whole_lo <= whole_hi:
+        rows = flat.as_strided((whole_hi - whole_lo + 1, width), (S, 1), flat.storage_offset() + whole_lo * S + a - off)
+        dst[whole_lo:whole_hi + 1].add_(rows)
+    for r in sorted({first, last} - set(range(whole_lo, whole_hi + 1))):
+        lo = r * S + a
+        x, y = max(lo, off), min(lo + width, off + n)
+        if x < y:
+            dst[r, x - lo:y - lo].add_(flat[x - off:y - off])
 
 
 class FlatParamUnit:
@@ -163,6 +166,14 @@ class FlatParamUnit:
         # their gradients arrive at the two ends of backward).
         self.hold_grads = False
         self.held: list[tuple[int, torch.Tensor]] = []
+        # Stages 2/3 (ShardedModel sets both for a block's unit): ``reduce_in_place``: its
+        # reduce-scatter reads each bucket of grad_full in place (``bucket_major``), no copy
+        # of its columns; ``grad_buckets``: those buckets (the ones Comm.reduce_scatter
+        # cuts), grad_full laid out bucket by bucket, bucket [a, b) of the [world, S]
+        # gradient at [world * a, world * b). None in a dry run whose collectives allocate
+        # as one (``BUCKETS_AS_ONE``): the same bytes, in one add per gradient.
+        self.reduce_in_place = False
+        self.grad_buckets: list[tuple[int, int]] | None = None
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0
@@ -217,18 +228,26 @@ class FlatParamUnit:
                 comm.all_gather(src, self.working, window=self.bucket_window)
 
     # ---- gradients ----
-    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, index: int, grad: torch.Tensor, last: bool = True) -> None:
         """Add one parameter's gradient into the flat gradient buffer (``hold_grads``:
-        keep it until the unit is reduced)."""
+        keep it until the unit is reduced). ``last=False``: a partial sum, more of this
+        parameter's gradient follows in this backward (a tiled MLP's earlier tiles); only
+        a last part counts in ``grads_seen``."""
         if self.hold_grads and not self.full_grads:
             self.held.append((index, grad))
-            self.grads_seen += 1
-            return
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
-        off, n = self.layout.offsets[index], self._numels[index]
-        self.grad_full[off:off + n].add_(grad.reshape(-1))
-        self.grads_seen += 1
+        else:
+            if self.grad_full is None:
+                self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+            flat = grad.reshape(-1)
+            if self.grad_buckets is not None and self.reduce_in_place:
+                world, off = self.layout.world, self.layout.offsets[index]
+                for a, b in self.grad_buckets:  # bucket [a, b): [world, b - a] at [world * a, world * b)
+                    add_columns(self.grad_full[world * a:world * b].view(world, b - a), flat, off,
+                                self.layout.shard_numel, a, b)
+            else:
+                off, n = self.layout.offsets[index], self._numels[index]
+                self.grad_full[off:off + n].add_(flat)
+        self.grads_seen += int(last)
 
     def reduce(self, comm: Comm, async_op: bool) -> None:
         """Sum grad_full over ranks into grad_shard (added to what is there), then
@@ -265,7 +284,8 @@ class FlatParamUnit:
         if not self.full_grads:
             self.grad_full = None  # freed once the collective is done with it
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate,
-                                                  window=self.bucket_window)
+                                                  window=self.bucket_window,
+                                                  bucket_major=self.reduce_in_place and isinstance(full, torch.Tensor))
 
     def wait_reduce(self) -> None:
         # Cleared first: the completion callback may raise (a budget check on the new

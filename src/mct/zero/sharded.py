@@ -19,9 +19,10 @@ import torch
 import torch.nn as nn
 
 from mct.precision.policy import PrecisionPolicy
+from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
 from mct.zero.flat import FlatParamUnit
-from mct.zero.partition import build_layout
+from mct.zero.partition import bucket_slices, build_layout
 
 
 def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[int, str]:
@@ -65,10 +66,15 @@ class UnitHooks:
 class ShardedModel:
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], blocks: list[tuple[str, nn.Module]],
                  *, sharding: ShardingPolicy, precision: PrecisionPolicy, comm: Comm, device: torch.device,
-                 tracker: Any, hooks: UnitHooks | None = None) -> None:
+                 tracker: Any, hooks: UnitHooks | None = None,
+                 partial_grads: Callable[[], bool] | None = None) -> None:
         """``sharding``: the stage and what stays gathered; ``precision``: the units'
         dtypes; ``hooks``: what runs around packing each unit (``UnitHooks``), so
-        construction can hold one unit at a time."""
+        construction can hold one unit at a time. ``partial_grads()``: True while the
+        gradients arriving are partial sums of their parameters' gradients (a tiled MLP's
+        earlier tiles): they are added, and a unit is reduced only once every
+        parameter's last part has arrived."""
+        self.partial_grads = partial_grads or (lambda: False)
         stage, persistent_numel, shard_align = sharding.stage, sharding.persistent_numel, sharding.shard_align
         hooks = hooks or UnitHooks()
         self.stage, self.comm, self.tracker = stage, comm, tracker
@@ -101,6 +107,12 @@ class ShardedModel:
                     # IN_FLIGHT_BUCKETS buckets' copies are alive, not all of them
                     unit.bucket_window = IN_FLIGHT_BUCKETS
                     unit.hold_grads = True
+                elif stage >= 2 and layout.world > 1:
+                    # its gradient accumulates bucket by bucket: the reduce-scatter copies nothing
+                    unit.reduce_in_place = True
+                    if not (comm.simulated and collectives.BUCKETS_AS_ONE):
+                        unit.grad_buckets = bucket_slices(layout.shard_numel, layout.world,
+                                                          precision.reduce_dtype.itemsize, comm.bucket_bytes)
                 self.units.append(unit)
                 self.group_of_unit.append(gi)
                 if hooks.after is not None:
@@ -133,11 +145,13 @@ class ShardedModel:
         def hook(p: torch.Tensor) -> None:
             if unit.hold_grads and not unit.full_grads:
                 self.tracker.register(p.grad, "grads")  # kept until the unit is reduced
-            unit.accumulate_grad(index, p.grad)
+            created = unit.grad_full is None
+            last = not self.partial_grads()  # a tiled MLP's earlier tiles: more of p's gradient follows
+            unit.accumulate_grad(index, p.grad, last=last)
             p.grad = None
-            if unit.grads_seen == 1 and unit.grad_full is not None and not unit.full_grads:
+            if created and unit.grad_full is not None and not unit.full_grads:
                 self.tracker.register(unit.grad_full, "grads")
-            if self.stage >= 2 and unit.grads_seen == unit.n_trainable:
+            if last and self.stage >= 2 and unit.grads_seen == unit.n_trainable:
                 self._unit_backward_done(unit)
         return hook
 
