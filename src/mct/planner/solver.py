@@ -32,13 +32,11 @@ from typing import Any
 from mct.checkpointing import find_blocks
 from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner.plan import (AUTO_LOSS_CHUNK, STAGES, Plan, _advice, _chunk_setting, _offload_settings, _per_block_of,
-                              _policy_settings, auto_act_offload, auto_offloads, dry_run_cost, offload_keys,
-                              offload_label, predict, with_choice)
+from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, predict, with_choice
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
-from mct.planner.grid import batch_size, map_task, prepare, resized_batch, task_of
+from mct.planner.grid import map_task, prepare, resized_batch, task_of
 from mct.planner.pool import run_jobs
 from mct.task.spec import with_loss_chunk
 
@@ -402,75 +400,3 @@ def why(sol: Solution, ev: Evaluator) -> str:
     return (f"fastest that fits {format_bytes(sol.budget)}: zero.stage={p['stage']}, recomputes "
             f"{recompute_label(p, sol.n_blocks)}, {predicted_seconds(p) / t0:.2f}x {than}{unit}; "
             f"{other} ({len(sol.rows)} dry runs)")
-
-
-def settings(row: dict[str, Any]) -> str:
-    """A solver row as --set arguments."""
-    out = [f"zero.stage={row['stage']}", _policy_settings(row)]
-    if row["act_offload"] != "none":
-        out.append(f"checkpointing.offload={row['act_offload']}")
-    if row["offload"] != "none":
-        out.append(_offload_settings(row["offload"]))
-    out.append(_chunk_setting(row).strip())
-    out.append(f"data.micro_batch_size={row['micro_batch_size']} data.grad_accum={row['grad_accum']}")
-    return " ".join(o for o in out if o)
-
-
-def space_for(work: Any, cfg: EngineConfig, allow: tuple[str, ...] | list[str], device: str = "cpu", *,
-              stages: tuple[int, ...] | None = None, search_policy: bool | None = None) -> Space:
-    """The space ``auto`` searches for ``cfg`` (stages and policy where they are 'auto'; or as
-    given) with the levers ``allow`` names ('micro_batch', 'loss_chunk', 'offload'; the last two
-    as a free choice, not only when nothing fits). Activation offload is searched when the
-    config leaves it off."""
-    if stages is None:
-        stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
-    if search_policy is None:
-        search_policy = cfg.checkpointing.policy == "auto"
-    own_act = cfg.checkpointing.offload
-    acts = ("none", auto_act_offload(device)) if own_act == "none" and (
-        search_policy or cfg.checkpointing.policy != "none") else (own_act,)
-    own_chunk = cfg.train.loss_chunk_tokens
-    chunks = (0, AUTO_LOSS_CHUNK) if "loss_chunk" in allow and chunkable(work, cfg) else (own_chunk,)
-    offloads = ("none", *auto_offloads(device)) if "offload" in allow and not cfg.offload.enabled \
-        else (offload_label(cfg),)
-    per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
-    mbs = (cfg.data.micro_batch_size,)
-    if "micro_batch" in allow and batch_size(task_of(work).batch) == cfg.data.micro_batch_size:
-        mbs = tuple(b for b in range(per_rank, 0, -1) if per_rank % b == 0)
-    return Space(tuple(stages), search_policy, acts, chunks, offloads, mbs)
-
-
-def chunkable(work: Any, cfg: EngineConfig) -> bool:
-    """Can the solver turn loss chunking on: the config leaves it off and the loss is a model source's default."""
-    return cfg.train.loss_chunk_tokens == 0 and task_of(work).loss_for_chunk is not None
-
-
-def solve_auto(work: Any, cfg: EngineConfig, world: int, budget: int, allow: tuple[str, ...] | list[str],
-               device: str = "cpu", *, workers: int = 1, row_kw: dict[str, Any] | None = None,
-               space: Space | None = None) -> Solution:
-    """``solve`` over ``space`` (default ``space_for``), then, when nothing fits, with loss
-    chunking (``AUTO_LOSS_CHUNK`` tokens, where ``chunkable``) and then state offload
-    (``auto_offloads(device)``, where the config sets none), as ``auto`` has always tried them."""
-    space = space or space_for(work, cfg, allow, device)
-    work = prepare(work, cfg)
-    sol = solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw)
-    if sol.pick is None and "loss_chunk" not in allow and chunkable(work, cfg):
-        space = dataclasses.replace(space, chunks=(AUTO_LOSS_CHUNK,))
-        sol = _more(sol, solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw))
-    if sol.pick is None and "offload" not in allow and not cfg.offload.enabled:
-        space = dataclasses.replace(space, offloads=auto_offloads(device))
-        sol = _more(sol, solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw))
-    return sol
-
-
-def _more(before: Solution, after: Solution) -> Solution:
-    """``after`` with ``before``'s rows too (the advice names the smallest of all)."""
-    seen = {id(r) for r in after.rows}
-    after.rows = [*after.rows, *(r for r in before.rows if id(r) not in seen)] if after.pick is None else after.rows
-    return after
-
-
-def nothing_fits(sol: Solution, work: Any, cfg: EngineConfig) -> str:
-    """The planner's one-line 'nothing fits' advice for a solution without a pick."""
-    plan = Plan(sol.rows, sol.budget, sol.world, sol.n_params, sol.precision, None, "")
-    return _advice(plan, work, cfg)
