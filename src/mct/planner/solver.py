@@ -25,6 +25,7 @@ lower peak, then the lower stage.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from mct.checkpointing import find_blocks
 from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, predict, with_choice
+from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, with_choice
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
@@ -41,6 +42,7 @@ from mct.planner.pool import run_jobs
 from mct.task.spec import with_loss_chunk
 
 UNIFORM = ("none", "selective", "all")
+_PLAN = importlib.import_module("mct.planner.plan")  # predict looked up per call; plan() shadows the name
 
 
 def predicted_seconds(row: dict[str, Any]) -> float:
@@ -159,7 +161,7 @@ class Evaluator:
         """The rows of ``cands``, dry-running those not seen yet in one batch of jobs."""
         todo = list(dict.fromkeys(c for c in cands if c not in self.done))
         configs = [self.config(c) for c in todo]
-        runs = run_jobs(lambda i: predict(self._work(todo[i].chunk, todo[i].micro_batch), configs[i],
+        runs = run_jobs(lambda i: _PLAN.predict(self._work(todo[i].chunk, todo[i].micro_batch), configs[i],
                                                   self.world),
                         len(todo), workers=self.workers, cost=[dry_run_cost(self.work, c) for c in configs])
         for c, run, config in zip(todo, runs, configs):
