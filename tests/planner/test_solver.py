@@ -169,9 +169,9 @@ def test_mct_plan_solve_prints_the_frontier_pick_and_why_and_json_carries_them(c
 @pytest.mark.slow  # a training run (in make test, not make test-fast)
 def test_auto_trains_the_solvers_pick_and_records_it(tmp_path, corpus_dir):
     from mct.run.trainer import train
-    cfg = config(memory={"solver_allow": ["micro_batch"]}, data={"micro_batch_size": 4, "grad_accum": 1})
+    cfg = config(memory={"solver_allow": ["micro_batch"]}, model={"vocab_size": 256})  # the corpus's bytes
     rows = uniform_rows(cfg)
-    small = uniform_rows(config(data={"micro_batch_size": 2}))
+    small = uniform_rows(config(data={"micro_batch_size": 2}, model={"vocab_size": 256}))
     budget = (need(small["none"]) + need(rows["none"])) // 2
     run = EngineConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "path": str(corpus_dir)},
                                   "memory": {"budget": str(budget), "solver_allow": ["micro_batch"]},
