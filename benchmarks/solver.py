@@ -3,7 +3,7 @@ model's 'all' and 'none' peaks, the configuration ``auto`` picks (``mct.planner.
 per-block recompute, stage, activation offload, the levers ``--allow`` names) and the
 fastest uniform row of the grid that fits (stages 0-3 x none/selective/sqrt/all, by the
 same prediction), both trained for real on 2 gloo ranks, step by step interleaved in the
-same processes (a shared CPU slows them alike): median step time, the engine tracker's
+same processes, each first in half the rounds (a shared CPU slows them alike): median step time, the engine tracker's
 peak per rank (first step included) against the budget.
 
     PYTHONPATH=src:. python benchmarks/solver.py [--layers 16] [--steps 5] [--fractions 0.15 0.35 0.55 0.75]
@@ -70,7 +70,11 @@ def _worker(rank: int, world: int, cfgs: dict[str, dict], steps: int) -> dict[st
             out = engine.train_step(_batches(cfg, i, rank), losses[name])
             peaks[name].append(out.metrics["peak_bytes"])
         return step
-    times = interleave({n: step_of(n) for n in engines}, steps, warmup=1, before_each=dist.barrier)
+    times: dict[str, list[float]] = {n: [] for n in engines}
+    for order in (list(engines), list(engines)[::-1]):  # each first half the time: no seat is better
+        for n, t in interleave({n: step_of(n) for n in order}, -(-steps // 2), warmup=1,
+                               before_each=dist.barrier).items():
+            times[n] += t
     for engine, _ in engines.values():
         engine.close()
     if rank != 0:
