@@ -379,6 +379,8 @@ def recompute_label(row: dict[str, Any], n: int) -> str:
     if row["policy"] != "per_block":
         return f"every block ({row['policy']})"
     pb = row["per_block"] or {}
+    if isinstance(pb, list):  # the config's own list: one choice per block
+        pb = {c: pb.count(c) for c in ("all", "selective")}
     parts = [f"{k} {v}" for k, v in sorted(pb.items()) if v]
     return f"{sum(pb.values())} of {n} blocks ({', '.join(parts)})"
 
@@ -392,9 +394,10 @@ def why(sol: Solution, ev: Evaluator) -> str:
     base = ev.done.get(base_c)  # the pick's branch without recompute (searched policies only)
     t0 = predicted_seconds(base) if base is not None else min(predicted_seconds(r) for r in sol.rows)
     than = "the no-recompute time" if base is not None else "the fastest row's time"
-    uniform = [r for r in sol.rows if r["fits"] and r["policy"] != "per_block"]
+    tried = [r for r in sol.rows if r["policy"] != "per_block"]
+    uniform = [r for r in tried if r["fits"]]
     fastest = min(uniform, key=rank) if uniform else None
-    other = ("no uniform policy fits" if fastest is None else
+    other = ("no uniform policy was dry-run" if not tried else "no uniform policy fits" if fastest is None else
              f"the fastest uniform that fits (zero.stage={fastest['stage']} {fastest['policy']}"
              f"{'' if fastest['act_offload'] == 'none' else ' act ' + fastest['act_offload']}) would be "
              f"{predicted_seconds(fastest) / t0:.2f}x")
