@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mct import __version__
 from mct.config import CLI_RECIPE, EngineConfig, load_config
@@ -105,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--full-depth", action="store_true", help="dry-run every configuration at the model's full "
                     "depth instead of extending two shallow copies of its repeated blocks (slower; same numbers "
                     "where the blocks repeat, docs/planner.md)")
+    pl.add_argument("--solve", action="store_true", help="search for the fastest configuration that fits the "
+                    "budget instead of the grid: the stage, per-block recompute, activation offload and the levers "
+                    "--allow names; prints the frontier, the pick and why (docs/planner.md, 'The solver')")
+    pl.add_argument("--allow", default=None, help="with --solve: levers that change numerics or move the state it "
+                    "may choose, comma-separated: micro_batch, loss_chunk, offload (default: memory.solver_allow)")
     pl.add_argument("--workers", type=int, default=None, help="processes that dry-run the grid's configurations "
                     "(default: one per usable CPU core, at most 8; used only when the grid takes seconds; 1: "
                     "all in this process)")
@@ -396,6 +402,8 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args, cfg)
+    if args.solve or args.allow is not None:
+        return _cmd_solve(args, cfg, limit, work, grid)
     try:
         plan = make_plan(work, cfg, args.world_size, limit, grid, extrapolate=not args.full_depth,
                          workers=plan_workers(args.workers))
@@ -408,6 +416,39 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
         plot_plan(plan.to_dict(), args.plot)
     if limit is not None and plan.recommended is None:
         raise ValueError(plan.advice)
+    return 0
+
+
+def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, work: Any, grid: Any) -> int:
+    """``mct plan --solve``: the solver's frontier, pick and why (or JSON; ``--plot``: the
+    frontier). Raises ValueError (exit 2, one line) without a budget or when nothing fits."""
+    import json
+
+    from mct.planner import plan_workers
+    from mct.planner.auto import check_allow, format_solution, nothing_fits, solve_auto, space_for
+    if not args.solve:
+        raise ValueError(f"--allow {args.allow!r} is for the solver: add --solve")
+    if limit is None:
+        raise ValueError("--solve needs a per-rank budget: pass --budget (e.g. --budget 24GiB) or set memory.budget")
+    allow = check_allow(args.allow, "--allow") if args.allow is not None else tuple(cfg.memory.solver_allow)
+    if len(grid.precisions) == 1 and grid.precisions[0] != cfg.precision.mode:  # --precisions bf16: that one
+        cfg = EngineConfig.from_dict({**cfg.to_dict(), "precision": {**cfg.to_dict()["precision"],
+                                                                     "mode": grid.precisions[0]}})
+    device = "cuda" if cfg.distributed.backend == "nccl" else "cpu"
+    space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True)
+    from mct.planner.pool import WorkerDied
+    try:
+        sol = solve_auto(work, cfg, args.world_size, limit, allow, device, workers=plan_workers(args.workers),
+                         space=space)
+    except WorkerDied as e:
+        print(f"mct: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({**sol.to_dict(), "allow": list(allow)}, indent=2) if args.json else format_solution(sol))
+    if sol.pick is None:
+        raise ValueError(nothing_fits(sol, work, cfg))
+    if args.plot:
+        from mct.reporting.plots import plot_frontier
+        plot_frontier(sol.to_dict(), args.plot)
     return 0
 
 

@@ -377,6 +377,10 @@ class ZeroConfig:
         _check_range("zero.persistent_numel", self.persistent_numel, 0)
 
 
+SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload")
+"""What ``memory.solver_allow`` may name: the levers ``auto``'s search changes only when allowed."""
+
+
 @dataclass(kw_only=True)
 class MemoryConfig:
     budget: str = ""
@@ -391,10 +395,21 @@ class MemoryConfig:
     construction and each step; 'frugal' keeps 64 KiB throughout (least resident, most
     page faults); 'default' leaves glibc as it is; 'auto' = lean with offload on a CPU
     device unless MALLOC_MMAP_THRESHOLD_ is set (mct.memory.host, docs/stages.md "offload")."""
+    solver_allow: list[str] = field(default_factory=list)
+    """What ``auto``'s search may change beyond the stage, the per-block recompute and the
+    activation offload (docs/planner.md, "The solver"): 'micro_batch' (data.micro_batch_size x
+    data.grad_accum, the product kept; changes the order of the gradient sums), 'loss_chunk'
+    (train.loss_chunk_tokens whenever faster; changes the order of the loss's sums), 'offload'
+    (state offload whenever faster). Without 'loss_chunk' / 'offload' each is still tried
+    when nothing fits without it, as ``auto`` always did."""
 
     def __post_init__(self) -> None:
         if self.host_malloc not in ("auto", "default", "lean", "frugal"):
             _fail("memory.host_malloc", self.host_malloc, "choose 'auto', 'default', 'lean' or 'frugal'")
+        bad = [v for v in self.solver_allow if v not in SOLVER_LEVERS]
+        if bad:
+            _fail("memory.solver_allow", self.solver_allow,
+                  f"{bad[0]!r} is not a lever; choose from {', '.join(SOLVER_LEVERS)} (comma-separated, or [])")
         if self.budget:
             parse_bytes(self.budget)
         if self.enforce and not self.budget:

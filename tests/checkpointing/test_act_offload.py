@@ -249,7 +249,8 @@ def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
 
 @pytest.mark.timeout(900)
 def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
-    from mct.planner.plan import Grid, make_plan, resolve_auto
+    from mct.planner import resolve_auto
+    from mct.planner.plan import Grid, make_plan
     work, base = _gpt_work(8)
     grid = Grid((0,), ("all",), ("fp32",), act_offloads=("none", "disk"))
     rows = {r["act_offload"]: r for r in make_plan(work, base, 1, None, grid, advise=False).rows}

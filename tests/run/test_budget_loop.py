@@ -32,8 +32,9 @@ def underpredict(monkeypatch, factors: dict[str, float]) -> None:
     real = plan_module.predict
 
     def optimistic(work, cfg, world):
-        p = real(work, cfg, world)
-        return dataclasses.replace(p, peak=int(p.peak * factors.get(cfg.checkpointing.policy, 1.0)))
+        p, f = real(work, cfg, world), factors.get(cfg.checkpointing.policy, 1.0)
+        # the steady and the first step alike: auto's pick must fit both
+        return dataclasses.replace(p, peak=int(p.peak * f), first_step_peak=int(p.first_step_peak * f))
     monkeypatch.setattr(plan_module, "predict", optimistic)
 
 

@@ -1,6 +1,7 @@
 """The memory planner: per-rank peak bytes of any model's training step, predicted by
 running the engine's own code on fake tensors (``dry_run``), and the plan that picks
-the cheapest configuration fitting a budget (``plan``; ``mct plan``; ``auto``).
+the cheapest configuration fitting a budget (``plan``; ``mct plan``), and the solver that
+searches for the fastest one that fits (``solver``; ``mct plan --solve``; ``auto``).
 
 It sits above the engine: it imports ``mct.engine``, never the other way round.
 """
@@ -14,7 +15,8 @@ from mct.planner.depth import Prepared
 from mct.planner.dry_run import (DryRun, DryRunHooks, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run,
                                  dry_run_task)
 from mct.planner.grid import POLICIES, PRECISIONS, STAGES, Grid
-from mct.planner.plan import Plan, make_plan, peak_check, resolve_auto, step_cost
+from mct.planner.auto import resolve_auto
+from mct.planner.plan import Plan, make_plan, peak_check, step_cost
 from mct.planner.pool import plan_workers
 from mct.task import Task, load_workload, token_batch, token_loss
 

@@ -75,6 +75,18 @@ def smaller_batch(batch: Any, size: int) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t[:size] if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
+def resized_batch(batch: Any, size: int) -> Any:
+    """``batch`` with every tensor at ``size`` rows (the micro-batch dimension): cut
+    (``smaller_batch``), or its rows repeated up to ``size`` (a dry run needs the shapes
+    only). Other leaves unchanged."""
+    def grow(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.dim() or t.shape[0] >= size:
+            return t
+        times = -(-size // t.shape[0])
+        return t.repeat(times, *([1] * (t.dim() - 1)))[:size]
+    return smaller_batch(torch.utils._pytree.tree_map(grow, batch), size)
+
+
 def batch_size(batch: Any) -> int | None:
     """Rows of the first tensor in ``batch`` (its micro-batch size), or None."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()]

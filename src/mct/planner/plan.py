@@ -22,8 +22,8 @@ Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tie
 offload setting unless ``Grid.offloads`` is given; ``auto`` tries offload only when nothing
 fits without it. Activation offload (``checkpointing.offload``: 'none', 'cpu', 'disk') is
 its own axis (``Grid.act_offloads``, default the config's own; rows with policy 'none' only
-plan 'none', since nothing is checkpointed): ``auto`` tries it before state offload, as it
-changes no numerics and moves only the regions' inputs. Loss chunking is a grid axis too
+plan 'none', since nothing is checkpointed). ``auto`` (``mct.planner.auto``) searches with
+``mct.planner.solver``, which builds its candidates with ``with_choice``, ``predict`` and ``row``. Loss chunking is a grid axis too
 (``Grid.loss_chunks``: chunk sizes, 0 = off; default the config's own); ``auto`` plans it
 when the config leaves it off, nothing fits without it, and the loss is a model source's
 default (``Task.loss_for_chunk``). MLP tiling (``checkpointing.mlp_tile_tokens``) is one
@@ -382,14 +382,6 @@ def _loss_chunks(work: Work, cfg: EngineConfig, loss_chunks: tuple | None) -> tu
     return chunks
 
 
-def _chunking_may_fit(plan: Plan, cfg: EngineConfig, work: Work) -> bool:
-    """Is loss chunking worth planning for ``auto``? The config leaves it off, the loss
-    is a model source's default, and some row's optimizer phase fits the budget
-    (chunking lowers forward and backward, where the logits live, never the step)."""
-    return (cfg.train.loss_chunk_tokens == 0 and task_of(work).loss_for_chunk is not None
-            and any(r["phases"].get("optimizer", 0) <= (plan.budget or 0) for r in plan.rows))
-
-
 def _tiling_may_fit(cfg: EngineConfig, work: Work) -> bool:
     """Is MLP tiling worth planning for ``auto``? The config leaves it off and the model's
     blocks have an MLP (``mct.checkpointing.find_mlps``)."""
@@ -409,65 +401,6 @@ def auto_act_offload(device: str) -> str:
     """The activation offload tier ``auto`` tries: pinned host memory for a CUDA device,
     disk for a CPU device."""
     return "cpu" if device == "cuda" else "disk"
-
-
-def resolve_auto(cfg: EngineConfig, world: int, work: Work, *,
-                 device: str = "cpu") -> tuple[EngineConfig, dict | None]:
-    """Replace ``zero.stage = 'auto'`` and/or ``checkpointing.policy = 'auto'`` by the
-    cheapest configuration predicted to fit ``memory.budget`` for ``work`` (the other
-    keys as set). When nothing fits, loss chunking (``AUTO_LOSS_CHUNK`` tokens, when the
-    config leaves it off and the loss is a model source's default) is planned, then MLP
-    tiling (``AUTO_MLP_TILE`` tokens, when the config leaves it off and the blocks have an MLP), then,
-    when ``offload`` is not set, offload too
-    (``auto_offloads(device)``; a chosen offload is in the returned config and choice).
-    Returns (resolved config, the choice and its prediction; None when nothing was
-    'auto'). Raises ValueError when 'auto' has no budget, or when nothing fits (one
-    line: by how much the smallest misses and what would make it fit)."""
-    auto = [k for k, v in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy))
-            if v == "auto"]
-    if not auto:
-        return cfg, None
-    budget = cfg.memory.budget_bytes
-    if budget is None:
-        raise ValueError(f"{' and '.join(auto)} = 'auto' needs a per-rank budget to plan for: set memory.budget, "
-                         f"e.g. --set memory.budget=2GiB (or choose the value yourself; `mct plan` helps)")
-    stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
-    policies = POLICIES if cfg.checkpointing.policy == "auto" else (cfg.checkpointing.policy,)
-    grid = Grid(stages, policies, (cfg.precision.mode,))
-    rates, _ = machine_rates(world, device, measure=False)  # a training rank measures nothing
-    plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
-    acts = (cfg.checkpointing.offload,)
-    if plan.recommended is None and cfg.checkpointing.offload == "none" and set(policies) - {"none"}:
-        acts = ("none", auto_act_offload(device))  # first: it moves only the regions' inputs
-        tried = make_plan(work, cfg, world, budget, dataclasses.replace(grid, act_offloads=acts[1:]), advise=False,
-                          rates=rates, measure=False)
-        plan = tried if tried.recommended is not None else plan
-    if plan.recommended is None and _chunking_may_fit(plan, cfg, work):
-        grid = dataclasses.replace(grid, loss_chunks=(AUTO_LOSS_CHUNK,))  # same numerics up to the loss's sums
-        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
-    if plan.recommended is None and _tiling_may_fit(cfg, work):
-        grid = dataclasses.replace(grid, mlp_tiles=(AUTO_MLP_TILE,))  # same numerics up to the weight gradients' sums
-        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
-    if plan.recommended is None and not cfg.offload.enabled:
-        grid = dataclasses.replace(grid, offloads=auto_offloads(device), act_offloads=acts)
-        plan = make_plan(work, cfg, world, budget, grid, advise=False, rates=rates, measure=False)
-    best = plan.recommended
-    if best is None:
-        raise ValueError(_advice(plan, work, cfg))
-    choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
-              "checkpointing.per_block": best["per_block"],
-              "offload": best["offload"], "checkpointing.offload": best["act_offload"],
-              "train.loss_chunk_tokens": best["loss_chunk_tokens"],
-              "checkpointing.mlp_tile_tokens": best["mlp_tile_tokens"],
-              "predicted_offloaded_bytes": best["offloaded"],
-              "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
-              "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
-              "predicted_first_step_peak_bytes": best["first_step_peak"],
-              "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"], "world_size": world,
-              "predicted_step_s": best["step_s"], "predicted_tokens_per_s": best["tokens_per_s"]}
-    return with_choice(cfg, best["stage"], best["policy"], offload=best["offload"],
-                       act_offload=best["act_offload"], loss_chunk=best["loss_chunk_tokens"],
-                       mlp_tile=best["mlp_tile_tokens"]), choice
 
 
 def peak_check(measured: int, predicted: int, tolerance: float = 0.10) -> str | None:

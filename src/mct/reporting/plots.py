@@ -270,3 +270,44 @@ def plot_plan(plan: dict[str, Any], path: str | Path) -> Path:
     ax.legend(fontsize=8, ncol=4, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
     return _finish(plt, fig, Path(path))
+
+
+def plot_frontier(solution: dict[str, Any], path: str | Path) -> Path:
+    """The solver's candidates (``Solution.to_dict()``: rows with peak, first_step_peak,
+    init_peak, cost or step_s, fits) as predicted time against need (the largest of the
+    three peaks), the frontier as a line, the budget as a vertical line and the pick
+    starred. Writes ``path``; returns it. Raises ValueError when there is no row."""
+    rows = solution.get("rows") or []
+    if not rows:
+        raise ValueError("the solution has no configuration to draw")
+
+    def need(r: dict[str, Any]) -> float:
+        return max(r["peak"], r.get("first_step_peak", 0), r.get("init_peak", 0)) / MIB
+
+    timed = all(r.get("step_s") is not None for r in rows)
+    def time_of(r: dict[str, Any]) -> float:
+        return _num(r.get("step_s") if timed else r.get("cost"))
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    for fits, color, label in ((True, "#55a868", "fits"), (False, "#8c8c8c", "over budget")):
+        sel = [r for r in rows if bool(r.get("fits")) == fits]
+        if sel:
+            ax.scatter([need(r) for r in sel], [time_of(r) for r in sel], s=22, color=color, label=label, zorder=2)
+    front = solution.get("frontier") or []
+    if front:
+        ax.step([need(r) for r in front], [time_of(r) for r in front], where="post", color="#4c72b0", lw=1.2,
+                label="frontier", zorder=1)
+    pick = solution.get("pick")
+    if pick:
+        ax.scatter([need(pick)], [time_of(pick)], marker="*", s=260, color="#c44e52", label="pick", zorder=3)
+    budget = solution.get("budget")
+    if budget:
+        ax.axvline(budget / MIB, color="#c44e52", ls="--", lw=1.2, label=f"budget {budget / MIB:,.1f} MiB")
+    ax.set_xlabel("predicted need per rank (MiB): the largest of the steady, first-step and init peaks")
+    ax.set_ylabel("predicted seconds per step" if timed else "relative step cost (plan.step_cost)")
+    ax.set_title(f"Solver: {len(rows)} configurations dry-run ({solution.get('n_params', 0):,} parameters, "
+                 f"{solution.get('world', 1)} rank(s))", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _finish(plt, fig, Path(path))

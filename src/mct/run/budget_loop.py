@@ -20,7 +20,7 @@ from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
 from mct.persistence.files import read_json, write_json
 from mct.planner.grid import Grid
-from mct.planner.plan import make_plan
+from mct.planner.plan import make_plan, with_choice
 from mct.task import Task
 
 
@@ -53,7 +53,8 @@ class BudgetLoop:
         """The next configuration to try and the change record (FORMATS: step added by
         the caller). Only the stage and policy change: the candidates are planned with
         ``current``'s other keys, what ``auto`` chose included (activation offload, loss
-        chunking, state offload), as the next engine will run them. Raises ValueError
+        chunking, state offload, micro-batch x accumulation), as the next engine will run
+        them; a per-block pick moves to a uniform policy. Raises ValueError
         when nothing more frugal is left."""
         a = self.auto_cfg
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
@@ -70,15 +71,13 @@ class BudgetLoop:
                              f"raise memory.budget, lower data.micro_batch_size or use more ranks")
         best = min(rows, key=lambda r: (r["cost"], r["peak"], r["stage"]))
         self.tried.add((best["stage"], best["policy"]))
-        d = current.to_dict()
-        d["zero"]["stage"], d["checkpointing"]["policy"] = best["stage"], best["policy"]
         before, self.peak = self.peak, best["peak"]
         stage, policy = _key(current)
         change = {"from": {"zero.stage": stage, "checkpointing.policy": policy, "predicted_peak_bytes": before},
                   "to": {"zero.stage": best["stage"], "checkpointing.policy": best["policy"],
                          "predicted_peak_bytes": best["peak"]},
                   "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
-        return EngineConfig.from_dict(d), change
+        return with_choice(current, best["stage"], best["policy"]), change  # a per_block pick's blocks go with it
 
 
 def record_config_change(run_dir: str | Path, change: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_checkpoint import RunCheckpointer, upgrade_trainer_state
 from mct.persistence.run_dir import check_new_run_dir, checkpoints, newest_usable, set_aside_newer
 from mct.planner import resolve_auto
+from mct.planner.grid import resized_batch
 from mct.precision import LossScaleFloorError
 from mct.reporting.events import append_event
 from mct.reporting.metrics import MetricsWriter, write_metadata
@@ -80,6 +82,8 @@ class Trainer:
         self.task = task if task is not None else task_for(cfg)  # the CLI hands on the one it checked
         self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
         self.task = with_loss_chunk(self.task, self.cfg.train.loss_chunk_tokens)  # auto may choose chunking
+        if self.cfg.data.micro_batch_size != cfg.data.micro_batch_size:  # and the micro-batch (memory.solver_allow)
+            self.task = replace(self.task, batch=resized_batch(self.task.batch, self.cfg.data.micro_batch_size))
         self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
         check_tokens(self.task, self.corpus)
         if resume:
