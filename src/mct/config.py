@@ -548,6 +548,14 @@ class EngineConfig:
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
                   f"on every rank: set zero.stage = 3 or offload.params = 'none'")
 
+    def check_resolved(self) -> None:
+        """ValueError when zero.stage or checkpointing.policy is still 'auto' (an engine needs them chosen)."""
+        for key, value in (("zero.stage", self.zero.stage), ("checkpointing.policy", self.checkpointing.policy)):
+            if value == "auto":
+                raise ValueError(f"{key} = 'auto' must be resolved before the engine is built: `mct train` does it; "
+                                 f"from Python call mct.planner.resolve_auto(config, world_size, workload), which "
+                                 f"returns the config with the planner's choice (it needs memory.budget)")
+
     def _check_tensor_sizes(self) -> None:
         """Raise ValueError when the sizes make a tensor of the built-in GPT (logits,
         embedding, MLP weight, attention scores; or all its parameters) too large for

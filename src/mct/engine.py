@@ -68,11 +68,7 @@ class Engine:
         a normal construction) only when packed, so no rank holds the whole model.
         Raises ValueError for configs it cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
-        for key, value in (("zero.stage", cfg.zero.stage), ("checkpointing.policy", cfg.checkpointing.policy)):
-            if value == "auto":
-                raise ValueError(f"{key} = 'auto' must be resolved before the engine is built: `mct train` does it; "
-                                 f"from Python call mct.planner.resolve_auto(config, world_size, workload), which "
-                                 f"returns the config with the planner's choice (it needs memory.budget)")
+        cfg.check_resolved()
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         # the host allocator first: construction frees parameter-sized temporaries
@@ -144,10 +140,8 @@ class Engine:
     def train_step(self, batch: Any, loss_fn: LossFn, *, track_memory: bool = True) -> StepResult:
         """One optimizer step over this rank's micro-batch (or list of micro-batches).
         MemoryBudgetExceeded (memory.enforce) comes before any state is modified.
-        ``track_memory=False``: the CPU tracker counts no allocation in this step (the
-        per-op cost is gone; ``mct train`` counts only the steps it logs) and its metrics
-        carry ``peak_bytes`` None and no ``peaks``; ignored under a budget, which is
-        checked at every allocation, and where ``memory.track`` is off or the device is CUDA."""
+        ``track_memory=False``: the CPU tracker counts nothing this step (metrics: ``peak_bytes``
+        None, no ``peaks``); ignored under a budget, with ``memory.track`` off and on CUDA."""
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("train_step got an empty list of micro-batches")
@@ -217,12 +211,11 @@ class Engine:
         """Unscale + average, check for overflow and clip on the shards, then step the
         master shards and publish them to the working parameters. Nothing is
         modified when any rank saw a non-finite gradient (or when the scaler raises)."""
-        scale = self.scaler.scale
         local_sq = self.residency.local_sq_norm(1.0 / self._grad_divisor())
         sums = torch.stack([local_sq.double(), local_loss])
         self.comm.all_reduce_(sums)  # one collective for the norm and the loss
         grad_norm, loss, found_inf = _host_values(sums, self.comm.world)
-        loss_scale = scale if self.scaler.enabled else None
+        loss_scale = self.scaler.scale if self.scaler.enabled else None  # before the update below
         if self.reserve is not None and not found_inf:  # fail here, before anything is modified
             self.tracker.require_headroom(self.reserve.need(first_step=not self.optimizer.state))
         try:
@@ -248,10 +241,8 @@ class Engine:
                              "peak_bytes": self.tracker.peak_total() if counted else None,
                              "peaks": self.tracker.peaks() if counted else {},
                              "live": self.tracker.live(), **self.scaler.metrics(), **self.recompute.metrics()}
-        if self.stage3 is not None:
-            m["zero3_gathers"] = self.stage3.gathers
-        m.update(self.residency.step_metrics())
-        return m
+        zero3 = {} if self.stage3 is None else {"zero3_gathers": self.stage3.gathers}
+        return {**m, **zero3, **self.residency.step_metrics()}
 
     def _to_device(self, batch: Any) -> Any:
         return tree_map(lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
