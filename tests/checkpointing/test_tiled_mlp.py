@@ -143,6 +143,7 @@ def test_dry_run_equals_the_real_tracked_run_and_the_intermediates_leave_the_bac
     assert peaks[8].phases["forward"]["activations"] < peaks[0].phases["forward"]["activations"] - 3 * inner
 
 
+@pytest.mark.slow  # full dry runs of deep models: in make test, not make test-fast
 def test_depth_extrapolation_stays_exact_with_tiles():
     from mct.planner.plan import predict
     from mct.planner.grid import prepare
