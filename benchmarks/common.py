@@ -81,21 +81,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
 
 def cpu_info() -> dict[str, Any]:
     """The CPU the numbers were measured on: model name, the flags of ``CPU_FLAGS`` it
-    has, cores, load average now. Model '?' and no flags where /proc/cpuinfo is absent."""
-    info: dict[str, Any] = {"model": platform.processor() or "?", "flags": [], "cores": os.cpu_count(),
-                            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            info["model"] = value.strip()
-        elif key.strip() == "flags":
-            info["flags"] = [f for f in CPU_FLAGS if f in value.split()]
-            break
-    return info
+    has (read by ``mct.machine.cpu_identity``), cores, load average now."""
+    from mct.machine import cpu_identity
+    ident = cpu_identity()
+    return {"model": ident["model"], "flags": [f for f in CPU_FLAGS if f in ident["flags"]], "cores": os.cpu_count(),
+            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
 def cpu_line(info: dict[str, Any] | None = None) -> str:
