@@ -19,13 +19,14 @@ install: $(VENV)/.installed
 train: install
 	$(VENV)/bin/mct train $(ARGS)
 
-# one pytest worker per core (pytest-xdist); each worker's torch uses one thread (tests/conftest.py)
+# one pytest worker per core (pytest-xdist); each worker's torch uses one thread; long modules first,
+# tests sharing a module fixture on one worker (tests/conftest.py, --dist loadgroup)
 test: install
-	$(PY) -m pytest -q -n auto $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist loadgroup $(PYTEST_ARGS)
 
 # the inner loop: everything but the multi-rank (spawned gloo ranks) and CLI end-to-end tests
 test-fast: install
-	$(PY) -m pytest -q -n auto -m "not multirank and not cli and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not multirank and not cli and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -90,3 +90,36 @@ def sigint_as_at_start(request) -> Iterator[None]:
         signal.signal(signal.SIGINT, _SIGINT_AT_START[0])  # sigaction again: also undoes a C-level SIG_IGN
         signal.pthread_sigmask(signal.SIG_SETMASK, _SIGINT_AT_START[1])
     yield
+
+
+HEAVY_MARKS = ("multirank", "cli", "slow")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules with a multi-rank, CLI or slow test first, each module's tests kept together
+    and in their own order (module fixtures are built once per worker), the quick modules
+    last: with ``--dist loadgroup`` (the Makefile) the two workers then end on short
+    tests, instead of one waiting for the other's minute-long run. The order is the same
+    in every worker (pytest-xdist compares them)."""
+    heavy: dict[str, bool] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        heavy[module] = heavy.get(module, False) or any(item.get_closest_marker(m) for m in HEAVY_MARKS)
+    rank = {module: i for i, module in enumerate(heavy)}
+    items.sort(key=lambda item: (not heavy[item.nodeid.split("::")[0]], rank[item.nodeid.split("::")[0]]))
+    for item in items:
+        if _uses_a_module_fixture_of_its_own(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_module_fixture_of_its_own(item) -> bool:
+    """Does ``item`` use a module-scoped fixture its own module defines (a 2-rank spawn whose
+    results several tests check, a reference run)? Such tests go to one worker together
+    (``xdist_group``), so the fixture is built once, not once per worker."""
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    autouse = set(info.initialnames) - set(info.argnames)  # a module's own settings (one thread), not work
+    defs = [d[-1] for name, d in info.name2fixturedefs.items() if d and name not in autouse]
+    return any(d.scope == "module" and d.baseid == module for d in defs)

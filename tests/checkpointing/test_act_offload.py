@@ -230,6 +230,7 @@ def _gpt_work(n_layer: int):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
     from mct.planner.plan import Grid, make_plan
     work, cfg = _gpt_work(8)
@@ -248,6 +249,7 @@ def test_plan_rows_per_activation_offload_tier_and_extrapolation_is_exact():
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
     from mct.planner import resolve_auto
     from mct.planner.plan import Grid, make_plan

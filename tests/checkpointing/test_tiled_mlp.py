@@ -118,6 +118,7 @@ def test_partial_tile_gradients_are_counted_once_per_parameter():
     assert all(u.grads_seen == u.n_trainable for u in engine.sharded.units)
 
 
+@pytest.mark.slow
 def test_dry_run_equals_the_real_tracked_run_and_the_intermediates_leave_the_backward_peak():
     """The planner runs the tiled MLP itself on fake tensors: its peak equals the engine's
     own tracker in a real run to the byte; tiles of 8 tokens (of 128) lower the backward
@@ -216,6 +217,7 @@ def test_mct_verify_passes_with_tiled_mlps(tmp_path, mode, stage):
     assert "MLPs in tiles of 5 tokens: 28 tile(s)" in report.table()
 
 
+@pytest.mark.slow
 def test_plan_has_mlp_tile_rows_and_auto_chooses_tiling_when_nothing_fits_without():
     from mct.planner import Grid, make_plan, resolve_auto
     from mct.task import gpt_task

@@ -452,6 +452,7 @@ def test_dry_run_with_offload_predicts_resident_peak_and_offloaded_bytes_of_a_re
         assert run.phases[run.phase]["master"] == 0 and run.phases[run.phase]["optimizer"] == 0
 
 
+@pytest.mark.slow
 def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
     """zero.stage = auto: a budget that stage 3 meets keeps offload off; one only offload
     meets turns it on (disk on a CPU device, host memory for CUDA), with the prediction
@@ -500,6 +501,7 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
         auto(with_offload // 2)
 
 
+@pytest.mark.slow
 def test_mct_plan_compares_offload_choices_and_rejects_a_bad_one(capsys):
     from mct.cli import main
     args = ["plan", "--world-size", "2", "--stages", "3", "--policies", "all", "--precisions", "bf16",
@@ -518,6 +520,7 @@ def test_mct_plan_compares_offload_choices_and_rejects_a_bad_one(capsys):
     assert err.count("\n") == 1 and "optimizer=nvme" in err and "optimizer+params=cpu|disk" in err
 
 
+@pytest.mark.slow
 def test_resume_moves_a_run_between_offloaded_and_resident_state_exactly(tmp_path):
     """`mct train` with disk offload, checkpoint after step 2; resumed to step 4 without
     offload (and a resident run resumed with it): the bytes of an uninterrupted

@@ -122,6 +122,7 @@ def test_resume_of_offloaded_int8_state_is_bit_identical_to_uninterrupted(save_o
     second.close()
 
 
+@pytest.mark.slow
 def test_mct_train_resumes_an_offloaded_int8_run_bit_identically_and_reports_it(tmp_path):
     """`mct train` (stage 3, int8 state, optimizer and parameters on disk), checkpoint
     after step 2, resumed to step 4: the weights and losses of the uninterrupted run;

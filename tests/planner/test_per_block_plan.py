@@ -29,6 +29,7 @@ def _gpt2() -> object:
     return hf_gpt2(n_layer=len(MIXED))
 
 
+@pytest.mark.slow
 def test_mixed_row_lies_between_none_and_all_and_is_the_measured_peak():
     """A held-out model (transformers' GPT-2, dropout 0.1): the per_block row's steady,
     first-step and init peaks against every live storage of a real run (2%, as the
@@ -58,6 +59,7 @@ MIXED_STACKS = [({"all": 5, "selective": 2}, 3, "bf16", 2),
 
 
 @pytest.mark.parametrize("per_block,stage,precision,world", MIXED_STACKS)
+@pytest.mark.slow
 def test_mixed_stack_depth_extrapolation_equals_the_full_dry_run_to_the_byte(per_block, stage, precision, world):
     cfg = EngineConfig.from_dict({"model": {"n_layer": 12, "d_model": 16, "n_head": 2, "vocab_size": 101,
                                             "seq_len": 13, "dropout": 0.1}, "data": {"micro_batch_size": B},
@@ -88,6 +90,7 @@ def test_deep_mixed_stack_is_extrapolated_from_shallow_copies():
     assert shape.blocks == 4 * 9 + 3 < 64
 
 
+@pytest.mark.slow
 def test_mct_plan_shows_and_recommends_the_config_per_block(capsys):
     argv = ["plan", "--set", "model.n_layer=4", "--set", "model.d_model=16", "--set", "model.n_head=2",
             "--set", "model.seq_len=16", "--set", "data.micro_batch_size=2", "--set",

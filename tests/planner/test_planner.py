@@ -208,6 +208,7 @@ def _write_corpus(tmp_path) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.slow
 def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
     from mct.run.trainer import train
     (tmp_path / "data").mkdir()
@@ -231,6 +232,7 @@ def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
     assert max(r["peak_bytes"] for r in rows) <= budget
 
 
+@pytest.mark.slow
 def test_impossible_budget_fails_in_one_line_with_exit_2(capsys):
     tiny = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
     args = [a for kv in tiny for a in ("--set", kv)] + ["--set", "data.micro_batch_size=4"]
@@ -441,6 +443,7 @@ def _wide_vocab_llama() -> nn.Module:
                                         use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False))
 
 
+@pytest.mark.slow
 def test_root_unit_holds_its_gradients_and_two_buckets_not_a_flat_fp32_copy(monkeypatch):
     """Stage 3, bf16, 4 ranks, 10 KiB buckets: the root unit (untied embedding and head,
     2 MiB as a flat fp32 gradient, ~200 buckets) keeps its parameters' bf16 gradients as

@@ -57,6 +57,7 @@ ONE_BRANCH = Space(stages=(0,), search_policy=True, acts=("none",), chunks=(0,),
                    micro_batches=(4,))
 
 
+@pytest.mark.slow
 def test_pick_fits_recomputes_fewer_blocks_and_is_no_slower_than_any_fitting_uniform_row():
     cfg = config()
     rows = uniform_rows(cfg)
@@ -91,6 +92,7 @@ def test_ranking_takes_step_seconds_when_predicted_and_ties_go_to_the_larger_mic
     assert frontier([a, b, c]) == [c, a]  # b needs more than a and is no faster
 
 
+@pytest.mark.slow
 def test_budget_below_everything_is_the_one_line_nothing_fits_error_after_few_dry_runs(monkeypatch):
     calls = []
     real = plan_module.predict
@@ -105,6 +107,7 @@ def test_budget_below_everything_is_the_one_line_nothing_fits_error_after_few_dr
     assert calls[0].zero.stage == 3 and calls[0].checkpointing.policy == "all"
 
 
+@pytest.mark.slow
 def test_levers_that_change_numerics_are_chosen_only_when_allowed():
     cfg = config()
     small = uniform_rows(config(data={"micro_batch_size": 2}))
@@ -129,6 +132,7 @@ def test_levers_that_change_numerics_are_chosen_only_when_allowed():
         config(memory={"solver_allow": ["fast"]})
 
 
+@pytest.mark.slow
 def test_budget_fallback_leaves_a_per_block_pick_for_a_more_frugal_uniform_policy():
     from mct.run.budget_loop import BudgetLoop
     cfg = config()
@@ -145,6 +149,7 @@ def test_budget_fallback_leaves_a_per_block_pick_for_a_more_frugal_uniform_polic
     assert change["to"]["predicted_peak_bytes"] < choice["predicted_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_mct_plan_solve_prints_the_frontier_pick_and_why_and_json_carries_them(capsys, tmp_path):
     rows = uniform_rows(config())
     budget = (need(rows["none"]) + need(rows["all"])) // 2

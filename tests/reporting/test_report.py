@@ -96,6 +96,7 @@ def test_report_plot_writes_a_png_with_every_marker(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp*"))
 
 
+@pytest.mark.slow
 def test_plan_plot_draws_every_configuration(tmp_path, capsys):
     out = tmp_path / "plan.png"
     rc = main(["plan", "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",

@@ -198,6 +198,7 @@ def test_bad_thresholds_name_the_key(key, value):
 
 
 @pytest.mark.parametrize("stage, offload", [(3, {"optimizer": "disk", "params": "disk"}), (0, {"optimizer": "cpu"})])
+@pytest.mark.slow
 def test_offloaded_run_rolls_back_from_snapshots_in_its_store_bit_identical(tmp_path, corpus_dir, monkeypatch,
                                                                              stage, offload):
     """With offload the rollback snapshots live in the offload store (the state is never
