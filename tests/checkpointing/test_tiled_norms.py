@@ -168,3 +168,23 @@ def test_mct_verify_passes_with_tiled_norms(tmp_path):
                                   "checkpointing": {"policy": "all", "mlp_tile_tokens": 5}})
     report = run_verify(cfg, 3)
     assert report.passed, report.table()
+
+
+@pytest.mark.slow  # full dry runs of a deep model, as the other extrapolation equivalences
+def test_depth_extrapolation_stays_exact_with_tiled_norms(tmp_path):
+    """The final norm (outside the blocks) is tiled too: the shallow copies' extrapolation
+    still equals the full dry run."""
+    import json
+
+    from mct.planner.grid import prepare
+    from mct.planner.plan import predict
+    from mct.task import task_for
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 88,
+        "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}))
+    cfg = EngineConfig.from_dict({"model": {"source": f"hf:{tmp_path}", "seq_len": 32}, "zero": {"stage": 3},
+                                  "precision": {"mode": "bf16"}, "checkpointing": {"policy": "all", "mlp_tile_tokens": 12}})
+    task = task_for(cfg)
+    full, ext = predict(task, cfg, 2), predict(prepare(task, cfg), cfg, 2)
+    assert (ext.peak, ext.first_step_peak, ext.phases) == (full.peak, full.first_step_peak, full.phases)
