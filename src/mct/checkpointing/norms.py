@@ -91,7 +91,7 @@ class TiledNorms:
         assert tile_tokens > 0, tile_tokens
         self.tile_tokens = tile_tokens
         self.names: list[str] = []
-        self._patched: list[nn.Module] = []
+        self._patched: list[tuple[nn.Module, Any]] = []
 
     def install(self, norms: list[tuple[str, nn.Module]]) -> None:
         for name, module in norms:
@@ -103,13 +103,16 @@ class TiledNorms:
                 if len(args) != 1 or kwargs or not torch.is_grad_enabled():
                     return _fn(*args, **kwargs)
                 return _TiledRMSNorm.apply(args[0], _module.weight, _eps, self.tile_tokens)
+            self._patched.append((module, module.__dict__.get("forward")))
             module.forward = patched
-            self._patched.append(module)
             self.names.append(name)
 
     def remove(self) -> None:
-        for module in self._patched:
-            del module.forward
+        for module, saved in self._patched:
+            if saved is None:
+                del module.forward
+            else:
+                module.forward = saved
         self._patched, self.names = [], []
 
     def metrics(self) -> dict[str, Any]:
