@@ -307,7 +307,9 @@ class CheckpointingConfig:
     mlp_tile_tokens: int = 0
     """Run each block's MLP (its submodule named mlp, feed_forward or ffn) over this many tokens at a
     time: forward keeps only the MLP's input, backward recomputes and back-propagates one tile at a
-    time; 0 = off. Any policy; same numerics up to the summation order of the MLP's weight gradients."""
+    time; 0 = off. Any policy; same numerics up to the summation order of the MLP's weight gradients.
+    The model's standard RMSNorms (transformers' Llama-style) run over the same tiles, keeping their
+    input and the fp32 per-token rstd only: forward bit-identical, the weight's gradient summed per tile."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

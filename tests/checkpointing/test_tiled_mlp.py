@@ -243,9 +243,10 @@ def test_plan_has_mlp_tile_rows_and_auto_chooses_tiling_when_nothing_fits_withou
 def test_llama3_8b_plan_with_tiles_of_1024_tokens(tmp_path):
     """The issue's example (config.json only; window 8192, micro-batch 1, 8 ranks, bf16,
     stage 3, all, loss chunks of 1024): tiles of 1024 tokens take the MLP's recompute out
-    of the backward peak. What is left in 'other' is ZeRO-3's prefetch of the previous
-    layer (its all-gather's receive buffers, 0.41 GiB) and the RMSNorm's fp32 backward
-    temporaries (0.63 GiB): docs/planner.md."""
+    of the backward peak, and the RMSNorms' fp32 backward temporaries (0.63 GiB) with it
+    (the same tiles run the norms). What is left in 'other' (0.53 GiB) is ZeRO-3's
+    prefetch of the previous layer (its all-gather's receive buffers, 0.41 GiB) and two
+    [tokens, hidden] bf16 gradients: docs/planner.md."""
     import json
 
     from mct.planner import Grid, make_plan
@@ -264,7 +265,7 @@ def test_llama3_8b_plan_with_tiles_of_1024_tokens(tmp_path):
     mlp_hidden = 8192 * 14336 * 2  # one [tokens, intermediate] bf16 tensor
     assert off["peak"] - on["peak"] >= 3 * mlp_hidden, (off["peak"] / gib, on["peak"] / gib)
     assert on["breakdown"]["activations"] <= off["breakdown"]["activations"] - 3 * mlp_hidden
-    assert on["breakdown"]["other"] <= 1.1 * gib, on["breakdown"]["other"] / gib
+    assert on["breakdown"]["other"] <= 1 * gib, on["breakdown"]["other"] / gib
 
 
 @pytest.mark.parametrize("policy", ["none", "all"])

@@ -15,6 +15,7 @@ from mct.checkpointing.blocks import find_blocks
 from mct.checkpointing.offload import ActivationOffload, ReportFn
 from mct.checkpointing.policies import context_fn_for, policy_label, region_plans
 from mct.checkpointing.region import Region
+from mct.checkpointing.norms import TiledNorms, find_rms_norms
 from mct.checkpointing.tiled import MLP_NAMES, TiledMLPs, find_mlps
 from mct.config import CheckpointingConfig
 
@@ -36,6 +37,7 @@ class CheckpointState:
         self._recompute_context = recompute_context
         self.offload: ActivationOffload | None = None
         self.tiled: TiledMLPs | None = None  # checkpointing.mlp_tile_tokens
+        self.norms: TiledNorms | None = None  # the same tiles, for the model's RMSNorms
 
     @property
     def more_tiles(self) -> bool:
@@ -93,7 +95,8 @@ class CheckpointState:
                 "recomputed_blocks": self.recomputed_blocks,
                 "recompute_time_s": self.recompute_time_s, "recompute_verified": self.verified,
                 **(self.offload.metrics() if self.offload is not None else {}),
-                **(self.tiled.metrics() if self.tiled is not None else {})}
+                **(self.tiled.metrics() if self.tiled is not None else {}),
+                **(self.norms.metrics() if self.norms is not None else {})}
 
     def reset_step(self) -> None:
         """Zero the per-step counters; call at the start of each optimizer step."""
@@ -113,6 +116,9 @@ class CheckpointState:
         if self.tiled is not None:
             self.tiled.remove()
             self.tiled = None
+        if self.norms is not None:
+            self.norms.remove()
+            self.norms = None
         self.close()
 
     def close(self) -> None:
@@ -138,7 +144,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     k larger than the block count, a ``per_block`` list or counts that do not match it,
     a model already checkpointed, or ``cfg.offload = 'cpu'`` on a CPU ``device``.
     ``cfg.mlp_tile_tokens`` > 0 (any policy): each block's MLP runs over tiles of that many
-    tokens (``mct.checkpointing.tiled``); ValueError when no block has one.
+    tokens (``mct.checkpointing.tiled``); ValueError when no block has one. So does every
+    standard RMSNorm of the model (``mct.checkpointing.norms``; others are left alone).
     """
     state = CheckpointState(policy_label(cfg), cfg.verify, recompute_context)
     if cfg.policy == "auto":
@@ -166,6 +173,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
             region.install()
         if cfg.mlp_tile_tokens:
             _tile_mlps(state, blocks, cfg.mlp_tile_tokens)
+            state.norms = TiledNorms(cfg.mlp_tile_tokens)
+            state.norms.install(find_rms_norms(model))
     except BaseException:
         state.remove()
         raise
