@@ -144,19 +144,6 @@ def test_dry_run_equals_the_real_tracked_run_and_the_intermediates_leave_the_bac
     assert peaks[8].phases["forward"]["activations"] < peaks[0].phases["forward"]["activations"] - 3 * inner
 
 
-@pytest.mark.slow  # full dry runs of deep models: in make test, not make test-fast
-def test_depth_extrapolation_stays_exact_with_tiles():
-    from mct.planner.plan import predict
-    from mct.planner.grid import prepare
-    from mct.task import gpt_task
-    cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "n_layer": 7, "seq_len": 32}, "zero": {"stage": 3},
-                                  "checkpointing": {"policy": "all", "mlp_tile_tokens": 12}})
-    task = gpt_task(cfg)
-    full = predict(task, cfg, 2)
-    ext = predict(prepare(task, cfg), cfg, 2)
-    assert (ext.peak, ext.first_step_peak, ext.phases) == (full.peak, full.first_step_peak, full.phases)
-
-
 class _NoMlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

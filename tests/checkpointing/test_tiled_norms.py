@@ -137,6 +137,7 @@ def test_tiled_norms_take_the_fp32_temporaries_out_of_the_backward_peak(monkeypa
     assert drop >= 2 * one, (drop, one)
 
 
+@pytest.mark.slow  # dry runs beside real tracked runs; verify trains every configuration
 @pytest.mark.parametrize("stage,policy", [(3, "all"), (0, "selective")])
 def test_dry_run_equals_the_real_tracked_run_with_tiled_norms(stage, policy):
     batch = batches(0, 0, B=2, T=64)[0]
@@ -156,6 +157,7 @@ def test_dry_run_equals_the_real_tracked_run_with_tiled_norms(stage, policy):
     assert pred.peak == real, (pred.peak, real)  # the engine's own code on fake tensors: to the byte
 
 
+@pytest.mark.slow  # dry runs beside real tracked runs; verify trains every configuration
 def test_mct_verify_passes_with_tiled_norms(tmp_path):
     """The reference is the untiled Llama (copied before the engine tiles it)."""
     from mct.verify.compare import run_verify
@@ -172,8 +174,9 @@ def test_mct_verify_passes_with_tiled_norms(tmp_path):
 
 @pytest.mark.slow  # full dry runs of a deep model, as the other extrapolation equivalences
 def test_depth_extrapolation_stays_exact_with_tiled_norms(tmp_path):
-    """The final norm (outside the blocks) is tiled too: the shallow copies' extrapolation
-    still equals the full dry run."""
+    """Tiled MLPs and norms, the final norm (outside the blocks) too: the shallow copies'
+    extrapolation still equals the full dry run (the one such check for tiling: a Llama
+    has both)."""
     import json
 
     from mct.planner.grid import prepare
