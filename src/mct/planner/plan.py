@@ -220,8 +220,9 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
               device: str = "cpu", measure: bool = True) -> Plan:
     """Dry-run every configuration of the ``grid`` for ``work`` on ``world`` ranks (the
     other keys as in ``cfg``; ``grid.offloads``: offload labels, default ``cfg``'s own);
-    recommend the cheapest that fits ``budget`` in ``cfg``'s precision, or in the one
-    precision planned when that is another (ties: the lower peak, then the lower stage).
+    recommend the fastest predicted (``step_s``; without a machine profile the relative
+    ``step_cost``) that fits ``budget`` in ``cfg``'s precision, or in the one precision
+    planned when that is another (ties: the untiled row, the lower peak, the lower stage).
     Parameter offload is planned at stage 3 only. ``grid.act_offloads``: checkpointing.offload
     tiers (default ``cfg``'s own), planned for policies other than 'none'.
     ``grid.loss_chunks``: train.loss_chunk_tokens values (default ``cfg``'s own; other
@@ -269,14 +270,22 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
     mine = [r for r in rows if r["precision"] == mode]
+    # the fastest predicted (step_s; the relative step_cost when no machine profile is cached);
     # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
-    fitting = sorted((r for r in mine if r["fits"]), key=lambda r: (r["cost"], r["mlp_tile_tokens"] > 0, r["peak"],
-                                                                    r["stage"]))
+    fitting = sorted((r for r in mine if r["fits"]),
+                     key=lambda r: (predicted_seconds(r), r["mlp_tile_tokens"] > 0, r["peak"], r["stage"]))
     best = fitting[0] if fitting and budget is not None else None
     plan = Plan(rows, budget, world, n_params, mode, best, "", notes)
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan
+
+
+def predicted_seconds(row: dict[str, Any]) -> float:
+    """What a recommendation and the solver rank by: the row's predicted seconds per step
+    (``step_s``) when the plan has a time model, else its relative cost (``step_cost``)."""
+    step_s = row.get("step_s")
+    return float(step_s) if step_s is not None else float(row["cost"])
 
 
 def _per_block_of(work: Work, cfg: EngineConfig) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 from mct.checkpointing import find_blocks
 from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, with_choice
+from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, predicted_seconds, with_choice
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
@@ -44,13 +44,6 @@ from mct.task.spec import with_loss_chunk
 
 UNIFORM = ("none", "selective", "all")
 _PLAN = importlib.import_module("mct.planner.plan")  # predict looked up per call; plan() shadows the name
-
-
-def predicted_seconds(row: dict[str, Any]) -> float:
-    """What the solver ranks by: the row's predicted seconds per step (``step_s``) when the
-    plan has a time model, else its relative cost (``plan.step_cost``)."""
-    step_s = row.get("step_s")
-    return float(step_s) if step_s is not None else float(row["cost"])
 
 
 def need(row: dict[str, Any]) -> int:
