@@ -266,6 +266,7 @@ def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_mct_plan_act_offloads_flag(capsys):
     from mct.cli import main
     args = ["plan", "--set", "model.n_layer=4", "--set", "model.d_model=16", "--set", "model.n_head=2",

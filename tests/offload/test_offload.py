@@ -363,6 +363,7 @@ def test_cuda_offload_tiers_are_bit_identical_with_pinned_buffers_and_a_side_str
 
 
 # ---- mct train ----
+@pytest.mark.slow
 def test_mct_train_with_disk_offload_ends_with_the_same_weights_and_losses(tmp_path):
     """The whole loop (meta construction, evaluation at stage 3, checkpoint, export):
     offloading changes no bit of the final weights or of any logged loss."""

@@ -295,6 +295,7 @@ def test_resume_reshards_across_world_sizes_and_stages(tmp_path, world, stage, r
         assert resumes_meta[-1]["world_size"] == new_world and resumes_meta[-1]["zero_stage"] == new_stage
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_per_block_checkpointing_and_trains_as_uninterrupted(tmp_path):
     """checkpointing.per_block is recorded with the run (metadata, each checkpoint's config)
     and a resume continues with it: the same losses as the run that was not stopped, the

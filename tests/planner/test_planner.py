@@ -156,7 +156,7 @@ def test_plan_is_plain_data_with_a_recommendation():
     plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, world_size=2, budget=budget, stages=(0, 3),
                     policies=("none", "all"), precisions=("fp32",))
     fitting = [r for r in plan.rows if r["peak"] <= budget]
-    assert plan.recommended in fitting and plan.recommended["cost"] == min(r["cost"] for r in fitting)
+    assert plan.recommended in fitting and plan.recommended["step_s"] == min(r["step_s"] for r in fitting)
     row = json.loads(json.dumps(plan.to_dict()))["rows"][0]  # plain data all the way down
     assert set(row["breakdown"]) == {"params", "master", "grads", "optimizer", "activations", "offload", "other"}
     assert row["offload"] == "none" and row["offloaded"] == {"cpu": 0, "disk": 0}

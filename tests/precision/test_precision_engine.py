@@ -212,6 +212,7 @@ def _metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_train_within_2_percent_of_fp32_and_fp16_recovers_from_a_high_scale(text_corpus, tmp_path):
     runs = {"fp32": {"mode": "fp32"}, "bf16": {"mode": "bf16"}, "fp16": {"mode": "fp16"},
             "fp16_2^24": {"mode": "fp16", "initial_scale_power": 24}}

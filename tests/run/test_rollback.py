@@ -69,7 +69,7 @@ def test_transient_corruption_is_replayed_bit_identical(tmp_path, corpus_dir, mo
     assert [r["rollbacks"] for r in faulty] == [0] * 4 + [1] * 4
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("precision,fault,reason", [
     ("bf16", "corrupt@5", r"loss spike \d"),  # the gradients stay finite: an applied step with a spike
     ("fp16", "corrupt@5x10", r"loss spike on a skipped step")])  # the scaled fp16 gradients overflow: skipped
