@@ -16,10 +16,10 @@
 - **overhead**: ``ops x op_overhead_s``, the time one dispatched op costs beyond its
   roofline (Python, the dispatcher, autograd, the engine's memory tracker; with ranks,
   what ranks stepping at once on one machine cost each other: shared cores and caches,
-  waiting at each collective for the slower rank), measured on first use at the rank's
-  thread count and, for a world, with that many ranks stepping at once: real steps of a
-  tiny built-in GPT minus their predicted compute and communication, per op
-  (``measure_op_overhead``).
+  waiting at each collective for the slower rank), measured on first use with one thread
+  a rank (``machine_rates`` says why) and, for a world, with that many ranks stepping at
+  once: real steps of a tiny built-in GPT minus their predicted compute and
+  communication, per op (``measure_op_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
   (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``), plus a rank's wait for the
@@ -191,7 +191,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     wait = 0.0
     if world > 1:
         collectives = _collectives(profile, world)
-        wait = float(extra.get("collective_wait_s", {}).get(overhead_key(threads, ranks_here), 0.0))
+        wait = float(_at_threads(extra.get("collective_wait_s", {}), threads, ranks_here) or 0.0)
         if not collectives:
             notes.append(f"no collectives measured for {world} ranks: communication not counted")
     tiers = {"disk": float(extra.get("disk_bytes_per_s") or 0.0)}
@@ -208,17 +208,24 @@ def overhead_key(threads: int, ranks: int) -> str:
 
 
 def _op_overhead(measured: dict[str, float], threads: int, ranks: int, notes: list[str]) -> float | None:
-    """The per-op overhead of ``ranks`` ranks at ``threads``; one process alone's when the
-    ranks' was not measured (noted: it misses what the ranks cost each other)."""
-    op_s = measured.get(overhead_key(threads, ranks))
+    """The per-op overhead of ``ranks`` ranks at ``threads`` (else at one thread: what
+    ``machine_rates`` measures); one process alone's when the ranks' was not measured
+    (noted: it misses what the ranks cost each other)."""
+    op_s = _at_threads(measured, threads, ranks)
     if op_s is None and ranks > 1:
-        op_s = measured.get(str(threads))
+        op_s = _at_threads(measured, threads, 1)
         if op_s is not None:
             notes.append(f"per-op overhead of one process alone at {threads} thread(s): {ranks} ranks "
                          "stepping at once not measured (mct calibrate --world-size)")
     if op_s is None:
         notes.append(f"no per-op overhead measured at {threads} thread(s)")
     return op_s
+
+
+def _at_threads(measured: dict[str, float], threads: int, ranks: int) -> float | None:
+    """The value measured for ``ranks`` ranks at ``threads``, else at one thread, else None."""
+    got = measured.get(overhead_key(threads, ranks))
+    return measured.get(overhead_key(1, ranks)) if got is None else got
 
 
 def _speedup(profile: MachineProfile, dtype: str, threads: int) -> float:
@@ -266,8 +273,9 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     """This machine's ``Rates`` for one rank of a ``world``-rank run: the cached profile
     (measured the first time, ``mct.machine.calibrate``), plus what it lacks for this run,
     measured now and cached: collectives at the world size (a few seconds, in spawned
-    processes; not with ``spawn=False``), the per-op overhead at the rank's threads (about
-    a second). ``measure=False``: the cache only (None when it holds no profile; what it
+    processes; not with ``spawn=False``), the per-op overhead of one process and (spawning)
+    of the world's ranks stepping at once, with the wait per collective call (a second,
+    and a few seconds). ``measure=False``: the cache only (None when it holds no profile; what it
     lacks is named in the notes). Returns the rates and warnings (a cache that could not
     be written, a measurement that failed)."""
     if not measure:
@@ -286,8 +294,14 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
             except (RuntimeError, ValueError) as e:
                 warnings.append(f"collectives not measured ({e}): communication not counted")
     ranks = measured_world(profile, world) if world > 1 and spawn and device == "cpu" else 1
+    # The overhead and the wait are measured with one thread a rank and used at any thread
+    # count (the threads' speed-up of large ops is in the rates): on a core another job holds,
+    # the tiny model's 32-row layer norms, attention and GELU each open an OpenMP region at 2
+    # threads that waits a time slice for the busy core (its steps 10-30x its one-thread steps
+    # at load 2.5, 50-900 us per op, while the benchmark's models at 2 threads stepped as the
+    # one-thread overhead predicts); on a quiet machine the two differ by 5% (22.9, 24.2 us).
     for n in sorted({1, ranks}):
-        profile, warning = _with_overhead(profile, threads, n)
+        profile, warning = _with_overhead(profile, 1, n)
         warnings += [warning] if warning else []
     return rates_for(profile, world, threads), warnings
 
