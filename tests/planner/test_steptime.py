@@ -211,3 +211,20 @@ def test_overhead_and_wait_of_ranks_at_once_are_read_by_world_or_fall_back():
     alone = rates_for(_profile(), 2, 1, ranks_here=2)
     assert alone.op_s == 1e-5 and alone.wait_s == 0.0 and any("alone" in n for n in alone.notes)
     assert rates_for(prof, 1, 1, ranks_here=1).wait_s == 0.0
+
+
+def test_fused_attention_is_counted_apart_and_timed_at_its_own_rate():
+    """The CPU's fused attention kernels (forward and backward) are counted apart from the
+    other ops (still in n_ops and flops) and timed at their measured curve by head width
+    (bf16's backward runs ~10x below a bf16 matmul of its FLOPs), a matmul's without one."""
+    task = _task(_cfg())
+    work = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(), 1).work
+    phases = {k[0] for k in work.attention}
+    assert phases == {"forward", "backward"} and all(k[1] == "fp32" and k[4] == D // 2 for k in work.attention)
+    assert work.n_ops == sum(work.ops.values()) + sum(work.attention.values())
+    one = StepWork(attention={("backward", "fp32", 10 ** 6, 10, 16): 2})
+    timed = dataclasses.replace(RATES, attention={"fp32": {"backward": ((16.0, 1e8), (64.0, 4e8))}})
+    assert math.isclose(step_time(one, timed).compute_s, 2 * 1e6 / 1e8, rel_tol=1e-12)
+    assert math.isclose(step_time(one, RATES).compute_s, 2 * RATES.matmul_s("fp32", 1e6, 16), rel_tol=1e-12)
+    assert set(rates_for(_profile(attention_by_dim={"fp32": {"forward": [[16, 1e9]]}}), 1, 1).attention["fp32"]) == {
+        "forward"}

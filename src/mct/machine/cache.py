@@ -106,6 +106,9 @@ def _extra_lines(extra: dict) -> list[str]:
     if extra.get("elementwise_curve"):
         lines.append("elementwise 1 thread by bytes an op moves: " + ", ".join(
             f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in extra["elementwise_curve"]))
+    for dtype, phases in (extra.get("attention_by_dim") or {}).items():
+        lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
+            f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))
     if extra.get("random_elements_per_s"):
         lines.append(f"random numbers (bernoulli_, 1 thread): {extra['random_elements_per_s'] / 1e6:.0f} M elements/s")
     if extra.get("op_overhead_s"):

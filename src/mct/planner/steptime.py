@@ -11,7 +11,8 @@
   64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
   elementwise ops at the op's bytes (``extra['elementwise_curve']``: cache-resident tensors
   move faster) x threads, the largest size's at most the every-thread copy rate shared by
-  the ranks on this machine. Random numbers (dropout's masks, ``StepWork.random``) at
+  the ranks on this machine. The CPU's fused attention kernels at their own measured
+  rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
 - **overhead**: ``ops x op_overhead_s``, the time one dispatched op costs beyond its
   roofline (Python, the dispatcher, autograd, the engine's memory tracker; with ranks,
@@ -74,7 +75,9 @@ class Rates:
     size; ``tiers`` {'cpu'|'disk': bytes/s} of offload traffic (absent: counted in the
     ops); ``notes``: what was not measured; ``random_per_s``: random elements drawn per
     second (0: not measured, not counted); ``wait_s``: what a rank waits for the others
-    at each collective call of a real step beyond the collective's own time."""
+    at each collective call of a real step beyond the collective's own time; ``attention``
+    {dtype: {'forward'|'backward': ((head width, FLOP/s), ...)}} of the fused attention
+    kernels, one thread (absent: timed as a matmul)."""
 
     matmul: dict[str, tuple[tuple[float, float], ...]]
     speedup: dict[str, float]
@@ -85,6 +88,7 @@ class Rates:
     notes: tuple[str, ...] = ()
     random_per_s: float = 0.0
     wait_s: float = 0.0
+    attention: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -93,6 +97,15 @@ class Rates:
         curve = self.matmul.get(dtype) or self.matmul["fp32"]
         rate = _loglog(curve, dim) if dim > 0 else curve[-1][1]
         return flops / (rate * _blend(flops, self.speedup.get(dtype, 1.0)))
+
+    def attention_s(self, phase: str, dtype: str, flops: float, dim: int) -> float:
+        """Seconds of a fused attention kernel (``phase`` 'forward' | 'backward') of ``flops``
+        at head width ``dim``: its measured curve, x the threads' speed-up as a matmul's;
+        a matmul's time where the curve was not measured."""
+        curve = self.attention.get(dtype, {}).get(phase)
+        if not curve:
+            return self.matmul_s(dtype, flops, dim)
+        return flops / (_loglog(curve, dim) * _blend(flops, self.speedup.get(dtype, 1.0)))
 
     def memory_s(self, nbytes: float) -> float:
         """Seconds of an elementwise op that reads and writes ``nbytes``."""
@@ -137,6 +150,8 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     compute = 0.0
     for (dtype, flops, nbytes, dim), n in work.ops.items():
         compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes))
+    for (phase, dtype, flops, nbytes, dim), n in work.attention.items():
+        compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes))
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
@@ -198,7 +213,13 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     if device == "cuda" and extra.get("host_bytes_per_s"):
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
-                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait)
+                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra))
+
+
+def _attention(extra: dict[str, Any]) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
+    """The profile's fused attention curves as ``Rates.attention`` holds them."""
+    return {dtype: {phase: tuple((float(d), float(r)) for d, r in curve) for phase, curve in phases.items() if curve}
+            for dtype, phases in (extra.get("attention_by_dim") or {}).items()}
 
 
 def overhead_key(threads: int, ranks: int) -> str:
