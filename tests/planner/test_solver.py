@@ -15,6 +15,7 @@ from mct.planner import Grid, make_plan, resolve_auto
 from mct.planner.auto import solve_auto, space_for
 from mct.planner.grid import prepare
 from mct.planner.solver import Space, configure_row, frontier, need, predicted_seconds, rank, solve
+from mct.reporting.metrics import MetricsWriter
 from mct.task import gpt_task
 
 plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
@@ -189,7 +190,6 @@ def test_mct_report_shows_the_solvers_pick_frontier_and_why_a_run_recorded(tmp_p
     """A run whose config used ``auto`` records the solver's choice in metadata.json under
     ``plan`` (as ``mct train`` writes it); ``mct report`` prints the pick, the frontier's
     size and the why line. A run without the record prints no solver line."""
-    from mct.reporting.metrics import MetricsWriter
     rows = uniform_rows(config())
     auto = config(memory={"budget": str((need(rows["none"]) + need(rows["all"])) // 2)})
     _, choice = resolve_auto(auto, 1, gpt_task(auto))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 PROFILE_VERSION = 3
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
@@ -376,7 +377,6 @@ def _attention_by_dim(dtype: torch.dtype) -> dict[str, list[list[float]]]:
     on the CPU ([4, 4, 128, d], each d of ``ATTENTION_DIMS``; the fastest of 5), FLOPs by
     torch's counter (the full [S, S] scores: 2 matmuls forward, 5 backward); {} when it
     does not run in ``dtype``."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
     out: dict[str, list[list[float]]] = {"forward": [], "backward": []}
     for d in ATTENTION_DIMS:
         shape = (4, 4, 128, d)
