@@ -15,6 +15,7 @@ from mct.planner import Grid, make_plan, resolve_auto
 from mct.planner.auto import solve_auto, space_for
 from mct.planner.grid import prepare
 from mct.planner.solver import Space, configure_row, frontier, need, predicted_seconds, rank, solve
+from mct.reporting.metrics import MetricsWriter
 from mct.task import gpt_task
 
 plan_module = importlib.import_module("mct.planner.plan")  # the package's plan() shadows the module name
@@ -188,3 +189,24 @@ def test_auto_trains_the_solvers_pick_and_records_it(tmp_path, corpus_dir, monke
     meta = json.loads((tmp_path / "run" / "metadata.json").read_text())
     assert meta["plan"]["data.micro_batch_size"] == 2 and meta["config"]["data"]["grad_accum"] == 2
     assert meta["plan"]["predicted_peak_bytes"] <= budget and meta["plan"]["solver"]["frontier"]
+
+
+def test_mct_report_shows_the_solvers_pick_frontier_and_why_a_run_recorded(tmp_path, capsys):
+    """A run whose config used ``auto`` records the solver's choice in metadata.json under
+    ``plan`` (as ``mct train`` writes it); ``mct report`` prints the pick, the frontier's
+    size and the why line. A run without the record prints no solver line."""
+    rows = uniform_rows(config())
+    auto = config(memory={"budget": str((need(rows["none"]) + need(rows["all"])) // 2)})
+    _, choice = resolve_auto(auto, 1, gpt_task(auto))
+    for name, meta in (("solved", {"plan": choice, "config": auto.to_dict()}), ("plain", {"config": auto.to_dict()})):
+        run = tmp_path / name
+        MetricsWriter(run).log({"step": 1, "loss": 4.0, "step_time_s": 0.01})
+        (run / "metadata.json").write_text(json.dumps(meta))
+    assert main(["report", str(tmp_path / "solved")]) == 0
+    out = capsys.readouterr().out
+    n = len(choice["solver"]["frontier"])
+    assert f"solver pick: zero.stage={choice['zero.stage']} checkpointing.policy=" in out
+    assert f"(frontier {n} row(s), {choice['solver']['dry_runs']} dry runs)" in out and n >= 1
+    assert f"solver why: {choice['solver']['why']}" in out
+    assert main(["report", str(tmp_path / "plain")]) == 0
+    assert "solver" not in capsys.readouterr().out

@@ -5,6 +5,7 @@ tokens_per_s (also in `mct plan --json`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -47,7 +48,7 @@ def _profile(**extra) -> MachineProfile:
             "op_overhead_s": {"1": 1e-5, "4": 2e-5},
             "collectives": {"gloo:2": {"all_reduce": [1e-4, 1e9], "reduce_scatter": [2e-4, 5e8],
                                        "all_gather": [3e-4, 2.5e8]}},
-            "disk_bytes_per_s": 1e8}
+            "disk_bytes_per_s": 1e8, "random_elements_per_s": 1e8}
     return MachineProfile(device="cpu", name="handmade", flags=("avx2",), torch_version="x", threads=4,
                           matmul_one={"fp32": 1e10}, matmul_all={"fp32": 3e10}, matmul_size={"fp32": 1024},
                           memcpy_bytes_per_s=1e9, extra={**base, **extra})
@@ -169,3 +170,61 @@ def test_plan_rows_carry_step_s_and_tokens_per_s(capsys):
                  "--set", "model.seq_len=16", "--set", "model.vocab_size=96"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["time"]["comm_s"] > 0
+
+
+def test_random_draws_and_collective_waits_are_timed_at_their_measured_rates():
+    """Elements a random op draws (dropout's masks: ~50x an add's bytes on a CPU) over the
+    measured random-number rate, on top of their op's bytes; a rank's measured wait for the
+    slower rank once per collective call."""
+    rates = dataclasses.replace(RATES, random_per_s=1e8, wait_s=1e-3)
+    work = StepWork(ops={("fp32", 0, 4 * 10 ** 4, 0): 3}, comm={("all_reduce", 10 ** 6, 2): 1, ("object", 0, 1): 1},
+                    random={10 ** 4: 3})
+    t, bare = step_time(work, rates), step_time(work, RATES)
+    assert math.isclose(t.compute_s - bare.compute_s, 3 * 10 ** 4 / 1e8, rel_tol=1e-12)
+    assert math.isclose(t.comm_s - bare.comm_s, 2 * 1e-3, rel_tol=1e-12)
+
+
+def test_dropout_is_counted_as_random_draws_and_extrapolated_with_depth():
+    """The dry run counts every element dropout draws (forward, and again where a block is
+    recomputed); none without dropout; depth extrapolation extends them as the ops."""
+    def work(policy: str, dropout: float, layers: int = L):
+        cfg = _cfg(0, policy, layers=layers)
+        cfg = EngineConfig.from_dict({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "dropout": dropout}})
+        task = _task(cfg)
+        return dry_run(task.model_fn, task.loss_fn, task.batch, cfg, 1).work
+
+    def drawn(w):
+        return sum(e * n for e, n in w.random.items())
+    assert not work("none", 0.0).random
+    none, every = work("none", 0.1), work("all", 0.1)
+    assert drawn(none) >= L * B * S * D and drawn(every) > drawn(none)
+    a, b = work("none", 0.1, 3), work("none", 0.1, 4)
+    assert drawn(a.extend([(b, 2)])) == drawn(none)
+
+
+def test_overhead_and_wait_of_ranks_at_once_are_read_by_world_or_fall_back():
+    """A world's rates read the per-op overhead and wait measured with that many ranks
+    stepping at once; without them, one process alone's overhead, named in the notes."""
+    prof = _profile(op_overhead_s={"1": 1e-5, "1x2": 3e-5}, collective_wait_s={"1x2": 2e-3})
+    two = rates_for(prof, 2, 1, ranks_here=2)
+    assert two.op_s == 3e-5 and two.wait_s == 2e-3 and two.random_per_s == 1e8
+    alone = rates_for(_profile(), 2, 1, ranks_here=2)
+    assert alone.op_s == 1e-5 and alone.wait_s == 0.0 and any("alone" in n for n in alone.notes)
+    assert rates_for(prof, 1, 1, ranks_here=1).wait_s == 0.0
+
+
+def test_fused_attention_is_counted_apart_and_timed_at_its_own_rate():
+    """The CPU's fused attention kernels (forward and backward) are counted apart from the
+    other ops (still in n_ops and flops) and timed at their measured curve by head width
+    (bf16's backward runs ~10x below a bf16 matmul of its FLOPs), a matmul's without one."""
+    task = _task(_cfg())
+    work = dry_run(task.model_fn, task.loss_fn, task.batch, _cfg(), 1).work
+    phases = {k[0] for k in work.attention}
+    assert phases == {"forward", "backward"} and all(k[1] == "fp32" and k[4] == D // 2 for k in work.attention)
+    assert work.n_ops == sum(work.ops.values()) + sum(work.attention.values())
+    one = StepWork(attention={("backward", "fp32", 10 ** 6, 10, 16): 2})
+    timed = dataclasses.replace(RATES, attention={"fp32": {"backward": ((16.0, 1e8), (64.0, 4e8))}})
+    assert math.isclose(step_time(one, timed).compute_s, 2 * 1e6 / 1e8, rel_tol=1e-12)
+    assert math.isclose(step_time(one, RATES).compute_s, 2 * RATES.matmul_s("fp32", 1e6, 16), rel_tol=1e-12)
+    assert set(rates_for(_profile(attention_by_dim={"fp32": {"forward": [[16, 1e9]]}}), 1, 1).attention["fp32"]) == {
+        "forward"}

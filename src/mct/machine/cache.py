@@ -106,13 +106,27 @@ def _extra_lines(extra: dict) -> list[str]:
     if extra.get("elementwise_curve"):
         lines.append("elementwise 1 thread by bytes an op moves: " + ", ".join(
             f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in extra["elementwise_curve"]))
+    for dtype, phases in (extra.get("attention_by_dim") or {}).items():
+        lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
+            f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))
+    if extra.get("random_elements_per_s"):
+        lines.append(f"random numbers (bernoulli_, 1 thread): {extra['random_elements_per_s'] / 1e6:.0f} M elements/s")
     if extra.get("op_overhead_s"):
-        lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {t} thread(s)"
+        lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {_overhead_where(t)}"
                                                       for t, s in sorted(extra["op_overhead_s"].items())))
+    if extra.get("collective_wait_s"):
+        lines.append("wait at each collective call of a step: " + ", ".join(
+            f"{1e6 * s:.1f} us at {_overhead_where(t)}" for t, s in sorted(extra["collective_wait_s"].items())))
     for key, kinds in sorted((extra.get("collectives") or {}).items()):
         lines.append(f"collectives {key}: " + ", ".join(
             f"{k} {1e6 * lat:.0f} us + {bw / 1e9:.2f} GB/s" for k, (lat, bw) in kinds.items()))
     return lines
+
+
+def _overhead_where(key: str) -> str:
+    """'2 thread(s)' for an ``op_overhead_s`` key '2', '1 thread(s) x 2 ranks at once' for '1x2'."""
+    threads, _, ranks = key.partition("x")
+    return f"{threads} thread(s)" + (f" x {ranks} ranks at once" if ranks else "")
 
 
 def _read(path: Path) -> tuple[dict, str | None]:

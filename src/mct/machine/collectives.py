@@ -15,7 +15,7 @@ import datetime
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +28,20 @@ def measure_collectives(world: int, device: str = "cpu", timeout_s: float = 120.
     """{kind: [latency s, bytes/s]} for ``world`` ranks on this machine ('cpu': gloo,
     'cuda': NCCL, one device per rank). Raises ValueError for a world below 2 or more
     CUDA ranks than devices, RuntimeError when the processes fail or time out."""
+    return spawn_ranks(_time_kinds, world, device, (), timeout_s)
+
+
+def _time_kinds(rank: int, world: int, dev: torch.device) -> dict[str, list[float]]:
+    return {kind: _time_kind(kind, world, dev) for kind in KINDS}
+
+
+def spawn_ranks(fn: Callable[..., Any], world: int, device: str = "cpu", args: tuple = (),
+                timeout_s: float = 120.0, threads: int = 1) -> Any:
+    """Rank 0's ``fn(rank, world, dev, *args)``, run in ``world`` processes spawned here,
+    all at once, in one process group (gloo over a file rendezvous on CPU, NCCL on CUDA,
+    one device per rank), each with ``threads`` torch threads. ``fn`` must be a module's
+    top-level function (it is pickled). Raises ValueError for a world below 2 or more
+    CUDA ranks than devices, RuntimeError when a process fails or time runs out."""
     if world < 2:
         raise ValueError(f"collectives are measured for 2 or more ranks, got world {world}")
     if device == "cuda" and world > torch.cuda.device_count():
@@ -36,41 +50,47 @@ def measure_collectives(world: int, device: str = "cpu", timeout_s: float = 120.
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank, args=(r, world, init, device, queue), daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, init, device, queue, fn, args, threads), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        got: Any = None
-        while got is None and time.monotonic() < deadline:
-            if not queue.empty():
-                got = queue.get()
-            elif any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(0.2)
-                got = queue.get() if not queue.empty() else "a rank died: exit codes " + str(
-                    [p.exitcode for p in procs])
-            else:
-                time.sleep(0.02)
+        got = _first_answer(queue, procs, timeout_s)
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    if not isinstance(got, dict):
-        raise RuntimeError(f"measuring collectives on {world} ranks failed: {got or 'timed out'}")
-    return got
+    if not isinstance(got, tuple):
+        raise RuntimeError(f"measuring on {world} ranks failed: {got or 'timed out'}")
+    return got[0]
 
 
-def _rank(rank: int, world: int, init: str, device: str, queue: Any) -> None:
+def _first_answer(queue: Any, procs: list, timeout_s: float) -> Any:
+    """Rank 0's answer (a 1-tuple) or the first error (a string); None on time-out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not queue.empty():
+            return queue.get()
+        if any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(0.2)
+            return queue.get() if not queue.empty() else "a rank died: exit codes " + str(
+                [p.exitcode for p in procs])
+        time.sleep(0.02)
+    return None
+
+
+def _rank(rank: int, world: int, init: str, device: str, queue: Any, fn: Callable[..., Any], args: tuple,
+          threads: int) -> None:
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
         if device == "cuda":
             torch.cuda.set_device(dev)
-        out = {kind: _time_kind(kind, world, dev) for kind in KINDS}
+        out = fn(rank, world, dev, *args)
         if rank == 0:
-            queue.put(out)
+            queue.put((out,))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         queue.put(f"rank {rank}: {type(e).__name__}: {e}")
     finally:

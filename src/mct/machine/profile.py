@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
-another version is measured again, never half-used."""
+another version is measured again, never half-used. 3: the random-number rate
+(``extra['random_elements_per_s']``), the fused attention kernels' rates
+(``extra['attention_by_dim']``) and the per-op overhead at a world size
+(``extra['op_overhead_s']`` keys '<threads>x<ranks>')."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -47,6 +51,15 @@ MATMUL_DIMS = (16, 32, 64, 128, 256, 512)
 """The smallest dimension of the one-thread matmuls of ``extra['matmul_by_dim']``
 ([1024, d] x [d, 1024]): a matmul with a short side (a head's width, a narrow layer) runs
 far below the square peak, and a model's are mostly such on a CPU."""
+
+ATTENTION_DIMS = (16, 64)
+"""Head widths of the one-thread fused attention curve (``extra['attention_by_dim']``;
+[4, 4, 128, d] causal, forward and backward)."""
+
+RANDOM_ELEMENTS = 2**16
+"""Elements of the fp32 tensor ``bernoulli_`` fills to time random-number generation
+(``extra['random_elements_per_s']``): dropout's masks cost ~10 ns an element on one CPU
+thread, 50x an add's, so they are timed apart from the elementwise ops."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +90,14 @@ class MachineProfile:
     'elementwise_curve' [[bytes an op reads and writes, bytes/s], ...] one thread at
     ``ELEMENTWISE_SIZES``;
     'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
-    temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device); 'collectives' {'<backend>:<world>': {kind: [latency s,
-    bytes/s]}} and 'op_overhead_s' {'<threads>': s}, measured on first use."""
+    temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device);
+    'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
+    'attention_by_dim' {dtype: {'forward'|'backward': [[head width, FLOP/s], ...]}} one
+    thread at ``ATTENTION_DIMS``, FLOPs as torch's counter counts them (CPU only);
+    'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}} and 'op_overhead_s'
+    {'<threads>': s of one process alone, '<threads>x<ranks>': s of each of that many
+    ranks stepping at once} and 'collective_wait_s' {'<threads>x<ranks>': s a rank waits at
+    each collective call of a real step beyond the collective's time}, measured on first use."""
 
     @property
     def key(self) -> str:
@@ -238,12 +257,14 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
         curve = {name: _matmul_by_dim(DTYPES[name], "cpu", lambda: None) for name in one}
         elementwise = [_elementwise_rate("cpu", n, lambda: None) for n in ELEMENTWISE_SIZES]
+        random = random_rate("cpu", lambda: None)
+        attention = {name: _attention_by_dim(DTYPES[name]) for name in one}
         torch.set_num_threads(cores)
         copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
     finally:
         torch.set_num_threads(before)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy_all,
-             "disk_bytes_per_s": disk_rate(disk)}
+             "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk)}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
                           memcpy_bytes_per_s=copy, extra=extra)
@@ -268,7 +289,7 @@ def _measure_cuda(disk: Path | None) -> MachineProfile:
     elementwise = [_elementwise_rate("cuda", n, sync) for n in (2**20, 2**24, 2**27)]
     host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy,
-             "disk_bytes_per_s": disk_rate(disk),
+             "disk_bytes_per_s": disk_rate(disk), "random_elements_per_s": random_rate("cuda", sync, 2**24),
              "host_bytes_per_s": _transfer_rate(host, sync)}
     return MachineProfile(device="cuda", name=name, flags=flags, torch_version=torch.__version__, threads=1,
                           matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy,
@@ -349,6 +370,37 @@ def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None]) -> lis
     moved = sum(k for _, k in ops) * nbytes
     best = _fastest(lambda: [op() for op, _ in ops], max(1, 2**22 // nbytes), sync)
     return [moved / len(ops), moved / best]
+
+
+def _attention_by_dim(dtype: torch.dtype) -> dict[str, list[list[float]]]:
+    """{'forward'|'backward': [[d, FLOP/s], ...]} of causal ``scaled_dot_product_attention``
+    on the CPU ([4, 4, 128, d], each d of ``ATTENTION_DIMS``; the fastest of 5), FLOPs by
+    torch's counter (the full [S, S] scores: 2 matmuls forward, 5 backward); {} when it
+    does not run in ``dtype``."""
+    out: dict[str, list[list[float]]] = {"forward": [], "backward": []}
+    for d in ATTENTION_DIMS:
+        shape = (4, 4, 128, d)
+        q, k, v = (torch.randn(shape).to(dtype).requires_grad_() for _ in range(3))
+        try:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(torch.ones_like(o), retain_graph=True)
+        except RuntimeError:
+            return {}
+        grad = torch.ones_like(o)
+        fwd = _fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), 1,
+                       lambda: None)
+        bwd = _fastest(lambda: torch.autograd.grad(o, (q, k, v), grad, retain_graph=True), 1, lambda: None)
+        out["forward"].append([float(d), sdpa_flop_count(shape, shape, shape) / fwd])
+        out["backward"].append([float(d), sdpa_backward_flop_count(shape, shape, shape, shape) / bwd])
+    return out
+
+
+def random_rate(device: str, sync: Callable[[], None], n: int = RANDOM_ELEMENTS) -> float:
+    """Elements per second ``bernoulli_`` fills (fp32, ``n`` elements; the fastest of 5
+    batches): the random-number generation of dropout's masks."""
+    x = torch.empty(n, device=device)
+    x.bernoulli_(0.9)
+    return n / _fastest(lambda: x.bernoulli_(0.9), max(1, min(20, 2**18 // n)), sync)
 
 
 def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:

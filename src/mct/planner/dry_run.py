@@ -216,7 +216,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
-        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), _traffic(engine.tracker))
+        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), _traffic(engine.tracker),
+                        dict(counter.random), dict(counter.attention))
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])

@@ -11,14 +11,21 @@
   64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
   elementwise ops at the op's bytes (``extra['elementwise_curve']``: cache-resident tensors
   move faster) x threads, the largest size's at most the every-thread copy rate shared by
-  the ranks on this machine.
+  the ranks on this machine. The CPU's fused attention kernels at their own measured
+  rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
+  the measured ``bernoulli_`` rate, on top of their ops' bytes.
 - **overhead**: ``ops x op_overhead_s``, the time one dispatched op costs beyond its
-  roofline (Python, the dispatcher, autograd, the engine's memory tracker), measured on
-  first use at the rank's thread count: a real step of a tiny built-in GPT minus its
-  predicted compute, per op (``measure_op_overhead``).
+  roofline (Python, the dispatcher, autograd, the engine's memory tracker; with ranks,
+  what ranks stepping at once on one machine cost each other: shared cores and caches,
+  waiting at each collective for the slower rank), measured on first use with one thread
+  a rank (``machine_rates`` says why) and, for a world, with that many ranks stepping at
+  once: real steps of a tiny built-in GPT minus their predicted compute and
+  communication, per op (``measure_op_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
-  (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``); no overlap with compute.
+  (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``), plus a rank's wait for the
+  slower rank at each collective call as measured on real steps at that world
+  (``measure_op_overhead``); no overlap with compute.
 - **offload**: the bytes a step moves to and from disk at the measured disk rate (host
   memory: the pinned host-to-device rate on CUDA; on a CPU device the copies are ops
   already counted).
@@ -30,6 +37,7 @@ extrapolated from the largest world measured here (ring scaling).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,7 +50,7 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.machine import MachineProfile, calibrate, usable_cores
 from mct.machine.cache import cached, remember
-from mct.machine.collectives import measure_collectives
+from mct.machine.collectives import measure_collectives, spawn_ranks
 from mct.models.gpt import GPT, gpt_loss
 from mct.planner.dry_run import dry_run
 from mct.planner.work import StepWork
@@ -65,7 +73,11 @@ class Rates:
     large matmuls}; ``elementwise`` ((bytes, bytes/s), ...) ascending, per rank; ``op_s``:
     overhead per dispatched op; ``collectives`` {kind: (latency s, bytes/s)} at the world
     size; ``tiers`` {'cpu'|'disk': bytes/s} of offload traffic (absent: counted in the
-    ops); ``notes``: what was not measured."""
+    ops); ``notes``: what was not measured; ``random_per_s``: random elements drawn per
+    second (0: not measured, not counted); ``wait_s``: what a rank waits for the others
+    at each collective call of a real step beyond the collective's own time; ``attention``
+    {dtype: {'forward'|'backward': ((head width, FLOP/s), ...)}} of the fused attention
+    kernels, one thread (absent: timed as a matmul)."""
 
     matmul: dict[str, tuple[tuple[float, float], ...]]
     speedup: dict[str, float]
@@ -74,6 +86,9 @@ class Rates:
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
     tiers: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    random_per_s: float = 0.0
+    wait_s: float = 0.0
+    attention: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -82,6 +97,15 @@ class Rates:
         curve = self.matmul.get(dtype) or self.matmul["fp32"]
         rate = _loglog(curve, dim) if dim > 0 else curve[-1][1]
         return flops / (rate * _blend(flops, self.speedup.get(dtype, 1.0)))
+
+    def attention_s(self, phase: str, dtype: str, flops: float, dim: int) -> float:
+        """Seconds of a fused attention kernel (``phase`` 'forward' | 'backward') of ``flops``
+        at head width ``dim``: its measured curve, x the threads' speed-up as a matmul's;
+        a matmul's time where the curve was not measured."""
+        curve = self.attention.get(dtype, {}).get(phase)
+        if not curve:
+            return self.matmul_s(dtype, flops, dim)
+        return flops / (_loglog(curve, dim) * _blend(flops, self.speedup.get(dtype, 1.0)))
 
     def memory_s(self, nbytes: float) -> float:
         """Seconds of an elementwise op that reads and writes ``nbytes``."""
@@ -92,11 +116,15 @@ class Rates:
         two small all-reduces' latency); 0 when this kind was not measured."""
         if kind == "object":
             lat = self.collectives.get("all_reduce", (0.0, 1.0))[0]
-            return 2 * lat
+            return 2 * lat + self.wait_s
         if kind not in self.collectives:
             return 0.0
         lat, bw = self.collectives[kind]
-        return buckets * lat + nbytes / bw
+        return buckets * lat + nbytes / bw + self.wait_s
+
+    def random_s(self, elements: float) -> float:
+        """Seconds of drawing ``elements`` random numbers (0 when the rate was not measured)."""
+        return elements / self.random_per_s if self.random_per_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,9 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     compute = 0.0
     for (dtype, flops, nbytes, dim), n in work.ops.items():
         compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes))
+    for (phase, dtype, flops, nbytes, dim), n in work.attention.items():
+        compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes))
+    compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
     return StepTime(compute, work.n_ops * rates.op_s, comm, offload)
@@ -167,19 +198,55 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
     elementwise = tuple((b, r * (x if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
         (curve[-1][0], min(curve[-1][1] * x, share)),)
-    op_s = extra.get("op_overhead_s", {}).get(str(threads))
-    if op_s is None:
-        notes.append(f"no per-op overhead measured at {threads} thread(s)")
+    op_s = _op_overhead(extra.get("op_overhead_s", {}), threads, ranks_here if device == "cpu" else 1, notes)
+    random = float(extra.get("random_elements_per_s") or 0.0)
+    if not random:
+        notes.append("no random-number rate measured: dropout's masks timed as their bytes only")
     collectives: dict[str, tuple[float, float]] = {}
+    wait = 0.0
     if world > 1:
         collectives = _collectives(profile, world)
+        wait = float(_at_threads(extra.get("collective_wait_s", {}), threads, ranks_here) or 0.0)
         if not collectives:
             notes.append(f"no collectives measured for {world} ranks: communication not counted")
     tiers = {"disk": float(extra.get("disk_bytes_per_s") or 0.0)}
     if device == "cuda" and extra.get("host_bytes_per_s"):
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
-                 {k: v for k, v in tiers.items() if v}, tuple(notes))
+                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra))
+
+
+def _attention(extra: dict[str, Any]) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
+    """The profile's fused attention curves as ``Rates.attention`` holds them."""
+    return {dtype: {phase: tuple((float(d), float(r)) for d, r in curve) for phase, curve in phases.items() if curve}
+            for dtype, phases in (extra.get("attention_by_dim") or {}).items()}
+
+
+def overhead_key(threads: int, ranks: int) -> str:
+    """The ``op_overhead_s`` key of ``ranks`` ranks of ``threads`` threads stepping at once
+    on one machine: '<threads>' for one process alone, '<threads>x<ranks>'."""
+    return str(threads) if ranks <= 1 else f"{threads}x{ranks}"
+
+
+def _op_overhead(measured: dict[str, float], threads: int, ranks: int, notes: list[str]) -> float | None:
+    """The per-op overhead of ``ranks`` ranks at ``threads`` (else at one thread: what
+    ``machine_rates`` measures); one process alone's when the ranks' was not measured
+    (noted: it misses what the ranks cost each other)."""
+    op_s = _at_threads(measured, threads, ranks)
+    if op_s is None and ranks > 1:
+        op_s = _at_threads(measured, threads, 1)
+        if op_s is not None:
+            notes.append(f"per-op overhead of one process alone at {threads} thread(s): {ranks} ranks "
+                         "stepping at once not measured (mct calibrate --world-size)")
+    if op_s is None:
+        notes.append(f"no per-op overhead measured at {threads} thread(s)")
+    return op_s
+
+
+def _at_threads(measured: dict[str, float], threads: int, ranks: int) -> float | None:
+    """The value measured for ``ranks`` ranks at ``threads``, else at one thread, else None."""
+    got = measured.get(overhead_key(threads, ranks))
+    return measured.get(overhead_key(1, ranks)) if got is None else got
 
 
 def _speedup(profile: MachineProfile, dtype: str, threads: int) -> float:
@@ -227,8 +294,9 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     """This machine's ``Rates`` for one rank of a ``world``-rank run: the cached profile
     (measured the first time, ``mct.machine.calibrate``), plus what it lacks for this run,
     measured now and cached: collectives at the world size (a few seconds, in spawned
-    processes; not with ``spawn=False``), the per-op overhead at the rank's threads (about
-    a second). ``measure=False``: the cache only (None when it holds no profile; what it
+    processes; not with ``spawn=False``), the per-op overhead of one process and (spawning)
+    of the world's ranks stepping at once, with the wait per collective call (a second,
+    and a few seconds). ``measure=False``: the cache only (None when it holds no profile; what it
     lacks is named in the notes). Returns the rates and warnings (a cache that could not
     be written, a measurement that failed)."""
     if not measure:
@@ -246,44 +314,101 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
                 warnings += [warning] if warning else []
             except (RuntimeError, ValueError) as e:
                 warnings.append(f"collectives not measured ({e}): communication not counted")
-    if str(threads) not in profile.extra.get("op_overhead_s", {}):
-        op_s = measure_op_overhead(rates_for(profile, 1, threads, ranks_here=1), threads)
-        profile, warning = remember(profile, "op_overhead_s", {str(threads): op_s})
+    ranks = measured_world(profile, world) if world > 1 and spawn and device == "cpu" else 1
+    # The overhead and the wait are measured with one thread a rank and used at any thread
+    # count (the threads' speed-up of large ops is in the rates): on a core another job holds,
+    # the tiny model's 32-row layer norms, attention and GELU each open an OpenMP region at 2
+    # threads that waits a time slice for the busy core (its steps 10-30x its one-thread steps
+    # at load 2.5, 50-900 us per op, while the benchmark's models at 2 threads stepped as the
+    # one-thread overhead predicts); on a quiet machine the two differ by 5% (22.9, 24.2 us).
+    for n in sorted({1, ranks}):
+        profile, warning = _with_overhead(profile, 1, n)
         warnings += [warning] if warning else []
     return rates_for(profile, world, threads), warnings
 
 
-def measure_op_overhead(rates: Rates, threads: int, steps: int = 5) -> float:
-    """Seconds per dispatched op beyond its roofline: real steps of the built-in GPT of
-    ``OVERHEAD_MODEL`` (one rank, stage 0, fp32, without and with recompute of every
-    block, so the checkpointing's own work is in it; the fastest of ``steps`` each,
-    interleaved, after two warm-ups: a busy machine only ever slows a step down) minus
-    the compute ``rates`` predict for their dry runs, over their ops. Runs with
-    ``threads`` torch threads (restored after)."""
+def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[MachineProfile, str | None]:
+    """``profile`` with the per-op overhead of ``ranks`` ranks at ``threads`` (measured and
+    cached when it lacks it), and a warning (a failed measurement, an unwritten cache)."""
+    key = overhead_key(threads, ranks)
+    if key in profile.extra.get("op_overhead_s", {}):
+        return profile, None
+    try:
+        op_s, wait_s = measure_op_overhead(rates_for(profile, ranks, threads, ranks_here=ranks), threads,
+                                           ranks=ranks)
+    except (RuntimeError, ValueError) as e:
+        return profile, f"per-op overhead of {ranks} ranks not measured ({e})"
+    if ranks > 1:
+        profile, _ = remember(profile, "collective_wait_s", {key: wait_s})
+    return remember(profile, "op_overhead_s", {key: op_s})
+
+
+def measure_op_overhead(rates: Rates, threads: int, steps: int = 5, ranks: int = 1) -> tuple[float, float]:
+    """(seconds per dispatched op beyond its roofline, seconds a rank waits at each
+    collective call beyond the collective's time): real steps of the built-in GPT of
+    ``OVERHEAD_MODEL`` (stage 0, fp32, without and with recompute of every block, so the
+    checkpointing's own work is in it; the fastest of ``steps`` each, interleaved, after
+    two warm-ups: a busy machine only ever slows a step down), the step's time outside its
+    collectives minus the compute ``rates`` predict for their dry runs over their ops, and
+    the time in its collectives (the engine's ``time_comm_s``) minus the communication
+    predicted over their calls. ``ranks`` 1: this process alone, with ``threads`` torch
+    threads (restored after; no wait); more: that many spawned gloo ranks stepping at
+    once, each with ``threads`` (rank 0's steps: what the ranks cost each other is in
+    it). Raises RuntimeError when the ranks fail."""
+    cfgs, batch = _overhead_configs(), _overhead_batch()
+    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, batch, c, ranks).work for c in cfgs]
+    if ranks > 1:
+        times = spawn_ranks(_rank_overhead_steps, ranks, "cpu", (steps,), timeout_s=300.0, threads=threads)
+    else:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            times = _overhead_steps(DistContext(device=torch.device("cpu")), steps)  # alone, whatever group this is in
+        finally:
+            torch.set_num_threads(before)
+    bare = dataclasses.replace(rates, wait_s=0.0)
+    spare = waited = 0.0
+    for got, w in zip(times, works):
+        if w is not None:
+            total, comm = min(got)
+            predicted = step_time(w, bare)
+            spare += total - comm - predicted.compute_s
+            waited += comm - predicted.comm_s
+    measured = [w for w in works if w is not None]
+    calls = sum(n for w in measured for n in w.comm.values())
+    return max(0.0, spare / sum(w.n_ops for w in measured)), max(0.0, waited / calls) if calls else 0.0
+
+
+def _overhead_configs() -> list[EngineConfig]:
+    return [EngineConfig.from_dict({"model": dict(OVERHEAD_MODEL), "train": {"grad_clip": 1.0},
+                                    "checkpointing": {"policy": policy}}) for policy in ("none", "all")]
+
+
+def _overhead_batch() -> tuple[torch.Tensor, torch.Tensor]:
     T, V = OVERHEAD_MODEL["seq_len"], OVERHEAD_MODEL["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    batch = (torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g))
-    cfgs = [EngineConfig.from_dict({"model": dict(OVERHEAD_MODEL), "train": {"grad_clip": 1.0},
-                                    "checkpointing": {"policy": policy}}) for policy in ("none", "all")]
-    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, batch, c, 1).work for c in cfgs]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        alone = DistContext(device=torch.device("cpu"))  # one process on the CPU, whatever group this one is in
-        engines = [Engine(GPT(c.model), None, c, ctx=alone) for c in cfgs]  # a CUDA step's host side alike
-        times: list[list[float]] = [[] for _ in cfgs]
-        for i in range(steps + 2):
-            for engine, got in zip(engines, times):
-                t0 = time.perf_counter()
-                engine.train_step(batch, gpt_loss)
-                if i >= 2:
-                    got.append(time.perf_counter() - t0)
-        for engine in engines:
-            engine.close()
-    finally:
-        torch.set_num_threads(before)
-    spare = sum(min(t) - step_time(w, rates).compute_s for t, w in zip(times, works) if w is not None)
-    return max(0.0, spare / sum(w.n_ops for w in works if w is not None))
+    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
+
+
+def _rank_overhead_steps(rank: int, world: int, dev: torch.device, steps: int) -> list[list[float]]:
+    return _overhead_steps(DistContext.current(dev), steps)
+
+
+def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, float]]]:
+    """(seconds, of which in collectives) of ``steps`` timed steps per
+    ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups)."""
+    batch = _overhead_batch()
+    engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in _overhead_configs()]  # a CUDA step's host side alike
+    times: list[list[tuple[float, float]]] = [[] for _ in engines]
+    for i in range(steps + 2):
+        for engine, got in zip(engines, times):
+            t0 = time.perf_counter()
+            out = engine.train_step(batch, gpt_loss)
+            if i >= 2:
+                got.append((time.perf_counter() - t0, float(out.metrics["time_comm_s"])))
+    for engine in engines:
+        engine.close()
+    return times
 
 
 def tokens_per_step(batch: Any, grad_accum: int, world: int) -> int:

@@ -48,6 +48,15 @@ the head's weight gradient with."""
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in EXTRA_FORMULAS.items()}}
+RANDOM_OPS = frozenset({aten.bernoulli, aten.bernoulli_, aten.native_dropout, aten.rand, aten.rand_like, aten.randn,
+                        aten.randn_like, aten.randint, aten.randint_like, aten.randperm, aten.uniform_, aten.normal_,
+                        aten.exponential_, aten.multinomial})
+ATTENTION_OPS = {aten._scaled_dot_product_flash_attention_for_cpu: "forward",
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward: "backward"}
+"""The CPU's fused attention kernels: timed at their own measured rates (``StepWork.attention``),
+not a matmul's: in bf16 the backward runs ~10x below a bf16 matmul of its FLOPs here."""
+"""Ops that draw random numbers (dropout's masks): each element costs ~50x an add's
+bytes on a CPU, so ``OpCounter`` counts the elements they draw apart (``StepWork.random``)."""
 
 OpKey = tuple[str, int, int, int]
 """(dtype name, FLOPs, bytes, smallest matrix dimension) of one op; ('', 0, 0, 0) for a
@@ -60,20 +69,25 @@ CommKey = tuple[str, int, int]
 class StepWork:
     """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes, dim): calls},
     ``comm`` {(kind, bytes, buckets): calls}, ``offload`` {tier: bytes moved to and from
-    it per step}. Counts of a deep model are linear in its depth (``extend``; an
+    it per step}, ``random`` {elements drawn: calls} of the ``RANDOM_OPS`` (also in ``ops``),
+    ``attention`` {(phase, dtype, FLOPs, bytes, dim): calls} of the ``ATTENTION_OPS`` (not in
+    ``ops``; in ``n_ops`` and ``flops``). Counts of a deep model are linear in its depth (``extend``; an
     extrapolated one's may be negative, its sums are right)."""
 
     ops: dict[OpKey, int] = field(default_factory=dict)
     comm: dict[CommKey, int] = field(default_factory=dict)
     offload: dict[str, int] = field(default_factory=dict)
+    random: dict[int, int] = field(default_factory=dict)
+    attention: dict[tuple[str, str, int, int, int], int] = field(default_factory=dict)
 
     @property
     def n_ops(self) -> int:
-        return sum(self.ops.values())
+        return sum(self.ops.values()) + sum(self.attention.values())
 
     @property
     def flops(self) -> int:
-        return sum(f * n for (_, f, _, _), n in self.ops.items())
+        return (sum(f * n for (_, f, _, _), n in self.ops.items())
+                + sum(f * n for (_, _, f, _, _), n in self.attention.items()))
 
     @property
     def comm_bytes(self) -> int:
@@ -87,7 +101,7 @@ class StepWork:
         the larger's rises, so any sum over the keys (seconds, bytes, ops) is the linear
         extrapolation of the copies' sums."""
         out = []
-        for name in ("ops", "comm", "offload"):
+        for name in ("ops", "comm", "offload", "random", "attention"):
             a = getattr(self, name)
             keys = set(a).union(*(getattr(b, name) for b, _ in larger))
             d = {k: a.get(k, 0) + sum(m * (getattr(b, name).get(k, 0) - a.get(k, 0)) for b, m in larger)
@@ -98,17 +112,33 @@ class StepWork:
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched under it (enter it above the fake mode): ``ops``
-    {(dtype, FLOPs, bytes, dim): calls}. Computes nothing itself; each op runs below."""
+    {(dtype, FLOPs, bytes, dim): calls}, ``random`` {elements drawn: calls} of the
+    ``RANDOM_OPS``, ``attention`` {(phase, dtype, FLOPs, bytes, dim): calls} of the
+    ``ATTENTION_OPS`` (apart from ``ops``). Computes nothing itself; each op runs below."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[OpKey] = Counter()
+        self.random: Counter[int] = Counter()
+        self.attention: Counter[tuple[str, str, int, int, int]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops[op_key(func, args, kwargs, out)] += 1
+        phase = ATTENTION_OPS.get(func._overloadpacket)
+        if phase is None:
+            self.ops[op_key(func, args, kwargs, out)] += 1
+        else:
+            self.attention[(phase, *op_key(func, args, kwargs, out))] += 1
+        if func._overloadpacket in RANDOM_OPS:
+            self.random[random_elements(out)] += 1
         return out
+
+
+def random_elements(out) -> int:
+    """The elements a random op drew: its first tensor output's."""
+    first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    return 0 if first is None else first.numel()
 
 
 def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:

@@ -132,6 +132,7 @@ def report_table(run: RunData) -> str:
     if mixed:  # each block's own recompute choice: the run's memory and speed follow from it
         summary.append(f"checkpointing per block: {mixed}")
     lines.append("; ".join(summary))
+    lines += solver_lines(run.meta)
     timing = step_time_line(run.rows)
     if timing:
         lines.append(timing)
@@ -156,6 +157,24 @@ def step_time_line(rows: list[dict[str, Any]]) -> str:
     median = meas[len(meas) // 2] if len(meas) % 2 else (meas[len(meas) // 2 - 1] + meas[len(meas) // 2]) / 2
     return (f"step time: measured median {median:.3g} s, predicted {pred[-1]:.3g} s "
             f"(measured / predicted {median / pred[-1]:.2f})")
+
+
+def solver_lines(meta: dict[str, Any] | None) -> list[str]:
+    """What the solver recorded for a run whose config used ``auto`` (metadata.json's
+    ``plan.solver``): the pick as the keys it set, the frontier's size and dry runs, and
+    its one-line why; [] for a run without a solver record (or an unreadable one)."""
+    plan = (meta or {}).get("plan")
+    solver = plan.get("solver") if isinstance(plan, dict) else None
+    if not isinstance(solver, dict):
+        return []
+    keys = ("zero.stage", "checkpointing.policy", "checkpointing.offload", "train.loss_chunk_tokens",
+            "checkpointing.mlp_tile_tokens", "offload", "data.micro_batch_size", "data.grad_accum")
+    off = {"checkpointing.offload": "none", "train.loss_chunk_tokens": 0, "checkpointing.mlp_tile_tokens": 0}
+    pick = " ".join(f"{k}={plan[k]}" for k in keys if plan.get(k) not in (None, "", [], {}, off.get(k, "")))
+    frontier = solver.get("frontier")
+    size = len(frontier) if isinstance(frontier, list) else "?"
+    return [f"solver pick: {pick or '?'} (frontier {size} row(s), {solver.get('dry_runs', '?')} dry runs)",
+            f"solver why: {solver.get('why') or '-'}"]
 
 
 def _per_block_label(run: RunData) -> str:
