@@ -95,6 +95,7 @@ def sigint_as_at_start(request) -> Iterator[None]:
 HEAVY_MARKS = ("multirank", "cli", "slow")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks it adds
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules with a multi-rank, CLI or slow test first, each module's tests kept together
     and in their own order (module fixtures are built once per worker), the quick modules
