@@ -187,7 +187,7 @@ def test_depth_extrapolation_stays_exact_with_tiled_norms(tmp_path):
         "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}))
     cfg = EngineConfig.from_dict({"model": {"source": f"hf:{tmp_path}", "seq_len": 32}, "zero": {"stage": 3},
-                                  "precision": {"mode": "bf16"}, "checkpointing": {"policy": "all", "mlp_tile_tokens": 12}})
+                                  "precision": {"mode": "bf16"}, "checkpointing": {"policy": "all", "mlp_tile_tokens": 96}})
     task = task_for(cfg)
     full, ext = predict(task, cfg, 2), predict(prepare(task, cfg), cfg, 2)
     assert (ext.peak, ext.first_step_peak, ext.phases) == (full.peak, full.first_step_peak, full.phases)
