@@ -28,6 +28,8 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _disable_current_modes
 
+from mct.checkpointing.tiled import PatchedForwards, token_spans
+
 EPS_NAMES = ("variance_epsilon", "eps")
 """Attributes an RMSNorm keeps its epsilon in (transformers' spellings)."""
 
@@ -80,7 +82,7 @@ def find_rms_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_standard_rms_norm(m)]
 
 
-class TiledNorms:
+class TiledNorms(PatchedForwards):
     """The RMSNorms whose ``forward`` runs over tiles of ``tile_tokens`` tokens.
 
     ``install(norms)`` patches each module's instance ``forward`` (``_TiledRMSNorm``);
@@ -89,9 +91,8 @@ class TiledNorms:
 
     def __init__(self, tile_tokens: int) -> None:
         assert tile_tokens > 0, tile_tokens
+        super().__init__()
         self.tile_tokens = tile_tokens
-        self.names: list[str] = []
-        self._patched: list[tuple[nn.Module, Any]] = []
 
     def install(self, norms: list[tuple[str, nn.Module]]) -> None:
         for name, module in norms:
@@ -103,24 +104,10 @@ class TiledNorms:
                 if len(args) != 1 or kwargs or not torch.is_grad_enabled():
                     return _fn(*args, **kwargs)
                 return _TiledRMSNorm.apply(args[0], _module.weight, _eps, self.tile_tokens)
-            self._patched.append((module, module.__dict__.get("forward")))
-            module.forward = patched
-            self.names.append(name)
-
-    def remove(self) -> None:
-        for module, saved in self._patched:
-            if saved is None:
-                del module.forward
-            else:
-                module.forward = saved
-        self._patched, self.names = [], []
+            self.patch(name, module, patched)
 
     def metrics(self) -> dict[str, Any]:
         return {"norm_tiled_modules": len(self.names)}
-
-
-def _spans(n: int, size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
 class _TiledRMSNorm(torch.autograd.Function):
@@ -131,7 +118,7 @@ class _TiledRMSNorm(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
-        for a, b in _spans(flat.shape[0], tile):
+        for a, b in token_spans(flat.shape[0], tile):
             h = flat[a:b].to(torch.float32)
             torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps, out=rstd[a:b])
             out[a:b] = weight * (h * rstd[a:b]).to(x.dtype)
@@ -148,7 +135,7 @@ class _TiledRMSNorm(torch.autograd.Function):
         flat, g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grad_x = torch.empty_like(flat) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for a, b in _spans(flat.shape[0], ctx.tile):
+        for a, b in token_spans(flat.shape[0], ctx.tile):
             h, r, gt = flat[a:b].to(torch.float32), rstd[a:b], g[a:b]
             if grad_w is not None:  # y = weight * n.to(dtype): the product in y's dtype, as autograd's
                 grad_w += (gt * (h * r).to(x.dtype)).to(torch.float32).sum(0)

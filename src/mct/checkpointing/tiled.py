@@ -49,7 +49,34 @@ def find_mlps(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return found
 
 
-class TiledMLPs:
+def token_spans(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of each tile of ``size`` tokens over ``n`` (the last one may be short)."""
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+class PatchedForwards:
+    """Modules whose instance ``forward`` was replaced (``patch``) and can be put back
+    (``remove``: the instance ``forward`` it had before, or none); ``names`` in order."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._patched: list[tuple[nn.Module, Any]] = []
+
+    def patch(self, name: str, module: nn.Module, forward: Callable) -> None:
+        self._patched.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+        self.names.append(name)
+
+    def remove(self) -> None:
+        for module, saved in self._patched:
+            if saved is None:
+                del module.forward
+            else:
+                module.forward = saved
+        self._patched, self.names = [], []
+
+
+class TiledMLPs(PatchedForwards):
     """The MLPs whose ``forward`` runs over tiles of ``tile_tokens`` tokens.
 
     ``install(mlps)`` patches each module's instance ``forward``; ``remove()`` restores
@@ -61,35 +88,24 @@ class TiledMLPs:
     def __init__(self, tile_tokens: int,
                  recompute_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         assert tile_tokens > 0, tile_tokens
+        super().__init__()
         self.tile_tokens = tile_tokens
         self.recompute_context = recompute_context
-        self.names: list[str] = []
         self.more_tiles = False
         self.tiles = 0
-        self._patched: list[tuple[nn.Module, Any]] = []
 
     def install(self, mlps: list[tuple[str, nn.Module]]) -> None:
         for name, module in mlps:
             if getattr(module.forward, "_mct_tiled", False):
                 raise ValueError(f"MLP {name!r} is already tiled; call remove() on the earlier CheckpointState "
                                  "before applying again")
-            self._patched.append((module, module.__dict__.get("forward")))
             original = module.forward
 
             def patched(*args: Any, _name: str = name, _module: nn.Module = module, _fn: Callable = original,
                         **kwargs: Any) -> Any:
                 return self._forward(_name, _module, _fn, args, kwargs)
             patched._mct_tiled = True  # type: ignore[attr-defined]
-            module.forward = patched
-            self.names.append(name)
-
-    def remove(self) -> None:
-        for module, saved in self._patched:
-            if saved is None:
-                del module.forward
-            else:
-                module.forward = saved
-        self._patched, self.names = [], []
+            self.patch(name, module, patched)
 
     def metrics(self) -> dict[str, Any]:
         return {"mlp_tile_tokens": self.tile_tokens, "mlp_tiled_modules": len(self.names), "mlp_tiles": self.tiles}
@@ -122,7 +138,7 @@ class _TileRun:
                  x: torch.Tensor) -> None:
         self.owner, self.name, self.fn, self.params = owner, name, fn, params
         n, size = x.shape[:-1].numel(), owner.tile_tokens
-        self.spans = [(a, min(a + size, n)) for a in range(0, n, size)]
+        self.spans = token_spans(n, size)
         device = x.device.type
         self.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
                              dtype=torch.get_autocast_dtype(device), cache_enabled=torch.is_autocast_cache_enabled())
