@@ -119,16 +119,18 @@ def test_calibrate_cuda_without_a_device_is_one_line_exit_2(capsys):
     assert err.startswith("mct: error: device 'cuda'") and "--device cpu" in err and "\n" not in err
 
 
-def test_a_version_2_profile_is_measured_again_with_the_random_number_rate(tmp_path, quick):
+def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     """Version 3 added the random-number rate (and the per-op overhead and wait at a world
-    size): a cached version-2 entry, as the previous mct wrote it, is measured again whole,
-    never half-used, and the new entry has the rate."""
+    size), version 4 the elementwise curves of bf16 and fp16: a cached entry of an older
+    version, as the previous mct wrote it, is measured again whole, never half-used, and
+    the new entry has the rates."""
     path = tmp_path / "machine.json"
     old = calibrate(path=path).profile.to_dict()
     assert old["extra"]["random_elements_per_s"] > 0  # bernoulli_ elements per second, one thread
-    old["version"] = 2
-    del old["extra"]["random_elements_per_s"]
+    assert set(old["extra"]["elementwise_by_dtype"]) == set(old["matmul_one"]) - {"fp32"}
+    old["version"] = 3
+    del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 3
-    assert cal.profile.extra["random_elements_per_s"] > 0
+    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 4
+    assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]

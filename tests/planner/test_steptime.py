@@ -228,3 +228,15 @@ def test_fused_attention_is_counted_apart_and_timed_at_its_own_rate():
     assert math.isclose(step_time(one, RATES).compute_s, 2 * RATES.matmul_s("fp32", 1e6, 16), rel_tol=1e-12)
     assert set(rates_for(_profile(attention_by_dim={"fp32": {"forward": [[16, 1e9]]}}), 1, 1).attention["fp32"]) == {
         "forward"}
+
+
+def test_an_elementwise_op_is_timed_at_its_dtypes_curve():
+    """A CPU's bf16 elementwise kernels convert to fp32 and back: per byte they run at about
+    half fp32's rate (measured per dtype, ``extra['elementwise_by_dtype']``). An op of a
+    dtype with its own curve is timed on it; one without, on fp32's."""
+    from mct.planner.steptime import Rates
+    fp32, bf16 = ((2.0**16, 10e9), (2.0**22, 10e9)), ((2.0**16, 5e9), (2.0**22, 5e9))
+    rates = Rates({"fp32": ((1.0, 1e11),)}, {"fp32": 1.0}, fp32, 0.0, elementwise_by={"bf16": bf16})
+    n = 2.0**20
+    assert rates.memory_s(n, "bf16") == pytest.approx(2 * rates.memory_s(n, "fp32"))
+    assert rates.memory_s(n, "fp16") == rates.memory_s(n) == pytest.approx(n / 10e9)

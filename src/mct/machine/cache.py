@@ -106,6 +106,9 @@ def _extra_lines(extra: dict) -> list[str]:
     if extra.get("elementwise_curve"):
         lines.append("elementwise 1 thread by bytes an op moves: " + ", ".join(
             f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in extra["elementwise_curve"]))
+    for dtype, curve in (extra.get("elementwise_by_dtype") or {}).items():
+        lines.append(f"elementwise {dtype} 1 thread by bytes an op moves: " + ", ".join(
+            f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in curve))
     for dtype, phases in (extra.get("attention_by_dim") or {}).items():
         lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
             f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))

@@ -26,12 +26,13 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
 (``extra['attention_by_dim']``) and the per-op overhead at a world size
-(``extra['op_overhead_s']`` keys '<threads>x<ranks>')."""
+(``extra['op_overhead_s']`` keys '<threads>x<ranks>'). 4: elementwise curves of the other
+compute dtypes (``extra['elementwise_by_dtype']``)."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -88,7 +89,8 @@ class MachineProfile:
     """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_by_dim'
     {dtype: [[smallest dimension, FLOP/s], ...]} one thread at ``MATMUL_DIMS``;
     'elementwise_curve' [[bytes an op reads and writes, bytes/s], ...] one thread at
-    ``ELEMENTWISE_SIZES``;
+    ``ELEMENTWISE_SIZES`` (fp32), 'elementwise_by_dtype' {dtype: the same curve} for the
+    other compute dtypes (CPU);
     'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
     temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device);
     'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
@@ -257,13 +259,16 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         copy = _copy_rate("cpu", 32 * 2**20, lambda: None)
         curve = {name: _matmul_by_dim(DTYPES[name], "cpu", lambda: None) for name in one}
         elementwise = [_elementwise_rate("cpu", n, lambda: None) for n in ELEMENTWISE_SIZES]
+        by_dtype = {name: [_elementwise_rate("cpu", n, lambda: None, DTYPES[name]) for n in ELEMENTWISE_SIZES]
+                    for name in one if name != "fp32"}
         random = random_rate("cpu", lambda: None)
         attention = {name: _attention_by_dim(DTYPES[name]) for name in one}
         torch.set_num_threads(cores)
         copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
     finally:
         torch.set_num_threads(before)
-    extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy_all,
+    extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "elementwise_by_dtype": by_dtype,
+             "copy_all_bytes_per_s": copy_all,
              "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk)}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
@@ -358,12 +363,14 @@ def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: 
     return best
 
 
-def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None]) -> list[float]:
+def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None],
+                      dtype: torch.dtype = torch.float32) -> list[float]:
     """[bytes an op reads and writes, bytes/s] of a training step's usual elementwise ops
-    on fp32 tensors of ``nbytes`` (add, in-place multiply, GELU, softmax, layer norm: the
-    fastest of a few repeats of the set)."""
-    n = nbytes // 4
-    x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+    on ``dtype`` tensors of ``nbytes`` (add, in-place multiply, GELU, softmax, layer norm:
+    the fastest of a few repeats of the set). A CPU's bf16 kernels compute in fp32 and
+    convert: per element they cost about what fp32's do, so per byte about twice."""
+    n = nbytes // torch.finfo(dtype).bits * 8
+    x, y = torch.randn(n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
     rows = x.view(-1, 256)
     ops = ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: torch.nn.functional.gelu(x), 2),
            (lambda: torch.softmax(rows, -1), 2), (lambda: torch.nn.functional.layer_norm(rows, (256,)), 2))

@@ -9,8 +9,9 @@
   (``extra['matmul_by_dim']``: a matmul with a short side runs far below the square peak);
   threads speed up the large ones (the measured every-thread speed-up, blended in from 2 x
   64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
-  elementwise ops at the op's bytes (``extra['elementwise_curve']``: cache-resident tensors
-  move faster) x threads, the largest size's at most the every-thread copy rate shared by
+  elementwise ops of the op's dtype at its bytes (``extra['elementwise_curve']`` for fp32,
+  ``extra['elementwise_by_dtype']`` for bf16/fp16, fp32's where not measured: cache-resident
+  tensors move faster) x threads, the largest size's at most the every-thread copy rate shared by
   the ranks on this machine. The CPU's fused attention kernels at their own measured
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
@@ -89,6 +90,8 @@ class Rates:
     random_per_s: float = 0.0
     wait_s: float = 0.0
     attention: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    elementwise_by: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """``elementwise`` of the ops of another dtype ({'bf16': ...}), where measured."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -107,9 +110,10 @@ class Rates:
             return self.matmul_s(dtype, flops, dim)
         return flops / (_loglog(curve, dim) * _blend(flops, self.speedup.get(dtype, 1.0)))
 
-    def memory_s(self, nbytes: float) -> float:
-        """Seconds of an elementwise op that reads and writes ``nbytes``."""
-        return nbytes / _loglog(self.elementwise, nbytes) if nbytes > 0 else 0.0
+    def memory_s(self, nbytes: float, dtype: str = "fp32") -> float:
+        """Seconds of an elementwise op of ``dtype`` that reads and writes ``nbytes`` (fp32's
+        curve where ``dtype`` has none)."""
+        return nbytes / _loglog(self.elementwise_by.get(dtype, self.elementwise), nbytes) if nbytes > 0 else 0.0
 
     def collective_s(self, kind: str, nbytes: float, buckets: int) -> float:
         """Seconds of one collective (kind 'object': an object all-gather or barrier,
@@ -149,9 +153,9 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     """The seconds of one step of ``work`` at ``rates`` (the module docstring's sum)."""
     compute = 0.0
     for (dtype, flops, nbytes, dim), n in work.ops.items():
-        compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes))
+        compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes, dtype))
     for (phase, dtype, flops, nbytes, dim), n in work.attention.items():
-        compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes))
+        compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes, dtype))
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
@@ -196,8 +200,8 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     curve = extra.get("elementwise_curve") or [[64.0 * 2**20, 2.0 * profile.memcpy_bytes_per_s]]
     share = 2.0 * extra.get("copy_all_bytes_per_s", profile.memcpy_bytes_per_s * threads) / ranks_here
     x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
-    elementwise = tuple((b, r * (x if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
-        (curve[-1][0], min(curve[-1][1] * x, share)),)
+    elementwise = _threaded(curve, x, share)
+    by_dtype = {k: _threaded(c, x, share) for k, c in (extra.get("elementwise_by_dtype") or {}).items() if c}
     op_s = _op_overhead(extra.get("op_overhead_s", {}), threads, ranks_here if device == "cpu" else 1, notes)
     random = float(extra.get("random_elements_per_s") or 0.0)
     if not random:
@@ -213,7 +217,14 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     if device == "cuda" and extra.get("host_bytes_per_s"):
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
-                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra))
+                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype)
+
+
+def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:
+    """A one-thread elementwise curve at ``threads`` threads: ops of ``PARALLEL_BYTES`` or
+    more run on all of them, the largest capped by the rank's ``share`` of copy bandwidth."""
+    return tuple((float(b), r * (threads if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
+        (float(curve[-1][0]), min(curve[-1][1] * threads, share)),)
 
 
 def _attention(extra: dict[str, Any]) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:
