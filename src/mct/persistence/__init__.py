@@ -9,7 +9,9 @@ this package does the file I/O around them and imports nothing of the engine
     engine_state.py  the engine's state dict (``mct.engine/1``): header, validation, loads
                    through its residency; full-state reads (no file I/O)
     checkpoint.py  one checkpoint directory: save, verify, load (DCP + JSON + manifest)
+    manifest.py    a checkpoint's manifest and the checks before a load (no torch)
     shards.py      the DCP layer: 1-D element-range pieces as DTensors, safe metadata reads
+                   (imported on first use, ``lazy.py``: DCP takes a second to import)
     files.py       durable writes (temp, fsync, rename, dir fsync), checked JSON reads, digests
     run_dir.py     a run directory: checkpoint names, newest usable one, pruning, reuse checks
     resume.py      `mct train --resume`: the run's config, allowed overrides, clean history
@@ -18,7 +20,17 @@ this package does the file I/O around them and imports nothing of the engine
 
 from __future__ import annotations
 
-from mct.persistence.checkpoint import (MANIFEST, Checkpointable, load_engine, load_engine_state, save_checkpoint, save_engine,
-                                        verify_checkpoint)
+import importlib
+from typing import Any
 
-__all__ = ["Checkpointable", "save_engine", "load_engine", "save_checkpoint", "load_engine_state", "verify_checkpoint"]
+__all__ = ["Checkpointable", "save_engine", "load_engine", "save_checkpoint", "load_engine_state", "verify_checkpoint",
+           "MANIFEST"]
+
+
+def __getattr__(name: str) -> Any:
+    """The names above come from ``checkpoint.py``, imported on first use: ``mct train``'s
+    launcher and error paths read run directories through ``resume.py`` / ``run_dir.py``
+    without importing torch."""
+    if name in __all__:
+        return getattr(importlib.import_module("mct.persistence.checkpoint"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

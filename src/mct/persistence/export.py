@@ -19,12 +19,14 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from mct.dist import agree
-from mct.persistence import shards
-from mct.persistence.checkpoint import FROZEN, MANIFEST, verify_checkpoint
+from mct.persistence.lazy import LazyModule
+from mct.persistence.manifest import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.run_dir import LOCK_FILE, newest_usable
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.zero.state_io import param_slices
+
+shards = LazyModule("mct.persistence.shards")  # DCP: imported on first use
 
 
 def pick_checkpoint(source: str | Path) -> tuple[Path, str | None]:

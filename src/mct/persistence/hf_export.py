@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from torch.distributed.checkpoint.filesystem import _create_file_view
 
 from mct.errors import READ, WRITE, user_error
-from mct.persistence import shards
-from mct.persistence.checkpoint import FROZEN
+from mct.persistence.lazy import LazyModule
+from mct.persistence.manifest import FROZEN
 from mct.persistence.export import check_outside_runs, check_parent, pick_checkpoint
 from mct.persistence.files import fsync_dir, read_json
 from mct.persistence.safetensors_out import SafetensorsWriter
-from mct.persistence.shards import SafeReader
 from mct.task.hf import TOKENIZER_FILES
+
+shards = LazyModule("mct.persistence.shards")  # DCP: imported on first use
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 """--dtype -> (torch dtype, safetensors dtype, config.json dtype)."""
@@ -112,7 +112,7 @@ class _Chunks:
 
     def __init__(self, engine_dir: Path) -> None:
         self.dir = engine_dir
-        md = SafeReader(str(engine_dir)).read_metadata()
+        md = shards.SafeReader(str(engine_dir)).read_metadata()
         self.where: dict[str, list[tuple[int, int, object]]] = {}
         for idx, info in md.storage_data.items():
             spec = md.state_dict_metadata.get(idx.fqn)
@@ -140,8 +140,7 @@ class _Chunks:
                              f"export it with --out FILE.safetensors")
         try:
             with open(self.dir / info.relative_path, "rb") as f:
-                t = torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
-                               weights_only=True)
+                t = shards.read_stored(f, info.offset, info.length)
         except OSError as e:
             raise user_error(e, self.dir / info.relative_path, READ) from None
         self._held = (key, c0, t.reshape(-1))

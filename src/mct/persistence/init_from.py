@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from mct.persistence import shards
-from mct.persistence.checkpoint import FROZEN, MANIFEST
+from mct.persistence.lazy import LazyModule
+from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.files import read_json
 from mct.zero.state_io import param_slices
@@ -36,6 +36,8 @@ from mct.errors import user_error
 
 Read = Callable[[str, int, int], torch.Tensor]
 """(name, start, end) -> fp32 1-D elements [start, end) of the flattened tensor."""
+
+shards = LazyModule("mct.persistence.shards")  # DCP: imported on first use
 
 
 def _safetensors_files(path: Path) -> dict[str, Path]:

@@ -17,7 +17,7 @@ from typing import Any
 from mct.config import EngineConfig, apply_overrides
 from mct.reporting.events import append_event, utc_now
 from mct.persistence.files import read_json, write_atomic, write_json
-from mct.persistence.checkpoint import read_manifest
+from mct.persistence.manifest import read_manifest
 from mct.persistence.run_dir import checkpoints, newest_usable
 
 FIXED = ("seed", "model", "data", "precision", "train.lr", "train.warmup_steps", "train.weight_decay",

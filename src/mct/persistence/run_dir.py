@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from mct.persistence.checkpoint import MANIFEST, verify_checkpoint
+from mct.persistence.manifest import MANIFEST, verify_checkpoint
 from mct.persistence.files import fsync_dir
 
 CHECKPOINTS = "checkpoints"

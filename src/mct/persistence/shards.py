@@ -20,13 +20,14 @@ import io
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _create_file_view
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -212,6 +213,12 @@ def load_pieces(template: dict[str, torch.Tensor], extents: dict[str, list[int]]
         raise ValueError(f"{path}: cannot load the sharded state ({type(e).__name__}: {str(e)[:300]})") from None
     return {k: (v.to_local() if hasattr(v, "to_local") else
                 template[k] if hasattr(v, "local_shards") else v) for k, v in wrapped.items()}
+
+
+def read_stored(file: BinaryIO, offset: int, length: int) -> torch.Tensor:
+    """The tensor DCP stored at bytes [offset, offset + length) of an open ``.distcp``
+    file (a chunk's ``_StorageInfo``), read with ``weights_only=True`` onto the CPU."""
+    return torch.load(_create_file_view(file, offset, length), map_location="cpu", weights_only=True)
 
 
 def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
