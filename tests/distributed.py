@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
-PRELOAD = ["torch", "torch.distributed", "mct.engine", "mct.task", "tests.helpers"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "mct.engine", "mct.task",
+           "mct.planner", "tests.helpers"]
 
 
 def _context():

@@ -223,8 +223,8 @@ def _check_host_memory(cfg: EngineConfig, nproc: int, task) -> None:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    with torch.device("meta"):
-        n = sum(p.numel() for p in task.model_fn().parameters())
+    from mct.task.meta import build_on_meta
+    n = sum(p.numel() for p in build_on_meta(task.model_fn).parameters())
     need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
     if need > ram:
         raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "

@@ -33,6 +33,7 @@ from mct.engine import Engine
 from mct.zero.comm import SimulatedCollectives
 from mct.memory.tracker import CATEGORIES, MemoryTracker
 from mct.planner.work import OpCounter, StepWork
+from mct.task.meta import build_on_meta
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
 
@@ -67,10 +68,10 @@ class DryRun:
 
 
 def meta_model(model_fn: ModelFn) -> nn.Module:
-    """``model_fn()`` built under ``torch.device('meta')`` (no storage). Raises
-    ValueError if ``model_fn`` gives no nn.Module."""
-    with torch.device("meta"):
-        model = model_fn()
+    """``model_fn()`` built under ``torch.device('meta')`` (no storage; its random
+    initializers skipped: ``mct.task.meta``). Raises ValueError if ``model_fn`` gives no
+    nn.Module."""
+    model = build_on_meta(model_fn)
     if not isinstance(model, nn.Module):
         raise ValueError(f"the model factory returned {type(model).__name__}, not an nn.Module: "
                          f"return the model (e.g. `def factory(): return MyModel(...)`)")

@@ -24,10 +24,10 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
+from mct.task.meta import build_on_meta
 from mct.task.spec import Task
 from mct.task.tokens import chunk_choices, loss_for, token_batch, token_loss
 
@@ -68,8 +68,7 @@ def _vocab_of(factory: Callable) -> int | None:
     else its first ``nn.Embedding``), found on a construction on the meta device; None
     when it has none or cannot be built there (the factory's own errors surface later)."""
     try:
-        with torch.device("meta"):
-            model = factory()
+        model = build_on_meta(factory)
     except Exception:  # noqa: BLE001 - reported by the run that builds it for real
         return None
     if not isinstance(model, nn.Module):
