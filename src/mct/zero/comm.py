@@ -16,8 +16,9 @@ handful of fake ops, not hundreds (same bytes, same lifetime).
 
 A collective split into buckets may be given a ``window``: at most that many buckets in
 flight, issuing one more first waits for the oldest (and frees its temporary), so it
-holds that many buckets' copies whatever its size. The root unit's collectives take
-``IN_FLIGHT_BUCKETS`` (an 8B model's embedding + head, 1 B elements, would otherwise copy
+holds that many buckets' copies whatever its size (an all-gather has none: each bucket
+lands in place in its output; the window bounds what the backend holds in flight). The
+root unit's collectives take ``IN_FLIGHT_BUCKETS`` (an 8B model's embedding + head, 1 B elements, would otherwise copy
 all of its gradient at the end of backward); a block's keep every bucket in flight, so
 its reduce-scatter overlaps the next block's backward. A bucketed reduce-scatter no
 longer needs its input once the call returns (its buckets are copies).
