@@ -52,3 +52,38 @@ def _train(rank: int, world: int) -> list:
 def test_many_buckets_train_bit_identically_to_one_bucket_stages_2_and_3():
     for stage, same_losses, same_params in run_distributed(_train, 2)[0]:
         assert same_losses and same_params, stage
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_first_gradient_is_written_and_parameters_without_one_are_zeroed(buckets):
+    """Stages 2/3 allocate a unit's flat gradient without a zero-fill: a parameter's first
+    gradient is written as ``0 + g`` (the same bits as adding it into zeros, -0.0 included),
+    later ones are added, and at the reduce the elements no gradient reached (alignment
+    gaps, padding, a parameter that got none) are zeros, whatever the buffer held."""
+    world = 3
+    shapes = [(5, 3), (7,), (2, 2, 2), (1,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    layout = build_layout([f"p{i}" for i in range(len(shapes))], shapes, world)
+    unit = FlatParamUnit("u", [(f"p{i}", p) for i, p in enumerate(params)], layout, shard_rank=0,
+                         precision=PrecisionPolicy.for_mode("fp32"), persistent=False, full_grads=False,
+                         device=torch.device("cpu"))
+    S = layout.shard_numel
+    if buckets:
+        unit.reduce_in_place, unit.grad_buckets = True, bucket_slices(S, world, 4, 4 * world * 4)
+    g = torch.Generator().manual_seed(0)
+    grads = [(0, torch.randn(shapes[0], generator=g)), (2, torch.randn(shapes[2], generator=g).to(torch.bfloat16)),
+             (0, torch.randn(shapes[0], generator=g)), (3, torch.tensor([-0.0]))]  # p1 gets none
+    real_empty = torch.empty
+    try:  # what a fresh allocation may hold
+        torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+        for i, grad in grads:
+            unit.accumulate_grad(i, grad)
+    finally:
+        torch.empty = real_empty
+    unit._zero_unwritten()
+    flat = torch.zeros(layout.padded_numel)
+    for i, grad in grads:
+        flat[layout.offsets[i]:layout.offsets[i] + grad.numel()].add_(grad.reshape(-1))
+    expected = (torch.cat([flat.view(world, S)[:, a:b].reshape(-1) for a, b in unit.grad_buckets])
+                if buckets else flat)
+    assert torch.equal(unit.grad_full.view(torch.int32), expected.view(torch.int32))

@@ -16,8 +16,9 @@ handful of fake ops, not hundreds (same bytes, same lifetime).
 
 A collective split into buckets may be given a ``window``: at most that many buckets in
 flight, issuing one more first waits for the oldest (and frees its temporary), so it
-holds that many buckets' copies whatever its size. The root unit's collectives take
-``IN_FLIGHT_BUCKETS`` (an 8B model's embedding + head, 1 B elements, would otherwise copy
+holds that many buckets' copies whatever its size (an all-gather has none: each bucket
+lands in place in its output; the window bounds what the backend holds in flight). The
+root unit's collectives take ``IN_FLIGHT_BUCKETS`` (an 8B model's embedding + head, 1 B elements, would otherwise copy
 all of its gradient at the end of backward); a block's keep every bucket in flight, so
 its reduce-scatter overlaps the next block's backward. A bucketed reduce-scatter no
 longer needs its input once the call returns (its buckets are copies).
@@ -88,13 +89,31 @@ class CommStats:
 
 class TorchCollectives:
     """The raw collectives of torch.distributed on the default process group; each
-    returns a work handle (``async_op=True``)."""
+    returns a work handle (``async_op=True``).
+
+    ``reduce_scatter`` may overwrite its input (``Comm.reduce_scatter``'s callers hand
+    it gradients they drop or zero afterwards). On gloo it is the all-reduce gloo runs
+    anyway, in place: gloo's own reduce-scatter clones the whole input, all-reduces the
+    clone and copies this rank's slice out; this skips the clone (same call on the same
+    values: the same bits). ``all_gather`` takes an output viewed as [world, n] whose
+    rows need not be adjacent (a bucket's columns of a flat buffer): each rank's piece
+    lands in its row."""
+
+    def __init__(self) -> None:
+        ready = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if ready else 0
+        self.world = dist.get_world_size() if ready else 1
+        self.gloo = ready and dist.get_backend() == "gloo"
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        if self.gloo and inp.device.type == "cpu" and inp.is_contiguous():
+            return _SliceOut(dist.all_reduce(inp, async_op=True), inp.view(self.world, -1)[self.rank], out)
         return _reduce_scatter(out, inp, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        return _all_gather(out, inp, async_op=True)
+        if out.is_contiguous():
+            return _all_gather(out.view(-1), inp, async_op=True)
+        return dist.all_gather(list(out.unbind(0)), inp, async_op=True)  # out: [world, n]
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
@@ -111,6 +130,18 @@ class TorchCollectives:
 class _Done:
     def wait(self) -> None:
         pass
+
+
+class _SliceOut:
+    """An all-reduce in flight whose wait copies this rank's ``part`` of the sum to ``out``."""
+
+    def __init__(self, work, part: torch.Tensor, out: torch.Tensor) -> None:
+        self.work, self.part, self.out = work, part, out
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.out.copy_(self.part)
+        self.work = self.part = self.out = None
 
 
 class SimulatedCollectives:
@@ -282,45 +313,22 @@ class Comm:
             works = [self.ops.all_gather(full, shard)]
             p = Pending(works, self.stats, full.numel() * full.element_size(), keep=[shard])
         elif self.simulated and BUCKETS_AS_ONE:
-            # the buckets' receive buffers, as many alive as the real run holds at its peak
-            # and then until the Pending is dropped (the real scatter-back closure holds
-            # them): one tensor, held by a closure. Each landing writes into ``full``, as the
-            # real one does, so a tracker sees ``full``'s storage (resized for the gather)
-            # while the buffers are alive: one copy of one element, no data moved.
-            most, last = window_numels([self.world * (b - a) for a, b in chunks], window)
-            tmp = torch.empty(most, dtype=full.dtype, device=full.device)
-            if window is not None and len(chunks) > window:  # the real run lands buckets while issuing
-                full.view(-1)[:1].copy_(tmp[:1])
-            if last != most:
-                del tmp
-                tmp = torch.empty(last, dtype=full.dtype, device=full.device)
+            # every bucket lands in place (below): no temporaries to allocate, one call
             works = [self.ops.all_gather(full, shard, buckets=len(chunks))]
-
-            def scatter_back_simulated() -> None:
-                full.view(-1)[:1].copy_(tmp[:1])
-            p = Pending(works, self.stats, full.numel() * full.element_size(), scatter_back_simulated)
+            p = Pending(works, self.stats, full.numel() * full.element_size(), keep=[shard])
         else:
+            # bucket [a, b) lands straight in its columns of ``full`` viewed as [world, S]
+            # (one contiguous row segment per rank): no receive buffer, no copy back
             view = full.view(self.world, S)
-            flight: deque = deque()  # (a, b, work, its receive buffer)
+            flight: deque = deque()
             waited = 0.0
             for a, b in chunks:
                 if len(flight) == window:
                     t = time.perf_counter()
-                    a0, b0, w0, t0 = flight.popleft()
-                    w0.wait()
-                    view[:, a0:b0].copy_(t0.view(self.world, b0 - a0))
-                    del t0  # freed before the next bucket's buffer is made
+                    flight.popleft().wait()
                     waited += time.perf_counter() - t
-                tmp = torch.empty(self.world * (b - a), dtype=full.dtype, device=full.device)
-                flight.append((a, b, self.ops.all_gather(tmp, shard[a:b].contiguous()), tmp))
-                del tmp
-            tail = list(flight)
-            del flight
-
-            def scatter_back() -> None:
-                for a, b, _, t in tail:
-                    view[:, a:b].copy_(t.view(self.world, b - a))
-            p = Pending([w for _, _, w, _ in tail], self.stats, full.numel() * full.element_size(), scatter_back,
+                flight.append(self.ops.all_gather(view[:, a:b], shard[a:b]))
+            p = Pending(list(flight), self.stats, full.numel() * full.element_size(), keep=[shard],
                         waited_s=waited)
         if not async_op:
             p.wait()

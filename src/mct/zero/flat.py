@@ -75,11 +75,16 @@ class HeldGrads:
     gradient in the reduce dtype, one bucket of columns at a time (``fill``), so no
     full-size flat buffer exists: the bytes are the gradients' own (in the compute
     dtype). Each element is zero plus the arriving gradients in arrival order, in the
-    reduce dtype: the same sums, bit for bit, as adding them into a zeroed flat buffer."""
+    reduce dtype: the same sums, bit for bit, as adding them into a zeroed flat buffer.
+    A parameter's first gradient is written as ``0 + g`` in one pass (``put_columns``),
+    later ones added; only the elements no gradient covers are zeroed."""
 
     def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
+        seen: set[int] = set()
+        self.first = [not (i in seen or seen.add(i)) for i, _ in grads]
+        self.gaps = uncovered(layout, seen)
 
     def numel(self) -> int:
         return self.layout.padded_numel
@@ -89,30 +94,83 @@ class HeldGrads:
 
     def fill(self, dst: torch.Tensor, a: int, b: int) -> None:
         """``dst`` [world, b - a] <- columns [a, b) of the flat gradient viewed as [world, S]."""
-        dst.zero_()
-        for index, grad in self.grads:  # in arrival order, so each element sums as before
-            add_columns(dst, grad.reshape(-1), self.layout.offsets[index], self.layout.shard_numel, a, b)
+        S = self.layout.shard_numel
+        for x, y in self.gaps:
+            zero_columns(dst, x, y - x, S, a, b)
+        zero = None
+        for (index, grad), first in zip(self.grads, self.first):  # in arrival order: each element sums as before
+            flat, off = grad.reshape(-1), self.layout.offsets[index]
+            if first:
+                if zero is None:
+                    zero = dst.new_zeros(1)
+                put_columns(dst, flat, off, S, a, b, zero)
+            else:
+                add_columns(dst, flat, off, S, a, b)
+
+
+def uncovered(layout: FlatLayout, indices) -> list[tuple[int, int]]:
+    """The [x, y) ranges of a flat [padded_numel] buffer that no parameter of ``indices``
+    covers: alignment gaps, tail padding, parameters left out."""
+    out, at = [], 0
+    for off, n in sorted((layout.offsets[i], layout.numels()[i]) for i in indices):
+        if off > at:
+            out.append((at, off))
+        at = max(at, off + n)
+    if at < layout.padded_numel:
+        out.append((at, layout.padded_numel))
+    return out
+
+
+def column_pieces(world: int, S: int, off: int, n: int, a: int, b: int) -> list[tuple[int, int, int, int, int]]:
+    """Where elements [off, off + n) of a flat [world * S] tensor fall in its columns
+    [a, b) viewed as [world, b - a]: pieces (r0, r1, c0, c1, at), rows [r0, r1) x columns
+    [c0, c1) of the view holding the range's elements at + (r - r0) * S + (c - c0). One
+    piece for the rows the range covers whole, one per partly covered row: O(1), not
+    O(world)."""
+    width = b - a
+    # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
+    first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
+    if first > last or width <= 0 or n <= 0:
+        return []
+    whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
+    pieces = []
+    if whole_lo <= whole_hi:
+        pieces.append((whole_lo, whole_hi + 1, 0, width, whole_lo * S + a - off))
+    for r in sorted({first, last}):
+        if whole_lo <= r <= whole_hi:
+            continue
+        lo = r * S + a
+        x, y = max(lo, off), min(lo + width, off + n)
+        if x < y:
+            pieces.append((r, r + 1, x - lo, y - lo, x - off))
+    return pieces
+
+
+def _rows(flat: torch.Tensor, S: int, r0: int, r1: int, c0: int, c1: int, at: int) -> torch.Tensor:
+    return flat.as_strided((r1 - r0, c1 - c0), (S, 1), flat.storage_offset() + at)
 
 
 def add_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int, b: int) -> None:
     """``dst`` [world, b - a] += columns [a, b) of a parameter's gradient ``flat`` (its
-    elements at [off, off + numel) of a flat [world * S] gradient viewed as [world, S]).
-    One strided add for the rows it covers whole, one per partly covered row: O(1) ops,
-    not O(world)."""
-    world, width, n = dst.shape[0], b - a, flat.numel()
-    # rows r whose columns [r*S + a, r*S + b) meet [off, off + n), and those it covers whole
-    first, last = max(0, (off - b) // S + 1), min(world - 1, -(-(off + n - a) // S) - 1)
-    if first > last or width <= 0:
-        return
-    whole_lo, whole_hi = max(first, -(-(off - a) // S)), min(last, (off + n - b) // S)
-    if whole_lo <= whole_hi:
-        rows = flat.as_strided((whole_hi - whole_lo + 1, width), (S, 1), flat.storage_offset() + whole_lo * S + a - off)
-        dst[whole_lo:whole_hi + 1].add_(rows)
-    for r in sorted({first, last} - set(range(whole_lo, whole_hi + 1))):
-        lo = r * S + a
-        x, y = max(lo, off), min(lo + width, off + n)
-        if x < y:
-            dst[r, x - lo:y - lo].add_(flat[x - off:y - off])
+    elements at [off, off + numel) of a flat [world * S] gradient viewed as [world, S])."""
+    for r0, r1, c0, c1, at in column_pieces(dst.shape[0], S, off, flat.numel(), a, b):
+        dst[r0:r1, c0:c1].add_(_rows(flat, S, r0, r1, c0, c1, at))
+
+
+def put_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int, b: int,
+                zero: torch.Tensor) -> None:
+    """As ``add_columns`` into zeros, in one pass: ``dst`` <- ``zero + flat`` on the
+    columns it covers. ``zero``: a one-element zero of ``dst``'s dtype (not a scalar, so
+    the sum is computed in ``dst``'s dtype exactly as ``zeros.add_(flat)`` computes it:
+    the same bits, -0.0 and NaNs included)."""
+    for r0, r1, c0, c1, at in column_pieces(dst.shape[0], S, off, flat.numel(), a, b):
+        torch.add(zero, _rows(flat, S, r0, r1, c0, c1, at), out=dst[r0:r1, c0:c1])
+
+
+def zero_columns(dst: torch.Tensor, off: int, n: int, S: int, a: int, b: int) -> None:
+    """Zero the elements [off, off + n) of the flat gradient in ``dst``'s columns [a, b)."""
+    for r0, r1, c0, c1, _ in column_pieces(dst.shape[0], S, off, n, a, b):
+        dst[r0:r1, c0:c1].zero_()
 
 
 class FlatParamUnit:
@@ -166,6 +224,11 @@ class FlatParamUnit:
         # their gradients arrive at the two ends of backward).
         self.hold_grads = False
         self.held: list[tuple[int, torch.Tensor]] = []
+        # Stages 2/3: parameters with no gradient yet in this backward's grad_full (their
+        # first one is written, not added: ``_new_grad_full``). Stages 0/1 keep a zeroed
+        # buffer across micro-batches and steps and add every gradient into it.
+        self.unwritten: set[int] = set()
+        self._zero: torch.Tensor | None = None
         # Stages 2/3 (ShardedModel sets both for a block's unit): ``reduce_in_place``: its
         # reduce-scatter reads each bucket of grad_full in place (``bucket_major``), no copy
         # of its columns; ``grad_buckets``: those buckets (the ones Comm.reduce_scatter
@@ -237,23 +300,58 @@ class FlatParamUnit:
             self.held.append((index, grad))
         else:
             if self.grad_full is None:
-                self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=grad.device)
+                self._new_grad_full(grad.device)
             flat = grad.reshape(-1)
+            first = index in self.unwritten  # its range holds no value yet: written, not added to
+            if first:
+                self.unwritten.discard(index)
+            off = self.layout.offsets[index]
             if self.grad_buckets is not None and self.reduce_in_place:
-                world, off = self.layout.world, self.layout.offsets[index]
+                world, S = self.layout.world, self.layout.shard_numel
                 for a, b in self.grad_buckets:  # bucket [a, b): [world, b - a] at [world * a, world * b)
-                    add_columns(self.grad_full[world * a:world * b].view(world, b - a), flat, off,
-                                self.layout.shard_numel, a, b)
+                    view = self.grad_full[world * a:world * b].view(world, b - a)
+                    put_columns(view, flat, off, S, a, b, self._zero) if first else add_columns(view, flat, off, S, a, b)
+            elif first:
+                torch.add(self._zero, flat, out=self.grad_full[off:off + self._numels[index]])
             else:
-                off, n = self.layout.offsets[index], self._numels[index]
-                self.grad_full[off:off + n].add_(flat)
+                self.grad_full[off:off + self._numels[index]].add_(flat)
         self.grads_seen += int(last)
+
+    def _new_grad_full(self, device: torch.device) -> None:
+        """Stages 2/3: this backward's flat gradient, allocated without a zero-fill. Each
+        parameter's first gradient is written into it as ``0 + g`` (``put_columns``: the
+        same bits as adding it into zeros, in one pass instead of a fill and an add); the
+        elements no parameter covers (alignment gaps, tail padding) are zeroed now, those
+        of parameters that get no gradient when the unit is reduced (``_zero_unwritten``)."""
+        self.grad_full = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=device)
+        self._zero = torch.zeros(1, dtype=self.reduce_dtype, device=device)
+        self.unwritten = set(range(len(self.params)))
+        self._zero_ranges(uncovered(self.layout, self.unwritten))
+
+    def _zero_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Zero the flat gradient's elements [x, y) for each range (in grad_full's layout)."""
+        if self.grad_buckets is not None and self.reduce_in_place:
+            world, S = self.layout.world, self.layout.shard_numel
+            for a, b in self.grad_buckets:
+                view = self.grad_full[world * a:world * b].view(world, b - a)
+                for x, y in ranges:
+                    zero_columns(view, x, y - x, S, a, b)
+        else:
+            for x, y in ranges:
+                self.grad_full[x:y].zero_()
+
+    def _zero_unwritten(self) -> None:
+        if self.unwritten and self.grad_full is not None:
+            self._zero_ranges([(self.layout.offsets[i], self.layout.offsets[i] + self._numels[i])
+                               for i in sorted(self.unwritten)])
+        self.unwritten = set()
 
     def reduce(self, comm: Comm, async_op: bool) -> None:
         """Sum grad_full over ranks into grad_shard (added to what is there), then
         zero (stages 0/1) or free (stages 2/3) grad_full. Stage 0 (layout world 1)
         all-reduces the whole buffer instead."""
         self.reduced_this_backward = True
+        self._zero_unwritten()
         full = self.grad_full
         if self.held:
             full, self.held = HeldGrads(self.layout, self.held, self.reduce_dtype, self.device), []
@@ -282,7 +380,7 @@ class FlatParamUnit:
             if self.full_grads:
                 self.grad_full.zero_()
         if not self.full_grads:
-            self.grad_full = None  # freed once the collective is done with it
+            self.grad_full = self._zero = None  # freed once the collective is done with it
         self.pending_reduce = comm.reduce_scatter(full, out, async_op=async_op, then=accumulate,
                                                   window=self.bucket_window,
                                                   bucket_major=self.reduce_in_place and isinstance(full, torch.Tensor))
