@@ -15,15 +15,23 @@ from tests.distributed import run_distributed
 from tests.helpers import engine_run, sgd_momentum, tiny_config
 
 
-@pytest.mark.parametrize("world,cols", [(3, 4), (2, 1), (4, 1000)])
-def test_bucket_major_gradient_is_the_flat_gradient_bucket_by_bucket(world, cols):
-    shapes = [(5, 3), (7,), (2, 2, 2), (1,)]
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    layout = build_layout([f"p{i}" for i in range(len(shapes))], shapes, world)
-    unit = FlatParamUnit("u", [(f"p{i}", p) for i, p in enumerate(params)], layout, shard_rank=0,
+SHAPES = [(5, 3), (7,), (2, 2, 2), (1,)]
+
+
+def _unit(world: int) -> FlatParamUnit:
+    """A stage-3 style unit (sharded, gradients not kept) of four parameters of SHAPES."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    layout = build_layout([f"p{i}" for i in range(len(SHAPES))], SHAPES, world)
+    return FlatParamUnit("u", [(f"p{i}", p) for i, p in enumerate(params)], layout, shard_rank=0,
                          precision=PrecisionPolicy.for_mode("fp32"), persistent=False, full_grads=False,
                          device=torch.device("cpu"))
-    S = layout.shard_numel
+
+
+@pytest.mark.parametrize("world,cols", [(3, 4), (2, 1), (4, 1000)])
+def test_bucket_major_gradient_is_the_flat_gradient_bucket_by_bucket(world, cols):
+    shapes = SHAPES
+    unit = _unit(world)
+    layout, S = unit.layout, unit.layout.shard_numel
     unit.reduce_in_place, unit.grad_buckets = True, bucket_slices(S, world, 4, cols * world * 4)
     buckets = unit.grad_buckets
     assert len(buckets) > 1 or cols == 1000
@@ -61,13 +69,9 @@ def test_first_gradient_is_written_and_parameters_without_one_are_zeroed(buckets
     later ones are added, and at the reduce the elements no gradient reached (alignment
     gaps, padding, a parameter that got none) are zeros, whatever the buffer held."""
     world = 3
-    shapes = [(5, 3), (7,), (2, 2, 2), (1,)]
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    layout = build_layout([f"p{i}" for i in range(len(shapes))], shapes, world)
-    unit = FlatParamUnit("u", [(f"p{i}", p) for i, p in enumerate(params)], layout, shard_rank=0,
-                         precision=PrecisionPolicy.for_mode("fp32"), persistent=False, full_grads=False,
-                         device=torch.device("cpu"))
-    S = layout.shard_numel
+    shapes = SHAPES
+    unit = _unit(world)
+    layout, S = unit.layout, unit.layout.shard_numel
     if buckets:
         unit.reduce_in_place, unit.grad_buckets = True, bucket_slices(S, world, 4, 4 * world * 4)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +84,7 @@ def test_first_gradient_is_written_and_parameters_without_one_are_zeroed(buckets
             unit.accumulate_grad(i, grad)
     finally:
         torch.empty = real_empty
-    unit._zero_unwritten()
+    unit.zero_unwritten()
     flat = torch.zeros(layout.padded_numel)
     for i, grad in grads:
         flat[layout.offsets[i]:layout.offsets[i] + grad.numel()].add_(grad.reshape(-1))

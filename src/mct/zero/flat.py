@@ -322,7 +322,7 @@ class FlatParamUnit:
         parameter's first gradient is written into it as ``0 + g`` (``put_columns``: the
         same bits as adding it into zeros, in one pass instead of a fill and an add); the
         elements no parameter covers (alignment gaps, tail padding) are zeroed now, those
-        of parameters that get no gradient when the unit is reduced (``_zero_unwritten``)."""
+        of parameters that get no gradient when the unit is reduced (``zero_unwritten``)."""
         self.grad_full = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=device)
         self._zero = torch.zeros(1, dtype=self.reduce_dtype, device=device)
         self.unwritten = set(range(len(self.params)))
@@ -340,7 +340,9 @@ class FlatParamUnit:
             for x, y in ranges:
                 self.grad_full[x:y].zero_()
 
-    def _zero_unwritten(self) -> None:
+    def zero_unwritten(self) -> None:
+        """Zero the flat gradient's elements of parameters that got no gradient in this
+        backward (stages 2/3; called by ``reduce``)."""
         if self.unwritten and self.grad_full is not None:
             self._zero_ranges([(self.layout.offsets[i], self.layout.offsets[i] + self._numels[i])
                                for i in sorted(self.unwritten)])
@@ -351,7 +353,7 @@ class FlatParamUnit:
         zero (stages 0/1) or free (stages 2/3) grad_full. Stage 0 (layout world 1)
         all-reduces the whole buffer instead."""
         self.reduced_this_backward = True
-        self._zero_unwritten()
+        self.zero_unwritten()
         full = self.grad_full
         if self.held:
             full, self.held = HeldGrads(self.layout, self.held, self.reduce_dtype, self.device), []
