@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds
 def test_engine_and_trainer_import_without_dcp_and_load_it_on_first_use():
     code = ("import sys; import mct.engine, mct.run.trainer, mct.persistence.resume; "
             "before = 'torch.distributed.checkpoint' in sys.modules; "

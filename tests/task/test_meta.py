@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torch
 import torch.nn as nn
 
@@ -42,6 +44,7 @@ def test_same_parameters_as_a_meta_device_build_and_no_random_draws():
     assert sum(p.numel() for p in skipped.parameters()) == 11 * 6 + 4 * 6 * 3 + 4 + 4 + 4
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds
 def test_the_builtin_gpt_builds_without_importing_dynamo():
     """The point of skipping: meta initializers import torch._dynamo (about a second)."""
     code = ("import sys; from mct.config import EngineConfig; from mct.task import task_for; "
