@@ -122,7 +122,7 @@ def test_calibrate_cuda_without_a_device_is_one_line_exit_2(capsys):
 def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     """Version 3 added the random-number rate (and the per-op overhead and wait at a world
     size), version 4 the elementwise curves of bf16 and fp16, version 5 the per-op overhead
-    and wait from two models' steps with the in-step compute factor: a cached entry of an older
+    and wait from two models' steps with the per-byte cost: a cached entry of an older
     version, as the previous mct wrote it, is measured again whole, never half-used, and
     the new entry has the rates."""
     path = tmp_path / "machine.json"

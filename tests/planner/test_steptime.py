@@ -242,42 +242,46 @@ def test_an_elementwise_op_is_timed_at_its_dtypes_curve():
     assert rates.memory_s(n, "fp16") == rates.memory_s(n) == pytest.approx(n / 10e9)
 
 
-def test_the_in_step_compute_factor_multiplies_compute_and_is_read_by_world():
+def test_the_per_byte_cost_is_overhead_on_every_byte_moved_and_is_read_by_world():
     """A real step's kernels run slower than the profile's microbenchmarks time them (inputs
-    out of the caches, fresh allocations): the measured factor multiplies the compute term
-    only; a world reads its ranks' factor, else one process alone's, else 1."""
-    work = StepWork(ops={("fp32", 10 ** 6, 4 * 10 ** 4, 64): 3}, comm={("all_reduce", 10 ** 6, 1): 1})
-    bare, slow = step_time(work, RATES), step_time(work, dataclasses.replace(RATES, compute_x=1.5))
-    assert math.isclose(slow.compute_s, 1.5 * bare.compute_s, rel_tol=1e-12)
-    assert (slow.overhead_s, slow.comm_s, slow.offload_s) == (bare.overhead_s, bare.comm_s, bare.offload_s)
-    prof = _profile(compute_factor={"1": 1.3, "1x2": 1.7})
-    assert rates_for(prof, 2, 1, ranks_here=2).compute_x == 1.7
-    assert rates_for(prof, 1, 1).compute_x == 1.3
-    assert rates_for(_profile(compute_factor={"1": 1.3}), 2, 1, ranks_here=2).compute_x == 1.3
-    assert rates_for(_profile(), 1, 1).compute_x == 1.0
+    out of the caches, fresh allocations): the measured cost per byte the ops move is added
+    to the overhead term, nothing else; a world reads its ranks' cost, else one process
+    alone's, else none."""
+    work = StepWork(ops={("fp32", 10 ** 6, 4 * 10 ** 4, 64): 3, ("", 0, 0, 0): 2},
+                    comm={("all_reduce", 10 ** 6, 1): 1}, attention={("forward", "fp32", 10 ** 6, 10 ** 3, 16): 1})
+    assert work.bytes_moved == 3 * 4 * 10 ** 4 + 10 ** 3
+    bare, slow = step_time(work, RATES), step_time(work, dataclasses.replace(RATES, byte_s=1e-10))
+    assert math.isclose(slow.overhead_s - bare.overhead_s, work.bytes_moved * 1e-10, rel_tol=1e-12)
+    assert (slow.compute_s, slow.comm_s, slow.offload_s) == (bare.compute_s, bare.comm_s, bare.offload_s)
+    prof = _profile(byte_overhead_s={"1": 1e-10, "1x2": 3e-10})
+    assert rates_for(prof, 2, 1, ranks_here=2).byte_s == 3e-10
+    assert rates_for(prof, 1, 1).byte_s == 1e-10
+    assert rates_for(_profile(byte_overhead_s={"1": 1e-10}), 2, 1, ranks_here=2).byte_s == 1e-10
+    assert rates_for(_profile(), 1, 1).byte_s == 0.0
 
 
-def test_the_overhead_fit_separates_per_op_cost_from_the_in_step_compute_factor():
-    """The tiny model's steps are almost all per-op overhead, the sized model's mostly
-    compute: steps made of a known overhead and factor give both back; a factor out of
-    range (a measurement gone wrong) is clipped and the overhead is the tiny steps' rest."""
-    from mct.planner.steptime import FACTOR_RANGE, fit_overhead, quantile
+def test_the_overhead_fit_separates_per_op_cost_from_the_per_byte_cost():
+    """The tiny model's ops move almost nothing (their rest beyond the compute is dispatch),
+    the sized model's move what a small model's do: steps made of a known per-op and
+    per-byte cost give both back; a per-byte cost the steps put below 0 is 0 and the per-op
+    overhead is the tiny steps' rest."""
+    from mct.planner.steptime import fit_overhead, quantile
 
-    def steps(ops: int, compute: float, op_s: float, x: float) -> tuple[float, int, float]:
-        return ops * op_s + x * compute, ops, compute
-    tiny = [steps(382, 4e-4, 25e-6, 1.4), steps(510, 5e-4, 25e-6, 1.4)]
-    sized = [steps(380, 0.02, 25e-6, 1.4), steps(520, 0.03, 25e-6, 1.4)]
-    op_s, x = fit_overhead(tiny, sized)
-    assert op_s == pytest.approx(25e-6) and x == pytest.approx(1.4)
-    sized_fast = [steps(380, 0.02, 25e-6, 0.1), steps(520, 0.03, 25e-6, 0.1)]
-    op_s, x = fit_overhead(tiny, sized_fast)
-    assert x == FACTOR_RANGE[0] and op_s == pytest.approx((sum(t[0] for t in tiny) - x * 9e-4) / 892)
+    def steps(ops: int, nbytes: int, op_s: float, byte_s: float) -> tuple[float, int, int]:
+        return ops * op_s + nbytes * byte_s, ops, nbytes
+    tiny = [steps(382, 2 * 10 ** 6, 25e-6, 8e-11), steps(510, 3 * 10 ** 6, 25e-6, 8e-11)]
+    sized = [steps(380, 10 ** 8, 25e-6, 8e-11), steps(520, 1.5 * 10 ** 8, 25e-6, 8e-11)]
+    op_s, byte_s = fit_overhead(tiny, sized)
+    assert op_s == pytest.approx(25e-6) and byte_s == pytest.approx(8e-11)
+    fast = [steps(380, 10 ** 8, 10e-6, 0.0), steps(520, 1.5 * 10 ** 8, 10e-6, 0.0)]
+    op_s, byte_s = fit_overhead(tiny, fast)
+    assert byte_s == 0.0 and op_s == pytest.approx(sum(t[0] for t in tiny) / 892)
     assert quantile([3.0, 1.0, 2.0], 0.0) == 1.0 and quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
 
 
-def test_measured_overhead_and_factor_come_from_real_steps_of_both_models():
-    """One process's calibration steps: a positive per-op overhead, a factor within range,
-    no wait without ranks."""
-    from mct.planner.steptime import FACTOR_RANGE, measure_op_overhead
-    op_s, wait_s, x = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
-    assert 0 < op_s < 1e-2 and wait_s == 0.0 and FACTOR_RANGE[0] <= x <= FACTOR_RANGE[1]
+def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models():
+    """One process's calibration steps: a positive per-op overhead, a per-byte cost of at
+    least 0, no wait without ranks."""
+    from mct.planner.steptime import measure_op_overhead
+    op_s, wait_s, byte_s = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
+    assert 0 < op_s < 1e-2 and wait_s == 0.0 and 0.0 <= byte_s < 1e-8
