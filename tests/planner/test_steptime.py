@@ -253,6 +253,9 @@ def test_the_per_byte_cost_is_overhead_on_every_byte_moved_and_is_read_by_world(
     bare, slow = step_time(work, RATES), step_time(work, dataclasses.replace(RATES, byte_s=1e-10))
     assert math.isclose(slow.overhead_s - bare.overhead_s, work.bytes_moved * 1e-10, rel_tol=1e-12)
     assert (slow.compute_s, slow.comm_s, slow.offload_s) == (bare.compute_s, bare.comm_s, bare.offload_s)
+    big = StepWork(ops={("fp32", 0, 2 ** 20, 0): 1, ("fp32", 0, 2 ** 19, 0): 1})
+    two = step_time(big, dataclasses.replace(RATES, byte_s=1e-10, threads=2)).overhead_s - step_time(big, RATES).overhead_s
+    assert math.isclose(two, (2 ** 20 / 2 + 2 ** 19) * 1e-10, rel_tol=1e-12)  # split over threads as the kernel
     prof = _profile(byte_overhead_s={"1": 1e-10, "1x2": 3e-10})
     assert rates_for(prof, 2, 1, ranks_here=2).byte_s == 3e-10
     assert rates_for(prof, 1, 1).byte_s == 1e-10

@@ -109,7 +109,10 @@ class Rates:
     byte_s: float = 0.0
     """Seconds per byte an op reads or writes inside a real step beyond its roofline (inputs
     that left the caches, fresh allocations; measured on real steps, ``measure_op_overhead``);
-    in ``StepTime.overhead_s`` with the per-op ``op_s``."""
+    in ``StepTime.overhead_s`` with the per-op ``op_s``; an op of ``PARALLEL_BYTES`` or more
+    splits it over the rank's ``threads`` as its kernel does (it is measured with one)."""
+    threads: int = 1
+    """The rank's torch threads (``byte_cost``)."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -144,6 +147,11 @@ class Rates:
         lat, bw = self.collectives[kind]
         return buckets * lat + nbytes / bw + self.wait_s
 
+    def byte_cost(self, nbytes: float) -> float:
+        """Seconds an op that moves ``nbytes`` costs inside a step beyond its roofline
+        (``byte_s``; split over the threads from ``PARALLEL_BYTES``)."""
+        return nbytes * self.byte_s / (self.threads if nbytes >= PARALLEL_BYTES else 1)
+
     def random_s(self, elements: float) -> float:
         """Seconds of drawing ``elements`` random numbers (0 when the rate was not measured)."""
         return elements / self.random_per_s if self.random_per_s > 0 else 0.0
@@ -177,7 +185,9 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
-    return StepTime(compute, work.n_ops * rates.op_s + work.bytes_moved * rates.byte_s, comm, offload)
+    moved = sum(n * rates.byte_cost(key[2]) for key, n in work.ops.items())
+    moved += sum(n * rates.byte_cost(key[3]) for key, n in work.attention.items())
+    return StepTime(compute, work.n_ops * rates.op_s + moved, comm, offload)
 
 
 def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
@@ -240,7 +250,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
                  {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
-                 float(byte_s or 0.0))
+                 float(byte_s or 0.0), 1 if device == "cuda" else threads)
 
 
 def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:
