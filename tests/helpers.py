@@ -172,6 +172,8 @@ SEEDED_RATES = {"fp32": 50e9, "bf16": 100e9, "fp16": 100e9}
 with (conftest.py's ``machine_profile_cache``): MFU in tests divides by these."""
 SEEDED_EXTRA = {"op_overhead_s": {**{str(t): 20e-6 for t in range(1, 65)},
                                   **{f"{t}x{w}": 20e-6 for t in range(1, 65) for w in range(2, 9)}},
+                "byte_overhead_s": {**{str(t): 0.0 for t in range(1, 65)},
+                                    **{f"{t}x{w}": 0.0 for t in range(1, 65) for w in range(2, 9)}},
                 "random_elements_per_s": 1e8,
                 "collectives": {f"gloo:{w}": {"all_reduce": [1e-4, 1e9], "reduce_scatter": [1e-4, 1e9],
                                               "all_gather": [1e-4, 1e9]} for w in range(2, 9)},

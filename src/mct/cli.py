@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to measure; auto: the CUDA device where there is one, else the CPU")
     c.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="also measure what the time model needs for N ranks on this machine (collectives at N, "
-                        "the per-op overhead at cores / N threads); `mct plan` measures them on first use")
+                        "the per-op and per-byte overhead and the wait of N ranks stepping at once); `mct plan` "
+                        "measures them on first use")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
                         "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",

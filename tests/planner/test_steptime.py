@@ -240,3 +240,51 @@ def test_an_elementwise_op_is_timed_at_its_dtypes_curve():
     n = 2.0**20
     assert rates.memory_s(n, "bf16") == pytest.approx(2 * rates.memory_s(n, "fp32"))
     assert rates.memory_s(n, "fp16") == rates.memory_s(n) == pytest.approx(n / 10e9)
+
+
+def test_the_per_byte_cost_is_overhead_on_every_byte_moved_and_is_read_by_world():
+    """A real step's kernels run slower than the profile's microbenchmarks time them (inputs
+    out of the caches, fresh allocations): the measured cost per byte the ops move is added
+    to the overhead term, nothing else; a world reads its ranks' cost, else one process
+    alone's, else none."""
+    work = StepWork(ops={("fp32", 10 ** 6, 4 * 10 ** 4, 64): 3, ("", 0, 0, 0): 2},
+                    comm={("all_reduce", 10 ** 6, 1): 1}, attention={("forward", "fp32", 10 ** 6, 10 ** 3, 16): 1})
+    assert work.bytes_moved == 3 * 4 * 10 ** 4 + 10 ** 3
+    bare, slow = step_time(work, RATES), step_time(work, dataclasses.replace(RATES, byte_s=1e-10))
+    assert math.isclose(slow.overhead_s - bare.overhead_s, work.bytes_moved * 1e-10, rel_tol=1e-12)
+    assert (slow.compute_s, slow.comm_s, slow.offload_s) == (bare.compute_s, bare.comm_s, bare.offload_s)
+    big = StepWork(ops={("fp32", 0, 2 ** 20, 0): 1, ("fp32", 0, 2 ** 19, 0): 1})
+    two = step_time(big, dataclasses.replace(RATES, byte_s=1e-10, threads=2)).overhead_s - step_time(big, RATES).overhead_s
+    assert math.isclose(two, (2 ** 20 / 2 + 2 ** 19) * 1e-10, rel_tol=1e-12)  # split over threads as the kernel
+    prof = _profile(byte_overhead_s={"1": 1e-10, "1x2": 3e-10})
+    assert rates_for(prof, 2, 1, ranks_here=2).byte_s == 3e-10
+    assert rates_for(prof, 1, 1).byte_s == 1e-10
+    assert rates_for(_profile(byte_overhead_s={"1": 1e-10}), 2, 1, ranks_here=2).byte_s == 1e-10
+    assert rates_for(_profile(), 1, 1).byte_s == 0.0
+
+
+def test_the_overhead_fit_separates_per_op_cost_from_the_per_byte_cost():
+    """The tiny model's ops move almost nothing (their rest beyond the compute is dispatch),
+    the sized model's move what a small model's do: steps made of a known per-op and
+    per-byte cost give both back; a per-byte cost the steps put below 0 is 0 and the per-op
+    overhead is the tiny steps' rest."""
+    from mct.planner.steptime import fit_overhead, quantile
+
+    def steps(ops: int, nbytes: int, op_s: float, byte_s: float) -> tuple[float, int, int]:
+        return ops * op_s + nbytes * byte_s, ops, nbytes
+    tiny = [steps(382, 2 * 10 ** 6, 25e-6, 8e-11), steps(510, 3 * 10 ** 6, 25e-6, 8e-11)]
+    sized = [steps(380, 10 ** 8, 25e-6, 8e-11), steps(520, 1.5 * 10 ** 8, 25e-6, 8e-11)]
+    op_s, byte_s = fit_overhead(tiny, sized)
+    assert op_s == pytest.approx(25e-6) and byte_s == pytest.approx(8e-11)
+    fast = [steps(380, 10 ** 8, 10e-6, 0.0), steps(520, 1.5 * 10 ** 8, 10e-6, 0.0)]
+    op_s, byte_s = fit_overhead(tiny, fast)
+    assert byte_s == 0.0 and op_s == pytest.approx(sum(t[0] for t in tiny) / 892)
+    assert quantile([3.0, 1.0, 2.0], 0.0) == 1.0 and quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
+
+
+def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models():
+    """One process's calibration steps: a positive per-op overhead, a per-byte cost of at
+    least 0, no wait without ranks."""
+    from mct.planner.steptime import measure_op_overhead
+    op_s, wait_s, byte_s = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
+    assert 0 < op_s < 1e-2 and wait_s == 0.0 and 0.0 <= byte_s < 1e-8

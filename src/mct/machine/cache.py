@@ -117,6 +117,9 @@ def _extra_lines(extra: dict) -> list[str]:
     if extra.get("op_overhead_s"):
         lines.append("per-op overhead: " + ", ".join(f"{1e6 * s:.1f} us at {_overhead_where(t)}"
                                                       for t, s in sorted(extra["op_overhead_s"].items())))
+    if extra.get("byte_overhead_s"):
+        lines.append("per-byte cost inside a step (beyond the rates above): " + ", ".join(
+            f"{1e12 * s:.0f} ps/B at {_overhead_where(t)}" for t, s in sorted(extra["byte_overhead_s"].items())))
     if extra.get("collective_wait_s"):
         lines.append("wait at each collective call of a step: " + ", ".join(
             f"{1e6 * s:.1f} us at {_overhead_where(t)}" for t, s in sorted(extra["collective_wait_s"].items())))

@@ -26,13 +26,15 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
 (``extra['attention_by_dim']``) and the per-op overhead at a world size
 (``extra['op_overhead_s']`` keys '<threads>x<ranks>'). 4: elementwise curves of the other
-compute dtypes (``extra['elementwise_by_dtype']``)."""
+compute dtypes (``extra['elementwise_by_dtype']``). 5: the per-op overhead and the wait from
+real steps of two models, with the per-byte cost inside a step beside them
+(``extra['byte_overhead_s']``)."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -99,7 +101,9 @@ class MachineProfile:
     'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}} and 'op_overhead_s'
     {'<threads>': s of one process alone, '<threads>x<ranks>': s of each of that many
     ranks stepping at once} and 'collective_wait_s' {'<threads>x<ranks>': s a rank waits at
-    each collective call of a real step beyond the collective's time}, measured on first use."""
+    each collective call of a real step beyond the collective's time} and 'byte_overhead_s'
+    {the same keys: s per byte an op moves inside a real step beyond these rates}, measured on
+    first use (``mct.planner.steptime.measure_op_overhead``)."""
 
     @property
     def key(self) -> str:

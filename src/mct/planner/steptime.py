@@ -15,13 +15,15 @@
   the ranks on this machine. The CPU's fused attention kernels at their own measured
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
-- **overhead**: ``ops x op_overhead_s``, the time one dispatched op costs beyond its
-  roofline (Python, the dispatcher, autograd, the engine's memory tracker; with ranks,
-  what ranks stepping at once on one machine cost each other: shared cores and caches,
-  waiting at each collective for the slower rank), measured on first use with one thread
-  a rank (``machine_rates`` says why) and, for a world, with that many ranks stepping at
-  once: real steps of a tiny built-in GPT minus their predicted compute and
-  communication, per op (``measure_op_overhead``).
+- **overhead**: ``ops x op_overhead_s + bytes x byte_overhead_s``: what one dispatched op
+  costs beyond its roofline (Python, the dispatcher, autograd, the engine's memory
+  tracker), and what each byte the ops move costs inside a real step beyond the
+  microbenchmarks' rates (inputs out of the caches, fresh allocations); with ranks, what
+  ranks stepping at once on one machine cost each other (shared cores and caches).
+  Measured on first use with one thread a rank (``machine_rates`` says why) and, for a
+  world, with that many ranks stepping at once: real steps of a tiny built-in GPT (ops
+  that move almost nothing) and of one with ops of a small model's sizes, minus their
+  predicted compute, solved for the two (``measure_op_overhead``, ``fit_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
   (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``), plus a rank's wait for the
@@ -62,7 +64,19 @@ PARALLEL_BYTES = 2**20
 """Elementwise ops moving at least this many bytes run on every thread of the rank."""
 OVERHEAD_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
 """The built-in GPT whose real steps measure the per-op overhead: small enough that its
-ops cost almost nothing but their dispatch."""
+ops cost almost nothing but their dispatch (micro-batch 2)."""
+SIZED_MODEL = {"n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 128, "vocab_size": 512, "dropout": 0.0}
+"""The built-in GPT whose real steps measure the per-byte cost: ops of the sizes a small
+model's step has (micro-batch 4: activations of 512 tokens x 128, 256 KiB; an MLP's and
+the attention scores 1 MiB), whose kernels run slower inside a step than the profile's
+microbenchmarks time them (inputs that left the core's caches, fresh allocations; softmax,
+GELU and norms slower per byte than the elementwise mix)."""
+OVERHEAD_STEPS = 7
+"""Timed steps of each calibration engine (after two warm-ups)."""
+STEP_QUANTILE = 0.0
+"""Which of those steps' times is used (0: the fastest, 0.5: the median). The fastest: the
+median of a calibration at load 6-7 gave a per-op overhead 2x the fastest's, and predicted
+the benchmark's rows 1.5-2x slow a few minutes later."""
 MAX_MEASURED_WORLD = 8
 
 
@@ -92,6 +106,13 @@ class Rates:
     attention: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
     elementwise_by: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     """``elementwise`` of the ops of another dtype ({'bf16': ...}), where measured."""
+    byte_s: float = 0.0
+    """Seconds per byte an op reads or writes inside a real step beyond its roofline (inputs
+    that left the caches, fresh allocations; measured on real steps, ``measure_op_overhead``);
+    in ``StepTime.overhead_s`` with the per-op ``op_s``; an op of ``PARALLEL_BYTES`` or more
+    splits it over the rank's ``threads`` as its kernel does (it is measured with one)."""
+    threads: int = 1
+    """The rank's torch threads (``byte_cost``)."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -126,6 +147,11 @@ class Rates:
         lat, bw = self.collectives[kind]
         return buckets * lat + nbytes / bw + self.wait_s
 
+    def byte_cost(self, nbytes: float) -> float:
+        """Seconds an op that moves ``nbytes`` costs inside a step beyond its roofline
+        (``byte_s``; split over the threads from ``PARALLEL_BYTES``)."""
+        return nbytes * self.byte_s / (self.threads if nbytes >= PARALLEL_BYTES else 1)
+
     def random_s(self, elements: float) -> float:
         """Seconds of drawing ``elements`` random numbers (0 when the rate was not measured)."""
         return elements / self.random_per_s if self.random_per_s > 0 else 0.0
@@ -159,7 +185,9 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
-    return StepTime(compute, work.n_ops * rates.op_s, comm, offload)
+    moved = sum(n * rates.byte_cost(key[2]) for key, n in work.ops.items())
+    moved += sum(n * rates.byte_cost(key[3]) for key, n in work.attention.items())
+    return StepTime(compute, work.n_ops * rates.op_s + moved, comm, offload)
 
 
 def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
@@ -202,7 +230,11 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
     elementwise = _threaded(curve, x, share)
     by_dtype = {k: _threaded(c, x, share) for k, c in (extra.get("elementwise_by_dtype") or {}).items() if c}
-    op_s = _op_overhead(extra.get("op_overhead_s", {}), threads, ranks_here if device == "cpu" else 1, notes)
+    ranks_cpu = ranks_here if device == "cpu" else 1
+    op_s = _op_overhead(extra.get("op_overhead_s", {}), threads, ranks_cpu, notes)
+    byte_s = _at_threads(extra.get("byte_overhead_s", {}), threads, ranks_cpu)
+    if byte_s is None and ranks_cpu > 1:
+        byte_s = _at_threads(extra.get("byte_overhead_s", {}), threads, 1)
     random = float(extra.get("random_elements_per_s") or 0.0)
     if not random:
         notes.append("no random-number rate measured: dropout's masks timed as their bytes only")
@@ -217,7 +249,8 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     if device == "cuda" and extra.get("host_bytes_per_s"):
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
-                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype)
+                 {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
+                 float(byte_s or 0.0), 1 if device == "cuda" else threads)
 
 
 def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:
@@ -342,32 +375,39 @@ def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[M
     """``profile`` with the per-op overhead of ``ranks`` ranks at ``threads`` (measured and
     cached when it lacks it), and a warning (a failed measurement, an unwritten cache)."""
     key = overhead_key(threads, ranks)
-    if key in profile.extra.get("op_overhead_s", {}):
+    if key in profile.extra.get("op_overhead_s", {}) and key in profile.extra.get("byte_overhead_s", {}):
         return profile, None
     try:
-        op_s, wait_s = measure_op_overhead(rates_for(profile, ranks, threads, ranks_here=ranks), threads,
-                                           ranks=ranks)
+        op_s, wait_s, byte_s = measure_op_overhead(rates_for(profile, ranks, threads, ranks_here=ranks), threads,
+                                                   ranks=ranks)
     except (RuntimeError, ValueError) as e:
         return profile, f"per-op overhead of {ranks} ranks not measured ({e})"
     if ranks > 1:
         profile, _ = remember(profile, "collective_wait_s", {key: wait_s})
+    profile, _ = remember(profile, "byte_overhead_s", {key: byte_s})
     return remember(profile, "op_overhead_s", {key: op_s})
 
 
-def measure_op_overhead(rates: Rates, threads: int, steps: int = 5, ranks: int = 1) -> tuple[float, float]:
+def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
+                        ranks: int = 1) -> tuple[float, float, float]:
     """(seconds per dispatched op beyond its roofline, seconds a rank waits at each
-    collective call beyond the collective's time): real steps of the built-in GPT of
-    ``OVERHEAD_MODEL`` (stage 0, fp32, without and with recompute of every block, so the
-    checkpointing's own work is in it; the fastest of ``steps`` each, interleaved, after
-    two warm-ups: a busy machine only ever slows a step down), the step's time outside its
-    collectives minus the compute ``rates`` predict for their dry runs over their ops, and
+    collective call beyond the collective's time, seconds per byte an op moves beyond its
+    roofline): real steps
+    of two built-in GPTs, the tiny ``OVERHEAD_MODEL`` (ops that cost almost nothing but
+    their dispatch) and ``SIZED_MODEL`` (ops of a small model's sizes), each at stage 0,
+    fp32, without and with recompute of every block (so the checkpointing's own work is in
+    it); ``steps`` timed steps of each, interleaved, after two warm-ups, the fastest of each
+    (``STEP_QUANTILE``: on a machine shared with other jobs a median follows the load of the
+    moment of calibration, so a profile measured in a busy minute predicts every later run
+    slow). The time outside
+    the collectives of each is ``predicted compute + ops x per-op + bytes x per-byte`` (``fit_overhead``);
     the time in its collectives (the engine's ``time_comm_s``) minus the communication
-    predicted over their calls. ``ranks`` 1: this process alone, with ``threads`` torch
-    threads (restored after; no wait); more: that many spawned gloo ranks stepping at
-    once, each with ``threads`` (rank 0's steps: what the ranks cost each other is in
-    it). Raises RuntimeError when the ranks fail."""
-    cfgs, batch = _overhead_configs(), _overhead_batch()
-    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, batch, c, ranks).work for c in cfgs]
+    predicted, over their calls, is the wait. ``ranks`` 1: this process alone, with
+    ``threads`` torch threads (restored after; no wait); more: that many spawned gloo
+    ranks stepping at once, each with ``threads`` (rank 0's steps: what the ranks cost each
+    other is in it). Raises RuntimeError when the ranks fail."""
+    cfgs = _overhead_configs()
+    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, _overhead_batch(c), c, ranks).work for c in cfgs]
     if ranks > 1:
         times = spawn_ranks(_rank_overhead_steps, ranks, "cpu", (steps,), timeout_s=300.0, threads=threads)
     else:
@@ -377,42 +417,66 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = 5, ranks: int =
             times = _overhead_steps(DistContext(device=torch.device("cpu")), steps)  # alone, whatever group this is in
         finally:
             torch.set_num_threads(before)
-    bare = dataclasses.replace(rates, wait_s=0.0)
-    spare = waited = 0.0
-    for got, w in zip(times, works):
-        if w is not None:
-            total, comm = min(got)
-            predicted = step_time(w, bare)
-            spare += total - comm - predicted.compute_s
-            waited += comm - predicted.comm_s
-    measured = [w for w in works if w is not None]
-    calls = sum(n for w in measured for n in w.comm.values())
-    return max(0.0, spare / sum(w.n_ops for w in measured)), max(0.0, waited / calls) if calls else 0.0
+    bare = dataclasses.replace(rates, wait_s=0.0, byte_s=0.0)
+    samples: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
+    waited, calls = 0.0, 0
+    for got, w, c in zip(times, works, cfgs):
+        predicted = step_time(w, bare)
+        outside = quantile([total - comm for total, comm in got], STEP_QUANTILE)
+        samples[c.model.d_model == SIZED_MODEL["d_model"]].append((outside - predicted.compute_s, w.n_ops,
+                                                                   w.bytes_moved))
+        waited += quantile([comm for _, comm in got], STEP_QUANTILE) - predicted.comm_s
+        calls += sum(w.comm.values())
+    op_s, byte_s = fit_overhead(samples[False], samples[True])
+    return op_s, max(0.0, waited / calls) if calls else 0.0, byte_s
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (0: the smallest, 0.5: the median, linear in between)."""
+    xs = sorted(xs)
+    at = q * (len(xs) - 1)
+    lo = int(at)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
+
+
+def fit_overhead(tiny: list[tuple[float, int, float]], sized: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """(seconds per op, seconds per byte) with ``rest = ops x per-op + bytes x per-byte`` for
+    the summed (seconds beyond the predicted compute, ops, bytes the ops move) of the tiny
+    engines and of the sized ones: the tiny ops move almost nothing, so their rest is their
+    dispatch; the sized ones' rest beyond it is what their bytes cost inside a step. Neither
+    below 0 (a per-byte cost below 0: the tiny steps' rest alone, per op)."""
+    (rt, ot, bt), (rm, om, bm) = ([sum(x[i] for x in group) for i in range(3)] for group in (tiny, sized))
+    det = ot * bm - om * bt
+    byte_s = max(0.0, (ot * rm - om * rt) / det) if det > 0 else 0.0
+    return max(0.0, (rt - byte_s * bt) / ot), byte_s
 
 
 def _overhead_configs() -> list[EngineConfig]:
-    return [EngineConfig.from_dict({"model": dict(OVERHEAD_MODEL), "train": {"grad_clip": 1.0},
-                                    "checkpointing": {"policy": policy}}) for policy in ("none", "all")]
+    return [EngineConfig.from_dict({"model": dict(model), "train": {"grad_clip": 1.0},
+                                    "checkpointing": {"policy": policy}})
+            for model in (OVERHEAD_MODEL, SIZED_MODEL) for policy in ("none", "all")]
 
 
-def _overhead_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    T, V = OVERHEAD_MODEL["seq_len"], OVERHEAD_MODEL["vocab_size"]
+def _overhead_batch(cfg: EngineConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    T, V = cfg.model.seq_len, cfg.model.vocab_size
+    rows = 4 if cfg.model.d_model == SIZED_MODEL["d_model"] else 2
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (2, T), generator=g), torch.randint(0, V, (2, T), generator=g)
+    return torch.randint(0, V, (rows, T), generator=g), torch.randint(0, V, (rows, T), generator=g)
 
 
-def _rank_overhead_steps(rank: int, world: int, dev: torch.device, steps: int) -> list[list[float]]:
+def _rank_overhead_steps(rank: int, world: int, dev: torch.device, steps: int) -> list[list[tuple[float, float]]]:
     return _overhead_steps(DistContext.current(dev), steps)
 
 
 def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, float]]]:
     """(seconds, of which in collectives) of ``steps`` timed steps per
     ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups)."""
-    batch = _overhead_batch()
-    engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in _overhead_configs()]  # a CUDA step's host side alike
+    cfgs = _overhead_configs()
+    batches = [_overhead_batch(c) for c in cfgs]
+    engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in cfgs]  # a CUDA step's host side alike
     times: list[list[tuple[float, float]]] = [[] for _ in engines]
     for i in range(steps + 2):
-        for engine, got in zip(engines, times):
+        for engine, batch, got in zip(engines, batches, times):
             t0 = time.perf_counter()
             out = engine.train_step(batch, gpt_loss)
             if i >= 2:

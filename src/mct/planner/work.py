@@ -90,6 +90,12 @@ class StepWork:
                 + sum(f * n for (_, _, f, _, _), n in self.attention.items()))
 
     @property
+    def bytes_moved(self) -> int:
+        """Bytes the ops read and write (each op's ``OpKey`` bytes x calls, the attention's too)."""
+        return (sum(b * n for (_, _, b, _), n in self.ops.items())
+                + sum(b * n for (_, _, _, b, _), n in self.attention.items()))
+
+    @property
     def comm_bytes(self) -> int:
         return sum(b * n for (_, b, _), n in self.comm.items())
 
