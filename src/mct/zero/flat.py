@@ -82,6 +82,9 @@ class HeldGrads:
     def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
+        # one zero for every bucket's first writes, alive as long as the held gradients (a
+        # bucket-by-bucket reduce and the dry run's one-bucket shortcut hold the same bytes)
+        self.zero = torch.zeros(1, dtype=dtype, device=device)
         seen: set[int] = set()
         self.first = [not (i in seen or seen.add(i)) for i, _ in grads]
         self.gaps = uncovered(layout, seen)
@@ -97,13 +100,10 @@ class HeldGrads:
         S = self.layout.shard_numel
         for x, y in self.gaps:
             zero_columns(dst, x, y - x, S, a, b)
-        zero = None
         for (index, grad), first in zip(self.grads, self.first):  # in arrival order: each element sums as before
             flat, off = grad.reshape(-1), self.layout.offsets[index]
             if first:
-                if zero is None:
-                    zero = dst.new_zeros(1)
-                put_columns(dst, flat, off, S, a, b, zero)
+                put_columns(dst, flat, off, S, a, b, self.zero)
             else:
                 add_columns(dst, flat, off, S, a, b)
 
