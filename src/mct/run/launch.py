@@ -137,10 +137,16 @@ def torchrun_command(argv: list[str], *, nproc: int, max_restarts: int = 0, nnod
 
 
 # torchrun's own Python output (its log lines, its ChildFailedError report) goes to a
-# file; the file descriptors 1 and 2 that the workers inherit stay the launcher's.
-_QUIET_TORCHRUN = ("import sys; sys.stderr = sys.stdout = open(sys.argv[1], 'w', buffering=1); "
+# file; the file descriptors 1 and 2 that the workers inherit stay the launcher's. Once
+# main() is done (its workers have exited or been killed), torchrun's own descriptors 1
+# and 2 go to the file too: what its C++ side prints while the interpreter shuts down
+# after a signal (e.g. "terminate called without an active exception" from a store
+# thread) is torchrun's, not a line for the user.
+_QUIET_TORCHRUN = ("import os, sys; log = sys.stderr = sys.stdout = open(sys.argv[1], 'w', buffering=1); "
                    "sys.argv = ['torchrun', *sys.argv[2:]]; "
-                   "from torch.distributed.run import main; main()")
+                   "from torch.distributed.run import main\n"
+                   "try:\n    main()\n"
+                   "finally:\n    log.flush(); os.dup2(log.fileno(), 1); os.dup2(log.fileno(), 2)")
 
 
 def launch(cmd: list[str], nproc: int) -> int:
