@@ -191,6 +191,7 @@ def test_auto_trains_the_solvers_pick_and_records_it(tmp_path, corpus_dir, monke
     assert meta["plan"]["predicted_peak_bytes"] <= budget and meta["plan"]["solver"]["frontier"]
 
 
+@pytest.mark.slow  # a solver search over dry runs (7 s)
 def test_mct_report_shows_the_solvers_pick_frontier_and_why_a_run_recorded(tmp_path, capsys):
     """A run whose config used ``auto`` records the solver's choice in metadata.json under
     ``plan`` (as ``mct train`` writes it); ``mct report`` prints the pick, the frontier's
