@@ -85,9 +85,10 @@ class HeldGrads:
         # one zero for every bucket's first writes, alive as long as the held gradients (a
         # bucket-by-bucket reduce and the dry run's one-bucket shortcut hold the same bytes)
         self.zero = torch.zeros(1, dtype=dtype, device=device)
-        seen: set[int] = set()
-        self.first = [not (i in seen or seen.add(i)) for i, _ in grads]
-        self.gaps = uncovered(layout, seen)
+        # a parameter's first held gradient is written, its later ones (tiles) added
+        firsts = {i: n for n, (i, _) in reversed(list(enumerate(grads)))}
+        self.first = [firsts[i] == n for n, (i, _) in enumerate(grads)]
+        self.gaps = uncovered(layout, firsts)
 
     def numel(self) -> int:
         return self.layout.padded_numel
