@@ -9,8 +9,10 @@ predicted peak against the engine tracker's measured one.
                                                     [--threads N] [--calibrate]
 
 Real: ``--warmup`` (2) steps, then ``--steps`` (4) timed ``Engine.train_step`` calls
-(median; the fastest beside it: a busy machine only slows steps down); 2 ranks are spawned gloo processes (tests/distributed.py), every configuration in
-one pair. Each rank runs ``--threads`` torch threads (default: the usable cores shared
+(median; the fastest beside it: a busy machine only slows steps down), a model's
+configurations stepping round-robin so that load from elsewhere hits them alike (as the
+calibration's engines do); 2 ranks are spawned gloo processes (tests/distributed.py),
+every configuration in one pair. Each rank runs ``--threads`` torch threads (default: the usable cores shared
 out, as ``mct train --nproc`` does). Prints the table with the CPU, its flags and the load,
 the median and worst |error|; writes benchmarks/results/time_model.json.
 """
@@ -101,23 +103,34 @@ def grid(models: list[str], precisions: list[str]) -> list[tuple[str, int, str, 
 
 
 def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, threads: int) -> list[dict]:
-    """Real steps of every configuration on this rank: median seconds and the tracker's peak."""
+    """Real steps of every configuration on this rank: median seconds and the tracker's peak.
+    A model's configurations step round-robin (one step of each in turn, ``warmup`` rounds
+    untimed, then ``steps`` timed), so a burst of load from elsewhere slows all of them a
+    little rather than one of them a lot."""
     from mct.engine import Engine
     torch.set_num_threads(threads)
-    out = []
-    for m, s, p, q in configs:
-        torch.manual_seed(0)
-        engine = Engine(MODELS[m][0](), None, config(m, s, p, q))
-        times, peak = [], 0
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            res = engine.train_step(batch(m, i, rank), loss_of(m))
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                peak = max(peak, res.metrics["peak_bytes"])
-        engine.close()
-        out.append({"step_s": statistics.median(times), "best_s": min(times), "times": times, "peak": peak})
-    return out
+    out: dict[int, dict] = {}
+    for model in dict.fromkeys(m for m, _, _, _ in configs):
+        mine = [(i, c) for i, c in enumerate(configs) if c[0] == model]
+        engines = []
+        for _, (m, s, p, q) in mine:
+            torch.manual_seed(0)
+            engines.append(Engine(MODELS[m][0](), None, config(m, s, p, q)))
+        times: list[list[float]] = [[] for _ in mine]
+        peaks = [0] * len(mine)
+        for step in range(warmup + steps):
+            for k, engine in enumerate(engines):
+                t0 = time.perf_counter()
+                res = engine.train_step(batch(model, step, rank), loss_of(model))
+                if step >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+                    peaks[k] = max(peaks[k], res.metrics["peak_bytes"])
+        for engine in engines:
+            engine.close()
+        for k, (i, _) in enumerate(mine):
+            out[i] = {"step_s": statistics.median(times[k]), "best_s": min(times[k]), "times": times[k],
+                      "peak": peaks[k]}
+    return [out[i] for i in range(len(configs))]
 
 
 def main() -> None:

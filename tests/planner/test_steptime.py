@@ -21,7 +21,7 @@ from mct.planner.grid import Grid
 from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.grid import prepare
 from mct.planner.plan import make_plan, predict
-from mct.planner.steptime import Rates, rates_for, step_time
+from mct.planner.steptime import PARALLEL_BYTES, Rates, rates_for, step_time
 from mct.planner.work import StepWork, op_key
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task
@@ -154,6 +154,9 @@ def test_op_key_counts_flops_bytes_and_views():
     a, b = torch.ones(4, 8), torch.ones(8, 3)
     assert op_key(torch.ops.aten.mm.default, (a, b), {}, a @ b) == ("fp32", 2 * 4 * 8 * 3, 4 * (32 + 24 + 12), 3)
     assert op_key(torch.ops.aten.view.default, (a, [32]), {}, a.view(32)) == ("", 0, 0, 0)
+    alias = torch.ops.aten._unsafe_view.default(a, [32])  # a view autograd does not track: moves nothing
+    assert alias.data_ptr() == a.data_ptr()
+    assert op_key(torch.ops.aten._unsafe_view.default, (a, [32]), {}, alias) == ("", 0, 0, 0)
     assert op_key(torch.ops.aten.add.Tensor, (a, a), {}, a + a) == ("fp32", 0, 4 * 32 * 2, 0)
 
 
@@ -253,9 +256,9 @@ def test_the_per_byte_cost_is_overhead_on_every_byte_moved_and_is_read_by_world(
     bare, slow = step_time(work, RATES), step_time(work, dataclasses.replace(RATES, byte_s=1e-10))
     assert math.isclose(slow.overhead_s - bare.overhead_s, work.bytes_moved * 1e-10, rel_tol=1e-12)
     assert (slow.compute_s, slow.comm_s, slow.offload_s) == (bare.compute_s, bare.comm_s, bare.offload_s)
-    big = StepWork(ops={("fp32", 0, 2 ** 20, 0): 1, ("fp32", 0, 2 ** 19, 0): 1})
+    big = StepWork(ops={("fp32", 0, PARALLEL_BYTES, 0): 1, ("fp32", 0, PARALLEL_BYTES - 1, 0): 1})
     two = step_time(big, dataclasses.replace(RATES, byte_s=1e-10, threads=2)).overhead_s - step_time(big, RATES).overhead_s
-    assert math.isclose(two, (2 ** 20 / 2 + 2 ** 19) * 1e-10, rel_tol=1e-12)  # split over threads as the kernel
+    assert math.isclose(two, (PARALLEL_BYTES / 2 + PARALLEL_BYTES - 1) * 1e-10, rel_tol=1e-12)  # split over threads as the kernel
     prof = _profile(byte_overhead_s={"1": 1e-10, "1x2": 3e-10})
     assert rates_for(prof, 2, 1, ranks_here=2).byte_s == 3e-10
     assert rates_for(prof, 1, 1).byte_s == 1e-10

@@ -60,8 +60,10 @@ from mct.planner.work import StepWork
 
 BLEND = (2 * 64 ** 3, 2 * 512 ** 3)
 """Matmul FLOPs between which the threads' speed-up is blended in (small matmuls run on one thread)."""
-PARALLEL_BYTES = 2**20
-"""Elementwise ops moving at least this many bytes run on every thread of the rank."""
+PARALLEL_BYTES = 2**18
+"""Elementwise ops moving at least this many bytes run on every thread of the rank: torch
+splits an elementwise kernel over its threads from 32,768 elements (``GRAIN_SIZE``), an
+fp32 op that reads one such tensor and writes another moving 256 KiB."""
 OVERHEAD_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
 """The built-in GPT whose real steps measure the per-op overhead: small enough that its
 ops cost almost nothing but their dispatch (micro-batch 2)."""

@@ -58,6 +58,10 @@ not a matmul's: in bf16 the backward runs ~10x below a bf16 matmul of its FLOPs 
 """Ops that draw random numbers (dropout's masks): each element costs ~50x an add's
 bytes on a CPU, so ``OpCounter`` counts the elements they draw apart (``StepWork.random``)."""
 
+ALIAS_OPS = frozenset({aten._unsafe_view, aten.lift_fresh})
+"""Ops whose output is their input's storage though their schema does not say so (the
+reshape autograd uses, a tensor lifted as it is): they move nothing, as a view."""
+
 OpKey = tuple[str, int, int, int]
 """(dtype name, FLOPs, bytes, smallest matrix dimension) of one op; ('', 0, 0, 0) for a
 view; the dimension is 0 for an op without FLOPs."""
@@ -150,10 +154,10 @@ def random_elements(out) -> int:
 def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
     """(dtype, FLOPs, bytes, dim) of one call of ``func``: the dtype of its first floating
     tensor input ('' when none), FLOPs by torch's formulas (0 for ops without one), the
-    bytes of its distinct tensor inputs and outputs (0 for a view), and for an op with
+    bytes of its distinct tensor inputs and outputs (0 for a view or an ``ALIAS_OPS`` op), and for an op with
     FLOPs the smallest of its first two tensor inputs' last two dimensions (a matmul's
     short side, an attention head's width: what its speed depends on besides its size)."""
-    if func.is_view:
+    if func.is_view or func._overloadpacket in ALIAS_OPS:
         return ("", 0, 0, 0)
     formula = FORMULAS.get(func._overloadpacket)
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
