@@ -122,16 +122,21 @@ def test_calibrate_cuda_without_a_device_is_one_line_exit_2(capsys):
 def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     """Version 3 added the random-number rate (and the per-op overhead and wait at a world
     size), version 4 the elementwise curves of bf16 and fp16, version 5 the per-op overhead
-    and wait from two models' steps with the per-byte cost: a cached entry of an older
+    and wait from two models' steps with the per-byte cost, version 6 the elementwise
+    curves by kind of op: a cached entry of an older
     version, as the previous mct wrote it, is measured again whole, never half-used, and
     the new entry has the rates."""
     path = tmp_path / "machine.json"
     old = calibrate(path=path).profile.to_dict()
     assert old["extra"]["random_elements_per_s"] > 0  # bernoulli_ elements per second, one thread
     assert set(old["extra"]["elementwise_by_dtype"]) == set(old["matmul_one"]) - {"fp32"}
+    kinds = old["extra"]["elementwise_by_kind"]
+    assert set(kinds) == {"light", "softmax", "safe_softmax", "layer_norm"}
+    assert all(set(by) == set(old["matmul_one"]) for by in kinds.values())
     old["version"] = 3
-    del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"]
+    del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"], old["extra"]["elementwise_by_kind"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 5
+    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 6
     assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]
+    assert cal.profile.extra["elementwise_by_kind"]

@@ -152,12 +152,16 @@ def test_extrapolated_time_equals_the_full_dry_runs(stage, policy):
 
 def test_op_key_counts_flops_bytes_and_views():
     a, b = torch.ones(4, 8), torch.ones(8, 3)
-    assert op_key(torch.ops.aten.mm.default, (a, b), {}, a @ b) == ("fp32", 2 * 4 * 8 * 3, 4 * (32 + 24 + 12), 3)
-    assert op_key(torch.ops.aten.view.default, (a, [32]), {}, a.view(32)) == ("", 0, 0, 0)
+    assert op_key(torch.ops.aten.mm.default, (a, b), {}, a @ b) == ("fp32", 2 * 4 * 8 * 3, 4 * (32 + 24 + 12), 3, "")
+    assert op_key(torch.ops.aten.view.default, (a, [32]), {}, a.view(32)) == ("", 0, 0, 0, "")
     alias = torch.ops.aten._unsafe_view.default(a, [32])  # a view autograd does not track: moves nothing
     assert alias.data_ptr() == a.data_ptr()
-    assert op_key(torch.ops.aten._unsafe_view.default, (a, [32]), {}, alias) == ("", 0, 0, 0)
-    assert op_key(torch.ops.aten.add.Tensor, (a, a), {}, a + a) == ("fp32", 0, 4 * 32 * 2, 0)
+    assert op_key(torch.ops.aten._unsafe_view.default, (a, [32]), {}, alias) == ("", 0, 0, 0, "")
+    assert op_key(torch.ops.aten.add.Tensor, (a, a), {}, a + a) == ("fp32", 0, 4 * 32 * 2, 0, "light")
+    soft = torch.ops.aten._softmax.default
+    assert op_key(soft, (a, -1, False), {}, soft(a, -1, False)) == ("fp32", 0, 4 * 32 * 2, 0, "softmax")
+    gelu = torch.ops.aten.gelu.default
+    assert op_key(gelu, (a,), {}, gelu(a))[4] == ""  # the usual mix
 
 
 def test_plan_rows_carry_step_s_and_tokens_per_s(capsys):
@@ -243,6 +247,26 @@ def test_an_elementwise_op_is_timed_at_its_dtypes_curve():
     n = 2.0**20
     assert rates.memory_s(n, "bf16") == pytest.approx(2 * rates.memory_s(n, "fp32"))
     assert rates.memory_s(n, "fp16") == rates.memory_s(n) == pytest.approx(n / 10e9)
+
+
+def test_an_elementwise_op_of_a_measured_kind_is_timed_at_its_kinds_curve():
+    """Arithmetic runs several times the usual mix's rate and a safe softmax several times
+    slower (``extra['elementwise_by_kind']``): an op of a kind measured in its dtype is timed
+    on that curve, threaded as the mix's; any other on the mix's; a key built by hand
+    without a kind is the mix's."""
+    fp32 = ((2.0**16, 10e9), (2.0**22, 10e9))
+    light = {"fp32": ((2.0**16, 40e9), (2.0**22, 40e9))}
+    rates = Rates({"fp32": ((1.0, 1e11),)}, {"fp32": 1.0}, fp32, 0.0, elementwise_kinds={"light": light})
+    n = 2.0**20
+    assert rates.memory_s(n, "fp32", "light") == pytest.approx(n / 40e9)
+    assert rates.memory_s(n, "fp32", "softmax") == rates.memory_s(n, "bf16", "light") == pytest.approx(n / 10e9)
+    work = StepWork(ops={("fp32", 0, 2 ** 20, 0, "light"): 2, ("fp32", 0, 2 ** 20, 0): 1})
+    assert step_time(work, rates).compute_s == pytest.approx(2 * n / 40e9 + n / 10e9)
+    prof = _profile(elementwise_curve=[[2.0**16, 10e9], [2.0**22, 10e9]],
+                    elementwise_by_kind={"light": {"fp32": [[2.0**16, 40e9], [2.0**22, 40e9]]}})
+    two = rates_for(prof, 1, 2)
+    assert two.memory_s(2.0**16, "fp32", "light") / two.memory_s(2.0**16, "fp32") == pytest.approx(0.25)
+    assert two.memory_s(2.0**23, "fp32", "light") == two.memory_s(2.0**23, "fp32")  # both at the copy share
 
 
 def test_the_per_byte_cost_is_overhead_on_every_byte_moved_and_is_read_by_world():

@@ -109,6 +109,10 @@ def _extra_lines(extra: dict) -> list[str]:
     for dtype, curve in (extra.get("elementwise_by_dtype") or {}).items():
         lines.append(f"elementwise {dtype} 1 thread by bytes an op moves: " + ", ".join(
             f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in curve))
+    for kind, curves in (extra.get("elementwise_by_kind") or {}).items():
+        lines.append(f"elementwise {kind} 1 thread by bytes an op moves: " + "; ".join(
+            f"{dtype} " + ", ".join(f"{b / 2**20:.2g} MiB: {r / 1e9:.1f} GB/s" for b, r in curve)
+            for dtype, curve in curves.items()))
     for dtype, phases in (extra.get("attention_by_dim") or {}).items():
         lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
             f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))

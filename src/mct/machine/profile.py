@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
@@ -34,7 +34,8 @@ another version is measured again, never half-used. 3: the random-number rate
 (``extra['op_overhead_s']`` keys '<threads>x<ranks>'). 4: elementwise curves of the other
 compute dtypes (``extra['elementwise_by_dtype']``). 5: the per-op overhead and the wait from
 real steps of two models, with the per-byte cost inside a step beside them
-(``extra['byte_overhead_s']``)."""
+(``extra['byte_overhead_s']``). 6: elementwise curves by kind of op
+(``extra['elementwise_by_kind']``)."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -92,7 +93,8 @@ class MachineProfile:
     {dtype: [[smallest dimension, FLOP/s], ...]} one thread at ``MATMUL_DIMS``;
     'elementwise_curve' [[bytes an op reads and writes, bytes/s], ...] one thread at
     ``ELEMENTWISE_SIZES`` (fp32), 'elementwise_by_dtype' {dtype: the same curve} for the
-    other compute dtypes (CPU);
+    other compute dtypes (CPU), 'elementwise_by_kind' {kind: {dtype: the curve of that kind's
+    ops}} (``ELEMENTWISE_KINDS``, CPU);
     'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
     temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device);
     'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
@@ -265,6 +267,8 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         elementwise = [_elementwise_rate("cpu", n, lambda: None) for n in ELEMENTWISE_SIZES]
         by_dtype = {name: [_elementwise_rate("cpu", n, lambda: None, DTYPES[name]) for n in ELEMENTWISE_SIZES]
                     for name in one if name != "fp32"}
+        by_kind = {kind: {name: [_elementwise_rate("cpu", n, lambda: None, DTYPES[name], kind) for n in ELEMENTWISE_SIZES]
+                          for name in one} for kind in ELEMENTWISE_KINDS}
         random = random_rate("cpu", lambda: None)
         attention = {name: _attention_by_dim(DTYPES[name]) for name in one}
         torch.set_num_threads(cores)
@@ -272,7 +276,7 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
     finally:
         torch.set_num_threads(before)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "elementwise_by_dtype": by_dtype,
-             "copy_all_bytes_per_s": copy_all,
+             "elementwise_by_kind": by_kind, "copy_all_bytes_per_s": copy_all,
              "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk)}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
@@ -367,17 +371,34 @@ def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: 
     return best
 
 
+def _mix(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> tuple:
+    """(op, tensors of ``x``'s size it reads and writes) of a training step's usual mix."""
+    return ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: torch.nn.functional.gelu(x), 2),
+            (lambda: torch.softmax(rows, -1), 2), (lambda: torch.nn.functional.layer_norm(rows, (256,)), 2))
+
+
+ELEMENTWISE_KINDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]] = {
+    "light": lambda x, y, rows: ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: x.copy_(y), 2)),
+    "softmax": lambda x, y, rows: ((lambda: torch.softmax(rows, -1), 2), (lambda: torch.log_softmax(rows, -1), 2)),
+    "safe_softmax": lambda x, y, rows: ((lambda: torch.ops.aten._safe_softmax(rows, -1), 2),),
+    "layer_norm": lambda x, y, rows: ((lambda: torch.nn.functional.layer_norm(rows, (256,)), 2),),
+}
+"""The ops each kind of ``mct.planner.work.KINDS`` is timed with (CPU,
+``extra['elementwise_by_kind']``): a step's arithmetic runs several times the mix's rate,
+its softmaxes and norms below it."""
+
+
 def _elementwise_rate(device: str, nbytes: int, sync: Callable[[], None],
-                      dtype: torch.dtype = torch.float32) -> list[float]:
+                      dtype: torch.dtype = torch.float32, kind: str = "") -> list[float]:
     """[bytes an op reads and writes, bytes/s] of a training step's usual elementwise ops
     on ``dtype`` tensors of ``nbytes`` (add, in-place multiply, GELU, softmax, layer norm:
-    the fastest of a few repeats of the set). A CPU's bf16 kernels compute in fp32 and
-    convert: per element they cost about what fp32's do, so per byte about twice."""
+    the fastest of a few repeats of the set), or of the ops of ``ELEMENTWISE_KINDS[kind]``.
+    A CPU's bf16 kernels compute in fp32 and convert: per element they cost about what
+    fp32's do, so per byte about twice."""
     n = nbytes // torch.finfo(dtype).bits * 8
     x, y = torch.randn(n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
     rows = x.view(-1, 256)
-    ops = ((lambda: x + y, 3), (lambda: x.mul_(1.0), 2), (lambda: torch.nn.functional.gelu(x), 2),
-           (lambda: torch.softmax(rows, -1), 2), (lambda: torch.nn.functional.layer_norm(rows, (256,)), 2))
+    ops = ELEMENTWISE_KINDS[kind](x, y, rows) if kind else _mix(x, y, rows)
     moved = sum(k for _, k in ops) * nbytes
     best = _fastest(lambda: [op() for op, _ in ops], max(1, 2**22 // nbytes), sync)
     return [moved / len(ops), moved / best]

@@ -11,7 +11,8 @@
   64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
   elementwise ops of the op's dtype at its bytes (``extra['elementwise_curve']`` for fp32,
   ``extra['elementwise_by_dtype']`` for bf16/fp16, fp32's where not measured: cache-resident
-  tensors move faster) x threads, the largest size's at most the every-thread copy rate shared by
+  tensors move faster; an op of a ``KINDS`` kind at its kind's, ``extra['elementwise_by_kind']``:
+  arithmetic runs several times the mix's rate, softmax and norms below it) x threads, the largest size's at most the every-thread copy rate shared by
   the ranks on this machine. The CPU's fused attention kernels at their own measured
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
@@ -115,6 +116,10 @@ class Rates:
     splits it over the rank's ``threads`` as its kernel does (it is measured with one)."""
     threads: int = 1
     """The rank's torch threads (``byte_cost``)."""
+    elementwise_kinds: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    """{kind: {dtype: curve}} of the ops of ``mct.planner.work.KINDS``, where measured (the
+    rank's threads in them as ``elementwise``'s); an op of another kind, or of a kind or
+    dtype not measured, runs at ``elementwise`` (``elementwise_by``)."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -133,10 +138,14 @@ class Rates:
             return self.matmul_s(dtype, flops, dim)
         return flops / (_loglog(curve, dim) * _blend(flops, self.speedup.get(dtype, 1.0)))
 
-    def memory_s(self, nbytes: float, dtype: str = "fp32") -> float:
-        """Seconds of an elementwise op of ``dtype`` that reads and writes ``nbytes`` (fp32's
-        curve where ``dtype`` has none)."""
-        return nbytes / _loglog(self.elementwise_by.get(dtype, self.elementwise), nbytes) if nbytes > 0 else 0.0
+    def memory_s(self, nbytes: float, dtype: str = "fp32", kind: str = "") -> float:
+        """Seconds of an elementwise op of ``dtype`` and ``kind`` that reads and writes
+        ``nbytes`` (the kind's curve of that dtype, else the usual mix's of that dtype,
+        else fp32's)."""
+        if nbytes <= 0:
+            return 0.0
+        curve = self.elementwise_kinds.get(kind, {}).get(dtype) or self.elementwise_by.get(dtype, self.elementwise)
+        return nbytes / _loglog(curve, nbytes)
 
     def collective_s(self, kind: str, nbytes: float, buckets: int) -> float:
         """Seconds of one collective (kind 'object': an object all-gather or barrier,
@@ -180,8 +189,10 @@ class StepTime:
 def step_time(work: StepWork, rates: Rates) -> StepTime:
     """The seconds of one step of ``work`` at ``rates`` (the module docstring's sum)."""
     compute = 0.0
-    for (dtype, flops, nbytes, dim), n in work.ops.items():
-        compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes, dtype))
+    for key, n in work.ops.items():
+        dtype, flops, nbytes, dim = key[:4]
+        kind = key[4] if len(key) > 4 else ""
+        compute += n * max(rates.matmul_s(dtype, flops, dim) if flops else 0.0, rates.memory_s(nbytes, dtype, kind))
     for (phase, dtype, flops, nbytes, dim), n in work.attention.items():
         compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes, dtype))
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
@@ -232,6 +243,8 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
     elementwise = _threaded(curve, x, share)
     by_dtype = {k: _threaded(c, x, share) for k, c in (extra.get("elementwise_by_dtype") or {}).items() if c}
+    kinds = {kind: {k: _threaded(c, x, share) for k, c in curves.items() if c}
+             for kind, curves in (extra.get("elementwise_by_kind") or {}).items()}
     ranks_cpu = ranks_here if device == "cpu" else 1
     op_s = _op_overhead(extra.get("op_overhead_s", {}), threads, ranks_cpu, notes)
     byte_s = _at_threads(extra.get("byte_overhead_s", {}), threads, ranks_cpu)
@@ -252,7 +265,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
                  {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
-                 float(byte_s or 0.0), 1 if device == "cuda" else threads)
+                 float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds)
 
 
 def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:

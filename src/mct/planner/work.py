@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,16 +63,41 @@ ALIAS_OPS = frozenset({aten._unsafe_view, aten.lift_fresh})
 """Ops whose output is their input's storage though their schema does not say so (the
 reshape autograd uses, a tensor lifted as it is): they move nothing, as a view."""
 
-OpKey = tuple[str, int, int, int]
-"""(dtype name, FLOPs, bytes, smallest matrix dimension) of one op; ('', 0, 0, 0) for a
-view; the dimension is 0 for an op without FLOPs."""
+def _packets(*names: str) -> frozenset:
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+KINDS: dict[Any, str] = {
+    **dict.fromkeys(_packets("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "pow", "copy_",
+                             "clone", "_to_copy", "fill_", "zero_", "where", "masked_fill", "masked_fill_",
+                             "addcmul", "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "_foreach_add_",
+                             "_foreach_mul_", "_foreach_div_", "_foreach_addcmul_", "_foreach_addcdiv_",
+                             "_foreach_lerp_", "_foreach_sqrt", "_foreach_add", "_foreach_mul", "_foreach_div",
+                             "_foreach_copy_"), "light"),
+    **dict.fromkeys(_packets("_softmax", "_log_softmax", "_softmax_backward_data",
+                             "_log_softmax_backward_data"), "softmax"),
+    **dict.fromkeys(_packets("_safe_softmax"), "safe_softmax"),
+    **dict.fromkeys(_packets("native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm",
+                             "_fused_rms_norm_backward"), "layer_norm"),
+}
+"""Elementwise ops timed at their own measured rates (``extra['elementwise_by_kind']``), by
+kind: 'light' arithmetic and copies (one pass, bandwidth-bound: several times the rate of the
+usual mix in cache), 'softmax' (max, exp-sum, normalize: three passes over a row),
+'safe_softmax' (a softmax that also zeroes fully masked rows: several kernels, 3-6x a
+softmax here; attention's math path with dropout), 'layer_norm'. Any other op: '', the mix
+of ``mct.machine.profile``'s elementwise curve."""
+
+OpKey = tuple[str, int, int, int, str]
+"""(dtype name, FLOPs, bytes, smallest matrix dimension, kind) of one op; ('', 0, 0, 0, '')
+for a view; the dimension is 0 for an op without FLOPs; the kind one of ``KINDS`` ('' for
+the rest). Code that builds keys by hand may leave the kind out (4 fields: '')."""
 CommKey = tuple[str, int, int]
 """(kind, bytes, buckets) of one collective (``mct.zero.comm.SimulatedCollectives.calls``)."""
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes, dim): calls},
+    """One rank's steady-state step as counts: ``ops`` {(dtype, FLOPs, bytes, dim, kind): calls},
     ``comm`` {(kind, bytes, buckets): calls}, ``offload`` {tier: bytes moved to and from
     it per step}, ``random`` {elements drawn: calls} of the ``RANDOM_OPS`` (also in ``ops``),
     ``attention`` {(phase, dtype, FLOPs, bytes, dim): calls} of the ``ATTENTION_OPS`` (not in
@@ -90,13 +116,13 @@ class StepWork:
 
     @property
     def flops(self) -> int:
-        return (sum(f * n for (_, f, _, _), n in self.ops.items())
+        return (sum(k[1] * n for k, n in self.ops.items())
                 + sum(f * n for (_, _, f, _, _), n in self.attention.items()))
 
     @property
     def bytes_moved(self) -> int:
         """Bytes the ops read and write (each op's ``OpKey`` bytes x calls, the attention's too)."""
-        return (sum(b * n for (_, _, b, _), n in self.ops.items())
+        return (sum(k[2] * n for k, n in self.ops.items())
                 + sum(b * n for (_, _, _, b, _), n in self.attention.items()))
 
     @property
@@ -122,7 +148,7 @@ class StepWork:
 
 class OpCounter(TorchDispatchMode):
     """Counts every op dispatched under it (enter it above the fake mode): ``ops``
-    {(dtype, FLOPs, bytes, dim): calls}, ``random`` {elements drawn: calls} of the
+    {(dtype, FLOPs, bytes, dim, kind): calls}, ``random`` {elements drawn: calls} of the
     ``RANDOM_OPS``, ``attention`` {(phase, dtype, FLOPs, bytes, dim): calls} of the
     ``ATTENTION_OPS`` (apart from ``ops``). Computes nothing itself; each op runs below."""
 
@@ -139,7 +165,7 @@ class OpCounter(TorchDispatchMode):
         if phase is None:
             self.ops[op_key(func, args, kwargs, out)] += 1
         else:
-            self.attention[(phase, *op_key(func, args, kwargs, out))] += 1
+            self.attention[(phase, *op_key(func, args, kwargs, out)[:4])] += 1
         if func._overloadpacket in RANDOM_OPS:
             self.random[random_elements(out)] += 1
         return out
@@ -152,13 +178,14 @@ def random_elements(out) -> int:
 
 
 def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
-    """(dtype, FLOPs, bytes, dim) of one call of ``func``: the dtype of its first floating
+    """(dtype, FLOPs, bytes, dim, kind) of one call of ``func``: the dtype of its first floating
     tensor input ('' when none), FLOPs by torch's formulas (0 for ops without one), the
     bytes of its distinct tensor inputs and outputs (0 for a view or an ``ALIAS_OPS`` op), and for an op with
     FLOPs the smallest of its first two tensor inputs' last two dimensions (a matmul's
-    short side, an attention head's width: what its speed depends on besides its size)."""
+    short side, an attention head's width: what its speed depends on besides its size), and
+    the op's ``KINDS`` kind."""
     if func.is_view or func._overloadpacket in ALIAS_OPS:
-        return ("", 0, 0, 0)
+        return ("", 0, 0, 0, "")
     formula = FORMULAS.get(func._overloadpacket)
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
     seen: set[int] = set()
@@ -171,4 +198,4 @@ def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
                 dtype = DTYPE_NAMES.get(t.dtype, str(t.dtype))
             if flops and t.dim() >= 2 and len(mats) < 2:
                 mats.append(min(int(t.shape[-1]), int(t.shape[-2])))
-    return (dtype, flops, nbytes, min(mats) if mats else 0)
+    return (dtype, flops, nbytes, min(mats) if mats else 0, "" if flops else KINDS.get(func._overloadpacket, ""))
