@@ -147,6 +147,8 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
                loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     import deepspeed
     import torch.distributed as dist
+    import torch.nn.functional as F
+    plain_linear = F.linear
     model = llama(size)
     if recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -158,10 +160,18 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
               "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config, dist_init_required=False)
+    # ZeRO-3's initialize replaces torch.nn.functional.linear process-wide ("memory efficient
+    # linear", a Python autograd.Function; it persists unless reset): it is DeepSpeed's for its
+    # own steps only, not the other variants' in the same processes
+    ds_linear, F.linear = F.linear, plain_linear
 
     def step(i: int) -> float:
-        loss = loss_fn(engine, batch(size, i, rank))
-        engine.backward(loss)
+        F.linear = ds_linear
+        try:
+            loss = loss_fn(engine, batch(size, i, rank))
+            engine.backward(loss)
+        finally:
+            F.linear = plain_linear
         engine.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mct.precision.policy import PrecisionPolicy
-from mct.zero.flat import FlatParamUnit
+from mct.zero.flat import FlatParamUnit, put_zero_plus
 from mct.zero.partition import bucket_slices, build_layout
 from tests.distributed import run_distributed
 from tests.helpers import engine_run, sgd_momentum, tiny_config
@@ -91,3 +91,23 @@ def test_first_gradient_is_written_and_parameters_without_one_are_zeroed(buckets
     expected = (torch.cat([flat.view(world, S)[:, a:b].reshape(-1) for a, b in unit.grad_buckets])
                 if buckets else flat)
     assert torch.equal(unit.grad_full.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("src_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                                 (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+def test_first_gradient_of_another_dtype_is_written_as_torch_add_writes_it(src_dtype, out_dtype):
+    """``put_zero_plus`` casts a gradient of another dtype straight into the buffer and adds
+    the zero in place (no temporary); the bits must be ``torch.add(zero, g, out=)``'s: -0.0
+    becomes +0.0, infinities, NaNs, subnormals and rounding as there; strided columns too."""
+    g = torch.Generator().manual_seed(1)
+    vals = torch.cat([torch.randn(4000, generator=g) * torch.rand(4000, generator=g).pow(12) * 1e4,
+                      torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-42, 3e38])])
+    src = vals.to(src_dtype)[: 2 * 2004].view(2, 2004)[:, 1:2003]  # rows of a flat gradient: strided
+    zero = torch.zeros(1, dtype=out_dtype)
+    want = torch.empty(2, 2002, dtype=out_dtype)
+    torch.add(zero, src, out=want)
+    buf = torch.full((2, 3000), float("nan"), dtype=out_dtype)
+    put_zero_plus(buf[:, 500:2502], src, zero)
+    bits = torch.int16 if out_dtype.itemsize == 2 else torch.int32
+    assert torch.equal(buf[:, 500:2502].contiguous().view(bits), want.view(bits))
+    assert torch.isnan(buf[:, :500]).all() and torch.isnan(buf[:, 2502:]).all()

@@ -137,7 +137,7 @@ class Resident:
 
     def update(self, clip_coef: float | None) -> None:
         shards = self.sharded.grad_shards()
-        if clip_coef is not None and shards:
+        if clip_coef is not None and clip_coef != 1.0 and shards:  # x 1.0 (not clipping) changes no bit
             torch._foreach_mul_(shards, clip_coef)
         for m, g in zip(self.sharded.masters(), shards):
             m.grad = g

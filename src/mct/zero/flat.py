@@ -165,7 +165,22 @@ def put_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int,
     the sum is computed in ``dst``'s dtype exactly as ``zeros.add_(flat)`` computes it:
     the same bits, -0.0 and NaNs included)."""
     for r0, r1, c0, c1, at in column_pieces(dst.shape[0], S, off, flat.numel(), a, b):
-        torch.add(zero, _rows(flat, S, r0, r1, c0, c1, at), out=dst[r0:r1, c0:c1])
+        put_zero_plus(dst[r0:r1, c0:c1], _rows(flat, S, r0, r1, c0, c1, at), zero)
+
+
+def put_zero_plus(out: torch.Tensor, src: torch.Tensor, zero: torch.Tensor) -> None:
+    """``out`` <- ``torch.add(zero, src)`` (``zero``: a one-element zero of ``out``'s dtype).
+    A 16-bit ``src`` into an fp32 ``out`` (a bf16 gradient into an fp32 buffer): cast
+    straight into ``out``, then ``+ zero`` in place, where ``torch.add`` would cast ``src``
+    into a temporary of its size first (an allocation, fresh pages, one more pass). The
+    same bits: the widening cast is exact, so both compute ``0 + src`` in fp32, and IEEE
+    addition is commutative (-0.0 and NaN included). A narrowing cast would round before
+    the add (a tiny negative to -0.0, then +0.0): those keep ``torch.add``."""
+    if out.dtype == torch.float32 and src.dtype in (torch.bfloat16, torch.float16):
+        out.copy_(src)
+        out.add_(zero)
+    else:
+        torch.add(zero, src, out=out)
 
 
 def zero_columns(dst: torch.Tensor, off: int, n: int, S: int, a: int, b: int) -> None:
@@ -313,7 +328,7 @@ class FlatParamUnit:
                     view = self.grad_full[world * a:world * b].view(world, b - a)
                     put_columns(view, flat, off, S, a, b, self._zero) if first else add_columns(view, flat, off, S, a, b)
             elif first:
-                torch.add(self._zero, flat, out=self.grad_full[off:off + self._numels[index]])
+                put_zero_plus(self.grad_full[off:off + self._numels[index]], flat, self._zero)
             else:
                 self.grad_full[off:off + self._numels[index]].add_(flat)
         self.grads_seen += int(last)

@@ -41,6 +41,22 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
     return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
 
 
+def fp64_sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over ``tensors`` of the squared L2 norm of each, accumulated in fp64, in order:
+    the value of ``sum(vector_norm(t, dtype=float64).square() for t in tensors)`` bit for
+    bit. ``vector_norm(dtype=float64)`` reads a materialized fp64 copy of its input; here
+    every tensor is cast into one fp64 buffer of the largest size, allocated once, so only
+    its pages are faulted in (a fresh copy per tensor maps and faults fresh pages each
+    time: above glibc's 32 MiB mmap ceiling every block-sized one does). The reduction
+    runs on the same fp64 values, contiguous from the same alignment: the same sums."""
+    buf = torch.empty(max(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device)
+    total = None
+    for t in tensors:
+        sq = torch.linalg.vector_norm(buf[:t.numel()].copy_(t.reshape(-1))).square()
+        total = sq if total is None else total + sq
+    return total
+
+
 @dataclass(frozen=True)
 class ShardingPolicy:
     """How a ``ShardedModel`` shards: ZeRO ``stage`` 0-3 and, at stage 3, units of at
@@ -202,11 +218,11 @@ class ShardedModel:
         (identical) gradient, so only rank 0 contributes. ``inv_divisor``: first
         average the shards in place (x it; reduced sums -> the mean gradient)."""
         shards = self.grad_shards()
-        if inv_divisor is not None and shards:
+        if inv_divisor is not None and inv_divisor != 1.0 and shards:  # x 1.0 would copy every bit as it is
             torch._foreach_mul_(shards, inv_divisor)
         if not shards or (self.stage == 0 and self.comm.rank != 0):
             return torch.zeros((), dtype=torch.float64, device=self._device())
-        return sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in shards)
+        return fp64_sq_norm(shards)
 
     def _device(self) -> torch.device:
         return self.units[0].master.device if self.units else torch.device("cpu")
