@@ -48,7 +48,11 @@ def fp64_sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     every tensor is cast into one fp64 buffer of the largest size, allocated once, so only
     its pages are faulted in (a fresh copy per tensor maps and faults fresh pages each
     time: above glibc's 32 MiB mmap ceiling every block-sized one does). The reduction
-    runs on the same fp64 values, contiguous from the same alignment: the same sums."""
+    runs on the same fp64 values, contiguous from the same alignment: the same sums. On
+    CUDA the kernel widens as it reads (no copy): there the buffer would only add 8 bytes
+    per element of the largest shard to the device's memory, so each norm is taken as it is."""
+    if tensors[0].device.type != "cpu":
+        return sum(torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors)
     buf = torch.empty(max(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device)
     total = None
     for t in tensors:
