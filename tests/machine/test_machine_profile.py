@@ -54,18 +54,28 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, quick):
     assert MachineProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not an object", "old version", "damaged entry"])
+@pytest.mark.parametrize("damage", ["truncated", "not an object", "old version", "damaged entry", "kinds not an object",
+                                    "kind curve not pairs", "dtype curve negative"])
 def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage):
     path = tmp_path / "machine.json"
     good = calibrate(path=path).profile.to_dict()
     text = {"truncated": path.read_text()[:40], "not an object": "[1, 2]",
             "old version": json.dumps({"version": 0, "profiles": {}}),
             "damaged entry": json.dumps({"version": 1, "profiles": {current_key("cpu"): {**good, "matmul_one": {}}}}),
+            "kinds not an object": _with_extra(good, elementwise_by_kind=[1, 2]),
+            "kind curve not pairs": _with_extra(good, elementwise_by_kind={"light": {"fp32": [[1.0, "fast"]]}}),
+            "dtype curve negative": _with_extra(good, elementwise_by_dtype={"bf16": [[65536.0, -1.0]]}),
             }[damage]
     path.write_text(text)
     cal = calibrate(path=path)
     assert cal.source == "measured" and cal.warning and str(path) in cal.warning and len(stub) == 2
     assert calibrate(path=path).profile == stub[-1]  # rewritten whole
+
+
+def _with_extra(good: dict, **extra) -> str:
+    """A cache whose one entry is ``good`` with ``extra`` overwritten (the profile's version)."""
+    entry = {**good, "extra": {**good["extra"], **extra}}
+    return json.dumps({"version": 1, "profiles": {current_key("cpu"): entry}})
 
 
 def test_unwritable_cache_warns_and_still_gives_the_profile(tmp_path, stub):

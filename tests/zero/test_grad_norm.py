@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mct.zero.flat import scale_
 from mct.zero.sharded import fp64_sq_norm
 
 
@@ -39,3 +40,16 @@ def test_fp64_sq_norm_of_a_later_smaller_shard_reads_only_its_own_values():
     for shards in ([big, small], [small, big]):
         assert fp64_sq_norm(shards).item() == _per_shard(shards).item()
         assert fp64_sq_norm(shards).item() == pytest.approx(1000 * 9.0 + 10 * 4.0, rel=1e-15)
+
+
+def test_scale_multiplies_in_place_and_leaves_an_exact_one_or_none_alone():
+    """Averaging and clipping go through ``scale_``: x 1.0 (one rank, no clipping) and None
+    change no bit, -0.0 and NaN included; any other factor multiplies in place."""
+    g = torch.tensor([-0.0, float("nan"), 3.0, -5e-39])
+    before = g.clone()
+    for factor in (1.0, None):
+        scale_([g], factor)
+        assert torch.equal(g.view(torch.int32), before.view(torch.int32))
+    scale_([g], 0.5)
+    assert g[2].item() == 1.5 and torch.isnan(g[1]) and torch.equal(g[[0, 3]], before[[0, 3]] * 0.5)
+    scale_([], 0.5)  # nothing to scale: no error

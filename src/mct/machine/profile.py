@@ -144,7 +144,25 @@ class MachineProfile:
             raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
         if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
             raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
+        curves = [("elementwise_curve", p.extra.get("elementwise_curve") or [])]
+        curves += [(f"elementwise_by_dtype.{k}", c) for k, c in _mapping(p.extra, "elementwise_by_dtype").items()]
+        kinds = _mapping(p.extra, "elementwise_by_kind")
+        curves += [(f"elementwise_by_kind.{kind}.{k}", c) for kind in kinds
+                   for k, c in _mapping(kinds, kind, f"elementwise_by_kind.{kind}").items()]
+        for name, curve in curves:
+            if not (isinstance(curve, list) and all(isinstance(pt, list) and len(pt) == 2 and
+                                                    all(isinstance(x, (int, float)) and x > 0 for x in pt)
+                                                    for pt in curve)):
+                raise ValueError(f"machine profile entry is damaged ({name} is not [[bytes, bytes/s], ...])")
         return p
+
+
+def _mapping(d: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
+    """``d[key]`` (a JSON object; absent: {}). Raises ValueError naming it (``name``) for anything else."""
+    got = d.get(key) or {}
+    if not isinstance(got, dict):
+        raise ValueError(f"machine profile entry is damaged ({name or key} is a {type(got).__name__}, not an object)")
+    return got
 
 
 def _rates(d: Any) -> dict[str, float]:

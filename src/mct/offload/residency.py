@@ -25,6 +25,7 @@ from mct.offload.offloaded import Offloaded
 from mct.offload.runtime import OffloadedState
 from mct.offload.snapshot import DiskSnapshot, DiskSnapshots, EngineSnapshot, MemorySnapshot, Restorable, cpu_copy
 from mct.zero import state_io as zstate
+from mct.zero.flat import scale_
 
 if TYPE_CHECKING:
     from mct.config import EngineConfig
@@ -137,8 +138,7 @@ class Resident:
 
     def update(self, clip_coef: float | None) -> None:
         shards = self.sharded.grad_shards()
-        if clip_coef is not None and clip_coef != 1.0 and shards:  # x 1.0 (not clipping) changes no bit
-            torch._foreach_mul_(shards, clip_coef)
+        scale_(shards, clip_coef)
         for m, g in zip(self.sharded.masters(), shards):
             m.grad = g
         self.optimizer.step()

@@ -49,7 +49,7 @@ from mct.offload.torch_format import load_optimizer_state_dict, optimizer_state_
 from mct.offload.store import Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
-from mct.zero.flat import FlatParamUnit
+from mct.zero.flat import FlatParamUnit, scale_
 from mct.zero.state_io import block_spans
 
 if TYPE_CHECKING:
@@ -241,11 +241,10 @@ class OffloadedState:
             grad = buf(slot, "grad", torch.float32, n)
             if not self.grad_stored[i]:
                 grad.zero_()  # no gradient reached this unit: zeros, as the reference sees
-            torch._foreach_mul_([grad], inv)
+            scale_([grad], inv)
         else:
             grad = u.grad_shard_or_zeros()[a:b]
-        if clip_coef is not None:
-            torch._foreach_mul_([grad], clip_coef)
+        scale_([grad], clip_coef)
         post = self._run_optimizer(optimizer, gi, master, grad, i, a, slot)
         writes = [] if u.master_is_view else [(Item("master", self.store, f"u{i}.master", a, b), master)]
         writes += self._commit_state(i, a, b, slot, post, master)

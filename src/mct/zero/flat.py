@@ -168,6 +168,13 @@ def put_columns(dst: torch.Tensor, flat: torch.Tensor, off: int, S: int, a: int,
         put_zero_plus(dst[r0:r1, c0:c1], _rows(flat, S, r0, r1, c0, c1, at), zero)
 
 
+def scale_(tensors: list[torch.Tensor], factor: float | None) -> None:
+    """``tensors`` x ``factor`` in place (a gradient average, a clip coefficient); nothing for
+    ``None`` or exactly 1.0: x 1.0 changes no bit (-0.0 and NaN included), so no pass over them."""
+    if factor is not None and factor != 1.0 and tensors:
+        torch._foreach_mul_(tensors, factor)
+
+
 def put_zero_plus(out: torch.Tensor, src: torch.Tensor, zero: torch.Tensor) -> None:
     """``out`` <- ``torch.add(zero, src)`` (``zero``: a one-element zero of ``out``'s dtype).
     A 16-bit ``src`` into an fp32 ``out`` (a bf16 gradient into an fp32 buffer): cast
@@ -326,7 +333,10 @@ class FlatParamUnit:
                 world, S = self.layout.world, self.layout.shard_numel
                 for a, b in self.grad_buckets:  # bucket [a, b): [world, b - a] at [world * a, world * b)
                     view = self.grad_full[world * a:world * b].view(world, b - a)
-                    put_columns(view, flat, off, S, a, b, self._zero) if first else add_columns(view, flat, off, S, a, b)
+                    if first:
+                        put_columns(view, flat, off, S, a, b, self._zero)
+                    else:
+                        add_columns(view, flat, off, S, a, b)
             elif first:
                 put_zero_plus(self.grad_full[off:off + self._numels[index]], flat, self._zero)
             else:

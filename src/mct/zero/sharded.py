@@ -21,7 +21,7 @@ import torch.nn as nn
 from mct.precision.policy import PrecisionPolicy
 from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
-from mct.zero.flat import FlatParamUnit
+from mct.zero.flat import FlatParamUnit, scale_
 from mct.zero.partition import bucket_slices, build_layout
 
 
@@ -222,8 +222,7 @@ class ShardedModel:
         (identical) gradient, so only rank 0 contributes. ``inv_divisor``: first
         average the shards in place (x it; reduced sums -> the mean gradient)."""
         shards = self.grad_shards()
-        if inv_divisor is not None and inv_divisor != 1.0 and shards:  # x 1.0 would copy every bit as it is
-            torch._foreach_mul_(shards, inv_divisor)
+        scale_(shards, inv_divisor)
         if not shards or (self.stage == 0 and self.comm.rank != 0):
             return torch.zeros((), dtype=torch.float64, device=self._device())
         return fp64_sq_norm(shards)
