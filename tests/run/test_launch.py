@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -72,9 +73,16 @@ def finish(p: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def clean(config, tmp_path_factory) -> bytes:
     """Final weights of the uninterrupted 2-rank run."""
-    run = tmp_path_factory.mktemp("clean") / "run"
-    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(run),
-                              "--no-progress"))
+    for attempt in range(2):
+        run = tmp_path_factory.mktemp("clean") / "run"
+        rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(run),
+                                  "--no-progress"))
+        crashed = [line for line in err.splitlines() if "died in native code" in line]
+        if rc == 0 or not crashed or attempt:
+            break
+        # a worker that crashed inside torch or gloo (not a failure of mct's own): named in the
+        # warnings summary, and the reference run made once more; a second crash fails
+        warnings.warn(f"the 2-rank reference run crashed once and was run again: {crashed[-1]}")
     assert rc == 0, err
     return (run / "model.safetensors").read_bytes()
 
@@ -138,6 +146,17 @@ def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tm
     assert [(e["kind"], e["step"]) for e in read_events(run)][:1] == [("restart", 10)]  # then "resume"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(STEPS))
+
+
+@pytest.mark.cli
+def test_a_worker_dying_in_native_code_is_named_last_with_its_python_stack(config, tmp_path):
+    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                              "--no-progress", env=_env(MCT_FAULT="abort@3:1")))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc not in (0, 2, 3), err
+    assert lines[-1].startswith("mct: worker rank 1 died in native code (Fatal Python error: Aborted) at File "), err
+    assert "in before_step; its Python stack is above" in lines[-1], err
+    assert any(line.startswith("Current thread ") for line in lines) and "in run_worker" in err, err
 
 
 @pytest.mark.cli

@@ -163,9 +163,10 @@ def test_two_ranks_roll_back_together_bit_identical(tmp_path, corpus_dir):
 
 
 def test_mct_fault_parsing():
-    assert parse_faults("corrupt@3, nan@5-7,kill@4:0,kill@9") == [
-        Fault("corrupt", 3, 3), Fault("nan", 5, 7), Fault("kill", 4, 4, 0), Fault("kill", 9, 9, 1)]
-    for bad in ("corrupt", "nan@x", "kill@3-4", "corrupt@3:1", "nan@5-2", "flip@3"):
+    assert parse_faults("corrupt@3, nan@5-7,kill@4:0,kill@9,abort@6:0") == [
+        Fault("corrupt", 3, 3), Fault("nan", 5, 7), Fault("kill", 4, 4, 0), Fault("kill", 9, 9, 1),
+        Fault("abort", 6, 6, 0)]
+    for bad in ("corrupt", "nan@x", "kill@3-4", "corrupt@3:1", "nan@5-2", "flip@3", "abort@2-3", "abort@2x5"):
         with pytest.raises(ValueError, match="MCT_FAULT"):
             parse_faults(bad)
     assert FaultPlan.from_env({"MCT_FAULT": "nan@1"}).faults == [Fault("nan", 1, 1)]

@@ -12,6 +12,8 @@ fault or a comma-separated list; S and E count steps as ``metrics.jsonl``'s ``st
   every time those steps run (persistent: no rollback gets past it).
 - ``kill@S[:RANK]``: that rank (default 1) kills itself with SIGKILL when step S
   starts, once.
+- ``abort@S[:RANK]``: that rank (default 1) aborts (SIGABRT, as a crash in native code
+  does) when step S starts, once.
 
 No fault fires in a process started by a restart (``TORCHELASTIC_RESTART_COUNT`` > 0),
 so a restarted group shows what recovery does, not the fault again.
@@ -28,38 +30,39 @@ from typing import Any, Callable, Mapping
 import torch
 
 CORRUPT_FACTOR = 1e3
-_SPEC = re.compile(r"^(corrupt|nan|kill)@(\d+)(?:-(\d+))?(?::(\d+))?(?:x(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?))?$")
+_SPEC = re.compile(r"^(corrupt|nan|kill|abort)@(\d+)(?:-(\d+))?(?::(\d+))?(?:x(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    """'corrupt', 'nan' or 'kill'."""
+    """'corrupt', 'nan', 'kill' or 'abort'."""
     start: int
     end: int
     """Last step (inclusive); equals ``start`` for a single step."""
     rank: int = 1
-    """kill: the rank that dies."""
+    """kill, abort: the rank that dies."""
     factor: float = CORRUPT_FACTOR
     """corrupt: what every parameter is multiplied by."""
 
 
 def parse_faults(text: str) -> list[Fault]:
-    """``'corrupt@3,nan@5-7,kill@4:0'`` -> faults. Raises ValueError naming the bad item."""
+    """``'corrupt@3,nan@5-7,kill@4:0,abort@6'`` -> faults. Raises ValueError naming the bad item."""
     faults = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
         m = _SPEC.match(item)
         if not m:
-            raise ValueError(f"MCT_FAULT item {item!r} is not one of corrupt@S[xF], nan@S, nan@S-E, kill@S[:RANK]")
+            raise ValueError(f"MCT_FAULT item {item!r} is not one of corrupt@S[xF], nan@S, nan@S-E, kill@S[:RANK], "
+                             f"abort@S[:RANK]")
         kind, s, e, r, x = m.group(1), int(m.group(2)), m.group(3), m.group(4), m.group(5)
         if x is not None and kind != "corrupt":
             raise ValueError(f"MCT_FAULT item {item!r}: only corrupt takes a factor xF")
         if e is not None and kind != "nan":
             raise ValueError(f"MCT_FAULT item {item!r}: only nan takes a step range S-E")
-        if r is not None and kind != "kill":
-            raise ValueError(f"MCT_FAULT item {item!r}: only kill takes a :RANK")
+        if r is not None and kind not in ("kill", "abort"):
+            raise ValueError(f"MCT_FAULT item {item!r}: only kill and abort take a :RANK")
         end = int(e) if e is not None else s
         if end < s:
             raise ValueError(f"MCT_FAULT item {item!r}: the range ends before it starts")
@@ -91,10 +94,13 @@ class FaultPlan:
         return [f for f in self.faults if f.kind == kind and f.start <= step <= f.end]
 
     def before_step(self, step: int, rank: int) -> None:
-        """kill@S[:RANK]: SIGKILL this process at the start of step S (once)."""
-        for f in self._at("kill", step):
+        """kill@S[:RANK]: SIGKILL this process at the start of step S (once);
+        abort@S[:RANK]: abort it there (SIGABRT, the end of a crash in native code)."""
+        for f in self._at("kill", step) + self._at("abort", step):
             if f.rank == rank and f not in self.fired:
                 self.fired.add(f)
+                if f.kind == "abort":
+                    os.abort()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def wrap_loss(self, loss_fn: Callable, step: int, rank: int) -> Callable:

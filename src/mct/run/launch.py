@@ -12,12 +12,16 @@ launcher leaves no training behind.
 
 Worker (``WorkerLink``): asks the kernel for SIGTERM when its parent dies (elsewhere
 than Linux: watches the parent pid), and records its pid and exit for the launcher.
+A worker that dies in native code (an abort, a segfault) leaves no exit record: its
+Python stack at that moment goes to a file (``faulthandler``), and the launcher ends
+its report with that stack and one line naming the rank, the signal and the frame.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -69,6 +73,10 @@ def watch_parent(sig: int = signal.SIGTERM, interval_s: float = 1.0) -> threadin
 
 
 # ---------------------------------------------------------------- worker side
+_FAULT_FILE = None
+"""The open file faulthandler writes to (kept referenced: faulthandler holds only its fd)."""
+
+
 @dataclass
 class WorkerLink:
     """A worker's link to its launcher; every method is a no-op without one."""
@@ -96,6 +104,11 @@ class WorkerLink:
             os.kill(os.getpid(), signal.SIGTERM)
         if self.active:
             self._write(f"pid.{self.rank}", str(os.getpid()))
+            # SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL: this process's Python stack, every thread,
+            # for the launcher's report (the file stays open for the life of the process)
+            global _FAULT_FILE
+            _FAULT_FILE = open(self.launch_dir / f"fault.{self.restart}.{self.rank}", "w")
+            faulthandler.enable(file=_FAULT_FILE, all_threads=True)
 
     def finish(self, code: int, line: str = "") -> None:
         """Record this worker's exit code and its one-line message for the launcher. A
@@ -227,7 +240,8 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     """The exit code of the launch, its one line printed here, once. A user error or a
     stop condition in any attempt is the answer; otherwise the last attempt's codes.
     130/143 that we did not forward mean torchrun stopped the group because a worker
-    died: torchrun's report is then the explanation."""
+    died: torchrun's report is then the explanation, and a worker that died in native code
+    adds its Python stack and a line naming it (``crash_report``), last."""
     records = _read_exits(d)
     final = [r for r in records if r["code"] in (2, 3)]
     if records and not final:
@@ -237,10 +251,12 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     code = next((c for c in PRIORITY if c in codes), max(codes, default=0))
     if code in (130, 143) and not signum:
         code = 0 if torchrun_rc == 0 else -1
+    crash = crash_report(d)  # a worker that died in native code: the cause, printed last
     if code > 0:
         line = next((r["line"] for r in final if r["code"] == code and r["line"]), "")
         if line:
             print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(crash)
         return code
     if code == 0 and records and torchrun_rc == 0:
         return 0
@@ -249,7 +265,45 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     log = d / "torchrun.log"
     if torchrun_rc != 0 and log.is_file():
         sys.stderr.write(log.read_text(errors="replace"))
+        sys.stderr.write(crash)
     return torchrun_rc
+
+
+def crash_report(d: Path) -> str:
+    """What the workers that died in native code left (``fault.RESTART.RANK``, written by
+    faulthandler): for each, the crashing thread's Python stack and, last, one line naming
+    the rank, the error and the innermost frame. Empty when no worker crashed."""
+    out = []
+    for f in sorted(d.glob("fault.*"), key=lambda f: tuple(int(x) for x in f.name.split(".")[1:3])):
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        if not text.strip():
+            continue
+        restart, rank = f.name.split(".")[1:3]
+        lines = text.splitlines()
+        error = next((x.strip() for x in lines if x.startswith("Fatal Python error")), "a fatal signal")
+        stack = _current_thread(lines)
+        frame = stack[1].strip() if len(stack) > 1 else "no Python frame"
+        attempt = f" (restart {restart})" if restart != "0" else ""
+        out.append("\n".join(stack) + "\n" if stack else "")
+        out.append(f"mct: worker rank {rank}{attempt} died in native code ({error}) at {frame}; "
+                   f"its Python stack is above\n")
+    return "".join(out)
+
+
+def _current_thread(lines: list[str]) -> list[str]:
+    """faulthandler's block for the thread that crashed: its header and its frames."""
+    start = next((i for i, x in enumerate(lines) if x.startswith(("Current thread", "Stack (most recent"))), None)
+    if start is None:
+        return []
+    block = [lines[start]]
+    for x in lines[start + 1:]:
+        if not x.startswith("  "):
+            break
+        block.append(x)
+    return block
 
 
 def check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
