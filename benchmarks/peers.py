@@ -6,8 +6,10 @@ full sharding over 2 gloo ranks x 1 thread, ``torch.optim.AdamW(lr=1e-3)`` as a 
 would pass it, gradient clipping at 1.0 and the same fp32 cross-entropy
 (``mct.task.tokens.causal_lm_loss``):
 
-  mct        ``mct.Engine``, ``zero.stage = 3``, ``precision.mode``, ``checkpointing.policy =
-             "all"`` for the checkpointed rows, ``memory.track = false``
+  mct        ``mct.Engine``, ``zero.stage = 3``, ``zero.reshard_root_after_forward = false``
+             (the root kept gathered from the forward into the backward, as FSDP2 keeps its
+             root), ``precision.mode``, ``checkpointing.policy = "all"`` for the checkpointed
+             rows, ``memory.track = false``
   fsdp2      ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root;
              bf16: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
              ``clip_grad_norm_``; checkpointing: transformers' ``gradient_checkpointing_enable``
@@ -109,7 +111,8 @@ def native_bf16() -> bool:
 def _mct(size: str, precision: str, recompute: bool, rank: int,
          loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     from mct import Engine, EngineConfig
-    cfg = EngineConfig.from_dict({"zero": {"stage": 3}, "precision": {"mode": precision},
+    cfg = EngineConfig.from_dict({"zero": {"stage": 3, "reshard_root_after_forward": False},
+                                  "precision": {"mode": precision},
                                   "checkpointing": {"policy": "all" if recompute else "none"},
                                   "train": {"grad_clip": CLIP}, "memory": {"track": False}})
     engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)

@@ -88,6 +88,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("zero-stage-4", [*TRAIN, "--set", "zero.stage=4"], "zero.stage = 4"),
     ("zero-auto-no-budget", [*TRAIN, "--set", "zero.stage=auto"], "needs a per-rank budget"),
     ("bucket-nan", [*TRAIN, "--set", "zero.bucket_mb=nan"], "zero.bucket_mb = nan"),
+    ("reshard-root-word", [*TRAIN, "--set", "zero.reshard_root_after_forward=maybe"],
+     "zero.reshard_root_after_forward = 'maybe' has the wrong type: expected bool"),
     ("budget-garbage", [*TRAIN, "--set", "memory.budget=abc"], "memory.budget"),
     ("budget-negative", [*TRAIN, "--set", "memory.budget=-1GiB"], "memory.budget"),
     ("enforce-without-budget", [*TRAIN, "--set", "memory.enforce=true"], "needs memory.budget"),

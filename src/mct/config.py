@@ -368,6 +368,12 @@ class ZeroConfig:
     """Stage 3: all-gather the next block's parameters while this one computes."""
     persistent_numel: int = 0
     """Stage 3: units with at most this many elements stay gathered (0 = shard everything)."""
+    reshard_root_after_forward: bool = True
+    """Stage 3: free the root unit (parameters outside blocks: embedding, final norm, head)
+    when the model's forward returns, so the loss runs without it, and gather it again when
+    backward reaches the model's outputs. False keeps it gathered from the forward into the
+    backward (FSDP2's root): one all-gather fewer per micro-batch, the root's gathered bytes
+    held while the loss runs (the planner counts them)."""
     units: list[str] = field(default_factory=list)
     """Module class names whose instances are ZeRO units (gathered, reduced, freed together);
     [] = the same blocks as checkpointing (checkpointing.blocks)."""

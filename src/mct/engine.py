@@ -116,7 +116,9 @@ class Engine:
                                                     self._unit_built),
                                     partial_grads=lambda: self.recompute.more_tiles)
         self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
-                                       cfg.zero.prefetch, root=model) if self.stage == 3 else None)
+                                       cfg.zero.prefetch, root=model,
+                                       reshard_root=cfg.zero.reshard_root_after_forward)
+                       if self.stage == 3 else None)
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))
         self.optimizer = optimizer([{**hyper[gi], "params": [u.master for u, g in owned if g == gi]}
                                     for gi in range(len(groups))])

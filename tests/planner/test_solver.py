@@ -211,3 +211,22 @@ def test_mct_report_shows_the_solvers_pick_frontier_and_why_a_run_recorded(tmp_p
     assert f"solver why: {choice['solver']['why']}" in out
     assert main(["report", str(tmp_path / "plain")]) == 0
     assert "solver" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_stage_3_pick_under_auto_keeps_the_root_gathered_when_that_fits_and_is_faster():
+    """Step 4 of the solver: one more dry run of the pick with zero.reshard_root_after_forward
+    = false (one all-gather of the root fewer); taken when it fits and is predicted faster.
+    A pinned zero.stage keeps the user's root setting."""
+    stage3 = Space(stages=(3,), search_policy=False, acts=("none",), chunks=(0,), offloads=("none",),
+                   micro_batches=(4,))
+    auto = config(zero={"stage": "auto"}, checkpointing={"policy": "none"})
+    sol = solve(gpt_task(auto), auto, 2, 1 << 40, stage3)
+    kept = [r for r in sol.rows if r["reshard_root_after_forward"] is False]
+    assert len(kept) == 1 and len(sol.rows) == 2
+    default = next(r for r in sol.rows if r["reshard_root_after_forward"])
+    assert predicted_seconds(kept[0]) < predicted_seconds(default)  # the simulated communicator saw one gather fewer
+    assert sol.pick is kept[0] and "zero.reshard_root_after_forward=false" in sol.why
+    assert configure_row(auto, sol.pick).zero.reshard_root_after_forward is False
+    pinned = config(zero={"stage": 3}, checkpointing={"policy": "none"})
+    assert all(r["reshard_root_after_forward"] for r in solve(gpt_task(pinned), pinned, 2, 1 << 40, stage3).rows)

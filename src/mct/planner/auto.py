@@ -148,6 +148,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Any, *,
               "train.loss_chunk_tokens": best["loss_chunk_tokens"],
               "checkpointing.mlp_tile_tokens": best["mlp_tile_tokens"],
               "data.micro_batch_size": best["micro_batch_size"], "data.grad_accum": best["grad_accum"],
+              "zero.reshard_root_after_forward": best["reshard_root_after_forward"],
               "predicted_offloaded_bytes": best["offloaded"],
               "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
               "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
@@ -163,7 +164,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Any, *,
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
     """A frontier row for metadata.json: its configuration, need and predicted time."""
     keys = ("stage", "policy", "per_block", "act_offload", "loss_chunk_tokens", "mlp_tile_tokens", "offload",
-            "micro_batch_size",
+            "micro_batch_size", "reshard_root_after_forward",
             "grad_accum", "peak", "first_step_peak", "init_peak", "cost", "step_s", "fits")
     return {k: r.get(k) for k in keys}
 

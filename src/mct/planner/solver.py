@@ -17,6 +17,10 @@ How (docs/md, "The solver"):
    that fit, along the path the uniform rows say saves bytes for the least time (selective
    blocks first, then converted to all; or all blocks only), bracketed from the uniform
    rows and narrowed by interpolated guesses, each a real dry run (extrapolated in depth).
+4. with ``zero.stage = 'auto'`` and a stage-3 pick: the pick with its root unit kept
+   gathered from the forward into the backward (``zero.reshard_root_after_forward =
+   false``, one all-gather fewer per micro-batch), one more dry run; taken when it fits
+   and is predicted faster.
 Fit means the steady-state, first-step and init peaks are all <= the budget. The pick is
 the fastest predicted (``predicted_seconds``), ties to the larger micro-batch, then the
 lower peak, then the lower stage.
@@ -75,6 +79,8 @@ class Candidate:
     chunk: int
     offload: str
     micro_batch: int
+    keep_root: bool = False
+    """Stage 3: the root unit stays gathered into the backward (zero.reshard_root_after_forward = false)."""
 
     @property
     def branch(self) -> tuple:
@@ -104,10 +110,12 @@ class Solution:
 
 
 def configure(cfg: EngineConfig, stage: int, policy: str, per_block: dict[str, int] | list | None, act: str,
-              chunk: int, offload: str, micro_batch: int, mlp_tile: int | None = None) -> EngineConfig:
-    """``cfg`` with a candidate's keys set (``plan.with_choice``, plus checkpointing.per_block and
-    data.micro_batch_size x data.grad_accum, their product kept). Raises ValueError when the
-    micro-batch does not divide that product."""
+              chunk: int, offload: str, micro_batch: int, mlp_tile: int | None = None,
+              reshard_root: bool | None = None) -> EngineConfig:
+    """``cfg`` with a candidate's keys set (``plan.with_choice``, plus checkpointing.per_block,
+    data.micro_batch_size x data.grad_accum, their product kept, and, unless None,
+    zero.reshard_root_after_forward). Raises ValueError when the micro-batch does not divide
+    that product."""
     per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
     if micro_batch < 1 or per_rank % micro_batch:
         raise ValueError(f"micro-batch {micro_batch} does not divide the batch per rank ({per_rank} = "
@@ -116,13 +124,16 @@ def configure(cfg: EngineConfig, stage: int, policy: str, per_block: dict[str, i
     d["data"] = {**d["data"], "micro_batch_size": micro_batch, "grad_accum": per_rank // micro_batch}
     d["checkpointing"] = {**d["checkpointing"], "per_block": per_block or [],
                           "policy": "per_block" if policy == "per_block" else "none"}
+    if reshard_root is not None:
+        d["zero"] = {**d["zero"], "reshard_root_after_forward": reshard_root}
     return with_choice(EngineConfig.from_dict(d), stage, policy, None, offload, act, chunk, mlp_tile)
 
 
 def configure_row(cfg: EngineConfig, row: dict[str, Any]) -> EngineConfig:
     """``cfg`` as a solver row says (``configure``)."""
     return configure(cfg, row["stage"], row["policy"], row.get("per_block"), row["act_offload"],
-                     row["loss_chunk_tokens"], row["offload"], row["micro_batch_size"], row.get("mlp_tile_tokens"))
+                     row["loss_chunk_tokens"], row["offload"], row["micro_batch_size"], row.get("mlp_tile_tokens"),
+                     row.get("reshard_root_after_forward"))
 
 
 def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, measure: bool = True) -> dict[str, Any]:
@@ -157,7 +168,8 @@ class Evaluator:
     def config(self, c: Candidate) -> EngineConfig:
         """The candidate's config; policy 'per_block' without counts: the config's own per_block."""
         pb = dict(c.per_block) if c.per_block else (self.cfg.checkpointing.per_block or None)
-        return configure(self.cfg, c.stage, c.policy, pb, c.act, c.chunk, c.offload, c.micro_batch)
+        return configure(self.cfg, c.stage, c.policy, pb, c.act, c.chunk, c.offload, c.micro_batch,
+                         reshard_root=False if c.keep_root else None)
 
     def rows(self, cands: list[Candidate]) -> list[dict[str, Any]]:
         """The rows of ``cands``, dry-running those not seen yet in one batch of jobs."""
@@ -171,7 +183,8 @@ class Evaluator:
             r = plan_row(run, c.stage, c.policy, self.cfg.precision.mode, self.world, self.budget, c.offload,
                          c.act, c.chunk, config.checkpointing.mlp_tile_tokens, **mixed, **self.row_kw)
             per_rank = self.cfg.data.micro_batch_size * self.cfg.data.grad_accum
-            r.update(micro_batch_size=c.micro_batch, grad_accum=per_rank // c.micro_batch, n_params=run.n_params)
+            r.update(micro_batch_size=c.micro_batch, grad_accum=per_rank // c.micro_batch, n_params=run.n_params,
+                     reshard_root_after_forward=config.zero.reshard_root_after_forward)
             r["fits"] = need(r) <= self.budget
             self.done[c] = r
         return [self.done[c] for c in cands]
@@ -358,6 +371,10 @@ def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *
                 continue
             search.consider(ev.rows([search.seed(b, p) for p in ("none", "all")]))
             search.branch(b)
+    if search.best is not None and search.best["stage"] == 3 and cfg.zero.stage == "auto" \
+            and cfg.zero.reshard_root_after_forward:
+        picked = next(c for c, r in ev.done.items() if r is search.best)
+        search.consider(ev.rows([dataclasses.replace(picked, keep_root=True)]))
     sol.rows = list(ev.done.values())
     sol.pick = search.best
     sol.frontier = frontier(sol.rows)
@@ -396,7 +413,7 @@ def why(sol: Solution, ev: Evaluator) -> str:
     base = ev.done.get(base_c)  # the pick's branch without recompute (searched policies only)
     t0 = predicted_seconds(base) if base is not None else min(predicted_seconds(r) for r in sol.rows)
     than = "the no-recompute time" if base is not None else "the fastest row's time"
-    tried = [r for r in sol.rows if r["policy"] != "per_block"]
+    tried = [r for r in sol.rows if r["policy"] != "per_block" and r.get("reshard_root_after_forward") is not False]
     uniform = [r for r in tried if r["fits"]]
     fastest = min(uniform, key=rank) if uniform else None
     other = ("no uniform policy was dry-run" if not tried else "no uniform policy fits" if fastest is None else
@@ -404,6 +421,8 @@ def why(sol: Solution, ev: Evaluator) -> str:
              f"{'' if fastest['act_offload'] == 'none' else ' act ' + fastest['act_offload']}) would be "
              f"{predicted_seconds(fastest) / t0:.2f}x")
     unit = f", {p['step_s']:.3g} s/step" if p.get("step_s") is not None else ""
+    if p.get("reshard_root_after_forward") is False:
+        unit += ", zero.reshard_root_after_forward=false (one root all-gather fewer)"
     return (f"fastest that fits {format_bytes(sol.budget)}: zero.stage={p['stage']}, recomputes "
             f"{recompute_label(p, sol.n_blocks)}, {predicted_seconds(p) / t0:.2f}x {than}{unit}; "
             f"{other} ({len(sol.rows)} dry runs)")

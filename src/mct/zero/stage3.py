@@ -14,7 +14,9 @@ tied embeddings) follows the same lifecycle on the model itself: gathered when t
 model's forward starts, freed when it returns (the loss and the start of backward, where
 activation memory peaks, run without it), gathered again when the gradient reaches the
 model's outputs, and freed once its gradients are reduced. So at stage 3 parameters
-hold data only inside the model's forward and backward.
+hold data only inside the model's forward and backward. ``reshard_root=False``
+(``zero.reshard_root_after_forward = false``, FSDP2's root): the root stays gathered
+from the forward into the backward, one all-gather fewer, its bytes held during the loss.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from mct.zero.flat import FlatParamUnit
 
 class Stage3Lifecycle:
     def __init__(self, blocks: list[tuple[str, nn.Module]], units_by_block: dict[str, list[FlatParamUnit]],
-                 comm: Comm, tracker, prefetch: bool, root: nn.Module | None = None) -> None:
-        self.comm, self.tracker, self.prefetch = comm, tracker, prefetch
+                 comm: Comm, tracker, prefetch: bool, root: nn.Module | None = None,
+                 reshard_root: bool = True) -> None:
+        self.comm, self.tracker, self.prefetch, self.reshard_root = comm, tracker, prefetch, reshard_root
         self.order = [name for name, _ in blocks if name in units_by_block]
         self.units = units_by_block
         self.phase = Phase.IDLE
@@ -81,7 +84,7 @@ class Stage3Lifecycle:
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
-            if self.phase in (Phase.FORWARD, Phase.EVAL):
+            if self.phase == Phase.EVAL or (self.phase == Phase.FORWARD and (name != "root" or self.reshard_root)):
                 self.release(name)
             if self.phase == Phase.FORWARD:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
