@@ -193,3 +193,21 @@ def test_two_agents_with_a_c10d_rendezvous_share_one_run_dir(config, clean, tmp_
     assert (run / "model.safetensors").read_bytes() == clean
     assert sorted(f.name for f in run.glob("metrics*.jsonl")) == ["metrics.jsonl", "metrics.rank1.jsonl"]
     assert sum("run dir" in r[1] for r in results) == 1  # global rank 0 alone prints the summary
+
+
+def test_a_crash_in_a_thread_without_python_shows_the_other_threads(tmp_path):
+    """faulthandler's report of an abort in a library's own thread (no Python frame): the
+    launcher shows the threads that run Python (where the process was), and says so."""
+    from mct.run.launch import crash_report
+    (tmp_path / "fault.1.1").write_text(
+        "Fatal Python error: Aborted\n\nThread 0x00007f10 (most recent call first):\n"
+        '  File "/x/loop.py", line 5 in wait\n  File "/x/main.py", line 9 in run\n\n'
+        "Current thread 0x00007f20 (most recent call first):\n  <no Python frame>\n\n"
+        "Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)\n")
+    (tmp_path / "fault.0.0").write_text("")  # a worker that did not crash: nothing
+    lines = crash_report(tmp_path).splitlines()
+    assert lines[:3] == ["Thread 0x00007f10 (most recent call first):", '  File "/x/loop.py", line 5 in wait',
+                         '  File "/x/main.py", line 9 in run']
+    assert lines[-1] == ("mct: worker rank 1 (restart 1) died in native code (Fatal Python error: Aborted) at a "
+                         "thread that runs no Python (another library's own thread); its Python stack is above")
+    assert not any("Extension modules" in x for x in lines)

@@ -271,8 +271,9 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
 
 def crash_report(d: Path) -> str:
     """What the workers that died in native code left (``fault.RESTART.RANK``, written by
-    faulthandler): for each, the crashing thread's Python stack and, last, one line naming
-    the rank, the error and the innermost frame. Empty when no worker crashed."""
+    faulthandler): for each, the crashing thread's Python stack (and, when that thread runs
+    no Python, e.g. a library's own thread, every other thread's), then one line naming the
+    rank, the error and the innermost frame. Empty when no worker crashed."""
     out = []
     for f in sorted(d.glob("fault.*"), key=lambda f: tuple(int(x) for x in f.name.split(".")[1:3])):
         try:
@@ -284,26 +285,32 @@ def crash_report(d: Path) -> str:
         restart, rank = f.name.split(".")[1:3]
         lines = text.splitlines()
         error = next((x.strip() for x in lines if x.startswith("Fatal Python error")), "a fatal signal")
-        stack = _current_thread(lines)
-        frame = stack[1].strip() if len(stack) > 1 else "no Python frame"
+        blocks = _thread_blocks(lines)
+        current = next((b for b in blocks if b[0].startswith(("Current thread", "Stack (most recent"))), [])
+        frames = [x for x in current[1:] if x.strip().startswith("File ")]
+        if frames:
+            where, shown = frames[0].strip(), [current]
+        else:
+            where = "a thread that runs no Python (another library's own thread)"
+            shown = [b for b in blocks if any(x.strip().startswith("File ") for x in b[1:])] + [current]
         attempt = f" (restart {restart})" if restart != "0" else ""
-        out.append("\n".join(stack) + "\n" if stack else "")
-        out.append(f"mct: worker rank {rank}{attempt} died in native code ({error}) at {frame}; "
+        out.extend("\n".join(b) + "\n" for b in shown if b)
+        out.append(f"mct: worker rank {rank}{attempt} died in native code ({error}) at {where}; "
                    f"its Python stack is above\n")
     return "".join(out)
 
 
-def _current_thread(lines: list[str]) -> list[str]:
-    """faulthandler's block for the thread that crashed: its header and its frames."""
-    start = next((i for i, x in enumerate(lines) if x.startswith(("Current thread", "Stack (most recent"))), None)
-    if start is None:
-        return []
-    block = [lines[start]]
-    for x in lines[start + 1:]:
-        if not x.startswith("  "):
-            break
-        block.append(x)
-    return block
+def _thread_blocks(lines: list[str]) -> list[list[str]]:
+    """faulthandler's blocks, one per thread: a header line, then its indented frames."""
+    blocks: list[list[str]] = []
+    for x in lines:
+        if x.startswith(("Current thread", "Thread 0x", "Stack (most recent")):
+            blocks.append([x])
+        elif blocks and x.startswith("  ") and len(blocks[-1]) and not blocks[-1][-1] == "":
+            blocks[-1].append(x)
+        elif blocks and blocks[-1][-1] != "":
+            blocks[-1].append("")  # the block has ended
+    return [[x for x in b if x] for b in blocks]
 
 
 def check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:
