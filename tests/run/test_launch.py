@@ -211,3 +211,13 @@ def test_a_crash_in_a_thread_without_python_shows_the_other_threads(tmp_path):
     assert lines[-1] == ("mct: worker rank 1 (restart 1) died in native code (Fatal Python error: Aborted) at a "
                          "thread that runs no Python (another library's own thread); its Python stack is above")
     assert not any("Extension modules" in x for x in lines)
+
+
+def test_a_finished_worker_leaves_with_its_code_flushed_and_its_atexit_handlers_run():
+    """``leave``: how a torchrun worker ends (``python -m mct``), skipping the interpreter's
+    teardown in which a library's C++ thread once in a while aborted a finished run."""
+    code = ("import atexit, sys; from mct.run.launch import leave; "
+            "atexit.register(lambda: print('handler', flush=True)); print('buffered'); "
+            "sys.stderr.write('err'); leave(7)")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (7, "buffered\nhandler\n", "err")

@@ -133,6 +133,25 @@ class WorkerLink:
         os.replace(tmp, self.launch_dir / name)
 
 
+def leave(code: int) -> None:
+    """End a torchrun worker whose work is done and reported: flush, run the ``atexit``
+    handlers, then ``os._exit(code)``, without the interpreter's teardown. Now and then a
+    finished worker aborted in that teardown ("terminate called without an active
+    exception": a library's C++ thread destroyed while joinable, after the run's last file
+    was written); torchrun then stopped the other ranks and reported a complete run as
+    failed. Never returns."""
+    import atexit
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        os._exit(code)
+
+
 # ---------------------------------------------------------------- launcher side
 def torchrun_command(argv: list[str], *, nproc: int, max_restarts: int = 0, nnodes: int = 1,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
