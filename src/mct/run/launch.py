@@ -322,14 +322,16 @@ def crash_report(d: Path) -> str:
 def _thread_blocks(lines: list[str]) -> list[list[str]]:
     """faulthandler's blocks, one per thread: a header line, then its indented frames."""
     blocks: list[list[str]] = []
+    open_block: list[str] | None = None
     for x in lines:
         if x.startswith(("Current thread", "Thread 0x", "Stack (most recent")):
-            blocks.append([x])
-        elif blocks and x.startswith("  ") and len(blocks[-1]) and not blocks[-1][-1] == "":
-            blocks[-1].append(x)
-        elif blocks and blocks[-1][-1] != "":
-            blocks[-1].append("")  # the block has ended
-    return [[x for x in b if x] for b in blocks]
+            open_block = [x]
+            blocks.append(open_block)
+        elif open_block is not None and x.startswith("  "):
+            open_block.append(x)
+        else:  # a blank line or the next section ends the block
+            open_block = None
+    return blocks
 
 
 def check_rdzv_endpoint(endpoint: str, timeout_s: float = 10.0) -> None:

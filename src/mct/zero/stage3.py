@@ -84,7 +84,8 @@ class Stage3Lifecycle:
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
-            if self.phase == Phase.EVAL or (self.phase == Phase.FORWARD and (name != "root" or self.reshard_root)):
+            kept = name == "root" and not self.reshard_root and self.phase == Phase.FORWARD  # into backward
+            if self.phase in (Phase.FORWARD, Phase.EVAL) and not kept:
                 self.release(name)
             if self.phase == Phase.FORWARD:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
