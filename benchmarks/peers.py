@@ -40,7 +40,11 @@ that interpreter (every variant, so they still interleave). Without it the DeepS
 column is skipped with a one-line note.
 
     PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--precisions bf16,fp32]
-        [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH]
+        [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH] [--host-malloc cache]
+
+``--host-malloc cache`` sets glibc's malloc as mct's ``memory.host_malloc = "cache"`` does, in
+each rank before any variant is built: it is process-wide, so the peers run under it too
+(the ratios compare the frameworks, the MFU column shows the step without page faults).
 
 Memory: each row runs in two fresh processes; the medium size holds about 2.2 (mct), 1.8
 (FSDP2) and 2.5 GiB (DeepSpeed) per rank, all three alive at once: ~13 GiB for the row.
@@ -186,11 +190,14 @@ VARIANTS = {"mct": _mct, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
 
 
 def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[str], steps: int,
-            rounds: int) -> list[dict[str, Any]]:
+            rounds: int, host_malloc: str = "default") -> list[dict[str, Any]]:
     import gc
     import warnings
 
     import torch.distributed as dist
+    from mct.memory import host
+    host.for_building(host_malloc)  # process-wide: every variant of the row runs under it
+    host.for_training(host_malloc)
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations of the peers' own internals
     if "deepspeed" in variants:
         import deepspeed
@@ -244,6 +251,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     ap.add_argument("--deepspeed-python", default=None, help="an interpreter that imports deepspeed (docstring)")
+    ap.add_argument("--host-malloc", default="default", choices=["default", "cache"],
+                    help="glibc malloc of the ranks, process-wide, so every variant runs under it "
+                         "(mct's memory.host_malloc; 'cache': no page faults, more resident memory)")
     ap.add_argument("--json", default="peers", help="result name or path (.json)")
     ap.add_argument("--with-deepspeed", action="store_true", help=argparse.SUPPRESS)  # set by the re-run
     args = ap.parse_args()
@@ -269,7 +279,8 @@ def main() -> None:
     table, peaks = [], {}
     for row in _rows(sizes, precisions, args.checkpointed_rows):  # fresh ranks per row: what a row freed never weighs on the next
         print(f"row: {row}", file=sys.stderr, flush=True)
-        results = [r[0] for r in run_distributed(_worker, world, [row], variants, args.steps, rounds, timeout=4 * 3600)]
+        results = [r[0] for r in run_distributed(_worker, world, [row], variants, args.steps, rounds, args.host_malloc,
+                                                       timeout=4 * 3600)]
         row = results[0]
         per_step = {v: [max(r["times"][v][i] for r in results) for i in range(len(row["times"][v]))]
                     for v in variants}
@@ -285,14 +296,15 @@ def main() -> None:
                           "mfu_pct": 100 * r["mfu"] if r["mfu"] is not None else None,
                           "first_loss": f"{row['first_loss'][v]:.4f}", "steps_ms": [1e3 * t for t in per_step[v]]})
     print(f"2 gloo ranks x 1 thread, ZeRO-3, AdamW, clip {CLIP}; {rounds} round(s) x {args.steps} steps "
-          f"(+1 warm-up), median of the slowest rank's step; {cpu_line()}; load average {os.getloadavg()[0]:.1f}")
+          f"(+1 warm-up), median of the slowest rank's step; host malloc {args.host_malloc} (all variants); "
+          f"{cpu_line()}; load average {os.getloadavg()[0]:.1f}")
     print(format_table(table, [("row", "model"), ("precision", "precision"), ("variant", "variant"),
                                ("median_ms", "median ms"), ("x_best_peer", "x best peer"),
                                ("mfu_pct", "MFU %"), ("first_loss", "first loss")]))
     for precision, note in peaks.items():
         print(f"MFU ({precision}) = model FLOPs per step / median step / {note}")
     path = write_json(args.json, {"rows": table, "variants": variants, "rounds": rounds, "steps": args.steps,
-                                  "deepspeed": args.with_deepspeed, "mfu_peaks": peaks})
+                                  "deepspeed": args.with_deepspeed, "mfu_peaks": peaks, "host_malloc": args.host_malloc})
     print(f"wrote {path}")
 
 

@@ -599,3 +599,55 @@ def test_host_malloc_gives_freed_blocks_back_to_the_os(mode):
         pytest.skip("not glibc: memory.host_malloc is a no-op")
     grown, left = map(int, out.stdout.split())
     assert grown >= 15 * 2**20 and left < 2 * 2**20, (grown, left)
+
+
+_FAULT_PROBE = r"""
+import resource, sys, torch
+from mct.memory import host
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+mode = sys.argv[1]
+if host._libc() is None:
+    print("no-glibc"); sys.exit(0)
+host.for_building(mode)
+host.for_training(mode)
+keep = torch.ones(1024)
+out = []
+for n in (16 * 2**18, 64 * 2**18):      # 16 MiB, and 64 MiB: above glibc's 32 MiB dynamic ceiling
+    for _ in range(3):                   # touched, then freed (a steady state: posix_memalign
+        torch.ones(n).add_(1)            # asks a bit more than a freed block of the size holds)
+    before, f0 = rss(), faults()
+    torch.ones(n).add_(1)                # the same size again
+    out += [faults() - f0, rss() - before]
+print(*out)
+"""
+
+
+@pytest.mark.parametrize("mode", ["cache", "default"])
+def test_host_malloc_cache_reuses_freed_pages_without_faults(mode):
+    """'cache': a block freed while training is handed out again from pages already
+    mapped (no page faults, the process keeps it resident); glibc's default maps the
+    64 MiB block afresh each time (every page faults again) -- the control that shows
+    the probe can fail."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-glibc":
+        pytest.skip("not glibc: memory.host_malloc is a no-op")
+    f16, _, f64, grown64 = map(int, out.stdout.split())
+    pages64 = 64 * 2**20 // 4096
+    if mode == "cache":
+        assert f16 < 200 and f64 < 200 and grown64 < 2 * 2**20, out.stdout
+    else:
+        assert f64 > pages64 // 2, out.stdout
+
+
+def test_host_malloc_cache_is_not_trimmed_after_steps():
+    from mct.memory import host
+    assert host.trims_steps("lean") and host.trims_steps("frugal")
+    assert not host.trims_steps("cache") and not host.trims_steps("default")
+    assert EngineConfig.from_dict({"memory": {"host_malloc": "cache"}}).memory.host_malloc == "cache"
