@@ -91,3 +91,40 @@ def test_fallback_plans_the_runs_own_activation_offload(monkeypatch):
     assert planned and {tier for _, tier in planned} == {"disk"} and "none" not in {p for p, _ in planned}, planned
     assert (new.checkpointing.policy, new.checkpointing.offload) == ("sqrt", "disk")
     assert change["to"]["checkpointing.policy"] == "sqrt"
+
+
+def test_fallback_frees_a_kept_root_first_then_plans_with_it_freed(monkeypatch):
+    """`auto` kept the stage-3 root gathered into backward (zero.reshard_root_after_forward
+    false, the user's config at its default): the first step down is the same stage and
+    policy with the root freed after forward, predicted below; the next one plans the
+    other configurations with the root freed (no row keeps it)."""
+    from mct.run.budget_loop import BudgetLoop
+    from mct.task import gpt_task
+    # the loss's [tokens, vocab] temporaries set the peak, with the root kept on top of them
+    auto = EngineConfig.from_dict({"model": {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 4001,
+                                             "seq_len": 64}, "data": {"micro_batch_size": 8},
+                                   "zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"},
+                                   "memory": {"budget": "1GiB", "enforce": True}})
+    d = auto.to_dict()
+    d["zero"].update(stage=3, reshard_root_after_forward=False)
+    d["checkpointing"]["policy"] = "none"
+    kept = EngineConfig.from_dict(d)
+    work = gpt_task(auto)
+    kept_peak = plan_module.predict(work, kept, 2).peak
+    loop = BudgetLoop(auto, 2, work, peak=kept_peak, tried={(3, "none")})
+    freed, change = loop.next_config(kept, "over budget")
+    assert (freed.zero.stage, freed.checkpointing.policy, freed.zero.reshard_root_after_forward) == (3, "none", True)
+    assert change["from"]["zero.reshard_root_after_forward"] is False
+    assert change["to"]["zero.reshard_root_after_forward"] is True
+    assert change["to"]["predicted_peak_bytes"] == plan_module.predict(work, freed, 2).peak < kept_peak
+    planned = []
+    real = plan_module.predict
+
+    def spy(work, cfg, world):
+        planned.append(cfg.zero.reshard_root_after_forward)
+        return real(work, cfg, world)
+    monkeypatch.setattr(plan_module, "predict", spy)
+    nxt, change = loop.next_config(freed, "over budget")
+    assert planned and all(planned), planned
+    assert nxt.zero.reshard_root_after_forward and "zero.reshard_root_after_forward" not in change["to"]
+    assert change["to"]["predicted_peak_bytes"] < change["from"]["predicted_peak_bytes"]

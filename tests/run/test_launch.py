@@ -138,10 +138,16 @@ def test_signal_to_launcher_checkpoints_leaves_no_orphan_and_resumes_identical(c
 
 @pytest.mark.cli
 def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tmp_path):
+    """A worker that dies in native code (SIGABRT at step 12) is restarted with the group,
+    the run ends bit-identical, and the launcher still names the crash it recovered from."""
     run = tmp_path / "run"
     rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--max-restarts", "1",
-                              "--run-dir", str(run), "--no-progress", env=_env(MCT_FAULT="kill@12:1")))
+                              "--run-dir", str(run), "--no-progress", env=_env(MCT_FAULT="abort@12:1")))
     assert rc == 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("mct: warning: the run completed after torchrun restarted its workers"), err
+    assert any(x.startswith("mct: worker rank 1 died in native code (Fatal Python error: Aborted) at File ")
+               for x in lines), err
     assert (run / "model.safetensors").read_bytes() == clean
     assert [(e["kind"], e["step"]) for e in read_events(run)][:1] == [("restart", 10)]  # then "resume"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -4,7 +4,9 @@ time moves to the planner's next, more memory-frugal configuration.
 Signal: ``MemoryBudgetExceeded`` from a training step (raised before the optimizer
 modifies anything, so the state is that of the last completed step). Action: the
 trainer checkpoints that state, rebuilds the engine with the cheapest configuration of
-the same plan whose predicted peak is below the one that failed (and not tried yet),
+the same plan whose predicted peak is below the one that failed (and not tried yet;
+first, where ``auto`` kept the stage-3 root gathered into backward, the same configuration
+with the root freed after forward, when that is predicted below),
 loads the checkpoint into it (checkpoints reshard across ZeRO stages) and goes on.
 Recorded in ``metadata.json`` (``config_changes``) and ``events.jsonl``
 (``budget_fallback``). Stop: no such configuration is left: ValueError (exit 2, one line).
@@ -20,12 +22,25 @@ from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
 from mct.persistence.files import read_json, write_json
 from mct.planner.grid import Grid
-from mct.planner.plan import make_plan, with_choice
+from mct.planner.plan import make_plan, predict, with_choice
 from mct.task import Task
 
 
 def _key(cfg: EngineConfig) -> tuple[int, str]:
     return int(cfg.zero.stage), str(cfg.checkpointing.policy)
+
+
+def _root_kept_by_auto(auto_cfg: EngineConfig, current: EngineConfig) -> bool:
+    """Did ``auto`` keep the root gathered into backward (``zero.reshard_root_after_forward``
+    false at stage 3, where the user's config left it at its default, true)?"""
+    return (int(current.zero.stage) == 3 and not current.zero.reshard_root_after_forward
+            and auto_cfg.zero.reshard_root_after_forward)
+
+
+def _root_resharded(cfg: EngineConfig) -> EngineConfig:
+    d = cfg.to_dict()
+    d["zero"]["reshard_root_after_forward"] = True
+    return EngineConfig.from_dict(d)
 
 
 @dataclass
@@ -51,12 +66,25 @@ class BudgetLoop:
 
     def next_config(self, current: EngineConfig, error: str) -> tuple[EngineConfig, dict[str, Any]]:
         """The next configuration to try and the change record (FORMATS: step added by
-        the caller). Only the stage and policy change: the candidates are planned with
+        the caller). Only the stage and policy change (and, first, a stage-3 root ``auto``
+        kept gathered into backward is freed after forward): the candidates are planned with
         ``current``'s other keys, what ``auto`` chose included (activation offload, loss
         chunking, state offload, micro-batch x accumulation), as the next engine will run
         them; a per-block pick moves to a uniform policy. Raises ValueError
         when nothing more frugal is left."""
         a = self.auto_cfg
+        if _root_kept_by_auto(a, current):  # the cheapest step down: free the root after forward again
+            freed = _root_resharded(current)
+            peak = predict(self.work, freed, self.world).peak
+            if peak < self.peak:
+                stage, policy = _key(current)
+                same = {"zero.stage": stage, "checkpointing.policy": policy}
+                change = {"from": {**same, "zero.reshard_root_after_forward": False, "predicted_peak_bytes": self.peak},
+                          "to": {**same, "zero.reshard_root_after_forward": True, "predicted_peak_bytes": peak},
+                          "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
+                self.peak = peak
+                return freed, change
+            current = freed  # the rows below are planned with the root resharded
         stages = (0, 1, 2, 3) if a.zero.stage == "auto" else (int(a.zero.stage),)
         policies = ("none", "all", "sqrt") if a.checkpointing.policy == "auto" else (a.checkpointing.policy,)
         grid = Grid(stages, policies, (a.precision.mode,))

@@ -166,7 +166,8 @@ class Recovery:
         self.rollback.good = self.rollback.pending = None  # in-memory states have the old layout
         change = {"step": step, **change}
         to = change["to"]
-        action = f"zero.stage={to['zero.stage']} checkpointing.policy={to['checkpointing.policy']}"
+        action = f"zero.stage={to['zero.stage']} checkpointing.policy={to['checkpointing.policy']}" + (
+            " zero.reshard_root_after_forward=true" if to.get("zero.reshard_root_after_forward") else "")
         if self.ctx.is_main:
             record_config_change(self.run_dir, change)
             print(f"mct: warning: memory budget exceeded at step {step}; continuing with {action}", file=sys.stderr)
