@@ -165,6 +165,7 @@ class Engine:
         self.comm.reset_stats()
         self.recompute.reset_step()
         times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        faults = host.minor_faults()
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         kernels = self.precision.kernels(self.device.type)  # one mode object, re-entered per phase
@@ -201,6 +202,7 @@ class Engine:
         times["step"] = time.perf_counter() - t2
         result.metrics = self._step_metrics(times)
         result.metrics["loss_scale"] = result.loss_scale  # the scale used, not the scaler's next one
+        result.metrics["page_faults"] = None if faults is None else host.minor_faults() - faults
         return result
 
     @contextlib.contextmanager

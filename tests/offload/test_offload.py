@@ -651,3 +651,20 @@ def test_host_malloc_cache_is_not_trimmed_after_steps():
     assert host.trims_steps("lean") and host.trims_steps("frugal")
     assert not host.trims_steps("cache") and not host.trims_steps("default")
     assert EngineConfig.from_dict({"memory": {"host_malloc": "cache"}}).memory.host_malloc == "cache"
+
+
+def test_engine_counts_the_steps_page_faults():
+    """``page_faults``: this process's minor faults during the step, an integer where the
+    platform counts them; a step that maps fresh memory counts its pages."""
+    import torch.nn as nn
+    from mct import Engine
+    from mct.memory import host
+    if host.minor_faults() is None:
+        pytest.skip("the platform counts no page faults")
+    engine = Engine(nn.Linear(1024, 1024), None, EngineConfig.from_dict({"memory": {"host_malloc": "default"}}))
+
+    def loss(model, x):
+        big = torch.ones(48 * 2**18)  # 48 MiB, above glibc's mmap ceiling: a fresh mapping, every page touched
+        return model(x).square().mean() + big[0] * 0
+    out = engine.train_step(torch.randn(8, 1024), loss)
+    assert isinstance(out.metrics["page_faults"], int) and out.metrics["page_faults"] >= 48 * 2**20 // 4096 // 2

@@ -133,3 +133,17 @@ def test_summary_prints_mfu_lines_and_dashes_where_nothing_was_counted():
     text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
                                       tokens_per_s=10.0, skipped_steps=0, utilization=none)).splitlines()
     assert "model FLOPs   - (not counted (why))" in text and f"MFU           - ({base['peak_note']})" in text
+
+
+@pytest.mark.parametrize("faults,mode,hint", [(30_000, "default", True), (30_000, "cache", False),
+                                              (500, "default", False), (None, "default", None)])
+def test_summary_prints_page_faults_and_names_the_cache_only_where_it_would_help(faults, mode, hint):
+    text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
+                                      tokens_per_s=10.0, skipped_steps=0, page_faults=faults, host_malloc=mode))
+    lines = [x for x in text.splitlines() if x.startswith("page faults")]
+    if hint is None:
+        assert lines == []
+        return
+    [line] = lines
+    assert line.startswith(f"page faults   {faults:,} per step (median, this process; host_malloc {mode})")
+    assert ('memory.host_malloc = "cache"' in line) is hint

@@ -90,7 +90,7 @@ def test_rows_logged_every_third_step_carry_the_memory_of_an_every_step_run(tmp_
         rows = [json.loads(line) for line in (tmp_path / f"run{log_every}" / "metrics.jsonl").read_text().splitlines()]
         runs[log_every] = {r["step"]: r for r in rows}
     assert sorted(runs[3]) == [0, 3, 4, 5]  # every third, the validated one, the last
-    timed = ("tokens_per_s", "achieved_flops_per_s", "mfu")  # and every key naming a time
+    timed = ("tokens_per_s", "achieved_flops_per_s", "mfu", "page_faults")  # measured; and every key naming a time
     for step, row in runs[3].items():
         every = runs[1][step]
         assert set(row) == set(every), step

@@ -106,6 +106,16 @@ def for_training(mode: str) -> None:
             trim()
 
 
+def minor_faults() -> int | None:
+    """This process's minor page faults so far (``getrusage``: every thread's, each first
+    touch of a freshly mapped page); None where the platform does not count them."""
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def trim() -> None:
     """Give free heap memory back to the OS (glibc ``malloc_trim(0)``); a no-op elsewhere."""
     libc = _libc()

@@ -222,6 +222,16 @@ class TrainSummary:
     run_dir: str = ""
     utilization: dict[str, Any] | None = None
     """Model FLOPs per step, achieved FLOP/s, MFU and the machine (``mct.run.utilization``)."""
+    page_faults: int | None = None
+    """Median minor page faults per step of this process (the metrics rows' ``page_faults``)."""
+    host_malloc: str = "default"
+    """The run's resolved ``memory.host_malloc`` (``mct.memory.host``)."""
+
+
+FAULTS_HINT_AT = 10_000
+"""Page faults per step from which the summary names ``memory.host_malloc = "cache"`` (about
+40 MiB of freshly mapped pages a step; a fault costs a few microseconds here)."""
+FAULTS_HINT = "; memory.host_malloc = \"cache\" keeps freed memory mapped (faster steps, more resident memory)"
 
 
 def summary_table(s: TrainSummary) -> str:
@@ -234,6 +244,9 @@ def summary_table(s: TrainSummary) -> str:
     lines.append(f"tokens/s      {s.tokens_per_s:,.0f}")
     if s.utilization:
         lines += utilization_lines(s.utilization)
+    if s.page_faults is not None:
+        lines.append(f"page faults   {s.page_faults:,} per step (median, this process; host_malloc {s.host_malloc})"
+                     + (FAULTS_HINT if s.host_malloc == "default" and s.page_faults >= FAULTS_HINT_AT else ""))
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
         lines.append("peak memory by phase (this rank, last logged step):")

@@ -88,6 +88,8 @@ class StepLog:
         """This process's first passed step's seconds (warm-up: kept apart)."""
         self.step_times: deque[float] = deque(maxlen=100)
         """The latest passed steps' seconds after the first."""
+        self.faults: deque[int] = deque(maxlen=100)
+        """The latest passed steps' page faults after the first (``page_faults``)."""
 
     def median_step_time(self) -> float | None:
         """The median of the latest 100 passed steps' seconds, not counting this
@@ -95,6 +97,11 @@ class StepLog:
         if self.step_times:
             return statistics.median(self.step_times)
         return self.first_step_time
+
+    def median_faults(self) -> int | None:
+        """The median page faults of the latest 100 passed steps after this process's
+        first; None before any (or where the platform does not count them)."""
+        return int(statistics.median(self.faults)) if self.faults else None
 
     def should_log(self, step: int, last: bool, validated: bool) -> bool:
         """Is the row of ``step`` written (every ``log_every`` steps, the last, a validated one)?
@@ -106,6 +113,8 @@ class StepLog:
             self.first_step_time = step_time
         else:
             self.step_times.append(step_time)
+            if out.metrics.get("page_faults") is not None:
+                self.faults.append(out.metrics["page_faults"])
         row = {"step": step, "loss": out.loss, "lr": lr, "step_time_s": step_time,
                "tokens_per_s": self.tokens_per_step / step_time, "peak_bytes": out.metrics["peak_bytes"],
                "grad_norm": out.grad_norm, "skipped": out.skipped, "loss_scale": out.loss_scale,

@@ -218,7 +218,9 @@ class Trainer:
         return TrainSummary(steps=tcfg.steps, final_loss=loss, final_val_loss=c.last_val, first_val_loss=c.first_val,
                             tokens_per_s=self.log.tokens_per_step * (tcfg.steps - first) / elapsed if elapsed > 0 else 0.0,
                             skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir),
-                            utilization=self.utilization.summary(self.log.median_step_time()))
+                            utilization=self.utilization.summary(self.log.median_step_time()),
+                            page_faults=self.log.median_faults(),
+                            host_malloc=host.mode_of(self.cfg, self.ctx.device.type))
 
     def run_step(self) -> float | None:
         """One turn of the loop at step ``counters.step``: the step, the ranks' agreed
