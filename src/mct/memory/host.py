@@ -21,12 +21,13 @@ Modes (``memory.host_malloc``):
   cache   for training, every block under 1 GiB comes from the heap
           (``M_MMAP_THRESHOLD`` 1 GiB) and freed heap memory is never given back
           (``M_TRIM_THRESHOLD`` at its maximum): after the first steps a step's
-          temporaries reuse pages already mapped, so it takes no page faults (0.67-0.85x
-          the step time of ``default`` on the CPU measured, ``benchmarks/host_malloc.py``),
-          and the process stays at its heap's high-water mark, which fragmentation puts
-          25-50% above ``default``'s peak resident memory there (torch's CUDA caching
-          allocator makes the same trade on a GPU). Construction runs under glibc's
-          defaults; no trims.
+          temporaries reuse pages already mapped, so it takes no page faults (0.67-0.93x
+          the step time of ``default`` on the CPU measured, ``benchmarks/host_malloc.py``
+          and docs/performance.md), and the process stays at its heap's high-water mark,
+          which fragmentation put 2-50% above ``default``'s peak resident memory there
+          (torch's CUDA caching allocator makes the same trade on a GPU). Construction
+          runs under glibc's defaults; no trims. Process-wide, and it stays set: a later
+          engine in ``default`` mode does not undo it.
   default glibc as it is.
 Same effect as ``MALLOC_MMAP_THRESHOLD_`` in the environment, but applied from inside
 the process, for any launcher. Not glibc (musl, macOS): a no-op.
