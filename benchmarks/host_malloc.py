@@ -8,7 +8,8 @@ tracker, the metrics) with ``memory.host_malloc = MODE``, takes ``--warmup`` ste
 its peak resident set (Linux ``clear_refs``), then times ``--steps`` steps. Printed per mode:
 the median step (the slowest rank's) and its ratio to the first mode's, minor page faults
 per step (rank 0, from ``getrusage``), the peak resident set over the timed steps and the
-resident set after them (the worse rank), beside the CPU's model and flags.
+resident set after them (the worse rank), and MFU (``mct train``'s model FLOPs per step over
+the median step, over its matmul peak), beside the CPU's model and flags.
 
     PYTHONPATH=src:. python benchmarks/host_malloc.py [--model llama-small|llama-medium|gpt]
         [--precision bf16|fp32] [--modes default,cache] [--rounds 2] [--steps 4] [--warmup 2]
@@ -52,7 +53,9 @@ def _worker(rank: int, world: int, base: dict[str, Any], steps: int, warmup: int
         trainer.run_step()
         times.append(time.perf_counter() - t0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return {"times": times, "faults": faults, "hwm": _status("VmHWM:"), "rss": _status("VmRSS:")}
+    u = trainer.utilization  # mct train's own count: model FLOPs per step, the matmul peak
+    return {"times": times, "faults": faults, "hwm": _status("VmHWM:"), "rss": _status("VmRSS:"),
+            "model_flops": u.flops.model, "peak_flops": u.peak_flops, "peak_note": u.peak_note}
 
 
 def main() -> None:
@@ -85,14 +88,21 @@ def main() -> None:
                      "faults": statistics.median(f for ranks in runs for f in ranks[0]["faults"]),
                      "hwm_mib": max(rk["hwm"] for ranks in runs for rk in ranks) / 2**20,
                      "rss_mib": max(rk["rss"] for ranks in runs for rk in ranks) / 2**20, "times_s": times})
+    first = next(iter(got.values()))[0][0]
     for row in rows:
         row["x_first"] = row["median_ms"] / rows[0]["median_ms"]
         row["hwm_x_first"] = row["hwm_mib"] / rows[0]["hwm_mib"]
+        if first["model_flops"] and first["peak_flops"]:
+            row["mfu_pct"] = 100 * first["model_flops"] / (row["median_ms"] / 1e3) / first["peak_flops"]
     print(f"{args.model}, {args.precision}, stage {args.stage}, 2 gloo ranks x 1 thread, mct train's loop; "
           f"{args.rounds} round(s) x {args.steps} steps after {args.warmup}; {cpu_line()}")
     print(format_table(rows, [("mode", "host_malloc"), ("median_ms", "median step ms"), ("x_first", f"x {modes[0]}"),
                               ("faults", "minor faults / step"), ("hwm_mib", "peak RSS MiB (steps)"),
-                              ("hwm_x_first", f"x {modes[0]}"), ("rss_mib", "RSS after MiB")]))
+                              ("hwm_x_first", f"x {modes[0]}"), ("rss_mib", "RSS after MiB"),
+                              ("mfu_pct", "MFU %")]))
+    if first["model_flops"]:
+        print(f"MFU = {first['model_flops'] / 1e9:.3g} GFLOP model FLOPs per step (mct train's count) / median step / "
+              f"{first['peak_note']}")
     path = write_json(args.json, {"model": args.model, "precision": args.precision, "stage": args.stage,
                                   "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "rows": rows})
     print(f"wrote {path}")
