@@ -108,6 +108,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("offload-dir-under-a-file", [*TRAIN, "--set", "offload.optimizer=disk", "--set",
                                   "offload.dir={tmp}/broken.toml/offload"], "cannot be created"),
     ("host-malloc-unknown", [*TRAIN, "--set", "memory.host_malloc=jemalloc"], "memory.host_malloc = 'jemalloc'"),
+    ("host-malloc-empty", [*TRAIN, "--set", "memory.host_malloc="], "memory.host_malloc = ''"),
+    ("host-malloc-number", [*TRAIN, "--set", "memory.host_malloc=1"], "memory.host_malloc = "),
     ("plan-offload-unknown", ["plan", "--offloads", "params=disk"], "--offloads 'params=disk'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
     ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),

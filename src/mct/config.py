@@ -417,7 +417,8 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         if self.host_malloc not in HOST_MALLOC:
-            _fail("memory.host_malloc", self.host_malloc, "choose 'auto', 'default', 'lean', 'frugal' or 'cache'")
+            *rest, last = map(repr, HOST_MALLOC)
+            _fail("memory.host_malloc", self.host_malloc, f"choose {', '.join(rest)} or {last}")
         bad = [v for v in self.solver_allow if v not in SOLVER_LEVERS]
         if bad:
             _fail("memory.solver_allow", self.solver_allow,

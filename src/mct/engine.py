@@ -74,6 +74,7 @@ class Engine:
         # the host allocator first: construction frees parameter-sized temporaries
         self._host_malloc = host.mode_of(cfg, self.device.type)
         self._trim = self.ctx.backend != "simulated" and host.for_building(self._host_malloc)  # then for_training
+        self._trim_steps = self._trim and host.trims_steps(self._host_malloc)
         enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
                                                 suggestion=default_suggestion(cfg) if enforce else None)
@@ -151,7 +152,7 @@ class Engine:
             with (cuda_oom_as_budget_error(self.tracker, lambda: self._phase_name),
                   contextlib.nullcontext() if track_memory else self.tracker.uncounted()):
                 out = self._train_step(micro, loss_fn)
-            if self._trim and host.trims_steps(self._host_malloc):
+            if self._trim_steps:
                 host.trim()
             return out
         except MemoryBudgetExceeded:

@@ -41,6 +41,11 @@ import functools
 import os
 from typing import Any
 
+try:
+    import resource
+except ImportError:  # not Unix: no page fault counts
+    resource = None  # type: ignore[assignment]
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 BUILD_THRESHOLD = 64 * 1024
 TRAIN_THRESHOLD = {"lean": 32 * 2**20, "frugal": 64 * 1024, "cache": 2**30}
@@ -110,9 +115,7 @@ def for_training(mode: str) -> None:
 def minor_faults() -> int | None:
     """This process's minor page faults so far (``getrusage``: every thread's, each first
     touch of a freshly mapped page); None where the platform does not count them."""
-    try:
-        import resource
-    except ImportError:  # not Unix
+    if resource is None:
         return None
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
