@@ -604,8 +604,6 @@ def test_host_malloc_gives_freed_blocks_back_to_the_os(mode):
 _FAULT_PROBE = r"""
 import resource, sys, torch
 from mct.memory import host
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 mode = sys.argv[1]
@@ -614,23 +612,28 @@ if host._libc() is None:
 host.for_building(mode)
 host.for_training(mode)
 keep = torch.ones(1024)
-out = []
-for n in (16 * 2**18, 64 * 2**18):      # 16 MiB, and 64 MiB: above glibc's 32 MiB dynamic ceiling
-    for _ in range(3):                   # touched, then freed (a steady state: posix_memalign
-        torch.ones(n).add_(1)            # asks a bit more than a freed block of the size holds)
-    before, f0 = rss(), faults()
-    torch.ones(n).add_(1)                # the same size again
-    out += [faults() - f0, rss() - before]
-print(*out)
+per_step = []
+for step in range(10):                  # a step's temporaries: touched, then freed; 64 MiB is above
+    f0 = faults()                        # glibc's 32 MiB dynamic ceiling
+    a = torch.ones(16 * 2**18).add_(1)
+    b = torch.ones(64 * 2**18).add_(1)
+    c = torch.ones(4 * 2**18).add_(1)
+    small = [torch.ones(256) for _ in range(50)]  # small blocks in between, as a step has
+    del a, b, c, small
+    per_step.append(faults() - f0)
+print(*per_step)
 """
 
 
 @pytest.mark.parametrize("mode", ["cache", "default"])
 def test_host_malloc_cache_reuses_freed_pages_without_faults(mode):
-    """'cache': a block freed while training is handed out again from pages already
-    mapped (no page faults, the process keeps it resident); glibc's default maps the
-    64 MiB block afresh each time (every page faults again) -- the control that shows
-    the probe can fail."""
+    """'cache': once the heap has reached its steady state (the first steps), a step's
+    freed temporaries are handed out again from pages already mapped: the later steps take
+    (almost) no page faults. glibc's default maps the 64 MiB block afresh each step (every
+    page faults again): the control that shows the probe can fail. Not zero in every step:
+    ``posix_memalign`` asks a little more than a freed block of the same size holds, so a
+    freed block the next one cannot use is possible; the real steps measured 11-525 faults
+    against 33-308 thousand (benchmarks/host_malloc.py)."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, timeout=120,
@@ -638,12 +641,12 @@ def test_host_malloc_cache_reuses_freed_pages_without_faults(mode):
     assert out.returncode == 0, out.stderr
     if out.stdout.strip() == "no-glibc":
         pytest.skip("not glibc: memory.host_malloc is a no-op")
-    f16, _, f64, grown64 = map(int, out.stdout.split())
-    pages64 = 64 * 2**20 // 4096
+    per_step = list(map(int, out.stdout.split()))
+    pages = 84 * 2**20 // 4096  # what a step touches
     if mode == "cache":
-        assert f16 < 200 and f64 < 200 and grown64 < 2 * 2**20, out.stdout
+        assert sum(per_step[-3:]) < 3 * pages // 20, per_step  # under 5% of the pages, steady state
     else:
-        assert f64 > pages64 // 2, out.stdout
+        assert min(per_step[-3:]) > 64 * 2**20 // 4096 // 2, per_step
 
 
 def test_host_malloc_cache_is_not_trimmed_after_steps():
