@@ -2,13 +2,14 @@
 against real steps of the same configurations, on models it was not tuned for: a
 Hugging Face Llama, a Hugging Face GPT-2 with dropout, the built-in GPT at odd sizes;
 ZeRO stages 0-3, checkpointing none/selective/all and a per_block mix, 1 and 2 gloo
-ranks, fp32 and (where the CPU has native bf16) bf16. Beside each time, the dry run's
+ranks, fp32 and bf16 (on a CPU without native bf16 its matmuls run on fp32 kernels, as
+``precision.cpu_matmul = "auto"`` runs them). Beside each time, the dry run's
 predicted peak against the engine tracker's measured one.
 
-    PYTHONPATH=src:. python benchmarks/time_model.py [--worlds 1 2] [--models ...] [--steps 4]
+    PYTHONPATH=src:. python benchmarks/time_model.py [--worlds 1 2] [--models ...] [--steps 8]
                                                     [--threads N] [--calibrate]
 
-Real: ``--warmup`` (2) steps, then ``--steps`` (4) timed ``Engine.train_step`` calls
+Real: ``--warmup`` (2) steps, then ``--steps`` (8) timed ``Engine.train_step`` calls
 (median; the fastest beside it: a busy machine only slows steps down), a model's
 configurations stepping round-robin so that load from elsewhere hits them alike (as the
 calibration's engines do); 2 ranks are spawned gloo processes (tests/distributed.py),
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import cpu_line, format_table, write_json  # noqa: E402
 from mct.config import EngineConfig  # noqa: E402
-from mct.machine import calibrate, cpu_identity, usable_cores  # noqa: E402
+from mct.machine import calibrate, usable_cores  # noqa: E402
 from mct.planner import token_loss  # noqa: E402
 from mct.planner.grid import prepare  # noqa: E402
 from mct.planner.plan import predict  # noqa: E402
@@ -137,16 +138,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--precisions", nargs="+", default=None, help="default fp32, and bf16 on a CPU with native bf16")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"],
+                    help="bf16 on a CPU without native bf16 runs its matmuls on fp32 kernels (precision.cpu_matmul)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     ap.add_argument("--calibrate", action="store_true", help="measure the machine profile again first")
     ap.add_argument("--json", default="time_model")
     args = ap.parse_args()
-    flags = cpu_identity()["flags"]
-    native_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16", "bf16"))
-    precisions = args.precisions or (["fp32", "bf16"] if native_bf16 else ["fp32"])
+    precisions = args.precisions
     if args.calibrate:
         calibrate(force=True)
     configs = grid(args.models, precisions)

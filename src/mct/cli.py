@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to measure; auto: the CUDA device where there is one, else the CPU")
     c.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="also measure what the time model needs for N ranks on this machine (collectives at N, "
-                        "the per-op and per-byte overhead and the wait of N ranks stepping at once); `mct plan` "
-                        "measures them on first use")
+                        "the per-op and per-byte overhead and the wait of N ranks stepping at once, and one process's "
+                        "at every core); `mct plan` measures them on first use")
     pr = sub.add_parser("prepare", help="tokenize text and JSON Lines into a dataset that data.path trains on "
                         "(docs/data.md)", formatter_class=_DefaultsFormatter)
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -576,7 +576,9 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         _warn(cal.warning)
     if args.world_size is not None:
         from mct.planner.steptime import machine_rates
-        _, warnings = machine_rates(args.world_size, device)
+        warnings: list[str] = []
+        for world in sorted({1, args.world_size}):  # one process at every core, and the world's ranks
+            warnings += machine_rates(world, device)[1]
         for w in warnings:
             _warn(w)
         cal = dataclasses.replace(calibrate(device), source=cal.source)

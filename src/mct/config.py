@@ -406,7 +406,8 @@ class MemoryConfig:
     page faults); 'cache' keeps freed memory for reuse while training (blocks under 1 GiB from
     the heap, never trimmed: no page faults, faster steps, more resident memory);
     'default' leaves glibc as it is; 'auto' = lean with offload on a CPU device unless
-    MALLOC_MMAP_THRESHOLD_ is set (mct.memory.host, docs/stages.md "offload")."""
+    the environment tunes malloc's mmap or trim threshold (MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES; mct.memory.host, docs/stages.md "offload")."""
     solver_allow: list[str] = field(default_factory=list)
     """What ``auto``'s search may change beyond the stage, the per-block recompute and the
     activation offload (docs/planner.md, "The solver"): 'micro_batch' (data.micro_batch_size x

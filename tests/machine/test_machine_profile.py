@@ -133,7 +133,8 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     """Version 3 added the random-number rate (and the per-op overhead and wait at a world
     size), version 4 the elementwise curves of bf16 and fp16, version 5 the per-op overhead
     and wait from two models' steps with the per-byte cost, version 6 the elementwise
-    curves by kind of op: a cached entry of an older
+    curves by kind of op, version 7 the cost of an op through mct's Python dispatch mode
+    (and the overheads from median steps at the rank's threads): a cached entry of an older
     version, as the previous mct wrote it, is measured again whole, never half-used, and
     the new entry has the rates."""
     path = tmp_path / "machine.json"
@@ -143,10 +144,12 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     kinds = old["extra"]["elementwise_by_kind"]
     assert set(kinds) == {"light", "softmax", "safe_softmax", "layer_norm"}
     assert all(set(by) == set(old["matmul_one"]) for by in kinds.values())
+    assert 0 < old["extra"]["python_mode_op_s"] < 1e-3  # an op through mct's Python dispatch mode
     old["version"] = 3
     del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"], old["extra"]["elementwise_by_kind"]
+    del old["extra"]["python_mode_op_s"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 6
+    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 7
     assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]
-    assert cal.profile.extra["elementwise_by_kind"]
+    assert cal.profile.extra["elementwise_by_kind"] and cal.profile.extra["python_mode_op_s"] > 0

@@ -552,13 +552,17 @@ def test_resume_moves_a_run_between_offloaded_and_resident_state_exactly(tmp_pat
 # ---- the host allocator ----
 def test_host_malloc_auto_is_lean_only_for_offload_on_a_cpu_device(monkeypatch):
     from mct.memory import host
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(k, raising=False)
     assert host.resolve("auto", offload=True, device="cpu") == "lean"
     assert host.resolve("auto", offload=False, device="cpu") == "default"
     assert host.resolve("auto", offload=True, device="cuda") == "default"
     assert host.resolve("frugal", offload=False, device="cuda") == "frugal"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert host.resolve("auto", offload=True, device="cpu") == "default"  # the user's setting wins
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
+    assert host.resolve("auto", offload=True, device="cpu") == "default"  # in glibc's tunables too
     with pytest.raises(ValueError, match="memory.host_malloc = 'tcmalloc'"):
         EngineConfig.from_dict({"memory": {"host_malloc": "tcmalloc"}})
 

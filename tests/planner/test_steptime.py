@@ -315,3 +315,61 @@ def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models
     from mct.planner.steptime import measure_op_overhead
     op_s, wait_s, byte_s = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
     assert 0 < op_s < 1e-2 and wait_s == 0.0 and 0.0 <= byte_s < 1e-8
+
+
+def test_ops_through_mcts_python_dispatch_mode_are_counted_as_a_real_step_runs_them_and_charged():
+    """bf16 matmuls on fp32 kernels (``precision.cpu_matmul = "fp32"``, as ``auto`` on a CPU
+    without native bf16) run every forward and backward op through a Python dispatch mode:
+    the dry run counts them as a real step dispatches them (a fake tensor's device queries
+    not among them), none in fp32; depth extrapolation extends them; each costs the
+    profile's measured ``python_mode_op_s`` in the overhead term, nothing else."""
+    from mct.engine import Engine
+    from mct.precision.cpu_matmul import UpcastMatmul
+
+    def cfg(mode: str, layers: int = L) -> EngineConfig:
+        return EngineConfig.from_dict({**_cfg(0, "all", layers=layers).to_dict(),
+                                       "precision": {"mode": mode, "cpu_matmul": "fp32"}})
+
+    def work(mode: str, layers: int = L) -> StepWork:
+        task = _task(cfg(mode, layers))
+        return dry_run(task.model_fn, task.loss_fn, task.batch, cfg(mode, layers), 1).work
+
+    assert work("fp32").modes == {}
+    counted = work("bf16").modes["upcast_matmul"]
+    torch.manual_seed(0)
+    engine = Engine(GPT(cfg("bf16").model), None, cfg("bf16"))
+    batch = _task(cfg("bf16")).batch
+    engine.train_step(batch, gpt_loss)
+    before = UpcastMatmul.dispatched
+    engine.train_step(batch, gpt_loss)
+    real = UpcastMatmul.dispatched - before
+    engine.close()
+    assert counted > 0 and abs(counted - real) <= 0.05 * real, (counted, real)
+    a, b = work("bf16", 3), work("bf16", 4)
+    assert a.extend([(b, 2)]).modes == {"upcast_matmul": counted}
+    one = StepWork(ops={("bf16", 0, 10 ** 4, 0): 3}, modes={"upcast_matmul": 100})
+    plain, moded = step_time(one, RATES), step_time(one, dataclasses.replace(RATES, mode_op_s=1e-5))
+    assert math.isclose(moded.overhead_s - plain.overhead_s, 100 * 1e-5, rel_tol=1e-12)
+    assert (moded.compute_s, moded.comm_s) == (plain.compute_s, plain.comm_s)
+    assert rates_for(_profile(python_mode_op_s=7e-6), 1, 1).mode_op_s == 7e-6
+    assert rates_for(_profile(), 1, 1).mode_op_s == 0.0
+
+
+def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):
+    """One process's per-op overhead is measured at the threads a rank of the planned world
+    runs (a 2-thread step waits at OpenMP's barriers, a 1-thread one does not), and read
+    back at them; a world's ranks at theirs."""
+    import mct.planner.steptime as st
+    asked = []
+
+    def fake(rates, threads, steps=st.OVERHEAD_STEPS, ranks=1):
+        asked.append((threads, ranks))
+        return 1e-5 * threads, 1e-3, 1e-10
+
+    profile = _profile(op_overhead_s={}, collectives={})
+    monkeypatch.setattr(st, "calibrate", lambda device="cpu": type("C", (), {"profile": profile, "warning": None})())
+    monkeypatch.setattr(st, "remember", lambda p, key, value: (dataclasses.replace(
+        p, extra={**p.extra, key: {**p.extra.get(key, {}), **value}}), None))
+    monkeypatch.setattr(st, "measure_op_overhead", fake)
+    rates, _ = st.machine_rates(1, threads=2, spawn=False)
+    assert asked == [(2, 1)] and rates.op_s == 2e-5

@@ -135,9 +135,18 @@ def test_summary_prints_mfu_lines_and_dashes_where_nothing_was_counted():
     assert "model FLOPs   - (not counted (why))" in text and f"MFU           - ({base['peak_note']})" in text
 
 
-@pytest.mark.parametrize("faults,mode,hint", [(30_000, "default", True), (30_000, "cache", False),
-                                              (500, "default", False), (None, "default", None)])
-def test_summary_prints_page_faults_and_names_the_cache_only_where_it_would_help(faults, mode, hint):
+@pytest.mark.parametrize("faults,mode,hint,env", [
+    (30_000, "default", True, {}), (30_000, "cache", False, {}), (500, "default", False, {}),
+    (None, "default", None, {}), (30_000, "default", False, {"MALLOC_MMAP_THRESHOLD_": "1073741824"}),
+    (30_000, "default", False, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=4294967295"})])
+def test_summary_prints_page_faults_and_names_the_cache_only_where_it_would_help(faults, mode, hint, env,
+                                                                                monkeypatch):
+    """The hint names the cache mode only under glibc's defaults: not when the run already
+    caches, nor when the user tuned malloc in the environment."""
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
                                       tokens_per_s=10.0, skipped_steps=0, page_faults=faults, host_malloc=mode))
     lines = [x for x in text.splitlines() if x.startswith("page faults")]

@@ -116,6 +116,9 @@ def _extra_lines(extra: dict) -> list[str]:
     for dtype, phases in (extra.get("attention_by_dim") or {}).items():
         lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
             f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))
+    if extra.get("python_mode_op_s"):
+        lines.append(f"an op through mct's Python dispatch mode (bf16/fp16 matmuls on fp32 kernels): "
+                     f"+{extra['python_mode_op_s'] * 1e6:.1f} us")
     if extra.get("random_elements_per_s"):
         lines.append(f"random numbers (bernoulli_, 1 thread): {extra['random_elements_per_s'] / 1e6:.0f} M elements/s")
     if extra.get("op_overhead_s"):

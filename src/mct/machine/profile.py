@@ -26,7 +26,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-PROFILE_VERSION = 6
+from mct.precision.cpu_matmul import UpcastMatmul
+
+PROFILE_VERSION = 7
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
@@ -35,7 +37,10 @@ another version is measured again, never half-used. 3: the random-number rate
 compute dtypes (``extra['elementwise_by_dtype']``). 5: the per-op overhead and the wait from
 real steps of two models, with the per-byte cost inside a step beside them
 (``extra['byte_overhead_s']``). 6: elementwise curves by kind of op
-(``extra['elementwise_by_kind']``)."""
+(``extra['elementwise_by_kind']``). 7: the per-op overhead, the per-byte cost and the wait
+from the median of the real steps (the fastest before), one process's at the rank's own
+threads (one thread before); the cost of an op passing through a Python dispatch mode
+(``extra['python_mode_op_s']``)."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -98,6 +103,8 @@ class MachineProfile:
     'copy_all_bytes_per_s' (every thread); 'disk_bytes_per_s' (write + fsync in the
     temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device);
     'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
+    'python_mode_op_s' (CPU: what an op costs passing through mct's Python dispatch mode,
+    ``python_mode_op_s``);
     'attention_by_dim' {dtype: {'forward'|'backward': [[head width, FLOP/s], ...]}} one
     thread at ``ATTENTION_DIMS``, FLOPs as torch's counter counts them (CPU only);
     'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}} and 'op_overhead_s'
@@ -288,6 +295,7 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         by_kind = {kind: {name: [_elementwise_rate("cpu", n, lambda: None, DTYPES[name], kind) for n in ELEMENTWISE_SIZES]
                           for name in one} for kind in ELEMENTWISE_KINDS}
         random = random_rate("cpu", lambda: None)
+        mode_op = python_mode_op_s()
         attention = {name: _attention_by_dim(DTYPES[name]) for name in one}
         torch.set_num_threads(cores)
         copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
@@ -295,7 +303,8 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         torch.set_num_threads(before)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "elementwise_by_dtype": by_dtype,
              "elementwise_by_kind": by_kind, "copy_all_bytes_per_s": copy_all,
-             "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk)}
+             "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk),
+             "python_mode_op_s": mode_op}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
                           memcpy_bytes_per_s=copy, extra=extra)
@@ -451,6 +460,25 @@ def random_rate(device: str, sync: Callable[[], None], n: int = RANDOM_ELEMENTS)
     x = torch.empty(n, device=device)
     x.bernoulli_(0.9)
     return n / _fastest(lambda: x.bernoulli_(0.9), max(1, min(20, 2**18 // n)), sync)
+
+
+def python_mode_op_s(calls: int = 2000) -> float:
+    """Seconds one op costs passing through mct's Python dispatch mode beyond its plain
+    dispatch (``UpcastMatmul``, which a bf16/fp16 step on a CPU without native units runs
+    every forward and backward op through): a tiny bf16 add under it against without it,
+    ``calls`` of each, the fastest of 5 (never below 0)."""
+    x = torch.ones(4, dtype=torch.bfloat16)
+
+    def adds() -> None:
+        for _ in range(calls):
+            torch.add(x, x)
+
+    def moded() -> None:
+        with UpcastMatmul():
+            adds()
+
+    moded()
+    return max(0.0, (_fastest(moded, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
 
 
 def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:

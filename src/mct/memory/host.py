@@ -66,13 +66,21 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def user_tuned() -> bool:
+    """Has the user set glibc malloc's mmap or trim threshold in the environment
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or either in ``GLIBC_TUNABLES``)?"""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return ("MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ
+            or "glibc.malloc.mmap_threshold" in tunables or "glibc.malloc.trim_threshold" in tunables)
+
+
 def resolve(setting: str, *, offload: bool, device: str) -> str:
     """``memory.host_malloc`` -> 'default', 'lean', 'frugal' or 'cache'. 'auto' is 'lean' when
     offload is on with the CPU as the compute device (host memory is the budget there)
-    and MALLOC_MMAP_THRESHOLD_ is not set by the user; 'default' otherwise."""
+    and the user has not tuned malloc in the environment (``user_tuned``); 'default' otherwise."""
     if setting != "auto":
         return setting
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if user_tuned():
         return "default"  # the user's own allocator setting wins
     return "lean" if offload and device == "cpu" else "default"
 

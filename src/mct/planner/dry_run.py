@@ -32,7 +32,7 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.zero.comm import SimulatedCollectives
 from mct.memory.tracker import CATEGORIES, MemoryTracker
-from mct.planner.work import OpCounter, StepWork
+from mct.planner.work import OpCounter, StepWork, mode_counts
 from mct.task.meta import build_on_meta
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
@@ -212,13 +212,15 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         collectives = engine.comm.ops
         if isinstance(collectives, SimulatedCollectives):
             collectives.calls.clear()  # the steady step's only
+        modes = mode_counts()
         with OpCounter() as counter:
             steady = engine.train_step(data, loss_fn).metrics["peaks"]
+        modes = {k: n - modes.get(k, 0) for k, n in mode_counts().items() if n - modes.get(k, 0)}
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
         work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), _traffic(engine.tracker),
-                        dict(counter.random), dict(counter.attention))
+                        dict(counter.random), dict(counter.attention), modes)
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])

@@ -16,15 +16,17 @@
   the ranks on this machine. The CPU's fused attention kernels at their own measured
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
-- **overhead**: ``ops x op_overhead_s + bytes x byte_overhead_s``: what one dispatched op
+- **overhead**: ``ops x op_overhead_s + bytes x byte_overhead_s`` (+ the ops that pass
+  through one of mct's Python dispatch modes x what that costs, ``StepWork.modes``): what one dispatched op
   costs beyond its roofline (Python, the dispatcher, autograd, the engine's memory
   tracker), and what each byte the ops move costs inside a real step beyond the
   microbenchmarks' rates (inputs out of the caches, fresh allocations); with ranks, what
   ranks stepping at once on one machine cost each other (shared cores and caches).
-  Measured on first use with one thread a rank (``machine_rates`` says why) and, for a
-  world, with that many ranks stepping at once: real steps of a tiny built-in GPT (ops
-  that move almost nothing) and of one with ops of a small model's sizes, minus their
-  predicted compute, solved for the two (``measure_op_overhead``, ``fit_overhead``).
+  Measured on first use at the rank's own threads (``machine_rates`` says why) and, for a
+  world, with that many ranks stepping at once: the median of real steps of a tiny
+  built-in GPT (ops that move almost nothing) and of one with ops of a small model's
+  sizes, minus their predicted compute, solved for the two (``measure_op_overhead``,
+  ``fit_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
   (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``), plus a rank's wait for the
@@ -74,12 +76,17 @@ model's step has (micro-batch 4: activations of 512 tokens x 128, 256 KiB; an ML
 the attention scores 1 MiB), whose kernels run slower inside a step than the profile's
 microbenchmarks time them (inputs that left the core's caches, fresh allocations; softmax,
 GELU and norms slower per byte than the elementwise mix)."""
-OVERHEAD_STEPS = 7
+OVERHEAD_STEPS = 10
 """Timed steps of each calibration engine (after two warm-ups)."""
-STEP_QUANTILE = 0.0
-"""Which of those steps' times is used (0: the fastest, 0.5: the median). The fastest: the
-median of a calibration at load 6-7 gave a per-op overhead 2x the fastest's, and predicted
-the benchmark's rows 1.5-2x slow a few minutes later."""
+STEP_QUANTILE = 0.5
+"""Which of those steps' times is used (0: the fastest, 0.5: the median). The median: the
+time model predicts a run's median step (what ``mct report`` and the summary set beside
+it), and a step's spread is not noise around the fastest one. On a quiet 2-core machine the
+median of 10 steps of the same configuration was 10-20% above the fastest at 2 threads
+(every step of a 2-thread op waits at OpenMP's barrier for the slower core), so a
+calibration from the fastest steps predicted every 1-rank row 20-30% fast, from the median
+within 1-10% (``docs/planner.md``). The price: a calibration measured while another job
+loads the machine predicts that load (``mct calibrate --force`` measures again)."""
 MAX_MEASURED_WORLD = 8
 
 
@@ -113,13 +120,17 @@ class Rates:
     """Seconds per byte an op reads or writes inside a real step beyond its roofline (inputs
     that left the caches, fresh allocations; measured on real steps, ``measure_op_overhead``);
     in ``StepTime.overhead_s`` with the per-op ``op_s``; an op of ``PARALLEL_BYTES`` or more
-    splits it over the rank's ``threads`` as its kernel does (it is measured with one)."""
+    splits it over the rank's ``threads`` as its kernel does, when it is measured as when it
+    is charged (``charged_bytes``)."""
     threads: int = 1
     """The rank's torch threads (``byte_cost``)."""
     elementwise_kinds: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
     """{kind: {dtype: curve}} of the ops of ``mct.planner.work.KINDS``, where measured (the
     rank's threads in them as ``elementwise``'s); an op of another kind, or of a kind or
     dtype not measured, runs at ``elementwise`` (``elementwise_by``)."""
+    mode_op_s: float = 0.0
+    """Seconds an op costs passing through one of mct's Python dispatch modes
+    (``StepWork.modes``; ``extra['python_mode_op_s']``; 0: not measured)."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -163,6 +174,15 @@ class Rates:
         (``byte_s``; split over the threads from ``PARALLEL_BYTES``)."""
         return nbytes * self.byte_s / (self.threads if nbytes >= PARALLEL_BYTES else 1)
 
+    def charged_bytes(self, work: StepWork) -> float:
+        """The bytes of ``work``'s ops as the per-byte cost charges them at these threads
+        (``byte_cost`` with ``byte_s`` 1): an op of ``PARALLEL_BYTES`` or more splits its
+        bytes over the threads. Both the fit (``measure_op_overhead``) and ``step_time``
+        count them so, so a cost measured at N threads is charged alike at N."""
+        one = dataclasses.replace(self, byte_s=1.0)
+        return (sum(n * one.byte_cost(key[2]) for key, n in work.ops.items())
+                + sum(n * one.byte_cost(key[3]) for key, n in work.attention.items()))
+
     def random_s(self, elements: float) -> float:
         """Seconds of drawing ``elements`` random numbers (0 when the rate was not measured)."""
         return elements / self.random_per_s if self.random_per_s > 0 else 0.0
@@ -198,9 +218,9 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
-    moved = sum(n * rates.byte_cost(key[2]) for key, n in work.ops.items())
-    moved += sum(n * rates.byte_cost(key[3]) for key, n in work.attention.items())
-    return StepTime(compute, work.n_ops * rates.op_s + moved, comm, offload)
+    moved = rates.byte_s * rates.charged_bytes(work) if rates.byte_s else 0.0
+    moded = rates.mode_op_s * sum(work.modes.values())
+    return StepTime(compute, work.n_ops * rates.op_s + moved + moded, comm, offload)
 
 
 def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
@@ -265,7 +285,8 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
         tiers["cpu"] = float(extra["host_bytes_per_s"])
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
                  {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
-                 float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds)
+                 float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds,
+                 float(extra.get("python_mode_op_s") or 0.0))
 
 
 def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:
@@ -374,14 +395,15 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
             except (RuntimeError, ValueError) as e:
                 warnings.append(f"collectives not measured ({e}): communication not counted")
     ranks = measured_world(profile, world) if world > 1 and spawn and device == "cpu" else 1
-    # The overhead and the wait are measured with one thread a rank and used at any thread
-    # count (the threads' speed-up of large ops is in the rates): on a core another job holds,
-    # the tiny model's 32-row layer norms, attention and GELU each open an OpenMP region at 2
-    # threads that waits a time slice for the busy core (its steps 10-30x its one-thread steps
-    # at load 2.5, 50-900 us per op, while the benchmark's models at 2 threads stepped as the
-    # one-thread overhead predicts); on a quiet machine the two differ by 5% (22.9, 24.2 us).
+    # The overhead and the wait are measured at the rank's own threads: an op above torch's
+    # grain size opens an OpenMP region whose barrier waits for the slowest thread, so a
+    # 2-thread step's median is further above its fastest than a 1-thread step's (the
+    # one-thread overhead, used at 2 threads, predicted every 1-rank row of the benchmark
+    # 20-30% fast on a quiet machine). On a core another job holds that wait is a time slice
+    # per region (the tiny model's steps 10-30x their one-thread time at load 2.5): measured
+    # so, it is predicted so.
     for n in sorted({1, ranks}):
-        profile, warning = _with_overhead(profile, 1, n)
+        profile, warning = _with_overhead(profile, 1 if device == "cuda" else threads, n)
         warnings += [warning] if warning else []
     return rates_for(profile, world, threads), warnings
 
@@ -411,10 +433,9 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
     of two built-in GPTs, the tiny ``OVERHEAD_MODEL`` (ops that cost almost nothing but
     their dispatch) and ``SIZED_MODEL`` (ops of a small model's sizes), each at stage 0,
     fp32, without and with recompute of every block (so the checkpointing's own work is in
-    it); ``steps`` timed steps of each, interleaved, after two warm-ups, the fastest of each
-    (``STEP_QUANTILE``: on a machine shared with other jobs a median follows the load of the
-    moment of calibration, so a profile measured in a busy minute predicts every later run
-    slow). The time outside
+    it); ``steps`` timed steps of each, interleaved, after two warm-ups, the median of each
+    (``STEP_QUANTILE``: the time model predicts a run's median step; on a machine shared with
+    other jobs it follows the load of the moment of calibration). The time outside
     the collectives of each is ``predicted compute + ops x per-op + bytes x per-byte`` (``fit_overhead``);
     the time in its collectives (the engine's ``time_comm_s``) minus the communication
     predicted, over their calls, is the wait. ``ranks`` 1: this process alone, with
@@ -439,7 +460,7 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
         predicted = step_time(w, bare)
         outside = quantile([total - comm for total, comm in got], STEP_QUANTILE)
         samples[c.model.d_model == SIZED_MODEL["d_model"]].append((outside - predicted.compute_s, w.n_ops,
-                                                                   w.bytes_moved))
+                                                                   rates.charged_bytes(w)))
         waited += quantile([comm for _, comm in got], STEP_QUANTILE) - predicted.comm_s
         calls += sum(w.comm.values())
     op_s, byte_s = fit_overhead(samples[False], samples[True])

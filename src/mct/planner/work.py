@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from mct.precision.cpu_matmul import UpcastMatmul
+
 aten = torch.ops.aten
 
 
@@ -87,6 +89,14 @@ usual mix in cache), 'softmax' (max, exp-sum, normalize: three passes over a row
 softmax here; attention's math path with dropout), 'layer_norm'. Any other op: '', the mix
 of ``mct.machine.profile``'s elementwise curve."""
 
+def mode_counts() -> dict[str, int]:
+    """{mode: ops dispatched under it so far in this process} of mct's Python dispatch modes
+    that a real step runs every forward and backward op through (``precision.cpu_matmul``'s
+    ``UpcastMatmul`` on a CPU without native bf16/fp16): ``DryRun.work.modes`` is the steady
+    step's difference."""
+    return {"upcast_matmul": UpcastMatmul.dispatched}
+
+
 OpKey = tuple[str, int, int, int, str]
 """(dtype name, FLOPs, bytes, smallest matrix dimension, kind) of one op; ('', 0, 0, 0, '')
 for a view; the dimension is 0 for an op without FLOPs; the kind one of ``KINDS`` ('' for
@@ -101,7 +111,9 @@ class StepWork:
     ``comm`` {(kind, bytes, buckets): calls}, ``offload`` {tier: bytes moved to and from
     it per step}, ``random`` {elements drawn: calls} of the ``RANDOM_OPS`` (also in ``ops``),
     ``attention`` {(phase, dtype, FLOPs, bytes, dim): calls} of the ``ATTENTION_OPS`` (not in
-    ``ops``; in ``n_ops`` and ``flops``). Counts of a deep model are linear in its depth (``extend``; an
+    ``ops``; in ``n_ops`` and ``flops``), ``modes`` {mode: ops} of those ops that also passed through one
+    of mct's own Python dispatch modes (``mode_counts``: a Python call each, beyond the dispatch every op
+    pays). Counts of a deep model are linear in its depth (``extend``; an
     extrapolated one's may be negative, its sums are right)."""
 
     ops: dict[OpKey, int] = field(default_factory=dict)
@@ -109,6 +121,7 @@ class StepWork:
     offload: dict[str, int] = field(default_factory=dict)
     random: dict[int, int] = field(default_factory=dict)
     attention: dict[tuple[str, str, int, int, int], int] = field(default_factory=dict)
+    modes: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_ops(self) -> int:
@@ -137,7 +150,7 @@ class StepWork:
         the larger's rises, so any sum over the keys (seconds, bytes, ops) is the linear
         extrapolation of the copies' sums."""
         out = []
-        for name in ("ops", "comm", "offload", "random", "attention"):
+        for name in ("ops", "comm", "offload", "random", "attention", "modes"):
             a = getattr(self, name)
             keys = set(a).union(*(getattr(b, name) for b, _ in larger))
             d = {k: a.get(k, 0) + sum(m * (getattr(b, name).get(k, 0) - a.get(k, 0)) for b, m in larger)

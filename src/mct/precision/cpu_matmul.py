@@ -58,13 +58,23 @@ class UpcastMatmul(TorchDispatchMode):
     """Runs the ops of ``UPCAST_OPS`` whose first operand is a bf16/fp16 CPU tensor on
     fp32 kernels and rounds the outputs a native call would return in that dtype back to
     it. Every other op passes through untouched. Active around forward, backward and
-    recompute; ``calls`` counts what it upcast."""
+    recompute; ``calls`` counts what it upcast.
+
+    Every op dispatched under it, upcast or not, pays a Python call (10-15 us on a CPU,
+    ``extra['python_mode_op_s']`` of the machine profile): ``dispatched`` counts them in this
+    process, across instances, so that the planner's dry run can count a step's
+    (``StepWork.modes``) and its time model charge them."""
+
+    dispatched = 0
+    """Ops dispatched under any ``UpcastMatmul`` in this process."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":  # a fake tensor's device query, which a real step never dispatches
+            UpcastMatmul.dispatched += 1
         kwargs = kwargs or {}
         if func not in UPCAST_OPS or args[0].dtype not in LOW or args[0].device.type != "cpu":
             return func(*args, **kwargs)

@@ -16,6 +16,7 @@ from typing import Any
 from mct.checkpointing.policies import policy_label
 from mct.config import CheckpointingConfig, parse_bytes
 from mct.machine import format_flops, format_rate
+from mct.memory import host
 from mct.memory.tracker import format_bytes
 from mct.reporting.metrics import read_jsonl
 
@@ -230,7 +231,8 @@ class TrainSummary:
 
 FAULTS_HINT_AT = 10_000
 """Page faults per step from which the summary names ``memory.host_malloc = "cache"`` (about
-40 MiB of freshly mapped pages a step; a fault costs a few microseconds here)."""
+40 MiB of freshly mapped pages a step; a fault costs a few microseconds here), unless the
+user tuned malloc in the environment (``mct.memory.host.user_tuned``)."""
 FAULTS_HINT = "; memory.host_malloc = \"cache\" keeps freed memory mapped (faster steps, more resident memory)"
 
 
@@ -246,7 +248,8 @@ def summary_table(s: TrainSummary) -> str:
         lines += utilization_lines(s.utilization)
     if s.page_faults is not None:
         lines.append(f"page faults   {s.page_faults:,} per step (median, this process; host_malloc {s.host_malloc})"
-                     + (FAULTS_HINT if s.host_malloc == "default" and s.page_faults >= FAULTS_HINT_AT else ""))
+                     + (FAULTS_HINT if s.host_malloc == "default" and s.page_faults >= FAULTS_HINT_AT
+                        and not host.user_tuned() else ""))
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
         lines.append("peak memory by phase (this rank, last logged step):")
