@@ -36,7 +36,8 @@ from mct.machine import calibrate, usable_cores  # noqa: E402
 from mct.planner import token_loss  # noqa: E402
 from mct.planner.grid import prepare  # noqa: E402
 from mct.planner.plan import predict  # noqa: E402
-from mct.planner.steptime import machine_rates, step_time  # noqa: E402
+from mct.planner.overhead import machine_rates  # noqa: E402
+from mct.planner.steptime import step_time  # noqa: E402
 from mct.task.spec import Task  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 

@@ -575,7 +575,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     if cal.warning:
         _warn(cal.warning)
     if args.world_size is not None:
-        from mct.planner.steptime import machine_rates
+        from mct.planner.overhead import machine_rates
         warnings: list[str] = []
         for world in sorted({1, args.world_size}):  # one process at every core, and the world's ranks
             warnings += machine_rates(world, device)[1]

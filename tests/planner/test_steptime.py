@@ -295,7 +295,7 @@ def test_the_overhead_fit_separates_per_op_cost_from_the_per_byte_cost():
     the sized model's move what a small model's do: steps made of a known per-op and
     per-byte cost give both back; a per-byte cost the steps put below 0 is 0 and the per-op
     overhead is the tiny steps' rest."""
-    from mct.planner.steptime import fit_overhead, quantile
+    from mct.planner.overhead import fit_overhead, quantile
 
     def steps(ops: int, nbytes: int, op_s: float, byte_s: float) -> tuple[float, int, int]:
         return ops * op_s + nbytes * byte_s, ops, nbytes
@@ -312,7 +312,7 @@ def test_the_overhead_fit_separates_per_op_cost_from_the_per_byte_cost():
 def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models():
     """One process's calibration steps: a positive per-op overhead, a per-byte cost of at
     least 0, no wait without ranks."""
-    from mct.planner.steptime import measure_op_overhead
+    from mct.planner.overhead import measure_op_overhead
     op_s, wait_s, byte_s = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
     assert 0 < op_s < 1e-2 and wait_s == 0.0 and 0.0 <= byte_s < 1e-8
 
@@ -359,7 +359,7 @@ def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):
     """One process's per-op overhead is measured at the threads a rank of the planned world
     runs (a 2-thread step waits at OpenMP's barriers, a 1-thread one does not), and read
     back at them; a world's ranks at theirs."""
-    import mct.planner.steptime as st
+    import mct.planner.overhead as st
     asked = []
 
     def fake(rates, threads, steps=st.OVERHEAD_STEPS, ranks=1):

@@ -112,7 +112,7 @@ class MachineProfile:
     ranks stepping at once} and 'collective_wait_s' {'<threads>x<ranks>': s a rank waits at
     each collective call of a real step beyond the collective's time} and 'byte_overhead_s'
     {the same keys: s per byte an op moves inside a real step beyond these rates}, measured on
-    first use (``mct.planner.steptime.measure_op_overhead``)."""
+    first use (``mct.planner.overhead.measure_op_overhead``)."""
 
     @property
     def key(self) -> str:

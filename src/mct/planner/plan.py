@@ -47,7 +47,8 @@ from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
 from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
                               map_task, smaller_batch, task_of)
 from mct.planner.pool import run_jobs
-from mct.planner.steptime import Rates, machine_rates, step_time, tokens_per_step
+from mct.planner.overhead import machine_rates
+from mct.planner.steptime import Rates, step_time, tokens_per_step
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
 
@@ -234,7 +235,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     model's structure, its construction) is found once (``prepare``). ``workers`` > 1:
     a long grid's dry runs run in up to that many forked processes (``mct.planner.pool``;
     the same rows). ``rates``: what turns each row's step into seconds (``step_s``,
-    ``tokens_per_s``); default this machine's for ``device`` (``steptime.machine_rates``:
+    ``tokens_per_s``); default this machine's for ``device`` (``overhead.machine_rates``:
     measured on first use, then cached; ``measure=False``: the cache only, no step times
     without one).
     Raises ValueError for a bad world size, model factory, config or offload label."""

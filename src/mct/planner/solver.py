@@ -43,7 +43,8 @@ from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
 from mct.planner.grid import map_task, prepare, resized_batch, task_of
 from mct.planner.pool import run_jobs
-from mct.planner.steptime import machine_rates, tokens_per_step
+from mct.planner.overhead import machine_rates
+from mct.planner.steptime import tokens_per_step
 from mct.task.spec import with_loss_chunk
 
 UNIFORM = ("none", "selective", "all")

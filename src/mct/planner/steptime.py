@@ -22,10 +22,10 @@
   tracker), and what each byte the ops move costs inside a real step beyond the
   microbenchmarks' rates (inputs out of the caches, fresh allocations); with ranks, what
   ranks stepping at once on one machine cost each other (shared cores and caches).
-  Measured on first use at the rank's own threads (``machine_rates`` says why) and, for a
+  Measured on first use at the rank's own threads (``mct.planner.overhead.machine_rates`` says why) and, for a
   world, with that many ranks stepping at once: the median of real steps of a tiny
   built-in GPT (ops that move almost nothing) and of one with ops of a small model's
-  sizes, minus their predicted compute, solved for the two (``measure_op_overhead``,
+  sizes, minus their predicted compute, solved for the two (``mct.planner.overhead``: ``measure_op_overhead``,
   ``fit_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
@@ -45,20 +45,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mct.config import EngineConfig
-from mct.dist import DistContext
-from mct.engine import Engine
-from mct.machine import MachineProfile, calibrate, usable_cores
-from mct.machine.cache import cached, remember
-from mct.machine.collectives import measure_collectives, spawn_ranks
-from mct.models.gpt import GPT, gpt_loss
-from mct.planner.dry_run import dry_run
+from mct.machine import MachineProfile, usable_cores
 from mct.planner.work import StepWork
 
 BLEND = (2 * 64 ** 3, 2 * 512 ** 3)
@@ -67,26 +59,6 @@ PARALLEL_BYTES = 2**18
 """Elementwise ops moving at least this many bytes run on every thread of the rank: torch
 splits an elementwise kernel over its threads from 32,768 elements (``GRAIN_SIZE``), an
 fp32 op that reads one such tensor and writes another moving 256 KiB."""
-OVERHEAD_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
-"""The built-in GPT whose real steps measure the per-op overhead: small enough that its
-ops cost almost nothing but their dispatch (micro-batch 2)."""
-SIZED_MODEL = {"n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 128, "vocab_size": 512, "dropout": 0.0}
-"""The built-in GPT whose real steps measure the per-byte cost: ops of the sizes a small
-model's step has (micro-batch 4: activations of 512 tokens x 128, 256 KiB; an MLP's and
-the attention scores 1 MiB), whose kernels run slower inside a step than the profile's
-microbenchmarks time them (inputs that left the core's caches, fresh allocations; softmax,
-GELU and norms slower per byte than the elementwise mix)."""
-OVERHEAD_STEPS = 10
-"""Timed steps of each calibration engine (after two warm-ups)."""
-STEP_QUANTILE = 0.5
-"""Which of those steps' times is used (0: the fastest, 0.5: the median). The median: the
-time model predicts a run's median step (what ``mct report`` and the summary set beside
-it), and a step's spread is not noise around the fastest one. On a quiet 2-core machine the
-median of 10 steps of the same configuration was 10-20% above the fastest at 2 threads
-(every step of a 2-thread op waits at OpenMP's barrier for the slower core), so a
-calibration from the fastest steps predicted every 1-rank row 20-30% fast, from the median
-within 1-10% (``docs/planner.md``). The price: a calibration measured while another job
-loads the machine predicts that load (``mct calibrate --force`` measures again)."""
 MAX_MEASURED_WORLD = 8
 
 
@@ -310,7 +282,7 @@ def overhead_key(threads: int, ranks: int) -> str:
 
 def _op_overhead(measured: dict[str, float], threads: int, ranks: int, notes: list[str]) -> float | None:
     """The per-op overhead of ``ranks`` ranks at ``threads`` (else at one thread: what
-    ``machine_rates`` measures); one process alone's when the ranks' was not measured
+    ``overhead.machine_rates`` measures); one process alone's when the ranks' was not measured
     (noted: it misses what the ranks cost each other)."""
     op_s = _at_threads(measured, threads, ranks)
     if op_s is None and ranks > 1:
@@ -367,159 +339,6 @@ def _collectives(profile: MachineProfile, world: int) -> dict[str, tuple[float, 
     lat_x = (world - 1) / (w0 - 1)
     bw_x = ((w0 - 1) / w0) / ((world - 1) / world)
     return {k: (float(v[0]) * lat_x, float(v[1]) * bw_x) for k, v in got.items()}
-
-
-def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *,
-                  measure: bool = True, spawn: bool = True) -> tuple[Rates | None, list[str]]:
-    """This machine's ``Rates`` for one rank of a ``world``-rank run: the cached profile
-    (measured the first time, ``mct.machine.calibrate``), plus what it lacks for this run,
-    measured now and cached: collectives at the world size (a few seconds, in spawned
-    processes; not with ``spawn=False``), the per-op overhead of one process and (spawning)
-    of the world's ranks stepping at once, with the wait per collective call (a second,
-    and a few seconds). ``measure=False``: the cache only (None when it holds no profile; what it
-    lacks is named in the notes). Returns the rates and warnings (a cache that could not
-    be written, a measurement that failed)."""
-    if not measure:
-        profile = cached(device)
-        return (None if profile is None else rates_for(profile, world, threads)), []
-    cal = calibrate(device)
-    profile, warnings = cal.profile, [cal.warning] if cal.warning else []
-    threads = threads or threads_per_rank(world, device)
-    if world > 1 and spawn:
-        w0 = measured_world(profile, world)
-        key = collective_key(profile, w0)
-        if key not in profile.extra.get("collectives", {}):
-            try:
-                profile, warning = remember(profile, "collectives", {key: measure_collectives(w0, device)})
-                warnings += [warning] if warning else []
-            except (RuntimeError, ValueError) as e:
-                warnings.append(f"collectives not measured ({e}): communication not counted")
-    ranks = measured_world(profile, world) if world > 1 and spawn and device == "cpu" else 1
-    # The overhead and the wait are measured at the rank's own threads: an op above torch's
-    # grain size opens an OpenMP region whose barrier waits for the slowest thread, so a
-    # 2-thread step's median is further above its fastest than a 1-thread step's (the
-    # one-thread overhead, used at 2 threads, predicted every 1-rank row of the benchmark
-    # 20-30% fast on a quiet machine). On a core another job holds that wait is a time slice
-    # per region (the tiny model's steps 10-30x their one-thread time at load 2.5): measured
-    # so, it is predicted so.
-    for n in sorted({1, ranks}):
-        profile, warning = _with_overhead(profile, 1 if device == "cuda" else threads, n)
-        warnings += [warning] if warning else []
-    return rates_for(profile, world, threads), warnings
-
-
-def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[MachineProfile, str | None]:
-    """``profile`` with the per-op overhead of ``ranks`` ranks at ``threads`` (measured and
-    cached when it lacks it), and a warning (a failed measurement, an unwritten cache)."""
-    key = overhead_key(threads, ranks)
-    if key in profile.extra.get("op_overhead_s", {}) and key in profile.extra.get("byte_overhead_s", {}):
-        return profile, None
-    try:
-        op_s, wait_s, byte_s = measure_op_overhead(rates_for(profile, ranks, threads, ranks_here=ranks), threads,
-                                                   ranks=ranks)
-    except (RuntimeError, ValueError) as e:
-        return profile, f"per-op overhead of {ranks} ranks not measured ({e})"
-    if ranks > 1:
-        profile, _ = remember(profile, "collective_wait_s", {key: wait_s})
-    profile, _ = remember(profile, "byte_overhead_s", {key: byte_s})
-    return remember(profile, "op_overhead_s", {key: op_s})
-
-
-def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
-                        ranks: int = 1) -> tuple[float, float, float]:
-    """(seconds per dispatched op beyond its roofline, seconds a rank waits at each
-    collective call beyond the collective's time, seconds per byte an op moves beyond its
-    roofline): real steps
-    of two built-in GPTs, the tiny ``OVERHEAD_MODEL`` (ops that cost almost nothing but
-    their dispatch) and ``SIZED_MODEL`` (ops of a small model's sizes), each at stage 0,
-    fp32, without and with recompute of every block (so the checkpointing's own work is in
-    it); ``steps`` timed steps of each, interleaved, after two warm-ups, the median of each
-    (``STEP_QUANTILE``: the time model predicts a run's median step; on a machine shared with
-    other jobs it follows the load of the moment of calibration). The time outside
-    the collectives of each is ``predicted compute + ops x per-op + bytes x per-byte`` (``fit_overhead``);
-    the time in its collectives (the engine's ``time_comm_s``) minus the communication
-    predicted, over their calls, is the wait. ``ranks`` 1: this process alone, with
-    ``threads`` torch threads (restored after; no wait); more: that many spawned gloo
-    ranks stepping at once, each with ``threads`` (rank 0's steps: what the ranks cost each
-    other is in it). Raises RuntimeError when the ranks fail."""
-    cfgs = _overhead_configs()
-    works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, _overhead_batch(c), c, ranks).work for c in cfgs]
-    if ranks > 1:
-        times = spawn_ranks(_rank_overhead_steps, ranks, "cpu", (steps,), timeout_s=300.0, threads=threads)
-    else:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            times = _overhead_steps(DistContext(device=torch.device("cpu")), steps)  # alone, whatever group this is in
-        finally:
-            torch.set_num_threads(before)
-    bare = dataclasses.replace(rates, wait_s=0.0, byte_s=0.0)
-    samples: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
-    waited, calls = 0.0, 0
-    for got, w, c in zip(times, works, cfgs):
-        predicted = step_time(w, bare)
-        outside = quantile([total - comm for total, comm in got], STEP_QUANTILE)
-        samples[c.model.d_model == SIZED_MODEL["d_model"]].append((outside - predicted.compute_s, w.n_ops,
-                                                                   rates.charged_bytes(w)))
-        waited += quantile([comm for _, comm in got], STEP_QUANTILE) - predicted.comm_s
-        calls += sum(w.comm.values())
-    op_s, byte_s = fit_overhead(samples[False], samples[True])
-    return op_s, max(0.0, waited / calls) if calls else 0.0, byte_s
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` (0: the smallest, 0.5: the median, linear in between)."""
-    xs = sorted(xs)
-    at = q * (len(xs) - 1)
-    lo = int(at)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
-
-
-def fit_overhead(tiny: list[tuple[float, int, float]], sized: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """(seconds per op, seconds per byte) with ``rest = ops x per-op + bytes x per-byte`` for
-    the summed (seconds beyond the predicted compute, ops, bytes the ops move) of the tiny
-    engines and of the sized ones: the tiny ops move almost nothing, so their rest is their
-    dispatch; the sized ones' rest beyond it is what their bytes cost inside a step. Neither
-    below 0 (a per-byte cost below 0: the tiny steps' rest alone, per op)."""
-    (rt, ot, bt), (rm, om, bm) = ([sum(x[i] for x in group) for i in range(3)] for group in (tiny, sized))
-    det = ot * bm - om * bt
-    byte_s = max(0.0, (ot * rm - om * rt) / det) if det > 0 else 0.0
-    return max(0.0, (rt - byte_s * bt) / ot), byte_s
-
-
-def _overhead_configs() -> list[EngineConfig]:
-    return [EngineConfig.from_dict({"model": dict(model), "train": {"grad_clip": 1.0},
-                                    "checkpointing": {"policy": policy}})
-            for model in (OVERHEAD_MODEL, SIZED_MODEL) for policy in ("none", "all")]
-
-
-def _overhead_batch(cfg: EngineConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    T, V = cfg.model.seq_len, cfg.model.vocab_size
-    rows = 4 if cfg.model.d_model == SIZED_MODEL["d_model"] else 2
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (rows, T), generator=g), torch.randint(0, V, (rows, T), generator=g)
-
-
-def _rank_overhead_steps(rank: int, world: int, dev: torch.device, steps: int) -> list[list[tuple[float, float]]]:
-    return _overhead_steps(DistContext.current(dev), steps)
-
-
-def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, float]]]:
-    """(seconds, of which in collectives) of ``steps`` timed steps per
-    ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups)."""
-    cfgs = _overhead_configs()
-    batches = [_overhead_batch(c) for c in cfgs]
-    engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in cfgs]  # a CUDA step's host side alike
-    times: list[list[tuple[float, float]]] = [[] for _ in engines]
-    for i in range(steps + 2):
-        for engine, batch, got in zip(engines, batches, times):
-            t0 = time.perf_counter()
-            out = engine.train_step(batch, gpt_loss)
-            if i >= 2:
-                got.append((time.perf_counter() - t0, float(out.metrics["time_comm_s"])))
-    for engine in engines:
-        engine.close()
-    return times
 
 
 def tokens_per_step(batch: Any, grad_accum: int, world: int) -> int:

@@ -20,7 +20,8 @@ from mct.machine import DTYPES, calibrate, cpu_line, format_rate
 from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare
 from mct.planner.plan import predict
-from mct.planner.steptime import machine_rates, step_time
+from mct.planner.overhead import machine_rates
+from mct.planner.steptime import step_time
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
 
