@@ -246,7 +246,9 @@ def test_llama3_8b_plan_with_tiles_of_1024_tokens(tmp_path):
     cfg = EngineConfig.from_dict({"model": {"source": f"hf:{tmp_path}", "seq_len": 8192},
                                   "data": {"micro_batch_size": 1}, "precision": {"mode": "bf16"},
                                   "train": {"loss_chunk_tokens": 1024}})
-    plan = make_plan(task_for(cfg), cfg, 8, None, Grid((3,), ("all",), ("bf16",), mlp_tiles=(0, 1024)), workers=1)
+    # an 8-GPU run: its dry run takes native bf16 matmuls whatever CPU plans it (planner.plan.for_device)
+    plan = make_plan(task_for(cfg), cfg, 8, None, Grid((3,), ("all",), ("bf16",), mlp_tiles=(0, 1024)), workers=1,
+                     device="cuda", measure=False)
     off, on = plan.rows
     gib = 2**30
     mlp_hidden = 8192 * 14336 * 2  # one [tokens, intermediate] bf16 tensor

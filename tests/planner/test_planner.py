@@ -574,3 +574,25 @@ def test_task_and_grid_form_plans_exactly_as_the_keyword_form():
     assert len(new.rows) == 2
     assert predict_task(work, cfg, 2) == mct.predict_peak(work.model_fn, work.loss_fn, work.batch, cfg, world_size=2,
                                                           optimizer=work.optimizer, param_groups=work.param_groups)
+
+
+def test_a_cuda_plan_dry_runs_native_matmuls_whatever_this_cpu_has():
+    """``precision.cpu_matmul`` is for CPU devices: a bf16 run whose CPU matmuls take fp32
+    kernels (forced here with 'fp32', as 'auto' does on a CPU without native bf16) holds
+    their fp32 copies, and its CPU plan counts them; a CUDA run never takes them, so its
+    plan (and ``auto``'s solve) is the native one's, whatever CPU plans it."""
+    from mct.planner import Grid, make_plan
+    from mct.planner.plan import for_device
+    from mct.task.spec import Task
+    grid = Grid((3,), ("all",), ("bf16",))  # the peak at the head's backward: the wide vocabulary's matmuls
+    upcast = tiny_config(zero={"bucket_mb": 0.01}, precision={"mode": "bf16", "cpu_matmul": "fp32"})
+    native = tiny_config(zero={"bucket_mb": 0.01}, precision={"mode": "bf16", "cpu_matmul": "native"})
+    g = torch.Generator().manual_seed(0)
+    task = Task(_wide_vocab_llama, token_loss, (torch.randint(0, 8192, (1, 16), generator=g),
+                                                torch.randint(0, 8192, (1, 16), generator=g)))
+
+    def peak(cfg, device):
+        return make_plan(task, cfg, 4, None, grid, device=device, measure=False, advise=False).rows[0]["peak"]
+    assert peak(upcast, "cpu") > peak(native, "cpu")  # the fp32 copies of the matmuls' operands
+    assert peak(upcast, "cuda") == peak(native, "cuda") == peak(native, "cpu")
+    assert for_device(upcast, "cpu") is upcast and for_device(upcast, "cuda").precision.cpu_matmul == "native"

@@ -21,7 +21,7 @@ from typing import Any
 from mct.config import SOLVER_LEVERS, EngineConfig
 from mct.memory.tracker import format_bytes
 from mct.planner.grid import batch_size, prepare, task_of
-from mct.planner.plan import (AUTO_LOSS_CHUNK, AUTO_MLP_TILE, STAGES, Plan, _advice, _chunk_setting,
+from mct.planner.plan import (AUTO_LOSS_CHUNK, AUTO_MLP_TILE, STAGES, Plan, _advice, _chunk_setting, for_device,
                               _offload_settings, _policy_settings, _tiling_may_fit, auto_act_offload, auto_offloads,
                               offload_label)
 from mct.planner.solver import (Solution, Space, configure_row, need, predicted_seconds, recompute_label, solve,
@@ -88,6 +88,7 @@ def solve_auto(work: Any, cfg: EngineConfig, world: int, budget: int, allow: tup
     (``AUTO_MLP_TILE`` tokens, when the config leaves it off and the blocks have an MLP), and
     then state offload (``auto_offloads(device)``, where the config sets none), as ``auto``
     has always tried them; each keeps the ones before. ``row_kw``: default ``timing``."""
+    cfg = for_device(cfg, device)  # the dry runs' config; resolve_auto configures the user's own
     space = space or space_for(work, cfg, allow, device)
     work = prepare(work, cfg)
     row_kw = timing(work, cfg, world, device) if row_kw is None else row_kw  # once for every solve below

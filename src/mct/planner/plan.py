@@ -216,6 +216,18 @@ class Plan:
                 "rows": self.rows, "time_notes": self.time_notes}
 
 
+def for_device(cfg: EngineConfig, device: str) -> EngineConfig:
+    """``cfg`` as a dry run (on this CPU's fake tensors) must run it to predict a run on
+    ``device``: a CUDA run never takes a CPU's fp32 kernels for its bf16/fp16 matmuls
+    (``precision.cpu_matmul`` is for CPU devices), so its dry run takes the native ones
+    whatever this CPU has; a CPU run, as configured (this CPU's kernels)."""
+    if device == "cpu" or cfg.precision.cpu_matmul == "native":
+        return cfg
+    d = cfg.to_dict()
+    d["precision"]["cpu_matmul"] = "native"
+    return EngineConfig.from_dict(d)
+
+
 def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
               advise: bool = True, extrapolate: bool = True, workers: int = 1, rates: Rates | None = None,
               device: str = "cpu", measure: bool = True) -> Plan:
@@ -241,6 +253,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    cfg = for_device(cfg, device)
     precisions = tuple(grid.precisions)
     offloads = tuple(grid.offloads) if grid.offloads else (offload_label(cfg),)
     for label in offloads:

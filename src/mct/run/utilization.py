@@ -19,8 +19,8 @@ from mct.config import EngineConfig
 from mct.machine import DTYPES, calibrate, cpu_line, format_rate
 from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare
-from mct.planner.plan import predict
 from mct.planner.overhead import machine_rates
+from mct.planner.plan import for_device, predict
 from mct.planner.steptime import step_time
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
@@ -118,6 +118,7 @@ def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: 
     config is missing (``auto`` unresolved)."""
     try:
         rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
+        cfg = for_device(cfg, device_type)
         run = predict(prepare(task, cfg), cfg, world_size)
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
         return None
