@@ -287,10 +287,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
+        from mct.planner.plan import planned_device
         from mct.persistence.run_dir import check_new_run_dir
         # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, task,
-                     device="cuda" if cfg.distributed.backend == "nccl" else "cpu")
+        resolve_auto(cfg, args.nproc * args.nnodes, task, device=planned_device(cfg))
         extra: list[str] = []
         if not args.resume:
             run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -392,6 +392,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
 
     from mct.config import parse_bytes
     from mct.planner import make_plan, plan_workers
+    from mct.planner.plan import for_device, planned_device
     from mct.planner.pool import WorkerDied
     from mct.reporting.plots import check_plot_path
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
@@ -406,8 +407,9 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.solve or args.allow is not None:
         return _cmd_solve(args, cfg, limit, work, grid)
     try:
-        plan = make_plan(work, cfg, args.world_size, limit, grid, extrapolate=not args.full_depth,
-                         workers=plan_workers(args.workers))
+        # a CUDA plan's dry runs take native matmuls; its step times stay this machine's rates
+        plan = make_plan(work, for_device(cfg, planned_device(cfg)), args.world_size, limit, grid,
+                         extrapolate=not args.full_depth, workers=plan_workers(args.workers))
     except WorkerDied as e:
         print(f"mct: error: {e}", file=sys.stderr)
         return 1
@@ -427,6 +429,7 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
 
     from mct.planner import plan_workers
     from mct.planner.auto import check_allow, format_solution, nothing_fits, solve_auto, space_for
+    from mct.planner.plan import planned_device
     if not args.solve:
         raise ValueError(f"--allow {args.allow!r} is for the solver: add --solve")
     if limit is None:
@@ -435,7 +438,7 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
     if len(grid.precisions) == 1 and grid.precisions[0] != cfg.precision.mode:  # --precisions bf16: that one
         cfg = EngineConfig.from_dict({**cfg.to_dict(), "precision": {**cfg.to_dict()["precision"],
                                                                      "mode": grid.precisions[0]}})
-    device = "cuda" if cfg.distributed.backend == "nccl" else "cpu"
+    device = planned_device(cfg)
     space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True)
     from mct.planner.pool import WorkerDied
     try:

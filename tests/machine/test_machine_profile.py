@@ -55,7 +55,8 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, quick):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not an object", "old version", "damaged entry", "kinds not an object",
-                                    "kind curve not pairs", "dtype curve negative"])
+                                    "kind curve not pairs", "dtype curve negative", "mode cost a string",
+                                    "random rate infinite"])
 def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage):
     path = tmp_path / "machine.json"
     good = calibrate(path=path).profile.to_dict()
@@ -65,6 +66,8 @@ def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage)
             "kinds not an object": _with_extra(good, elementwise_by_kind=[1, 2]),
             "kind curve not pairs": _with_extra(good, elementwise_by_kind={"light": {"fp32": [[1.0, "fast"]]}}),
             "dtype curve negative": _with_extra(good, elementwise_by_dtype={"bf16": [[65536.0, -1.0]]}),
+            "mode cost a string": _with_extra(good, python_mode_op_s="fast"),
+            "random rate infinite": _with_extra(good, random_elements_per_s=float("inf")),
             }[damage]
     path.write_text(text)
     cal = calibrate(path=path)

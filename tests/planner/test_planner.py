@@ -596,3 +596,6 @@ def test_a_cuda_plan_dry_runs_native_matmuls_whatever_this_cpu_has():
     assert peak(upcast, "cpu") > peak(native, "cpu")  # the fp32 copies of the matmuls' operands
     assert peak(upcast, "cuda") == peak(native, "cuda") == peak(native, "cpu")
     assert for_device(upcast, "cpu") is upcast and for_device(upcast, "cuda").precision.cpu_matmul == "native"
+    from mct.planner.plan import planned_device
+    nccl = tiny_config(distributed={"backend": "nccl"})
+    assert planned_device(nccl) == "cuda" and planned_device(upcast) == "cpu"  # what `mct plan` plans for

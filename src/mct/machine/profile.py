@@ -42,6 +42,11 @@ from the median of the real steps (the fastest before), one process's at the ran
 threads (one thread before); the cost of an op passing through a Python dispatch mode
 (``extra['python_mode_op_s']``)."""
 
+SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
+                "python_mode_op_s")
+"""``extra``'s single-number entries: a cached one that is not a finite number >= 0 is a
+damaged entry (measured again), never a traceback where the time model reads it."""
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
 
@@ -156,6 +161,11 @@ class MachineProfile:
         kinds = _mapping(p.extra, "elementwise_by_kind")
         curves += [(f"elementwise_by_kind.{kind}.{k}", c) for kind in kinds
                    for k, c in _mapping(kinds, kind, f"elementwise_by_kind.{kind}").items()]
+        for name in SCALAR_RATES:
+            x = p.extra.get(name)
+            if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
+                                      and math.isfinite(x) and x >= 0):
+                raise ValueError(f"machine profile entry is damaged ({name} is {x!r}, not a number >= 0)")
         for name, curve in curves:
             if not (isinstance(curve, list) and all(isinstance(pt, list) and len(pt) == 2 and
                                                     all(isinstance(x, (int, float)) and x > 0 for x in pt)

@@ -216,6 +216,12 @@ class Plan:
                 "rows": self.rows, "time_notes": self.time_notes}
 
 
+def planned_device(cfg: EngineConfig) -> str:
+    """The device type a plan of ``cfg`` is for: 'cuda' with ``distributed.backend = "nccl"``,
+    else 'cpu' (``mct plan`` and the launcher's check, before any device is seen)."""
+    return "cuda" if cfg.distributed.backend == "nccl" else "cpu"
+
+
 def for_device(cfg: EngineConfig, device: str) -> EngineConfig:
     """``cfg`` as a dry run (on this CPU's fake tensors) must run it to predict a run on
     ``device``: a CUDA run never takes a CPU's fp32 kernels for its bf16/fp16 matmuls
