@@ -21,6 +21,7 @@ def quick(monkeypatch):
     monkeypatch.setattr(profile_mod, "MIN_CALL_S", 0.0)
     monkeypatch.setattr(profile_mod, "MATMUL_DIMS", (16, 64))
     monkeypatch.setattr(profile_mod, "ELEMENTWISE_SIZES", (2**16,))
+    monkeypatch.setattr(profile_mod, "THREADED_MATMUL_SIZES", (64,))
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_calibrate_measures_once_then_reads_the_cache(tmp_path, quick):
 
 @pytest.mark.parametrize("damage", ["truncated", "not an object", "old version", "damaged entry", "kinds not an object",
                                     "kind curve not pairs", "dtype curve negative", "mode cost a string",
-                                    "random rate infinite"])
+                                    "random rate infinite", "selective cost negative"])
 def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage):
     path = tmp_path / "machine.json"
     good = calibrate(path=path).profile.to_dict()
@@ -68,6 +69,7 @@ def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage)
             "dtype curve negative": _with_extra(good, elementwise_by_dtype={"bf16": [[65536.0, -1.0]]}),
             "mode cost a string": _with_extra(good, python_mode_op_s="fast"),
             "random rate infinite": _with_extra(good, random_elements_per_s=float("inf")),
+            "selective cost negative": _with_extra(good, selective_mode_op_s=-1e-5),
             }[damage]
     path.write_text(text)
     cal = calibrate(path=path)
@@ -137,7 +139,8 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     size), version 4 the elementwise curves of bf16 and fp16, version 5 the per-op overhead
     and wait from two models' steps with the per-byte cost, version 6 the elementwise
     curves by kind of op, version 7 the cost of an op through mct's Python dispatch mode
-    (and the overheads from median steps at the rank's threads): a cached entry of an older
+    (and the overheads from median steps at the rank's threads), version 8 the cost of an op
+    through torch's selective-checkpoint modes: a cached entry of an older
     version, as the previous mct wrote it, is measured again whole, never half-used, and
     the new entry has the rates."""
     path = tmp_path / "machine.json"
@@ -148,11 +151,13 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     assert set(kinds) == {"light", "softmax", "safe_softmax", "layer_norm"}
     assert all(set(by) == set(old["matmul_one"]) for by in kinds.values())
     assert 0 < old["extra"]["python_mode_op_s"] < 1e-3  # an op through mct's Python dispatch mode
+    assert 0 < old["extra"]["selective_mode_op_s"] < 1e-3  # an op through selective checkpointing's modes
     old["version"] = 3
     del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"], old["extra"]["elementwise_by_kind"]
-    del old["extra"]["python_mode_op_s"]
+    del old["extra"]["python_mode_op_s"], old["extra"]["selective_mode_op_s"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 7
+    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 8
     assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]
     assert cal.profile.extra["elementwise_by_kind"] and cal.profile.extra["python_mode_op_s"] > 0
+    assert cal.profile.extra["selective_mode_op_s"] > 0

@@ -100,6 +100,25 @@ def test_rates_from_a_handmade_profile_share_threads_and_bandwidth():
     assert bare.op_s == 0.0 and not bare.collectives and len(bare.notes) == 2
 
 
+def test_threads_gain_what_the_profile_measured_at_each_size_not_the_thread_count():
+    """Where the profile measured what every core gains over one by size
+    (``elementwise_speedup``, ``matmul_speedup``), a rank's threads gain that: an
+    elementwise op of 1e6 bytes on 4 threads 1.5x (not 4x), the part of it for 2 of the 4
+    cores; a matmul the measured share of the large matmuls' 3x at its FLOPs, linear in log
+    FLOPs between sizes, the full 3x from the large size on."""
+    measured = _profile(elementwise_speedup=[[1e6, 1.5], [1e7, 3.5]], matmul_speedup=[[1e6, 2.0], [1e8, 2.5]],
+                        elementwise_curve=[[1e5, 4e9], [1e6, 3e9], [1e7, 1e9]], copy_all_bytes_per_s=1e11)
+    four, two = rates_for(measured, 1, 4, ranks_here=1), rates_for(measured, 1, 2, ranks_here=1)
+    assert four.elementwise == ((1e5, 4e9), (1e6, 3e9 * 1.5), (1e7, 1e9 * 3.5))
+    assert two.elementwise[1] == (1e6, pytest.approx(3e9 * (1 + 0.5 / 3)))
+    assert four.matmul_s("fp32", 1e6, 256) == pytest.approx(1e6 / 8e9 / 2.0)  # 1 + (3 - 1) x 0.5
+    assert four.matmul_s("fp32", 1e7, 256) == pytest.approx(1e7 / 8e9 / (1 + 2 * (0.5 + 0.25 / 2)))
+    assert four.matmul_s("fp32", 2 * 1024 ** 3, 256) == pytest.approx(2 * 1024 ** 3 / 8e9 / 3)
+    assert four.matmul_s("fp32", 1e4, 256) == pytest.approx(1e4 / 8e9 / 2.0)  # below: the smallest size's
+    one = rates_for(measured, 1, 1, ranks_here=1)
+    assert one.elementwise[1] == (1e6, 3e9) and one.matmul_s("fp32", 1e6, 256) == pytest.approx(1e6 / 8e9)
+
+
 def test_more_recompute_never_predicts_faster_and_stage3_communicates_more():
     """Same model and stage: recomputing no block < two blocks whole (per_block) < every
     block whole, in FLOPs, ops and seconds; selective recomputes no matmul (fewer FLOPs
@@ -353,6 +372,39 @@ def test_ops_through_mcts_python_dispatch_mode_are_counted_as_a_real_step_runs_t
     assert (moded.compute_s, moded.comm_s) == (plain.compute_s, plain.comm_s)
     assert rates_for(_profile(python_mode_op_s=7e-6), 1, 1).mode_op_s == 7e-6
     assert rates_for(_profile(), 1, 1).mode_op_s == 0.0
+
+
+def test_ops_through_selective_checkpointing_modes_are_counted_as_a_real_step_runs_them_and_charged():
+    """A 'selective' region runs its forward and its recompute through torch's
+    selective-checkpoint dispatch modes (a Python call per op, 15-30 us here): the dry run
+    counts those ops as a real step dispatches them, none under 'all' or 'none', only the
+    selective blocks of a mixed stack; each costs the profile's ``selective_mode_op_s``,
+    not the upcast mode's cost."""
+    from mct.checkpointing.policies import SelectiveDispatch
+    from mct.engine import Engine
+
+    def work(cfg: EngineConfig) -> StepWork:
+        return dry_run(_task(cfg).model_fn, _task(cfg).loss_fn, _task(cfg).batch, cfg, 1).work
+
+    assert work(_cfg(0, "all")).modes == {} and work(_cfg(0, "none")).modes == {}
+    selective = _cfg(0, "selective")
+    counted = work(selective).modes["selective_checkpoint"]
+    torch.manual_seed(0)
+    engine = Engine(GPT(selective.model), None, selective)
+    engine.train_step(_task(selective).batch, gpt_loss)
+    before = SelectiveDispatch.dispatched
+    engine.train_step(_task(selective).batch, gpt_loss)
+    real = SelectiveDispatch.dispatched - before
+    engine.close()
+    assert counted > 0 and abs(counted - real) <= 0.05 * real, (counted, real)
+    half = work(EngineConfig.from_dict({**_cfg(0).to_dict(), "checkpointing": {
+        "policy": "per_block", "per_block": ["selective"] + ["none"] * (L - 1)}}))
+    assert 0 < half.modes["selective_checkpoint"] * L <= 1.05 * counted, (half.modes, counted)
+    one = StepWork(ops={("fp32", 0, 10 ** 4, 0): 3}, modes={"selective_checkpoint": 100, "upcast_matmul": 10})
+    rates = dataclasses.replace(RATES, mode_op_s=1e-5, mode_op_by={"selective_checkpoint": 3e-5})
+    assert math.isclose(step_time(one, rates).overhead_s - step_time(one, RATES).overhead_s,
+                        100 * 3e-5 + 10 * 1e-5, rel_tol=1e-12)
+    assert rates_for(_profile(selective_mode_op_s=2e-5), 1, 1).mode_op_by == {"selective_checkpoint": 2e-5}
 
 
 def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):

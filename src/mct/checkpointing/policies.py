@@ -144,5 +144,35 @@ def context_fn_for(policy: str) -> Callable[[], tuple[ContextManager, ContextMan
     if policy != "selective":
         return None
     save = frozenset(n for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
-    return functools.partial(create_selective_checkpoint_contexts,
-                             functools.partial(_selective_policy, save))
+    return functools.partial(_counted_contexts, functools.partial(_selective_policy, save))
+
+
+class SelectiveDispatch:
+    """Counts the ops dispatched through torch's selective-checkpoint dispatch modes (the
+    forward of a 'selective' region caches or marks each op's output, its recompute replays
+    from that cache): each pays a Python call there (15-30 us on a CPU, more than the op
+    itself for most of a small block's ops, ``extra['selective_mode_op_s']`` of the machine
+    profile). ``dispatched``: in this process, so that the planner's dry run can count a
+    step's (``mct.planner.work.mode_counts``) and its time model charge them."""
+
+    dispatched = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":  # a fake tensor's device query, which a real step never dispatches
+            SelectiveDispatch.dispatched += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+
+
+_COUNTED: dict[type, type] = {}
+
+
+def _counted_contexts(policy_fn: Callable[..., CheckpointPolicy]) -> tuple[ContextManager, ContextManager]:
+    """torch's selective-checkpoint contexts for ``policy_fn``, each mode counting its ops
+    (``SelectiveDispatch``): the same instances, of a subclass of their own class that adds the count."""
+    modes = create_selective_checkpoint_contexts(policy_fn)
+    for mode in modes:
+        cls = type(mode)
+        if cls not in _COUNTED:
+            _COUNTED[cls] = type(f"Counted{cls.__name__}", (SelectiveDispatch, cls), {})
+        mode.__class__ = _COUNTED[cls]
+    return modes

@@ -116,9 +116,18 @@ def _extra_lines(extra: dict) -> list[str]:
     for dtype, phases in (extra.get("attention_by_dim") or {}).items():
         lines.append(f"attention {dtype} 1 thread by head width: " + "; ".join(
             f"{phase} " + ", ".join(f"{int(d)}: {format_rate(r)}" for d, r in curve) for phase, curve in phases.items()))
+    if extra.get("elementwise_speedup"):
+        lines.append("elementwise every thread over 1 thread by bytes an op moves: " + ", ".join(
+            f"{b / 2**20:.2g} MiB: {x:.2f}x" for b, x in extra["elementwise_speedup"]))
+    if extra.get("matmul_speedup"):
+        lines.append("matmul fp32 every thread over 1 thread by FLOPs: " + ", ".join(
+            f"{f:.2g}: {x:.2f}x" for f, x in extra["matmul_speedup"]))
     if extra.get("python_mode_op_s"):
         lines.append(f"an op through mct's Python dispatch mode (bf16/fp16 matmuls on fp32 kernels): "
                      f"+{extra['python_mode_op_s'] * 1e6:.1f} us")
+    if extra.get("selective_mode_op_s"):
+        lines.append(f"an op through torch's selective-checkpoint modes (forward and recompute of a 'selective' "
+                     f"region): +{extra['selective_mode_op_s'] * 1e6:.1f} us")
     if extra.get("random_elements_per_s"):
         lines.append(f"random numbers (bernoulli_, 1 thread): {extra['random_elements_per_s'] / 1e6:.0f} M elements/s")
     if extra.get("op_overhead_s"):

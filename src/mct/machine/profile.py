@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
 from mct.precision.cpu_matmul import UpcastMatmul
 
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
@@ -40,10 +42,13 @@ real steps of two models, with the per-byte cost inside a step beside them
 (``extra['elementwise_by_kind']``). 7: the per-op overhead, the per-byte cost and the wait
 from the median of the real steps (the fastest before), one process's at the rank's own
 threads (one thread before); the cost of an op passing through a Python dispatch mode
-(``extra['python_mode_op_s']``)."""
+(``extra['python_mode_op_s']``). 8: the cost of an op passing through torch's
+selective-checkpoint dispatch modes (``extra['selective_mode_op_s']``), and the every-core
+speed-up of elementwise ops and matmuls by size (``extra['elementwise_speedup']``,
+``extra['matmul_speedup']``; the thread count, and a blend by FLOPs, assumed before)."""
 
 SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
-                "python_mode_op_s")
+                "python_mode_op_s", "selective_mode_op_s")
 """``extra``'s single-number entries: a cached one that is not a finite number >= 0 is a
 damaged entry (measured again), never a traceback where the time model reads it."""
 
@@ -60,6 +65,9 @@ MIN_CALL_S = 0.03
 ELEMENTWISE_SIZES = (2**16, 2**19, 2**22)
 """Bytes per tensor of the one-thread elementwise curve (``extra['elementwise_curve']``):
 tensors that stay in a core's caches move several times faster than 32 MiB ones."""
+
+THREADED_MATMUL_SIZES = (64, 128, 256, 512)
+"""The square fp32 matmuls whose every-core speed-up is measured (``extra['matmul_speedup']``)."""
 
 MATMUL_DIMS = (16, 32, 64, 128, 256, 512)
 """The smallest dimension of the one-thread matmuls of ``extra['matmul_by_dim']``
@@ -109,7 +117,10 @@ class MachineProfile:
     temporary directory); 'host_bytes_per_s' (CUDA: pinned host to device);
     'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
     'python_mode_op_s' (CPU: what an op costs passing through mct's Python dispatch mode,
-    ``python_mode_op_s``);
+    ``python_mode_op_s``); 'selective_mode_op_s' (what an op costs passing through torch's
+    selective-checkpoint dispatch modes, ``selective_mode_op_s``); 'elementwise_speedup'
+    [[bytes an op moves, x]] and 'matmul_speedup' [[FLOPs, x]] (CPU, more than one core:
+    what every core gains over one, by size, ``_threads_speedup``);
     'attention_by_dim' {dtype: {'forward'|'backward': [[head width, FLOP/s], ...]}} one
     thread at ``ATTENTION_DIMS``, FLOPs as torch's counter counts them (CPU only);
     'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}} and 'op_overhead_s'
@@ -156,7 +167,8 @@ class MachineProfile:
             raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
         if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
             raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
-        curves = [("elementwise_curve", p.extra.get("elementwise_curve") or [])]
+        curves = [(name, p.extra.get(name) or []) for name in ("elementwise_curve", "elementwise_speedup",
+                                                                "matmul_speedup")]
         curves += [(f"elementwise_by_dtype.{k}", c) for k, c in _mapping(p.extra, "elementwise_by_dtype").items()]
         kinds = _mapping(p.extra, "elementwise_by_kind")
         curves += [(f"elementwise_by_kind.{kind}.{k}", c) for kind in kinds
@@ -170,7 +182,7 @@ class MachineProfile:
             if not (isinstance(curve, list) and all(isinstance(pt, list) and len(pt) == 2 and
                                                     all(isinstance(x, (int, float)) and x > 0 for x in pt)
                                                     for pt in curve)):
-                raise ValueError(f"machine profile entry is damaged ({name} is not [[bytes, bytes/s], ...])")
+                raise ValueError(f"machine profile entry is damaged ({name} is not [[size, rate], ...] of positive numbers)")
         return p
 
 
@@ -309,12 +321,13 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
         attention = {name: _attention_by_dim(DTYPES[name]) for name in one}
         torch.set_num_threads(cores)
         copy_all = _copy_rate("cpu", 32 * 2**20, lambda: None)
+        threaded = _threads_speedup() if cores > 1 else {}
     finally:
         torch.set_num_threads(before)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "elementwise_by_dtype": by_dtype,
              "elementwise_by_kind": by_kind, "copy_all_bytes_per_s": copy_all,
              "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk),
-             "python_mode_op_s": mode_op}
+             "python_mode_op_s": mode_op, "selective_mode_op_s": selective_mode_op_s(), **threaded}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
                           memcpy_bytes_per_s=copy, extra=extra)
@@ -340,7 +353,7 @@ def _measure_cuda(disk: Path | None) -> MachineProfile:
     host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "copy_all_bytes_per_s": copy,
              "disk_bytes_per_s": disk_rate(disk), "random_elements_per_s": random_rate("cuda", sync, 2**24),
-             "host_bytes_per_s": _transfer_rate(host, sync)}
+             "host_bytes_per_s": _transfer_rate(host, sync), "selective_mode_op_s": selective_mode_op_s()}
     return MachineProfile(device="cuda", name=name, flags=flags, torch_version=torch.__version__, threads=1,
                           matmul_one=rates, matmul_all=dict(rates), matmul_size=sizes, memcpy_bytes_per_s=copy,
                           extra=extra)
@@ -379,6 +392,42 @@ def _matmul_rate(dtype: torch.dtype, device: str, max_n: int, sync: Callable[[],
         torch.mm(a, b)
         times.append(clock() - t0)
     return 2.0 * n ** 3 / min(times), n  # the fastest call: a loaded machine only ever slows one down
+
+
+def _threads_speedup(tries: int = 7) -> dict[str, list[list[float]]]:
+    """What every core (the current thread count) gains over one thread, by size, measured
+    here (CPU): 'elementwise_speedup' [[bytes an op moves, speed-up], ...] of the usual mix at
+    the ``ELEMENTWISE_SIZES`` that torch splits over threads (all but the smallest);
+    'matmul_speedup' [[FLOPs, speed-up], ...] of fp32 ``torch.mm`` of [n, n] x [n, n] at
+    ``THREADED_MATMUL_SIZES``. One thread and every thread are timed in turn, ``tries`` times
+    each, the fastest of each: a core another job takes for a moment slows both alike. Neither
+    is the thread count: on the 2-core AVX2 machine an elementwise op of 0.75-3 MiB ran
+    1.35-1.4x as fast at 2 threads (the barrier, the second core's wake-up), one of 12 MiB
+    1.9x; a matmul of 1.7e7 FLOPs 1.8x."""
+    threads = torch.get_num_threads()
+
+    def gain(fn: Callable[[], Any], reps: int) -> float:
+        fn()
+        best = {1: float("inf"), threads: float("inf")}
+        for _ in range(tries):
+            for t in best:
+                torch.set_num_threads(t)
+                best[t] = min(best[t], _fastest(fn, reps, lambda: None, tries=1))
+        torch.set_num_threads(threads)
+        return best[1] / best[threads]
+
+    elementwise = []
+    for nbytes in ELEMENTWISE_SIZES[1:]:
+        n = nbytes // 4
+        x, y = torch.randn(n), torch.randn(n)
+        ops = _mix(x, y, x.view(-1, 256))
+        moved = sum(k for _, k in ops) * nbytes
+        elementwise.append([moved / len(ops), gain(lambda: [op() for op, _ in ops], max(1, 2**25 // nbytes))])
+    matmul = []
+    for n in THREADED_MATMUL_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        matmul.append([2.0 * n**3, gain(lambda: torch.mm(a, b), max(1, 2**29 // n**3))])
+    return {"elementwise_speedup": elementwise, "matmul_speedup": matmul}
 
 
 def _matmul_by_dim(dtype: torch.dtype, device: str, sync: Callable[[], None],
@@ -489,6 +538,33 @@ def python_mode_op_s(calls: int = 2000) -> float:
 
     moded()
     return max(0.0, (_fastest(moded, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
+
+
+def selective_mode_op_s(calls: int = 500) -> float:
+    """Seconds one op of a 'selective' region costs passing through torch's
+    selective-checkpoint dispatch modes (the forward caches or marks its output, the
+    recompute replays from that cache; ``mct.checkpointing.policies.SelectiveDispatch``),
+    beyond the same region recomputed whole: a checkpointed chain of ``calls`` tiny
+    multiplies (each saves its inputs, so the recompute runs), forward and backward, with mct's selective context against without it, over the ops the
+    modes dispatched, the fastest of 5 (never below 0). Host-side Python: the same on a
+    CUDA host."""
+    x = torch.ones(4, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(calls):
+            t = torch.mul(t, t)
+        return t
+
+    def step(context_fn) -> None:
+        kwargs = {"context_fn": context_fn} if context_fn else {}
+        checkpoint(chain, x, use_reentrant=False, **kwargs).sum().backward()
+
+    selective = context_fn_for("selective")
+    before = SelectiveDispatch.dispatched
+    step(selective)
+    ops = SelectiveDispatch.dispatched - before
+    extra = _fastest(lambda: step(selective), 1, lambda: None) - _fastest(lambda: step(None), 1, lambda: None)
+    return max(0.0, extra / max(1, ops))
 
 
 def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:

@@ -17,7 +17,8 @@
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
   the measured ``bernoulli_`` rate, on top of their ops' bytes.
 - **overhead**: ``ops x op_overhead_s + bytes x byte_overhead_s`` (+ the ops that pass
-  through one of mct's Python dispatch modes x what that costs, ``StepWork.modes``): what one dispatched op
+  through one of the Python dispatch modes a step runs (mct's upcast of bf16 matmuls, torch's
+  selective-checkpoint caches) x what that mode costs, ``StepWork.modes``): what one dispatched op
   costs beyond its roofline (Python, the dispatcher, autograd, the engine's memory
   tracker), and what each byte the ops move costs inside a real step beyond the
   microbenchmarks' rates (inputs out of the caches, fresh allocations); with ranks, what
@@ -46,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -103,6 +104,14 @@ class Rates:
     mode_op_s: float = 0.0
     """Seconds an op costs passing through one of mct's Python dispatch modes
     (``StepWork.modes``; ``extra['python_mode_op_s']``; 0: not measured)."""
+    matmul_reach: tuple[tuple[float, float], ...] = ()
+    """((FLOPs, fraction), ...) ascending: how much of ``speedup`` a matmul of that many FLOPs
+    reaches (the profile's measured ``extra['matmul_speedup']``); empty: blended in over
+    ``BLEND``."""
+    mode_op_by: dict[str, float] = field(default_factory=dict)
+    """{mode: seconds an op costs passing through it} of the modes whose cost was measured
+    apart (``StepWork.modes`` 'selective_checkpoint': ``extra['selective_mode_op_s']``);
+    any other mode costs ``mode_op_s``."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -110,7 +119,16 @@ class Rates:
         measured), beyond a call's fixed cost (``op_s``)."""
         curve = self.matmul.get(dtype) or self.matmul["fp32"]
         rate = _loglog(curve, dim) if dim > 0 else curve[-1][1]
-        return flops / (rate * _blend(flops, self.speedup.get(dtype, 1.0)))
+        return flops / (rate * self.gain(flops, dtype))
+
+    def gain(self, flops: float, dtype: str) -> float:
+        """The threads' speed-up of a matmul-like op of ``flops`` in ``dtype``: the measured
+        share of the large matmuls' ``speedup`` a matmul of that size reaches
+        (``matmul_reach``), else blended in over ``BLEND``."""
+        full = self.speedup.get(dtype, 1.0)
+        if not self.matmul_reach:
+            return _blend(flops, full)
+        return 1.0 + (full - 1.0) * _loglin(self.matmul_reach, flops)
 
     def attention_s(self, phase: str, dtype: str, flops: float, dim: int) -> float:
         """Seconds of a fused attention kernel (``phase`` 'forward' | 'backward') of ``flops``
@@ -119,7 +137,7 @@ class Rates:
         curve = self.attention.get(dtype, {}).get(phase)
         if not curve:
             return self.matmul_s(dtype, flops, dim)
-        return flops / (_loglog(curve, dim) * _blend(flops, self.speedup.get(dtype, 1.0)))
+        return flops / (_loglog(curve, dim) * self.gain(flops, dtype))
 
     def memory_s(self, nbytes: float, dtype: str = "fp32", kind: str = "") -> float:
         """Seconds of an elementwise op of ``dtype`` and ``kind`` that reads and writes
@@ -191,7 +209,7 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
     moved = rates.byte_s * rates.charged_bytes(work) if rates.byte_s else 0.0
-    moded = rates.mode_op_s * sum(work.modes.values())
+    moded = sum(n * rates.mode_op_by.get(mode, rates.mode_op_s) for mode, n in work.modes.items())
     return StepTime(compute, work.n_ops * rates.op_s + moved + moded, comm, offload)
 
 
@@ -202,6 +220,14 @@ def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
         if x0 <= x <= x1:
             w = math.log(x / x0) / math.log(x1 / x0)
             return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return points[-1][1] if x > points[-1][0] else points[0][1]
+
+
+def _loglin(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at ``x`` on the interpolation of ``points`` linear in log x (the end's y beyond either end)."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
     return points[-1][1] if x > points[-1][0] else points[0][1]
 
 
@@ -232,7 +258,13 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
         matmul[dtype] = tuple((float(d), float(r)) for d, r in curve)
     curve = extra.get("elementwise_curve") or [[64.0 * 2**20, 2.0 * profile.memcpy_bytes_per_s]]
     share = 2.0 * extra.get("copy_all_bytes_per_s", profile.memcpy_bytes_per_s * threads) / ranks_here
-    x = 1.0 if device == "cuda" else threads  # torch splits an elementwise op over threads from ~32k elements
+    # torch splits an elementwise op over threads from ~32k elements: what that gains, by the
+    # op's bytes, as measured at every core (the thread count where not measured)
+    cores = max(1, profile.threads)
+    gained = tuple((float(b), float(x)) for b, x in extra.get("elementwise_speedup") or [])
+    x = (lambda b: 1.0) if device == "cuda" or threads <= 1 else (
+        (lambda b: 1.0 + (max(1.0, _loglin(gained, b)) - 1.0) * (threads - 1) / max(1, cores - 1))
+        if gained and threads <= cores else (lambda b: float(threads)))
     elementwise = _threaded(curve, x, share)
     by_dtype = {k: _threaded(c, x, share) for k, c in (extra.get("elementwise_by_dtype") or {}).items() if c}
     kinds = {kind: {k: _threaded(c, x, share) for k, c in curves.items() if c}
@@ -258,14 +290,30 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     return Rates(matmul, speedup, elementwise, float(op_s or 0.0), collectives,
                  {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
                  float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds,
-                 float(extra.get("python_mode_op_s") or 0.0))
+                 float(extra.get("python_mode_op_s") or 0.0),
+                 _matmul_reach(profile),
+                 {"selective_checkpoint": float(extra.get("selective_mode_op_s") or 0.0)})
 
 
-def _threaded(curve: list, threads: float, share: float) -> tuple[tuple[float, float], ...]:
-    """A one-thread elementwise curve at ``threads`` threads: ops of ``PARALLEL_BYTES`` or
-    more run on all of them, the largest capped by the rank's ``share`` of copy bandwidth."""
-    return tuple((float(b), r * (threads if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
-        (float(curve[-1][0]), min(curve[-1][1] * threads, share)),)
+def _matmul_reach(profile: MachineProfile) -> tuple[tuple[float, float], ...]:
+    """``Rates.matmul_reach`` from the profile's measured fp32 ``matmul_speedup`` (the share
+    of the large matmuls' speed-up each size reached, between 0 and 1; the large size's
+    itself 1); () where not measured (CUDA, one core)."""
+    measured = profile.extra.get("matmul_speedup") or []
+    full = profile.matmul_all.get("fp32", 0.0) / profile.matmul_one["fp32"]
+    if not measured or profile.device == "cuda" or full <= 1.0:
+        return ()
+    big = 2.0 * profile.matmul_size.get("fp32", 2048) ** 3
+    points = [(float(f), min(1.0, max(0.0, (x - 1.0) / (full - 1.0)))) for f, x in measured if f < big]
+    return tuple(points) + ((big, 1.0),)
+
+
+def _threaded(curve: list, gain: Callable[[float], float], share: float) -> tuple[tuple[float, float], ...]:
+    """A one-thread elementwise curve at the rank's threads: ops of ``PARALLEL_BYTES`` or
+    more run on all of them, ``gain(bytes)`` times as fast, the largest capped by the rank's
+    ``share`` of copy bandwidth."""
+    return tuple((float(b), r * (gain(b) if b >= PARALLEL_BYTES else 1.0)) for b, r in curve[:-1]) + (
+        (float(curve[-1][0]), min(curve[-1][1] * gain(curve[-1][0]), share)),)
 
 
 def _attention(extra: dict[str, Any]) -> dict[str, dict[str, tuple[tuple[float, float], ...]]]:

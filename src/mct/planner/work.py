@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
+from mct.checkpointing.policies import SelectiveDispatch
 from mct.precision.cpu_matmul import UpcastMatmul
 
 aten = torch.ops.aten
@@ -92,9 +93,10 @@ of ``mct.machine.profile``'s elementwise curve."""
 def mode_counts() -> dict[str, int]:
     """{mode: ops dispatched under it so far in this process} of mct's Python dispatch modes
     that a real step runs every forward and backward op through (``precision.cpu_matmul``'s
-    ``UpcastMatmul`` on a CPU without native bf16/fp16): ``DryRun.work.modes`` is the steady
-    step's difference."""
-    return {"upcast_matmul": UpcastMatmul.dispatched}
+    ``UpcastMatmul`` on a CPU without native bf16/fp16; torch's selective-checkpoint modes,
+    which the forward and the recompute of a 'selective' region run their ops through,
+    ``SelectiveDispatch``): ``DryRun.work.modes`` is the steady step's difference."""
+    return {"upcast_matmul": UpcastMatmul.dispatched, "selective_checkpoint": SelectiveDispatch.dispatched}
 
 
 OpKey = tuple[str, int, int, int, str]
