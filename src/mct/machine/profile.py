@@ -545,9 +545,9 @@ def selective_mode_op_s(calls: int = 500) -> float:
     selective-checkpoint dispatch modes (the forward caches or marks its output, the
     recompute replays from that cache; ``mct.checkpointing.policies.SelectiveDispatch``),
     beyond the same region recomputed whole: a checkpointed chain of ``calls`` tiny
-    multiplies (each saves its inputs, so the recompute runs), forward and backward, with mct's selective context against without it, over the ops the
-    modes dispatched, the fastest of 5 (never below 0). Host-side Python: the same on a
-    CUDA host."""
+    multiplies (each saves its inputs, so the recompute runs), forward and backward, with
+    mct's selective context against without it, over the ops the modes dispatched, the
+    fastest of 5 (never below 0). Host-side Python: the same on a CUDA host."""
     x = torch.ones(4, requires_grad=True)
 
     def chain(t: torch.Tensor) -> torch.Tensor:
