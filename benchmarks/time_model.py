@@ -9,7 +9,9 @@ predicted peak against the engine tracker's measured one.
     PYTHONPATH=src:. python benchmarks/time_model.py [--worlds 1 2] [--models ...] [--steps 8]
                                                     [--threads N] [--calibrate]
 
-Real: ``--warmup`` (2) steps, then ``--steps`` (8) timed ``Engine.train_step`` calls
+Real: ``--warmup`` (2, at least 2) steps that track memory (the measured peak: the
+steady one, of the warm-up steps after the first), then ``--steps`` (8) timed
+``Engine.train_step`` calls without the tracker, as `mct train` runs all but its logged steps
 (median; the fastest beside it: a busy machine only slows steps down), a model's
 configurations stepping round-robin so that load from elsewhere hits them alike (as the
 calibration's engines do); 2 ranks are spawned gloo processes (tests/distributed.py),
@@ -105,7 +107,8 @@ def grid(models: list[str], precisions: list[str]) -> list[tuple[str, int, str, 
 
 
 def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, threads: int) -> list[dict]:
-    """Real steps of every configuration on this rank: median seconds and the tracker's peak.
+    """Real steps of every configuration on this rank: median seconds (memory not tracked)
+    and the tracker's peak (of the warm-up steps after the first).
     A model's configurations step round-robin (one step of each in turn, ``warmup`` rounds
     untimed, then ``steps`` timed), so a burst of load from elsewhere slows all of them a
     little rather than one of them a lot."""
@@ -123,9 +126,12 @@ def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, t
         for step in range(warmup + steps):
             for k, engine in enumerate(engines):
                 t0 = time.perf_counter()
-                res = engine.train_step(batch(model, step, rank), loss_of(model))
+                # the warm-up steps track memory (the peak: every step after the first is the
+                # steady one), the timed ones do not, as most of mct train's steps
+                res = engine.train_step(batch(model, step, rank), loss_of(model), track_memory=step < warmup)
                 if step >= warmup:
                     times[k].append(time.perf_counter() - t0)
+                elif step > 0:
                     peaks[k] = max(peaks[k], res.metrics["peak_bytes"])
         for engine in engines:
             engine.close()
@@ -147,6 +153,8 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="measure the machine profile again first")
     ap.add_argument("--json", default="time_model")
     args = ap.parse_args()
+    if args.warmup < 2:
+        ap.error(f"--warmup {args.warmup}: at least 2 (the peak is measured on the warm-up steps after the first)")
     precisions = args.precisions
     if args.calibrate:
         calibrate(force=True)

@@ -140,7 +140,7 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     and wait from two models' steps with the per-byte cost, version 6 the elementwise
     curves by kind of op, version 7 the cost of an op through mct's Python dispatch mode
     (and the overheads from median steps at the rank's threads), version 8 the cost of an op
-    through torch's selective-checkpoint modes: a cached entry of an older
+    through torch's selective-checkpoint modes and through the memory tracker: a cached entry of an older
     version, as the previous mct wrote it, is measured again whole, never half-used, and
     the new entry has the rates."""
     path = tmp_path / "machine.json"
@@ -152,12 +152,13 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     assert all(set(by) == set(old["matmul_one"]) for by in kinds.values())
     assert 0 < old["extra"]["python_mode_op_s"] < 1e-3  # an op through mct's Python dispatch mode
     assert 0 < old["extra"]["selective_mode_op_s"] < 1e-3  # an op through selective checkpointing's modes
+    assert 0 < old["extra"]["tracker_op_s"] < 1e-3  # an op through the memory tracker
     old["version"] = 3
     del old["extra"]["random_elements_per_s"], old["extra"]["elementwise_by_dtype"], old["extra"]["elementwise_by_kind"]
-    del old["extra"]["python_mode_op_s"], old["extra"]["selective_mode_op_s"]
+    del old["extra"]["python_mode_op_s"], old["extra"]["selective_mode_op_s"], old["extra"]["tracker_op_s"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
     assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 8
     assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]
     assert cal.profile.extra["elementwise_by_kind"] and cal.profile.extra["python_mode_op_s"] > 0
-    assert cal.profile.extra["selective_mode_op_s"] > 0
+    assert cal.profile.extra["selective_mode_op_s"] > 0 and cal.profile.extra["tracker_op_s"] > 0

@@ -407,6 +407,41 @@ def test_ops_through_selective_checkpointing_modes_are_counted_as_a_real_step_ru
     assert rates_for(_profile(selective_mode_op_s=2e-5), 1, 1).mode_op_by == {"selective_checkpoint": 2e-5}
 
 
+def test_the_memory_trackers_cost_is_charged_only_to_a_step_that_tracks(monkeypatch):
+    """The per-op overhead is measured on steps without the memory tracker (most of `mct
+    train`'s steps: it tracks only its logged ones); a tracked step costs the profile's
+    ``tracker_op_s`` more per op, nothing else; on CUDA nothing (its counters cost no op).
+    A run's own prediction is of a tracked step only when it tracks every one."""
+    from mct.planner import overhead
+    from mct.run.utilization import predict_step_s
+
+    work = StepWork(ops={("fp32", 0, 10 ** 4, 0): 3, ("fp32", 10 ** 6, 10 ** 5, 16): 2})
+    rates = dataclasses.replace(RATES, tracker_op_s=4e-6)
+    plain, tracked = step_time(work, rates), step_time(work, rates, tracked=True)
+    assert math.isclose(tracked.overhead_s - plain.overhead_s, 5 * 4e-6, rel_tol=1e-12)
+    assert (tracked.compute_s, tracked.comm_s) == (plain.compute_s, plain.comm_s)
+    assert step_time(work, RATES, tracked=True) == step_time(work, RATES)
+    assert rates_for(_profile(tracker_op_s=3e-6), 1, 1).tracker_op_s == 3e-6
+    cuda = dataclasses.replace(_profile(tracker_op_s=3e-6), device="cuda")
+    assert rates_for(cuda, 1, 1).tracker_op_s == 0.0
+    seen = []
+    real = overhead.Engine.train_step
+
+    def spy(self, batch, loss_fn, **kw):
+        seen.append(kw.get("track_memory", True))
+        return real(self, batch, loss_fn, **kw)
+
+    monkeypatch.setattr(overhead.Engine, "train_step", spy)
+    overhead.measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
+    assert seen[-4 * 3:] == [False] * 12  # the 4 engines' 3 real steps each (after their dry runs): untracked
+    monkeypatch.setattr("mct.run.utilization.machine_rates",
+                        lambda *a, **k: (rates_for(_profile(tracker_op_s=1e-3), 1, 1), []))
+    cfg = _cfg(0, "none")
+    steps = {every: predict_step_s(_task(c), c, 1, "cpu", 1) for every, c in
+             ((10, cfg), (1, EngineConfig.from_dict({**cfg.to_dict(), "train": {"log_every": 1}})))}
+    assert steps[1] > steps[10] + 0.05, steps  # hundreds of ops x 1 ms each
+
+
 def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):
     """One process's per-op overhead is measured at the threads a rank of the planned world
     runs (a 2-thread step waits at OpenMP's barriers, a 1-thread one does not), and read

@@ -125,6 +125,9 @@ def _extra_lines(extra: dict) -> list[str]:
     if extra.get("python_mode_op_s"):
         lines.append(f"an op through mct's Python dispatch mode (bf16/fp16 matmuls on fp32 kernels): "
                      f"+{extra['python_mode_op_s'] * 1e6:.1f} us")
+    if extra.get("tracker_op_s"):
+        lines.append(f"an op through the memory tracker (steps that track memory): "
+                     f"+{extra['tracker_op_s'] * 1e6:.1f} us")
     if extra.get("selective_mode_op_s"):
         lines.append(f"an op through torch's selective-checkpoint modes (forward and recompute of a 'selective' "
                      f"region): +{extra['selective_mode_op_s'] * 1e6:.1f} us")

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
+from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
 
 PROFILE_VERSION = 8
@@ -45,10 +46,12 @@ threads (one thread before); the cost of an op passing through a Python dispatch
 (``extra['python_mode_op_s']``). 8: the cost of an op passing through torch's
 selective-checkpoint dispatch modes (``extra['selective_mode_op_s']``), and the every-core
 speed-up of elementwise ops and matmuls by size (``extra['elementwise_speedup']``,
-``extra['matmul_speedup']``; the thread count, and a blend by FLOPs, assumed before)."""
+``extra['matmul_speedup']``; the thread count, and a blend by FLOPs, assumed before), the
+memory tracker's cost per op (``extra['tracker_op_s']``), and the per-op overhead of steps
+without the tracker (with it before)."""
 
 SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
-                "python_mode_op_s", "selective_mode_op_s")
+                "python_mode_op_s", "selective_mode_op_s", "tracker_op_s")
 """``extra``'s single-number entries: a cached one that is not a finite number >= 0 is a
 damaged entry (measured again), never a traceback where the time model reads it."""
 
@@ -118,7 +121,8 @@ class MachineProfile:
     'random_elements_per_s' (one thread's ``bernoulli_``, ``RANDOM_ELEMENTS``);
     'python_mode_op_s' (CPU: what an op costs passing through mct's Python dispatch mode,
     ``python_mode_op_s``); 'selective_mode_op_s' (what an op costs passing through torch's
-    selective-checkpoint dispatch modes, ``selective_mode_op_s``); 'elementwise_speedup'
+    selective-checkpoint dispatch modes, ``selective_mode_op_s``); 'tracker_op_s' (CPU: what an
+    op costs through the memory tracker's dispatch mode, ``tracker_op_s``); 'elementwise_speedup'
     [[bytes an op moves, x]] and 'matmul_speedup' [[FLOPs, x]] (CPU, more than one core:
     what every core gains over one, by size, ``_threads_speedup``);
     'attention_by_dim' {dtype: {'forward'|'backward': [[head width, FLOP/s], ...]}} one
@@ -327,7 +331,8 @@ def _measure_cpu(disk: Path | None) -> MachineProfile:
     extra = {"matmul_by_dim": curve, "elementwise_curve": elementwise, "elementwise_by_dtype": by_dtype,
              "elementwise_by_kind": by_kind, "copy_all_bytes_per_s": copy_all,
              "random_elements_per_s": random, "attention_by_dim": attention, "disk_bytes_per_s": disk_rate(disk),
-             "python_mode_op_s": mode_op, "selective_mode_op_s": selective_mode_op_s(), **threaded}
+             "python_mode_op_s": mode_op, "selective_mode_op_s": selective_mode_op_s(),
+             "tracker_op_s": tracker_op_s(), **threaded}
     return MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                           threads=cores, matmul_one=one, matmul_all=every, matmul_size=sizes,
                           memcpy_bytes_per_s=copy, extra=extra)
@@ -538,6 +543,28 @@ def python_mode_op_s(calls: int = 2000) -> float:
 
     moded()
     return max(0.0, (_fastest(moded, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
+
+
+def tracker_op_s(calls: int = 2000) -> float:
+    """Seconds one op costs passing through the CPU memory tracker's dispatch mode (it
+    counts every new storage by category and phase: ``mct.memory.tracker``), beyond its
+    plain dispatch: a tiny add, which allocates its output as a step's ops do, inside a
+    tracked phase against outside it, ``calls`` of each, the fastest of 5 (never below 0).
+    `mct train` tracks only its logged steps (``Engine.train_step(track_memory=False)``
+    otherwise), a run with ``memory.enforce`` every one."""
+    x = torch.ones(4)
+    tracker = MemoryTracker("cpu")
+
+    def adds() -> None:
+        for _ in range(calls):
+            torch.add(x, x)
+
+    def tracked() -> None:
+        with tracker.phase("forward"):
+            adds()
+
+    tracked()
+    return max(0.0, (_fastest(tracked, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
 
 
 def selective_mode_op_s(calls: int = 500) -> float:

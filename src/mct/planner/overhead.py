@@ -186,7 +186,9 @@ def _rank_overhead_steps(rank: int, world: int, dev: torch.device, steps: int) -
 
 def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, float]]]:
     """(seconds, of which in collectives) of ``steps`` timed steps per
-    ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups)."""
+    ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups), the memory
+    tracker off: the step `mct train` runs between its logged ones (the tracker's own cost
+    is ``extra['tracker_op_s']``, charged where a run tracks every step)."""
     cfgs = _overhead_configs()
     batches = [_overhead_batch(c) for c in cfgs]
     engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in cfgs]  # a CUDA step's host side alike
@@ -194,7 +196,7 @@ def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, floa
     for i in range(steps + 2):
         for engine, batch, got in zip(engines, batches, times):
             t0 = time.perf_counter()
-            out = engine.train_step(batch, gpt_loss)
+            out = engine.train_step(batch, gpt_loss, track_memory=False)  # as most of mct train's steps
             if i >= 2:
                 got.append((time.perf_counter() - t0, float(out.metrics["time_comm_s"])))
     for engine in engines:

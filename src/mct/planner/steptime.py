@@ -108,6 +108,10 @@ class Rates:
     """((FLOPs, fraction), ...) ascending: how much of ``speedup`` a matmul of that many FLOPs
     reaches (the profile's measured ``extra['matmul_speedup']``); empty: blended in over
     ``BLEND``."""
+    tracker_op_s: float = 0.0
+    """Seconds an op costs through the CPU memory tracker (``extra['tracker_op_s']``), charged
+    to a step that tracks memory (``step_time(..., tracked=True)``); ``op_s`` is measured on
+    steps without it."""
     mode_op_by: dict[str, float] = field(default_factory=dict)
     """{mode: seconds an op costs passing through it} of the modes whose cost was measured
     apart (``StepWork.modes`` 'selective_checkpoint': ``extra['selective_mode_op_s']``);
@@ -196,8 +200,12 @@ class StepTime:
                 "offload_s": self.offload_s}
 
 
-def step_time(work: StepWork, rates: Rates) -> StepTime:
-    """The seconds of one step of ``work`` at ``rates`` (the module docstring's sum)."""
+def step_time(work: StepWork, rates: Rates, *, tracked: bool = False) -> StepTime:
+    """The seconds of one step of ``work`` at ``rates`` (the module docstring's sum).
+    ``tracked``: a step the CPU memory tracker counts (every op through its dispatch mode,
+    ``Rates.tracker_op_s`` each): every step of the Engine API's default and of a run with
+    ``memory.enforce``; `mct train` tracks only its logged steps, so its median step is an
+    untracked one."""
     compute = 0.0
     for key, n in work.ops.items():
         dtype, flops, nbytes, dim = key[:4]
@@ -210,7 +218,8 @@ def step_time(work: StepWork, rates: Rates) -> StepTime:
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
     moved = rates.byte_s * rates.charged_bytes(work) if rates.byte_s else 0.0
     moded = sum(n * rates.mode_op_by.get(mode, rates.mode_op_s) for mode, n in work.modes.items())
-    return StepTime(compute, work.n_ops * rates.op_s + moved + moded, comm, offload)
+    per_op = rates.op_s + (rates.tracker_op_s if tracked else 0.0)
+    return StepTime(compute, work.n_ops * per_op + moved + moded, comm, offload)
 
 
 def _loglog(points: tuple[tuple[float, float], ...] | list, x: float) -> float:
@@ -291,7 +300,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
                  {k: v for k, v in tiers.items() if v}, tuple(notes), random, wait, _attention(extra), by_dtype,
                  float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds,
                  float(extra.get("python_mode_op_s") or 0.0),
-                 _matmul_reach(profile),
+                 _matmul_reach(profile), float(extra.get("tracker_op_s") or 0.0) if device == "cpu" else 0.0,
                  {"selective_checkpoint": float(extra.get("selective_mode_op_s") or 0.0)})
 
 

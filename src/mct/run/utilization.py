@@ -114,7 +114,9 @@ class Utilization:
 def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int) -> float | None:
     """The time model's seconds per step of ``task`` under ``cfg`` (a dry run, depth
     extrapolated, and this machine's rates; in a training rank nothing is spawned: the
-    collectives only when cached). None when the model cannot be dry-run or a concrete
+    collectives only when cached), of the step the run's median is made of: untracked, as
+    `mct train` tracks memory only on its logged steps, unless it tracks every one
+    (``memory.enforce``, ``train.log_every = 1``). None when the model cannot be dry-run or a concrete
     config is missing (``auto`` unresolved)."""
     try:
         rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
@@ -122,5 +124,6 @@ def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: 
         run = predict(prepare(task, cfg), cfg, world_size)
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
         return None
-    return step_time(run.work, rates).total if rates is not None and run.work is not None else None
+    tracked = device_type != "cuda" and cfg.memory.track and (cfg.memory.enforce or cfg.train.log_every == 1)
+    return step_time(run.work, rates, tracked=tracked).total if rates is not None and run.work is not None else None
 
