@@ -150,7 +150,7 @@ def context_fn_for(policy: str) -> Callable[[], tuple[ContextManager, ContextMan
 class SelectiveDispatch:
     """Counts the ops dispatched through torch's selective-checkpoint dispatch modes (the
     forward of a 'selective' region caches or marks each op's output, its recompute replays
-    from that cache): each pays a Python call there (13-22 us an op on the AVX2 machine, more
+    from that cache): each pays a Python call there (20-30 us an op on the AVX2 machine, more
     than most of a small block's ops cost themselves, ``extra['selective_mode_op_s']`` of the machine
     profile). ``dispatched``: in this process, so that the planner's dry run can count a
     step's (``mct.planner.work.mode_counts``) and its time model charge them."""

@@ -13,6 +13,7 @@ left out. ``MachineProfile`` is plain data (``to_dict`` / ``from_dict``) so the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import platform
@@ -526,71 +527,95 @@ def random_rate(device: str, sync: Callable[[], None], n: int = RANDOM_ELEMENTS)
     return n / _fastest(lambda: x.bernoulli_(0.9), max(1, min(20, 2**18 // n)), sync)
 
 
-def python_mode_op_s(calls: int = 2000) -> float:
+MODE_STEP_REPS = 5
+"""Forward-backward passes per timed batch of ``_mode_cost`` (the fastest of 5 batches)."""
+
+
+def _tiny_transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], None]]:
+    """A tiny transformer (two encoder layers of width 32 and a head) and one fp32
+    forward-backward of it on a fixed batch: the mix of ops a training step dispatches
+    (norms, softmax, matmuls, their gradients), each costing almost nothing but its dispatch."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+                                  for _ in range(2)], torch.nn.Linear(32, 64))
+    x, y = torch.randn(2, 16, 32, generator=g), torch.randint(0, 64, (2, 16), generator=g)
+
+    def step(forward: torch.nn.Module) -> None:
+        out = forward(x)
+        torch.nn.functional.cross_entropy(out.reshape(-1, 64), y.reshape(-1)).backward()
+
+    return model, step
+
+
+def _mode_cost(within: Callable[[Callable[[], None]], None]) -> float:
+    """Seconds per op that ``within(step)`` (the tiny transformer's forward-backward run some
+    other way) costs beyond the plain step: (its time - the plain step's) / the ops the plain
+    step dispatches, the fastest of 5 batches each (never below 0)."""
+    model, step = _tiny_transformer()
+    plain = functools.partial(step, model)
+    plain()
+    within(plain)
+    before = UpcastMatmul.dispatched
+    with UpcastMatmul():  # fp32 passes through it untouched: it counts the step's ops
+        plain()
+    ops = UpcastMatmul.dispatched - before
+    extra = (_fastest(lambda: within(plain), MODE_STEP_REPS, lambda: None)
+             - _fastest(plain, MODE_STEP_REPS, lambda: None))
+    return max(0.0, extra / max(1, ops))
+
+
+def python_mode_op_s() -> float:
     """Seconds one op costs passing through mct's Python dispatch mode beyond its plain
     dispatch (``UpcastMatmul``, which a bf16/fp16 step on a CPU without native units runs
-    every forward and backward op through): a tiny bf16 add under it against without it,
-    ``calls`` of each, the fastest of 5 (never below 0)."""
-    x = torch.ones(4, dtype=torch.bfloat16)
+    every forward and backward op through), measured on a tiny transformer's fp32
+    forward-backward under the mode against without it (``_mode_cost``). On the AVX2 machine
+    14.6-30 us an op, twice what a loop of tiny adds measured (ops of a real step carry more
+    tensors), which predicted bf16 steps 15-20% fast."""
 
-    def adds() -> None:
-        for _ in range(calls):
-            torch.add(x, x)
-
-    def moded() -> None:
+    def moded(step: Callable[[], None]) -> None:
         with UpcastMatmul():
-            adds()
+            step()
 
-    moded()
-    return max(0.0, (_fastest(moded, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
+    return _mode_cost(moded)
 
 
-def tracker_op_s(calls: int = 2000) -> float:
+def tracker_op_s() -> float:
     """Seconds one op costs passing through the CPU memory tracker's dispatch mode (it
-    counts every new storage by category and phase: ``mct.memory.tracker``), beyond its
-    plain dispatch: a tiny add, which allocates its output as a step's ops do, inside a
-    tracked phase against outside it, ``calls`` of each, the fastest of 5 (never below 0).
-    `mct train` tracks only its logged steps (``Engine.train_step(track_memory=False)``
-    otherwise), a run with ``memory.enforce`` every one."""
-    x = torch.ones(4)
+    counts every new storage by category and phase: ``mct.memory.tracker``) beyond its plain
+    dispatch: a tiny transformer's forward-backward inside a tracked phase against outside it
+    (``_mode_cost``). `mct train` tracks only its logged steps
+    (``Engine.train_step(track_memory=False)`` otherwise), a run with ``memory.enforce`` every one."""
     tracker = MemoryTracker("cpu")
 
-    def adds() -> None:
-        for _ in range(calls):
-            torch.add(x, x)
-
-    def tracked() -> None:
+    def tracked(step: Callable[[], None]) -> None:
         with tracker.phase("forward"):
-            adds()
+            step()
 
-    tracked()
-    return max(0.0, (_fastest(tracked, 1, lambda: None) - _fastest(adds, 1, lambda: None)) / calls)
+    return _mode_cost(tracked)
 
 
-def selective_mode_op_s(calls: int = 500) -> float:
+def selective_mode_op_s() -> float:
     """Seconds one op of a 'selective' region costs passing through torch's
     selective-checkpoint dispatch modes (the forward caches or marks its output, the
-    recompute replays from that cache; ``mct.checkpointing.policies.SelectiveDispatch``),
-    beyond the same region recomputed whole: a checkpointed chain of ``calls`` tiny
-    multiplies (each saves its inputs, so the recompute runs), forward and backward, with
-    mct's selective context against without it, over the ops the modes dispatched, the
-    fastest of 5 (never below 0). Host-side Python: the same on a CUDA host."""
-    x = torch.ones(4, requires_grad=True)
-
-    def chain(t: torch.Tensor) -> torch.Tensor:
-        for _ in range(calls):
-            t = torch.mul(t, t)
-        return t
-
-    def step(context_fn) -> None:
-        kwargs = {"context_fn": context_fn} if context_fn else {}
-        checkpoint(chain, x, use_reentrant=False, **kwargs).sum().backward()
-
+    recompute replays from that cache; ``mct.checkpointing.policies.SelectiveDispatch``)
+    beyond the same region recomputed whole: a tiny transformer's forward-backward, its
+    layers one checkpointed region with mct's selective context against without it, over
+    the ops the modes dispatched (``_mode_cost``). Host-side Python: the same on a CUDA host."""
+    model, step = _tiny_transformer()
     selective = context_fn_for("selective")
+
+    def region(context_fn: Callable[[], Any] | None) -> torch.nn.Module:
+        kwargs = {"context_fn": context_fn} if context_fn else {}
+        return lambda x: checkpoint(model, x, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+
+    whole, kept = region(None), region(selective)
+    step(whole)
+    step(kept)
     before = SelectiveDispatch.dispatched
-    step(selective)
+    step(kept)
     ops = SelectiveDispatch.dispatched - before
-    extra = _fastest(lambda: step(selective), 1, lambda: None) - _fastest(lambda: step(None), 1, lambda: None)
+    extra = (_fastest(lambda: step(kept), MODE_STEP_REPS, lambda: None)
+             - _fastest(lambda: step(whole), MODE_STEP_REPS, lambda: None))
     return max(0.0, extra / max(1, ops))
 
 

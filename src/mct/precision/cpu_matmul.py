@@ -60,7 +60,7 @@ class UpcastMatmul(TorchDispatchMode):
     it. Every other op passes through untouched. Active around forward, backward and
     recompute; ``calls`` counts what it upcast.
 
-    Every op dispatched under it, upcast or not, pays a Python call (10-15 us on a CPU,
+    Every op dispatched under it, upcast or not, pays a Python call (15-30 us on a CPU,
     ``extra['python_mode_op_s']`` of the machine profile): ``dispatched`` counts them in this
     process, across instances, so that the planner's dry run can count a step's
     (``StepWork.modes``) and its time model charge them."""
