@@ -413,7 +413,7 @@ def test_the_memory_trackers_cost_is_charged_only_to_a_step_that_tracks(monkeypa
     ``tracker_op_s`` more per op, nothing else; on CUDA nothing (its counters cost no op).
     A run's own prediction is of a tracked step only when it tracks every one."""
     from mct.planner import overhead
-    from mct.run.utilization import predict_step_s
+    from mct.run.utilization import predict_step_s, tracks_every_step
 
     work = StepWork(ops={("fp32", 0, 10 ** 4, 0): 3, ("fp32", 10 ** 6, 10 ** 5, 16): 2})
     rates = dataclasses.replace(RATES, tracker_op_s=4e-6)
@@ -440,6 +440,9 @@ def test_the_memory_trackers_cost_is_charged_only_to_a_step_that_tracks(monkeypa
     steps = {every: predict_step_s(_task(c), c, 1, "cpu", 1) for every, c in
              ((10, cfg), (1, EngineConfig.from_dict({**cfg.to_dict(), "train": {"log_every": 1}})))}
     assert steps[1] > steps[10] + 0.05, steps  # hundreds of ops x 1 ms each
+    enforced = EngineConfig.from_dict({**cfg.to_dict(), "memory": {"budget": "1GiB", "enforce": True}})
+    assert tracks_every_step(enforced, "cpu") and not tracks_every_step(enforced, "cuda")
+    assert not tracks_every_step(cfg, "cpu")
 
 
 def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):

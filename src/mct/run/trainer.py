@@ -43,7 +43,7 @@ from mct.run.recovery import Recovery, StepOutcome
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
-from mct.run.utilization import Utilization
+from mct.run.utilization import Utilization, tracks_every_step
 from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 from mct.task import (Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for,
@@ -172,7 +172,9 @@ class Trainer:
         the machine the first time; every rank gets its answer)."""
         found = None
         if self.ctx.is_main:
-            planned = (self.choice or {}).get("predicted_step_s")  # auto's plan has it; else a dry run now
+            # auto's plan has it (of an untracked step); else, or when every step tracks memory, a dry run now
+            planned = None if tracks_every_step(self.cfg, self.ctx.device.type) else \
+                (self.choice or {}).get("predicted_step_s")
             found, warning = Utilization.for_run(self.task, self.cfg, self.ctx.world_size, self.ctx.device.type,
                                                  predicted_step_s=planned)
             if warning:

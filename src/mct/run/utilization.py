@@ -124,6 +124,13 @@ def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: 
         run = predict(prepare(task, cfg), cfg, world_size)
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
         return None
-    tracked = device_type != "cuda" and cfg.memory.track and (cfg.memory.enforce or cfg.train.log_every == 1)
+    tracked = tracks_every_step(cfg, device_type)
     return step_time(run.work, rates, tracked=tracked).total if rates is not None and run.work is not None else None
+
+
+def tracks_every_step(cfg: EngineConfig, device_type: str) -> bool:
+    """Does a run of ``cfg`` count memory on every step (the CPU tracker's dispatch mode on
+    every op: ``memory.enforce``, or ``train.log_every = 1``)? `mct train` counts only the
+    steps it logs, so its median step is otherwise an untracked one."""
+    return device_type != "cuda" and cfg.memory.track and (cfg.memory.enforce or cfg.train.log_every == 1)
 
