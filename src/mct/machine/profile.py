@@ -547,21 +547,37 @@ def _tiny_transformer() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], No
     return model, step
 
 
-def _mode_cost(within: Callable[[Callable[[], None]], None]) -> float:
-    """Seconds per op that ``within(step)`` (the tiny transformer's forward-backward run some
-    other way) costs beyond the plain step: (its time - the plain step's) / the ops the plain
-    step dispatches, the fastest of 5 batches each (never below 0)."""
+def _extra_per_op(plain: Callable[[], None], other: Callable[[], None], ops: int) -> float:
+    """Seconds per op that ``other`` costs beyond ``plain``: (its time - ``plain``'s) over
+    ``ops``, the fastest of 5 batches each (never below 0)."""
+    extra = _fastest(other, MODE_STEP_REPS, lambda: None) - _fastest(plain, MODE_STEP_REPS, lambda: None)
+    return max(0.0, extra / max(1, ops))
+
+
+def _counted(run: Callable[[], None], counter: Callable[[], int]) -> int:
+    """How far one ``run()`` advances ``counter()`` (a class counter of dispatched ops)."""
+    before = counter()
+    run()
+    return counter() - before
+
+
+def _mode_cost(context: Callable[[], Any]) -> float:
+    """Seconds per op of the tiny transformer's forward-backward inside ``context()`` beyond
+    it outside, over the ops the step dispatches (``_extra_per_op``)."""
     model, step = _tiny_transformer()
     plain = functools.partial(step, model)
+
+    def inside() -> None:
+        with context():
+            plain()
+
+    def counting() -> None:
+        with UpcastMatmul():  # fp32 ops pass through it untouched: it counts the step's
+            plain()
+
     plain()
-    within(plain)
-    before = UpcastMatmul.dispatched
-    with UpcastMatmul():  # fp32 passes through it untouched: it counts the step's ops
-        plain()
-    ops = UpcastMatmul.dispatched - before
-    extra = (_fastest(lambda: within(plain), MODE_STEP_REPS, lambda: None)
-             - _fastest(plain, MODE_STEP_REPS, lambda: None))
-    return max(0.0, extra / max(1, ops))
+    inside()
+    return _extra_per_op(plain, inside, _counted(counting, lambda: UpcastMatmul.dispatched))
 
 
 def python_mode_op_s() -> float:
@@ -571,12 +587,7 @@ def python_mode_op_s() -> float:
     forward-backward under the mode against without it (``_mode_cost``). On the AVX2 machine
     14.6-30 us an op, twice what a loop of tiny adds measured (ops of a real step carry more
     tensors), which predicted bf16 steps 15-20% fast."""
-
-    def moded(step: Callable[[], None]) -> None:
-        with UpcastMatmul():
-            step()
-
-    return _mode_cost(moded)
+    return _mode_cost(UpcastMatmul)
 
 
 def tracker_op_s() -> float:
@@ -586,12 +597,7 @@ def tracker_op_s() -> float:
     (``_mode_cost``). `mct train` tracks only its logged steps
     (``Engine.train_step(track_memory=False)`` otherwise), a run with ``memory.enforce`` every one."""
     tracker = MemoryTracker("cpu")
-
-    def tracked(step: Callable[[], None]) -> None:
-        with tracker.phase("forward"):
-            step()
-
-    return _mode_cost(tracked)
+    return _mode_cost(lambda: tracker.phase("forward"))
 
 
 def selective_mode_op_s() -> float:
@@ -600,23 +606,14 @@ def selective_mode_op_s() -> float:
     recompute replays from that cache; ``mct.checkpointing.policies.SelectiveDispatch``)
     beyond the same region recomputed whole: a tiny transformer's forward-backward, its
     layers one checkpointed region with mct's selective context against without it, over
-    the ops the modes dispatched (``_mode_cost``). Host-side Python: the same on a CUDA host."""
+    the ops the modes dispatched (``_extra_per_op``). Host-side Python: the same on a CUDA host."""
     model, step = _tiny_transformer()
-    selective = context_fn_for("selective")
-
-    def region(context_fn: Callable[[], Any] | None) -> torch.nn.Module:
-        kwargs = {"context_fn": context_fn} if context_fn else {}
-        return lambda x: checkpoint(model, x, use_reentrant=False, **kwargs)  # type: ignore[return-value]
-
-    whole, kept = region(None), region(selective)
-    step(whole)
-    step(kept)
-    before = SelectiveDispatch.dispatched
-    step(kept)
-    ops = SelectiveDispatch.dispatched - before
-    extra = (_fastest(lambda: step(kept), MODE_STEP_REPS, lambda: None)
-             - _fastest(lambda: step(whole), MODE_STEP_REPS, lambda: None))
-    return max(0.0, extra / max(1, ops))
+    kept = context_fn_for("selective")
+    whole = functools.partial(step, lambda x: checkpoint(model, x, use_reentrant=False))
+    selective = functools.partial(step, lambda x: checkpoint(model, x, use_reentrant=False, context_fn=kept))
+    whole()
+    selective()
+    return _extra_per_op(whole, selective, _counted(selective, lambda: SelectiveDispatch.dispatched))
 
 
 def _transfer_rate(host: torch.Tensor, sync: Callable[[], None]) -> float:

@@ -267,13 +267,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
         matmul[dtype] = tuple((float(d), float(r)) for d, r in curve)
     curve = extra.get("elementwise_curve") or [[64.0 * 2**20, 2.0 * profile.memcpy_bytes_per_s]]
     share = 2.0 * extra.get("copy_all_bytes_per_s", profile.memcpy_bytes_per_s * threads) / ranks_here
-    # torch splits an elementwise op over threads from ~32k elements: what that gains, by the
-    # op's bytes, as measured at every core (the thread count where not measured)
-    cores = max(1, profile.threads)
-    gained = tuple((float(b), float(x)) for b, x in extra.get("elementwise_speedup") or [])
-    x = (lambda b: 1.0) if device == "cuda" or threads <= 1 else (
-        (lambda b: 1.0 + (max(1.0, _loglin(gained, b)) - 1.0) * (threads - 1) / max(1, cores - 1))
-        if gained and threads <= cores else (lambda b: float(threads)))
+    x = _elementwise_gain(profile, threads)
     elementwise = _threaded(curve, x, share)
     by_dtype = {k: _threaded(c, x, share) for k, c in (extra.get("elementwise_by_dtype") or {}).items() if c}
     kinds = {kind: {k: _threaded(c, x, share) for k, c in curves.items() if c}
@@ -302,6 +296,21 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
                  float(extra.get("python_mode_op_s") or 0.0),
                  _matmul_reach(profile), float(extra.get("tracker_op_s") or 0.0) if device == "cpu" else 0.0,
                  {"selective_checkpoint": float(extra.get("selective_mode_op_s") or 0.0)})
+
+
+def _elementwise_gain(profile: MachineProfile, threads: int) -> Callable[[float], float]:
+    """What ``threads`` threads gain on an elementwise op by the bytes it moves (torch splits
+    one over its threads from ~32k elements): the profile's measured every-core gain at that
+    size (``extra['elementwise_speedup']``), linear in the threads between one and every core;
+    the thread count where not measured or beyond the cores; 1 on CUDA and at one thread."""
+    if profile.device == "cuda" or threads <= 1:
+        return lambda nbytes: 1.0
+    gained = tuple((float(b), float(x)) for b, x in profile.extra.get("elementwise_speedup") or [])
+    cores = max(1, profile.threads)
+    if not gained or threads > cores:
+        return lambda nbytes: float(threads)
+    share = (threads - 1) / max(1, cores - 1)
+    return lambda nbytes: 1.0 + (max(1.0, _loglin(gained, nbytes)) - 1.0) * share
 
 
 def _matmul_reach(profile: MachineProfile) -> tuple[tuple[float, float], ...]:
