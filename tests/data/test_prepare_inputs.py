@@ -179,17 +179,18 @@ def test_a_killed_runs_partial_directory_is_removed_by_the_next_run(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 @pytest.mark.cli
 def test_a_signal_mid_prepare_leaves_no_directory_and_no_process(tmp_path, sig):
-    (tmp_path / "big.txt").write_text(("word " * 200 + "\n") * 60000)  # ~60 MB: still encoding when signalled
+    (tmp_path / "big.txt").write_text(("word " * 200 + "\n") * 100000)  # 100 MB: encodes for ~1 s after the first write
     out = tmp_path / "ds_signal_target"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "mct", "prepare", str(tmp_path / "big.txt"), "--out", str(out),
                              "--workers", "2", "--no-progress"], env=env, start_new_session=True,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not list(tmp_path.glob(".ds_signal_target.partial-*")) and time.monotonic() < deadline:
+    # signalled once tokens are being written: workers running, large results in flight (a
+    # multiprocessing.Pool hung for ever here, its terminate waiting on a worker mid-write)
+    while not _written(tmp_path.glob(".ds_signal_target.partial-*/tokens.bin")) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.2)
-    time.sleep(1.0)
+        time.sleep(0.005)
     os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)  # Ctrl-C reaches the whole group
     try:  # communicate, not wait: a child that writes more than a pipe holds would block on it
         _, err = proc.communicate(timeout=240)
@@ -202,6 +203,13 @@ def test_a_signal_mid_prepare_leaves_no_directory_and_no_process(tmp_path, sig):
     time.sleep(0.5)
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(out))]
     assert left == [], "a worker outlived the prepare"
+
+
+def _written(paths) -> bool:
+    try:
+        return any(p.stat().st_size > 0 for p in paths)
+    except OSError:
+        return False
 
 
 def _cmdline_has(p: Path, text: str) -> bool:

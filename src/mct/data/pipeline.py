@@ -2,7 +2,7 @@
 
 The pipeline streams: the main process reads inputs in chunks of about 1 MiB of raw
 records (``sources.read_source``), ``workers`` processes parse and encode them
-(``encode_chunk``), and the main process appends the results in input order. At most
+(``encode_chunk``; ``workers.OrderedWorkers``), and the main process appends the results in input order. At most
 ``2 x workers`` chunks are in flight, so memory does not grow with the corpus. With
 ``workers = 1`` the chunks are encoded in the main process (no IPC). Each encoder runs
 single-threaded (TOKENIZERS_PARALLELISM=false for the encode phase): the parallelism is
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
+import functools
 import os
 import signal
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -31,6 +29,7 @@ from mct.data.dataset import DatasetWriter, check_out_dir
 from mct.data.sources import CHUNK_BYTES, Chunk, Source, never, expand_inputs, group_text, parse_chunk, read_source
 from mct.data.textstream import SPLITS
 from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer
+from mct.data.workers import OrderedWorkers
 
 
 @dataclass
@@ -73,58 +72,8 @@ def encode_chunk(enc: Encoder, chunk: Chunk, text_field: str) -> Encoded:
                    int(bool(ids)), mismatched)
 
 
-_worker_encoder: list[Encoder] = []
-"""The one Encoder of a pool worker process, set by its initializer (never in the parent)."""
-
-
-def _init_worker(tok: Tokenizer) -> None:
-    # Ctrl-C reaches the whole process group: only the parent handles it (and terminates
-    # the pool); a worker dies by the SIGTERM of Pool.terminate, not by a handler it inherited
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker_encoder.append(Encoder(tok))
-
-
-_forking_workers = False
-"""True while ``_encoded`` forks its pool: ``_forked_worker_signals`` then runs in each child."""
-
-
-def _forked_worker_signals() -> None:
-    """In a forked child, before anything else runs: SIGINT ignored and SIGTERM fatal (as
-    ``_init_worker`` sets them), and both unblocked. A worker terminated before its
-    initializer ran would otherwise run the parent's handler (a KeyboardInterrupt
-    mid-start: a stray traceback), or, blocked in a lock held by a thread of the parent at
-    fork time, never run it at all, so ``Pool.terminate`` waited forever."""
-    if _forking_workers:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
-    os.register_at_fork(after_in_child=_forked_worker_signals)
-
-
-@contextlib.contextmanager
-def _forking_pool() -> Iterator[None]:
-    """While the pool forks: Ctrl-C and SIGTERM held back in this process (delivered, never
-    lost, once the pool is up) and the children set up by ``_forked_worker_signals``."""
-    global _forking_workers
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    _forking_workers = True
-    try:
-        yield
-    finally:
-        _forking_workers = False
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _worker_task(chunk: Chunk, text_field: str) -> Encoded:
-    return encode_chunk(_worker_encoder[0], chunk, text_field)
+def _encode_in_worker(text_field: str, enc: Encoder, chunk: Chunk) -> Encoded:
+    return encode_chunk(enc, chunk, text_field)
 
 
 @contextlib.contextmanager
@@ -197,22 +146,8 @@ def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: 
         for c in chunks:
             yield encode_chunk(enc, c, text_field)
         return
-    # fork: workers start in milliseconds and share the parent's imports; spawn elsewhere
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with _forking_pool():
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok,))
-    try:
-        pending: deque = deque()
-        for c in chunks:
-            pending.append(pool.apply_async(_worker_task, (c, text_field)))
-            while len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
+    with OrderedWorkers(workers, Encoder, tok, functools.partial(_encode_in_worker, text_field)) as pool:
+        yield from pool.map(chunks)
 
 
 MAX_WORKERS = max(64, 2 * (os.cpu_count() or 1))
