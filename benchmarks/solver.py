@@ -1,10 +1,13 @@
 """The solver against the fastest uniform configuration, measured: for budgets between a
 model's 'all' and 'none' peaks, the configuration ``auto`` picks (``mct.planner.auto``:
 per-block recompute, stage, activation offload, the levers ``--allow`` names) and the
-fastest uniform row of the grid that fits (stages 0-3 x none/selective/sqrt/all, by the
-same prediction), both trained for real on 2 gloo ranks, step by step interleaved in the
-same processes, each first in half the rounds (a shared CPU slows them alike): median step time, the engine tracker's
-peak per rank (first step included) against the budget.
+``--uniform`` (3) fastest-predicted uniform rows of the grid that fit (stages 0-3 x
+none/selective/sqrt/all), all trained for real on 2 gloo ranks, step by step interleaved in the
+same processes, each first in half the rounds (a shared CPU slows them alike). Timed: the median
+of untracked steps (what ``mct train`` runs between its logged steps, and what the solver ranks);
+the peak per rank against the budget is the tracker's over the tracked warm-up steps (the first
+step included). The pick is compared with the uniform row that measured fastest, not with the
+one the time model ranked first.
 
     PYTHONPATH=src:. python benchmarks/solver.py [--layers 16] [--steps 5] [--fractions 0.15 0.35 0.55 0.75]
         [--allow micro_batch] [--json solver]
@@ -51,6 +54,10 @@ def _batches(cfg: EngineConfig, step: int, rank: int) -> Any:
     return micro if len(micro) > 1 else micro[0]
 
 
+WARMUP = 2
+"""Tracked warm-up steps per round (two rounds): the first step and a steady one, for the peak."""
+
+
 def _worker(rank: int, world: int, cfgs: dict[str, dict], steps: int) -> dict[str, Any] | None:
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -67,12 +74,13 @@ def _worker(rank: int, world: int, cfgs: dict[str, dict], steps: int) -> dict[st
         engine, cfg = engines[name]
 
         def step(i: int) -> None:
-            out = engine.train_step(_batches(cfg, i, rank), losses[name])
-            peaks[name].append(out.metrics["peak_bytes"])
+            out = engine.train_step(_batches(cfg, i, rank), losses[name], track_memory=i < WARMUP)
+            if i < WARMUP:
+                peaks[name].append(out.metrics["peak_bytes"])
         return step
     times: dict[str, list[float]] = {n: [] for n in engines}
     for order in (list(engines), list(engines)[::-1]):  # each first half the time: no seat is better
-        for n, t in interleave({n: step_of(n) for n in order}, -(-steps // 2), warmup=1,
+        for n, t in interleave({n: step_of(n) for n in order}, -(-steps // 2), warmup=WARMUP,
                                before_each=dist.barrier).items():
             times[n] += t
     for engine, _ in engines.values():
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.35, 0.55, 0.75],
                     help="budgets: all's need + f x (none's need - all's need)")
+    ap.add_argument("--uniform", type=int, default=3, help="uniform rows that fit to measure, fastest predicted first")
     ap.add_argument("--allow", default="", help="memory.solver_allow for the solver, comma-separated")
     ap.add_argument("--json", default="solver")
     args = ap.parse_args(argv)
@@ -119,18 +128,29 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         sol = solve_auto(work, cfg, WORLD, budget, allow, "cpu", workers=2)
         solve_s = time.perf_counter() - t0
-        uniform = min((r for r in grid.rows if need(r) <= budget), key=lambda r: (predicted_seconds(r), need(r)))
         pick = sol.pick
         assert pick is not None, f"nothing fits {budget}"
-        cfgs = {"pick": configure_row(cfg, pick).to_dict(), "uniform": configure_row(cfg, uniform).to_dict()}
-        same = cfgs["pick"] == cfgs["uniform"]
-        measured = run_distributed(_worker, WORLD, {"pick": cfgs["pick"]} if same else cfgs, args.steps,
-                                   timeout=3600)[0]
-        measured.setdefault("uniform", measured["pick"])
+        cfgs = {"pick": configure_row(cfg, pick).to_dict()}
+        uniforms: dict[str, tuple[dict, str]] = {}  # variant -> (row, the variant measured: "pick" when the same)
+        for r in sorted((r for r in grid.rows if need(r) <= budget), key=lambda r: (predicted_seconds(r), need(r))):
+            d = configure_row(cfg, r).to_dict()
+            same = next((n for n, c in cfgs.items() if c == d), None)
+            name = f"uniform{len(uniforms)}"
+            if same is None:
+                cfgs[name] = d
+            uniforms[name] = (r, same or name)
+            if len(uniforms) == args.uniform:
+                break
+        measured = run_distributed(_worker, WORLD, cfgs, args.steps, timeout=3600)[0]
+        timed = {n: measured[m]["time"]["median"] for n, (_, m) in uniforms.items()}
+        best = min(timed, key=timed.get)
+        uniform = uniforms[best][0]
+        measured["uniform"] = measured[uniforms[best][1]]
         speedup = measured["uniform"]["time"]["median"] / measured["pick"]["time"]["median"]
         results.append({"fraction": f, "budget": budget, "solve_s": round(solve_s, 1), "dry_runs": len(sol.rows),
                         "pick": label(pick, sol.n_blocks), "pick_settings": settings(pick),
-                        "uniform": label(uniform, sol.n_blocks),
+                        "uniform": label(uniform, sol.n_blocks), "uniform_rank_predicted": list(uniforms).index(best),
+                        "uniforms_s": {label(r, sol.n_blocks): timed[n] for n, (r, _) in uniforms.items()},
                         "pick_predicted": predicted_seconds(pick), "uniform_predicted": predicted_seconds(uniform),
                         "pick_s": measured["pick"]["time"]["median"], "uniform_s": measured["uniform"]["time"]["median"],
                         "pick_iqr_s": measured["pick"]["time"]["iqr"], "speedup": round(speedup, 3),
@@ -141,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{mib(measured['pick']['peak'])} MiB", flush=True)
     rows = [{**r, "budget_mib": mib(r["budget"]), "pick_peak_mib": mib(r["pick_peak"]),
              "pred": f"{r['uniform_predicted'] / r['pick_predicted']:.2f}x"} for r in results]
-    print(format_table(rows, [("budget_mib", "budget MiB"), ("pick", "solver's pick"), ("uniform", "fastest uniform"),
+    print(format_table(rows, [("budget_mib", "budget MiB"), ("pick", "solver's pick"),
+                              ("uniform", "fastest uniform (measured)"), ("uniform_rank_predicted", "its predicted rank"),
                               ("pred", "predicted"), ("pick_s", "pick s"), ("uniform_s", "uniform s"),
                               ("speedup", "measured"), ("pick_peak_mib", "pick peak MiB"),
                               ("pick_within_budget", "within"), ("dry_runs", "dry runs"), ("solve_s", "solve s")]))

@@ -14,6 +14,10 @@ def _offset(arg):
     return arg
 
 
+def _no_setup(arg):
+    raise ValueError(f"cannot load tokenizer {arg!r}")
+
+
 def _shifted(offset, item):
     if item == "die":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -57,3 +61,10 @@ def test_a_workers_exception_reaches_the_caller_with_its_type_and_message():
     with pytest.raises(ValueError, match="data.txt:7: bad record"):
         with OrderedWorkers(2, _offset, 0, _shifted) as workers:
             list(workers.map([1, 2, "bad", 4]))
+
+
+def test_a_failed_setup_is_raised_in_the_caller_not_printed_by_the_worker(capfd):
+    with pytest.raises(ValueError, match="cannot load tokenizer 'x.json'"):
+        with OrderedWorkers(2, _no_setup, "x.json", _shifted) as workers:
+            list(workers.map([1, 2, 3]))
+    assert "Traceback" not in capfd.readouterr().err

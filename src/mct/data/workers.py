@@ -91,15 +91,21 @@ def _read_tasks(tasks: Connection, inbox: queue.SimpleQueue) -> None:
 def _serve(tasks: Connection, results: Connection, setup: Callable[[Any], Any], setup_arg: Any,
            work: Callable[[Any, Any], Any], inherited: list[Connection]) -> None:
     """A worker's main: ``state = setup(setup_arg)``, then ``(True, work(state, item))`` or
-    ``(False, exception)`` sent back for each item, in order."""
+    ``(False, exception)`` sent back for each item, in order (``setup``'s exception, when it
+    raised, for every item)."""
     _worker_signals()
     for conn in inherited:  # the parent's ends, copied by fork: only the parent may hold them
         conn.close()
-    state = setup(setup_arg)
+    try:
+        state, failed = setup(setup_arg), None
+    except Exception as e:  # the answer to every item: the parent raises it, not a worker's traceback
+        state, failed = None, e
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_tasks, args=(tasks, inbox), daemon=True).start()
     while (item := inbox.get()) is not None:
         try:
+            if failed is not None:
+                raise failed
             out: tuple[bool, Any] = (True, work(state, item))
         except Exception as e:  # re-raised in the parent, type and message kept
             out = (False, e)
