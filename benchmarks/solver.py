@@ -9,7 +9,7 @@ the peak per rank against the budget is the tracker's over the tracked warm-up s
 step included). The pick is compared with the uniform row that measured fastest, not with the
 one the time model ranked first.
 
-    PYTHONPATH=src:. python benchmarks/solver.py [--layers 16] [--steps 5] [--fractions 0.15 0.35 0.55 0.75]
+    PYTHONPATH=src:. python benchmarks/solver.py [--layers 16] [--d-model 128] [--seq-len 256] [--micro-batch 8] [--steps 5] [--fractions 0.15 0.35 0.55 0.75]
         [--allow micro_batch] [--json solver]
 
 Target (issue "One byte budget"): for at least three budgets the pick runs no slower than
@@ -40,10 +40,10 @@ from tests.distributed import run_distributed  # noqa: E402
 WORLD = 2
 
 
-def base_config(layers: int) -> EngineConfig:
-    return EngineConfig.from_dict({"model": {"n_layer": layers, "d_model": 128, "n_head": 4, "seq_len": 256,
+def base_config(layers: int, d_model: int = 128, seq_len: int = 256, micro_batch: int = 8) -> EngineConfig:
+    return EngineConfig.from_dict({"model": {"n_layer": layers, "d_model": d_model, "n_head": 4, "seq_len": seq_len,
                                              "vocab_size": 256, "dropout": 0.0},
-                                   "data": {"micro_batch_size": 8, "grad_accum": 1},
+                                   "data": {"micro_batch_size": micro_batch, "grad_accum": 1},
                                    "zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"}})
 
 
@@ -99,6 +99,9 @@ def label(r: dict[str, Any], n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.35, 0.55, 0.75],
                     help="budgets: all's need + f x (none's need - all's need)")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="solver")
     args = ap.parse_args(argv)
     allow = tuple(v for v in args.allow.split(",") if v)
-    cfg = base_config(args.layers)
+    cfg = base_config(args.layers, args.d_model, args.seq_len, args.micro_batch)
     work = gpt_task(cfg)
     t0 = time.perf_counter()
     grid = make_plan(work, EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": 0},
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     grid_s = time.perf_counter() - t0
     none = min(need(r) for r in grid.rows if r["policy"] == "none")
     full = min(need(r) for r in grid.rows if r["policy"] == "all")
-    print(f"GPT {args.layers} x 128, seq 256, micro-batch 8, fp32, {WORLD} gloo ranks; {cpu_line()}")
+    print(f"GPT {args.layers} x {args.d_model}, seq {args.seq_len}, micro-batch {args.micro_batch}, fp32, {WORLD} gloo "
+          f"ranks; {cpu_line()}")
     print(f"grid: {len(grid.rows)} uniform rows in {grid_s:.1f} s; need: none {mib(none)} MiB, all {mib(full)} MiB "
           f"(the smallest over stages)")
     results = []
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     no_slower = sum(r["speedup"] >= 1.0 for r in results)
     print(f"no slower: {no_slower} of {len(results)}; >= 10% faster: {faster}; measured peak within the budget: "
           f"{all(r['pick_within_budget'] for r in results)}")
-    path = write_json(args.json, {"layers": args.layers, "world": WORLD, "allow": list(allow), "steps": args.steps,
+    path = write_json(args.json, {"layers": args.layers, "d_model": args.d_model, "seq_len": args.seq_len,
+                                  "micro_batch": args.micro_batch, "world": WORLD, "allow": list(allow), "steps": args.steps,
                                   "none_need": none, "all_need": full, "results": results})
     print(f"wrote {path}")
     return 0

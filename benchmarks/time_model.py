@@ -122,6 +122,7 @@ def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, t
             torch.manual_seed(0)
             engines.append(Engine(MODELS[m][0](), None, config(m, s, p, q)))
         times: list[list[float]] = [[] for _ in mine]
+        comms: list[list[float]] = [[] for _ in mine]
         peaks = [0] * len(mine)
         for step in range(warmup + steps):
             for k, engine in enumerate(engines):
@@ -131,13 +132,14 @@ def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, t
                 res = engine.train_step(batch(model, step, rank), loss_of(model), track_memory=step < warmup)
                 if step >= warmup:
                     times[k].append(time.perf_counter() - t0)
+                    comms[k].append(float(res.metrics.get("time_comm_s", 0.0)))
                 elif step > 0:
                     peaks[k] = max(peaks[k], res.metrics["peak_bytes"])
         for engine in engines:
             engine.close()
         for k, (i, _) in enumerate(mine):
             out[i] = {"step_s": statistics.median(times[k]), "best_s": min(times[k]), "times": times[k],
-                      "peak": peaks[k]}
+                      "comm_s": statistics.median(comms[k]), "peak": peaks[k]}
     return [out[i] for i in range(len(configs))]
 
 
@@ -178,7 +180,7 @@ def main() -> None:
             pred = step_time(run.work, rates)
             rows.append({"model": m, "stage": s, "policy": p, "precision": q, "ranks": world, "threads": threads,
                          "predicted_s": pred.total, **pred.to_dict(), "measured_s": got["step_s"],
-                         "best_s": got["best_s"], "times": got["times"],
+                         "best_s": got["best_s"], "times": got["times"], "measured_comm_s": got["comm_s"],
                          "error_pct": 100 * (pred.total / got["step_s"] - 1),
                          "best_error_pct": 100 * (pred.total / got["best_s"] - 1),
                          "predicted_peak": run.peak, "measured_peak": got["peak"],
@@ -188,7 +190,7 @@ def main() -> None:
     table = [{**r, "pred": f"{r['predicted_s']:.4f}", "meas": f"{r['measured_s']:.4f}",
               "err": f"{r['error_pct']:+.1f}", "best": f"{r['best_s']:.4f}", "best_err": f"{r['best_error_pct']:+.1f}",
               "comp": f"{r['compute_s']:.4f}", "over": f"{r['overhead_s']:.4f}",
-              "comm": f"{r['comm_s']:.4f}",
+              "comm": f"{r['comm_s']:.4f}", "mcomm": f"{r['measured_comm_s']:.4f}",
               "peak_err": "-" if r["peak_error_pct"] is None else f"{r['peak_error_pct']:+.2f}"} for r in rows]
     print(f"CPU: {cpu_line()}; load average {tuple(round(x, 2) for x in __import__('os').getloadavg())}")
     print(f"profile: {calibrate().profile.measured_at}")
@@ -197,7 +199,7 @@ def main() -> None:
                                ("pred", "predicted s"), ("meas", "measured s"), ("err", "error %"),
                                ("best", "fastest s"), ("best_err", "vs fastest %"),
                                ("comp", "compute s"), ("over", "overhead s"), ("comm", "comm s"),
-                               ("peak_err", "peak error %")]))
+                               ("mcomm", "comm waited s"), ("peak_err", "peak error %")]))
     errors = [abs(r["error_pct"]) for r in rows]
     best = [abs(r["best_error_pct"]) for r in rows]
     peaks = [abs(r["peak_error_pct"]) for r in rows if r["peak_error_pct"] is not None]

@@ -328,6 +328,17 @@ def test_the_overhead_fit_separates_per_op_cost_from_the_per_byte_cost():
     assert quantile([3.0, 1.0, 2.0], 0.0) == 1.0 and quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
 
 
+def test_the_wait_per_call_is_the_slope_from_stage_0_to_stage_3_not_a_per_step_skew_divided():
+    """A skew a rank waits once a step (here 8 ms) is in the stage-0 and the stage-3 steps
+    alike and cancels; what each call more costs (1 ms) is the wait. Dividing stage 0's
+    time beyond the prediction by its 4 calls would have said 3 ms."""
+    from mct.planner.overhead import wait_per_call
+    few = [(0.008 + 4 * 1e-3, 4), (0.008 + 4 * 1e-3, 4)]
+    many = [(0.008 + 11 * 1e-3, 11), (0.008 + 13 * 1e-3, 13)]
+    assert wait_per_call(few, many) == pytest.approx(1e-3)
+    assert wait_per_call(few, []) == 0.0 and wait_per_call(many, few) == 0.0  # fewer calls or none: 0
+
+
 def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models():
     """One process's calibration steps: a positive per-op overhead, a per-byte cost of at
     least 0, no wait without ranks."""

@@ -32,7 +32,7 @@ from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
 from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates

@@ -113,16 +113,17 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
     of two built-in GPTs, the tiny ``OVERHEAD_MODEL`` (ops that cost almost nothing but
     their dispatch) and ``SIZED_MODEL`` (ops of a small model's sizes), each at stage 0,
     fp32, without and with recompute of every block (so the checkpointing's own work is in
-    it); ``steps`` timed steps of each, interleaved, after two warm-ups, the median of each
-    (``STEP_QUANTILE``: the time model predicts a run's median step; on a machine shared with
-    other jobs it follows the load of the moment of calibration). The time outside
-    the collectives of each is ``predicted compute + ops x per-op + bytes x per-byte`` (``fit_overhead``);
-    the time in its collectives (the engine's ``time_comm_s``) minus the communication
-    predicted, over their calls, is the wait. ``ranks`` 1: this process alone, with
+    it), and with more than one rank the same four at stage 3; ``steps`` timed steps of
+    each, interleaved, after two warm-ups, the median of each (``STEP_QUANTILE``: the time
+    model predicts a run's median step; on a machine shared with other jobs it follows the
+    load of the moment of calibration). The time outside the collectives of each stage-0
+    engine is ``predicted compute + ops x per-op + bytes x per-byte`` (``fit_overhead``);
+    the wait per call is what the stage-3 steps take beyond that prediction more than the
+    stage-0 ones, per call more (``wait_per_call``). ``ranks`` 1: this process alone, with
     ``threads`` torch threads (restored after; no wait); more: that many spawned gloo
     ranks stepping at once, each with ``threads`` (rank 0's steps: what the ranks cost each
     other is in it). Raises RuntimeError when the ranks fail."""
-    cfgs = _overhead_configs()
+    cfgs = _overhead_configs(ranks)
     works = [dry_run(lambda c=c: GPT(c.model), gpt_loss, _overhead_batch(c), c, ranks).work for c in cfgs]
     if ranks > 1:
         times = spawn_ranks(_rank_overhead_steps, ranks, "cpu", (steps,), timeout_s=300.0, threads=threads)
@@ -135,16 +136,31 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
             torch.set_num_threads(before)
     bare = dataclasses.replace(rates, wait_s=0.0, byte_s=0.0)
     samples: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
-    waited, calls = 0.0, 0
     for got, w, c in zip(times, works, cfgs):
-        predicted = step_time(w, bare)
-        outside = quantile([total - comm for total, comm in got], STEP_QUANTILE)
-        samples[c.model.d_model == SIZED_MODEL["d_model"]].append((outside - predicted.compute_s, w.n_ops,
-                                                                   rates.charged_bytes(w)))
-        waited += quantile([comm for _, comm in got], STEP_QUANTILE) - predicted.comm_s
-        calls += sum(w.comm.values())
+        if c.zero.stage == 0:
+            outside = quantile([total - comm for total, comm in got], STEP_QUANTILE)
+            samples[c.model.d_model == SIZED_MODEL["d_model"]].append((outside - step_time(w, bare).compute_s,
+                                                                       w.n_ops, rates.charged_bytes(w)))
     op_s, byte_s = fit_overhead(samples[False], samples[True])
-    return op_s, max(0.0, waited / calls) if calls else 0.0, byte_s
+    fitted = dataclasses.replace(rates, op_s=op_s, byte_s=byte_s, wait_s=0.0)
+    beyond = [(quantile([total for total, _ in got], STEP_QUANTILE) - step_time(w, fitted).total, sum(w.comm.values()))
+              for got, w in zip(times, works)]
+    return op_s, wait_per_call(beyond[:len(beyond) // 2], beyond[len(beyond) // 2:]), byte_s
+
+
+def wait_per_call(few: list[tuple[float, int]], many: list[tuple[float, int]]) -> float:
+    """Seconds a step loses per collective call beyond the collectives' own time: the
+    slope of (seconds beyond the prediction without it, calls) from each engine at stage 0
+    (``few``) to the same at stage 3 (``many``, 2-3x the calls), summed. A wait that comes
+    once a step (the ranks' skew at their first collective) is in both and cancels: counted
+    per call from stage 0 alone (its 4 calls a step) it came out 2 ms a call here, and
+    predicted the 2-rank rows of the benchmark's real models 10-20% slow (1.1 ms fits them).
+    0 with no stage-3 engines (one rank) or a slope below 0."""
+    if not many:
+        return 0.0
+    more_s = sum(s for s, _ in many) - sum(s for s, _ in few)
+    more_calls = sum(n for _, n in many) - sum(n for _, n in few)
+    return max(0.0, more_s / more_calls) if more_calls > 0 else 0.0
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -167,9 +183,12 @@ def fit_overhead(tiny: list[tuple[float, int, float]], sized: list[tuple[float, 
     return max(0.0, (rt - byte_s * bt) / ot), byte_s
 
 
-def _overhead_configs() -> list[EngineConfig]:
+def _overhead_configs(world: int = 1) -> list[EngineConfig]:
+    """The calibration's engines: each model without and with recompute at stage 0, and (more
+    than one rank) the same at stage 3, whose steps make 2-3x the collective calls."""
     return [EngineConfig.from_dict({"model": dict(model), "train": {"grad_clip": 1.0},
-                                    "checkpointing": {"policy": policy}})
+                                    "checkpointing": {"policy": policy}, "zero": {"stage": stage}})
+            for stage in ((0, 3) if world > 1 else (0,))
             for model in (OVERHEAD_MODEL, SIZED_MODEL) for policy in ("none", "all")]
 
 
@@ -189,7 +208,7 @@ def _overhead_steps(ctx: DistContext, steps: int) -> list[list[tuple[float, floa
     ``_overhead_configs`` engine on ``ctx`` (interleaved, after two warm-ups), the memory
     tracker off: the step `mct train` runs between its logged ones (the tracker's own cost
     is ``extra['tracker_op_s']``, charged where a run tracks every step)."""
-    cfgs = _overhead_configs()
+    cfgs = _overhead_configs(ctx.world_size)
     batches = [_overhead_batch(c) for c in cfgs]
     engines = [Engine(GPT(c.model), None, c, ctx=ctx) for c in cfgs]  # a CUDA step's host side alike
     times: list[list[tuple[float, float]]] = [[] for _ in engines]
