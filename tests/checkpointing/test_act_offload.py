@@ -123,6 +123,9 @@ def test_the_planner_predicts_the_offloaded_run_from_its_tracker(tmp_path, polic
     run = dry_run(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1)[0], cfg, 1, optimizer=adamw)
     real = peaks[1]["peak_bytes"]
     assert abs(run.peak - real) <= 0.02 * real, (run.peak, real)
+    # the time model's traffic: every input the real step parked, written out and read back
+    # (none is parked when the step ends: counted from the step, not from what is held)
+    assert peaks[1]["act_offload_bytes"] > 0 and run.work.offload == {"disk": 2 * peaks[1]["act_offload_bytes"]}
     # the activations it predicts are the tracker's, to the byte: I/O is simulated, not skipped
     for phase in ("forward", "backward"):
         assert run.phases[phase]["activations"] == peaks[1]["peaks"][phase]["activations"], phase

@@ -132,7 +132,7 @@ class ActivationOffload:
     """Parks region inputs in tier ``tier`` ('cpu' or 'disk') and brings them back.
 
     ``report(tier, nbytes)`` is told the bytes parked now after every change (the engine
-    passes its tracker's ``set_offloaded``). Per-step counters: ``parked_peak_bytes``,
+    passes its tracker's ``set_offloaded``). Per-step counters: ``parked_peak_bytes``, ``parked_total_bytes``,
     ``parked_count``, ``wait_s``. Raises ValueError for 'cpu' on a CPU device.
     """
 
@@ -154,6 +154,7 @@ class ActivationOffload:
         self._unsettled: Parked | None = None
         self.parked_bytes = 0
         self.parked_peak_bytes = 0
+        self.parked_total_bytes = 0
         self.parked_count = 0
         self.wait_s = 0.0
 
@@ -208,6 +209,7 @@ class ActivationOffload:
             p.copied.synchronize()
         p.tensor = None
         self._add_parked(p.nbytes)
+        self.parked_total_bytes += p.nbytes
 
     # -- backward ------------------------------------------------------------------
 
@@ -295,7 +297,7 @@ class ActivationOffload:
                 self.store.discard(p.path)
         self._pending, self._unsettled = [], None
         self._add_parked(-self.parked_bytes)
-        self.parked_peak_bytes = self.parked_count = 0
+        self.parked_peak_bytes = self.parked_total_bytes = self.parked_count = 0
         self.wait_s = 0.0
 
     def close(self) -> None:
@@ -307,9 +309,11 @@ class ActivationOffload:
 
     def metrics(self) -> dict[str, Any]:
         """``act_offload`` (tier), ``act_offload_peak_bytes`` (most bytes parked at once
-        this step), ``act_offload_count`` (inputs parked), ``time_act_offload_wait_s``
+        this step), ``act_offload_bytes`` (every byte parked this step: each is written out
+        and read back once), ``act_offload_count`` (inputs parked), ``time_act_offload_wait_s``
         (main-thread seconds waiting for I/O)."""
         return {"act_offload": self.tier, "act_offload_peak_bytes": self.parked_peak_bytes,
+                "act_offload_bytes": self.parked_total_bytes,
                 "act_offload_count": self.parked_count, "time_act_offload_wait_s": self.wait_s}
 
     def _add_parked(self, delta: int) -> None:

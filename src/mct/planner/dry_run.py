@@ -214,12 +214,14 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
             collectives.calls.clear()  # the steady step's only
         modes = mode_counts()
         with OpCounter() as counter:
-            steady = engine.train_step(data, loss_fn).metrics["peaks"]
+            steady_metrics = engine.train_step(data, loss_fn).metrics
+        steady = steady_metrics["peaks"]
         modes = {k: n - modes.get(k, 0) for k, n in mode_counts().items() if n - modes.get(k, 0)}
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
-        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), _traffic(engine.tracker),
+        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})),
+                        _traffic(engine.tracker, steady_metrics),
                         dict(counter.random), dict(counter.attention), modes)
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
@@ -231,14 +233,18 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
                   n_params=n_params, offloaded=offloaded, work=work)
 
 
-def _traffic(tracker: MemoryTracker) -> dict[str, int]:
-    """Bytes a step moves to and from each offload tier: the offloaded state and the
-    parked activations, each written and read back once per step."""
+def _traffic(tracker: MemoryTracker, metrics: dict[str, Any]) -> dict[str, int]:
+    """Bytes a step moves to and from each offload tier: the offloaded state (held across
+    steps) and every activation the step parked (``act_offload_bytes``: none is held when
+    the step ends), each written and read back once per step."""
     out: dict[str, int] = {}
-    for source in ("state", "activations"):
-        for tier, n in tracker.offloaded(source).items():
-            if n:
-                out[tier] = out.get(tier, 0) + 2 * n
+    for tier, n in tracker.offloaded("state").items():
+        if n:
+            out[tier] = out.get(tier, 0) + 2 * n
+    parked = int(metrics.get("act_offload_bytes") or 0)
+    if parked:
+        tier = metrics["act_offload"]
+        out[tier] = out.get(tier, 0) + 2 * parked
     return out
 
 
