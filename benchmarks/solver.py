@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow", default="", help="memory.solver_allow for the solver, comma-separated")
     ap.add_argument("--json", default="solver")
     args = ap.parse_args(argv)
+    if args.uniform < 1 or args.steps < 1:
+        ap.error(f"--uniform {args.uniform} and --steps {args.steps}: each at least 1")
     allow = tuple(v for v in args.allow.split(",") if v)
     cfg = base_config(args.layers, args.d_model, args.seq_len, args.micro_batch)
     work = gpt_task(cfg)

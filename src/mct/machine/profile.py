@@ -49,7 +49,9 @@ selective-checkpoint dispatch modes (``extra['selective_mode_op_s']``), and the 
 speed-up of elementwise ops and matmuls by size (``extra['elementwise_speedup']``,
 ``extra['matmul_speedup']``; the thread count, and a blend by FLOPs, assumed before), the
 memory tracker's cost per op (``extra['tracker_op_s']``), and the per-op overhead of steps
-without the tracker (with it before)."""
+without the tracker (with it before). 9: the wait per collective call as the slope from the
+calibration engines' stage-0 steps to their stage-3 ones (``collective_wait_s``; stage 0's
+time in its collectives over its calls before, a once-a-step skew counted per call)."""
 
 SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
                 "python_mode_op_s", "selective_mode_op_s", "tracker_op_s")

@@ -237,14 +237,13 @@ def _traffic(tracker: MemoryTracker, metrics: dict[str, Any]) -> dict[str, int]:
     """Bytes a step moves to and from each offload tier: the offloaded state (held across
     steps) and every activation the step parked (``act_offload_bytes``: none is held when
     the step ends), each written and read back once per step."""
+    moved = list(tracker.offloaded("state").items())
+    if metrics.get("act_offload_bytes"):
+        moved.append((metrics["act_offload"], int(metrics["act_offload_bytes"])))
     out: dict[str, int] = {}
-    for tier, n in tracker.offloaded("state").items():
+    for tier, n in moved:
         if n:
             out[tier] = out.get(tier, 0) + 2 * n
-    parked = int(metrics.get("act_offload_bytes") or 0)
-    if parked:
-        tier = metrics["act_offload"]
-        out[tier] = out.get(tier, 0) + 2 * parked
     return out
 
 

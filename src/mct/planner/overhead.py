@@ -143,9 +143,11 @@ def measure_op_overhead(rates: Rates, threads: int, steps: int = OVERHEAD_STEPS,
                                                                        w.n_ops, rates.charged_bytes(w)))
     op_s, byte_s = fit_overhead(samples[False], samples[True])
     fitted = dataclasses.replace(rates, op_s=op_s, byte_s=byte_s, wait_s=0.0)
-    beyond = [(quantile([total for total, _ in got], STEP_QUANTILE) - step_time(w, fitted).total, sum(w.comm.values()))
-              for got, w in zip(times, works)]
-    return op_s, wait_per_call(beyond[:len(beyond) // 2], beyond[len(beyond) // 2:]), byte_s
+    beyond = {0: [], 3: []}  # stage -> [(seconds beyond the prediction without a wait, calls)]
+    for got, w, c in zip(times, works, cfgs):
+        total = quantile([t for t, _ in got], STEP_QUANTILE)
+        beyond[c.zero.stage].append((total - step_time(w, fitted).total, sum(w.comm.values())))
+    return op_s, wait_per_call(beyond[0], beyond[3]), byte_s
 
 
 def wait_per_call(few: list[tuple[float, int]], many: list[tuple[float, int]]) -> float:
