@@ -474,3 +474,25 @@ def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):
     monkeypatch.setattr(st, "measure_op_overhead", fake)
     rates, _ = st.machine_rates(1, threads=2, spawn=False)
     assert asked == [(2, 1)] and rates.op_s == 2e-5
+
+
+@pytest.mark.parametrize("stage,policy,act", [(0, "none", "none"), (2, "selective", "none"), (3, "all", "disk")])
+def test_a_step_of_many_micro_batches_counts_every_one_though_the_plan_steps_three(stage, policy, act, tmp_path):
+    """``mct.plan`` steps at most 3 of ``data.grad_accum`` micro-batches (the peaks need 2) and
+    counts each one it did not step as its middle one: the ops, FLOPs, collectives and parked
+    activations of a dry run of all 6, to the count, with and without depth extrapolation."""
+    extra = {"data": {"grad_accum": 6}}
+    if act != "none":
+        extra.update(checkpointing={"policy": policy, "offload": act}, offload={"dir": str(tmp_path)})
+    cfg = _cfg(stage, policy, **extra)
+    task = _task(cfg)
+    every = dry_run(task.model_fn, task.loss_fn, [task.batch] * 6, cfg, 2).work
+    for planned in (predict(task, cfg, 2), predict(prepare(task, cfg), cfg, 2)):
+        work = planned.work
+        assert work.n_ops == every.n_ops and work.flops == every.flops and work.bytes_moved == every.bytes_moved
+        assert work.comm == every.comm and work.offload == every.offload
+        assert work.modes == every.modes
+    two = dry_run(task.model_fn, task.loss_fn, [task.batch] * 2, cfg, 2).work
+    assert every.flops > 2.5 * two.flops  # the old count stepped two and stopped there
+    if act != "none":
+        assert every.offload["disk"] == 3 * two.offload["disk"] > 0

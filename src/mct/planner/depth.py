@@ -421,12 +421,12 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
 
 
 def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, *, meta_init: bool,
-                 shape: Shape | MixedShape | None = None) -> DryRun | None:
+                 shape: Shape | MixedShape | None = None, micro_batches: int | None = None) -> DryRun | None:
     """``cfg``'s dry run of the ``stack.n``-block model of ``prepared`` from two shallow
     copies (see the module docstring), or None when the policy gives no shallower copy
     or the copies do not repeat. The initialization peak is the larger of the whole
     model's ``construction`` and the copies' extrapolated one, which start from a model
-    built on meta. ``meta_init``: as ``DryRunHooks``. ``shape``: the copies (default
+    built on meta. ``meta_init``, ``micro_batches``: as ``DryRunHooks``. ``shape``: the copies (default
     ``shape_for``). Raises ValueError as ``dry_run``."""
     stack, construction = prepared.stack, prepared.construction
     shape = shape or shape_for(stack, cfg)
@@ -435,7 +435,8 @@ def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, 
 
     def copy_run(depth: int, segments: tuple[int, ...] | None, run_cfg: EngineConfig) -> tuple[DryRun, Windows]:
         w = Windows(stack)
-        hooks = DryRunHooks(meta_init=meta_init, build=shallow(stack, depth, segments), observer=w)
+        hooks = DryRunHooks(meta_init=meta_init, build=shallow(stack, depth, segments), observer=w,
+                            micro_batches=micro_batches)
         return dry_run_task(prepared.task, run_cfg, world, batch=batch, hooks=hooks), w
     if isinstance(shape, MixedShape):
         mixed = shape

@@ -158,11 +158,16 @@ class DryRunHooks:
     copies). ``observer``: ``attach(model, tracker)`` is called once the engine is
     built, ``end_step(peaks)`` after each step (the depth extrapolation's ``Windows``,
     which reset the tracker's peaks at every block event: the returned phases then hold
-    only each phase's last window; the observer has all)."""
+    only each phase's last window; the observer has all). ``micro_batches``: how many
+    micro-batches the real step runs when the batch list stands in for them (``mct.plan``
+    steps at most 3 of ``data.grad_accum``): the step's work (``DryRun.work``) counts each
+    one not stepped as the list's middle one (the first when it has two); None: the list
+    is the step."""
 
     meta_init: bool = False
     build: Callable[[], nn.Module] | None = None
     observer: Observer | None = None
+    micro_batches: int | None = None
 
 
 def dry_run_task(task: Task, config: EngineConfig, world_size: int, *, batch: Any = None,
@@ -213,16 +218,21 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         if isinstance(collectives, SimulatedCollectives):
             collectives.calls.clear()  # the steady step's only
         modes = mode_counts()
+        marks: list[StepWork] = []  # the work counted so far as each micro-batch's forward begins
+
+        def marked_loss(model: nn.Module, mb: Any) -> Any:
+            marks.append(_counted(counter, collectives, modes))
+            return loss_fn(model, mb)
         with OpCounter() as counter:
-            steady_metrics = engine.train_step(data, loss_fn).metrics
+            steady_metrics = engine.train_step(data, marked_loss).metrics
         steady = steady_metrics["peaks"]
-        modes = {k: n - modes.get(k, 0) for k, n in mode_counts().items() if n - modes.get(k, 0)}
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
-        work = StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})),
-                        _traffic(engine.tracker, steady_metrics),
-                        dict(counter.random), dict(counter.attention), modes)
+        marks.append(_counted(counter, collectives, modes))  # and as the step ends
+        work = dataclasses.replace(marks[-1], offload=_traffic(engine.tracker, steady_metrics))
+        if hooks.micro_batches is not None and hooks.micro_batches > len(marks) - 1:
+            work = work.plus(_middle_micro_batch(marks, steady_metrics), hooks.micro_batches - len(marks) + 1)
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])
@@ -231,6 +241,27 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
                   n_params=n_params, offloaded=offloaded, work=work)
+
+
+def _counted(counter: OpCounter, collectives: Any, modes_before: dict[str, int]) -> StepWork:
+    """What ``counter`` and the simulated ``collectives`` counted so far, and the ops that
+    passed through mct's dispatch modes since ``modes_before`` (no offload traffic)."""
+    modes = {k: n - modes_before.get(k, 0) for k, n in mode_counts().items() if n - modes_before.get(k, 0)}
+    return StepWork(dict(counter.ops), dict(getattr(collectives, "calls", {})), {}, dict(counter.random),
+                    dict(counter.attention), modes)
+
+
+def _middle_micro_batch(marks: list[StepWork], metrics: dict[str, Any]) -> StepWork:
+    """One micro-batch's work from the counts at each micro-batch's start and at the step's
+    end (``marks``): the second's (neither first nor last: it accumulates into gradients
+    and, at stages 0-1, reduces nothing), the first's of two (the only one's with the
+    optimizer's); with its share of the activations parked (written and read back)."""
+    n = len(marks) - 1
+    i = 1 if n >= 3 else 0
+    mid = marks[i + 1].plus(marks[i], -1)
+    if metrics.get("act_offload_bytes"):
+        mid = dataclasses.replace(mid, offload={metrics["act_offload"]: 2 * int(metrics["act_offload_bytes"]) // n})
+    return mid
 
 
 def _traffic(tracker: MemoryTracker, metrics: dict[str, Any]) -> dict[str, int]:

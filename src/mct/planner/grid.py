@@ -64,9 +64,11 @@ def map_task(work: Task | Prepared, fn: Callable[..., Task], *args: Any, **kwarg
 
 
 def micro_batches(batch: Any, grad_accum: int) -> Any:
-    """The batch a dry run steps on: one micro-batch, or two when ``grad_accum`` > 1
-    (the second already finds the first's gradients; later ones are alike)."""
-    return [batch, batch] if grad_accum > 1 and not isinstance(batch, list) else batch
+    """The batch a dry run steps on: one micro-batch, or ``min(grad_accum, 3)`` copies of it
+    (the second already finds the first's gradients, which is all the peaks need; a third
+    is a middle micro-batch, neither the first nor the last, whose work the time model
+    counts once for each micro-batch not stepped: ``DryRunHooks.micro_batches``)."""
+    return [batch] * min(grad_accum, 3) if grad_accum > 1 and not isinstance(batch, list) else batch
 
 
 def smaller_batch(batch: Any, size: int) -> Any:

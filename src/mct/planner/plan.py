@@ -150,10 +150,11 @@ def predict(work: Work, cfg: EngineConfig, world: int) -> DryRun:
     task = task_of(work)
     batch, meta_init = micro_batches(task.batch, cfg.data.grad_accum), builds_on_meta(cfg)
     if isinstance(work, Prepared):
-        run = extrapolated(work, cfg, world, batch, meta_init=meta_init)
+        run = extrapolated(work, cfg, world, batch, meta_init=meta_init, micro_batches=cfg.data.grad_accum)
         if run is not None:
             return run
-    return dry_run_task(task, cfg, world, batch=batch, hooks=DryRunHooks(meta_init=meta_init))
+    return dry_run_task(task, cfg, world, batch=batch,
+                        hooks=DryRunHooks(meta_init=meta_init, micro_batches=cfg.data.grad_accum))
 
 
 def dry_run_cost(work: Work, cfg: EngineConfig) -> float:

@@ -144,6 +144,15 @@ class StepWork:
     def comm_bytes(self) -> int:
         return sum(b * n for (_, b, _), n in self.comm.items())
 
+    def plus(self, other: "StepWork", times: int = 1) -> "StepWork":
+        """``self + times x other``, count by count (signed: ``times=-1`` subtracts)."""
+        out = []
+        for name in ("ops", "comm", "offload", "random", "attention", "modes"):
+            a, b = getattr(self, name), getattr(other, name)
+            d = {k: a.get(k, 0) + times * b.get(k, 0) for k in set(a) | set(b)}
+            out.append({k: v for k, v in d.items() if v})
+        return StepWork(*out)
+
     def extend(self, larger: list[tuple["StepWork", int]]) -> "StepWork":
         """The counts at full depth: ``A + sum_i m_i (B_i - A)`` for each larger copy
         ``B_i`` added ``m_i`` times (``mct.planner.depth``). Counts are signed: an op whose
