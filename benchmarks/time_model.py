@@ -7,7 +7,7 @@ ranks, fp32 and bf16 (on a CPU without native bf16 its matmuls run on fp32 kerne
 predicted peak against the engine tracker's measured one.
 
     PYTHONPATH=src:. python benchmarks/time_model.py [--worlds 1 2] [--models ...] [--steps 8]
-                                                    [--threads N] [--calibrate]
+                                                    [--threads N] [--grad-accum 1] [--calibrate]
 
 Real: ``--warmup`` (2, at least 2) steps that track memory (the measured peak: the
 steady one, of the warm-up steps after the first), then ``--steps`` (8) timed
@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src")]
 
@@ -89,16 +90,21 @@ def loss_of(name: str):
     return token_loss
 
 
-def batch(name: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(name: str, step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     _, T, V = MODELS[name]
-    g = torch.Generator().manual_seed(1000 * step + rank)
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
 
 
-def config(model: str, stage: int, policy: str, precision: str) -> EngineConfig:
+def step_batch(name: str, step: int, rank: int, accum: int) -> Any:
+    """One step's batch: a micro-batch, or a list of ``accum`` (gradient accumulation)."""
+    return batch(name, step, rank) if accum == 1 else [batch(name, step, rank, m) for m in range(accum)]
+
+
+def config(model: str, stage: int, policy: str, precision: str, accum: int = 1) -> EngineConfig:
     ck = {"policy": policy, "per_block": PER_BLOCK if policy == "per_block" else []}
     return EngineConfig.from_dict({"model": dict(GPT_ODD) if model == "gpt_odd" else {},
-                                   "zero": {"stage": stage}, "checkpointing": ck,
+                                   "zero": {"stage": stage}, "checkpointing": ck, "data": {"grad_accum": accum},
                                    "precision": {"mode": precision}, "train": {"grad_clip": 1.0}})
 
 
@@ -106,7 +112,8 @@ def grid(models: list[str], precisions: list[str]) -> list[tuple[str, int, str, 
     return [(m, s, p, q) for m in models for q in precisions for s, p in CHOICES]
 
 
-def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, threads: int) -> list[dict]:
+def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, threads: int,
+                accum: int = 1) -> list[dict]:
     """Real steps of every configuration on this rank: median seconds (memory not tracked)
     and the tracker's peak (of the warm-up steps after the first).
     A model's configurations step round-robin (one step of each in turn, ``warmup`` rounds
@@ -120,7 +127,7 @@ def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, t
         engines = []
         for _, (m, s, p, q) in mine:
             torch.manual_seed(0)
-            engines.append(Engine(MODELS[m][0](), None, config(m, s, p, q)))
+            engines.append(Engine(MODELS[m][0](), None, config(m, s, p, q, accum)))
         times: list[list[float]] = [[] for _ in mine]
         comms: list[list[float]] = [[] for _ in mine]
         peaks = [0] * len(mine)
@@ -129,7 +136,8 @@ def measure_all(rank: int, world: int, configs: list, warmup: int, steps: int, t
                 t0 = time.perf_counter()
                 # the warm-up steps track memory (the peak: every step after the first is the
                 # steady one), the timed ones do not, as most of mct train's steps
-                res = engine.train_step(batch(model, step, rank), loss_of(model), track_memory=step < warmup)
+                res = engine.train_step(step_batch(model, step, rank, accum), loss_of(model),
+                                        track_memory=step < warmup)
                 if step >= warmup:
                     times[k].append(time.perf_counter() - t0)
                     comms[k].append(float(res.metrics.get("time_comm_s", 0.0)))
@@ -152,9 +160,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (data.grad_accum)")
     ap.add_argument("--calibrate", action="store_true", help="measure the machine profile again first")
     ap.add_argument("--json", default="time_model")
     args = ap.parse_args()
+    if args.grad_accum < 1:
+        ap.error(f"--grad-accum {args.grad_accum}: at least 1")
     if args.warmup < 2:
         ap.error(f"--warmup {args.warmup}: at least 2 (the peak is measured on the warm-up steps after the first)")
     precisions = args.precisions
@@ -168,17 +179,19 @@ def main() -> None:
         for note in notes + list(rates.notes if rates else []):
             print(f"note: {note}", file=sys.stderr)
         t0 = time.perf_counter()
-        real = (measure_all(0, 1, configs, args.warmup, args.steps, threads) if world == 1 else
-                run_distributed(measure_all, world, configs, args.warmup, args.steps, threads, timeout=3600)[0])
+        real = (measure_all(0, 1, configs, args.warmup, args.steps, threads, args.grad_accum) if world == 1 else
+                run_distributed(measure_all, world, configs, args.warmup, args.steps, threads, args.grad_accum,
+                                timeout=3600)[0])
         real_s = time.perf_counter() - t0
         for (m, s, p, q), got in zip(configs, real):
-            cfg = config(m, s, p, q)
+            cfg = config(m, s, p, q, args.grad_accum)
             task = Task(MODELS[m][0], loss_of(m), batch(m, 0, 0))
             t1 = time.process_time()
             run = predict(prepare(task, cfg), cfg, world)
             assert run.work is not None and rates is not None
             pred = step_time(run.work, rates)
             rows.append({"model": m, "stage": s, "policy": p, "precision": q, "ranks": world, "threads": threads,
+                         "grad_accum": args.grad_accum,
                          "predicted_s": pred.total, **pred.to_dict(), "measured_s": got["step_s"],
                          "best_s": got["best_s"], "times": got["times"], "measured_comm_s": got["comm_s"],
                          "error_pct": 100 * (pred.total / got["step_s"] - 1),
