@@ -30,8 +30,9 @@ DeepSpeed is never a dependency of mct. To include it, make a scratch virtual en
 that sees this project's packages and install it there::
 
     python -m venv /tmp/ds-venv
-    python -c "import site; print(site.getsitepackages()[0])" \\
-        > /tmp/ds-venv/lib/python3.11/site-packages/base.pth   # torch, transformers, ...
+    .venv/bin/python -c "import site; print(*site.getsitepackages(), sep='\\n')" \\
+        > /tmp/ds-venv/lib/python3.11/site-packages/base.pth   # torch, transformers, ... (every
+                                                               # folder: .venv sees the system's too)
     /tmp/ds-venv/bin/pip install wheel setuptools
     /tmp/ds-venv/bin/pip install --no-build-isolation deepspeed==0.19.8   # CPU accelerator, no ops built
 
