@@ -160,14 +160,10 @@ class StepWork:
         unit's padding) has one key per depth, the smaller's count falls below zero and
         the larger's rises, so any sum over the keys (seconds, bytes, ops) is the linear
         extrapolation of the copies' sums."""
-        out = []
-        for name in ("ops", "comm", "offload", "random", "attention", "modes"):
-            a = getattr(self, name)
-            keys = set(a).union(*(getattr(b, name) for b, _ in larger))
-            d = {k: a.get(k, 0) + sum(m * (getattr(b, name).get(k, 0) - a.get(k, 0)) for b, m in larger)
-                 for k in keys}
-            out.append({k: v for k, v in d.items() if v})
-        return StepWork(*out)
+        out = self
+        for b, m in larger:
+            out = out.plus(b, m).plus(self, -m)
+        return out
 
 
 class OpCounter(TorchDispatchMode):
