@@ -496,3 +496,10 @@ def test_a_step_of_many_micro_batches_counts_every_one_though_the_plan_steps_thr
     assert every.flops > 2.5 * two.flops  # the old count stepped two and stopped there
     if act != "none":
         assert every.offload["disk"] == 3 * two.offload["disk"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True])
+def test_dry_run_hooks_refuse_a_micro_batch_count_that_is_not_a_whole_number_from_1(bad):
+    from mct.planner import DryRunHooks
+    with pytest.raises(ValueError, match=r"DryRunHooks.micro_batches = .*whole number of micro-batches >= 1"):
+        DryRunHooks(micro_batches=bad)

@@ -113,8 +113,10 @@ def _serve(tasks: Connection, results: Connection, setup: Callable[[Any], Any], 
             results.send(out)
         except OSError:  # the parent is gone or stopping
             return
-        except Exception as e:  # the result or the exception would not pickle
-            results.send((False, RuntimeError(f"a worker's result could not be sent back: {type(e).__name__}: {e}")))
+        except Exception as e:  # the result or the exception would not pickle (nothing was written)
+            with contextlib.suppress(OSError):
+                results.send((False, RuntimeError(f"a worker's result could not be sent back: "
+                                                  f"{type(e).__name__}: {e}")))
 
 
 def _exit_text(code: int | None) -> str:

@@ -169,6 +169,12 @@ class DryRunHooks:
     observer: Observer | None = None
     micro_batches: int | None = None
 
+    def __post_init__(self) -> None:
+        m = self.micro_batches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"DryRunHooks.micro_batches = {m!r}: a whole number of micro-batches >= 1 "
+                             f"(data.grad_accum), or None when the batch list is the step")
+
 
 def dry_run_task(task: Task, config: EngineConfig, world_size: int, *, batch: Any = None,
                  hooks: DryRunHooks | None = None) -> DryRun:
@@ -218,21 +224,23 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         if isinstance(collectives, SimulatedCollectives):
             collectives.calls.clear()  # the steady step's only
         modes = mode_counts()
+        stepped = len(batch) if isinstance(batch, list) else 1
+        missing = max(0, (hooks.micro_batches or stepped) - stepped)  # micro-batches the real step has beyond these
         marks: list[StepWork] = []  # the work counted so far as each micro-batch's forward begins
 
         def marked_loss(model: nn.Module, mb: Any) -> Any:
             marks.append(_counted(counter, collectives, modes))
             return loss_fn(model, mb)
         with OpCounter() as counter:
-            steady_metrics = engine.train_step(data, marked_loss).metrics
+            steady_metrics = engine.train_step(data, marked_loss if missing else loss_fn).metrics
         steady = steady_metrics["peaks"]
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
-        marks.append(_counted(counter, collectives, modes))  # and as the step ends
-        work = dataclasses.replace(marks[-1], offload=_traffic(engine.tracker, steady_metrics))
-        if hooks.micro_batches is not None and hooks.micro_batches > len(marks) - 1:
-            work = work.plus(_middle_micro_batch(marks, steady_metrics), hooks.micro_batches - len(marks) + 1)
+        counted = _counted(counter, collectives, modes)
+        work = dataclasses.replace(counted, offload=_traffic(engine.tracker, steady_metrics))
+        if missing:
+            work = work.plus(_middle_micro_batch([*marks, counted], steady_metrics), missing)
         engine.close()
     phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
     worst = max(phases, key=lambda k: phases[k]["total"])
@@ -253,9 +261,10 @@ def _counted(counter: OpCounter, collectives: Any, modes_before: dict[str, int])
 
 def _middle_micro_batch(marks: list[StepWork], metrics: dict[str, Any]) -> StepWork:
     """One micro-batch's work from the counts at each micro-batch's start and at the step's
-    end (``marks``): the second's (neither first nor last: it accumulates into gradients
-    and, at stages 0-1, reduces nothing), the first's of two (the only one's with the
-    optimizer's); with its share of the activations parked (written and read back)."""
+    end (``marks``): the second's of three or more (neither first nor last: it accumulates
+    into the gradients and, at stages 0-1, reduces nothing); else the first's (of one, with
+    the optimizer's work too); with its share of the activations parked (written and read
+    back)."""
     n = len(marks) - 1
     i = 1 if n >= 3 else 0
     mid = marks[i + 1].plus(marks[i], -1)

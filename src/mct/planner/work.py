@@ -14,7 +14,7 @@ inputs and outputs (each storage once); a view moves nothing.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -146,12 +146,12 @@ class StepWork:
 
     def plus(self, other: "StepWork", times: int = 1) -> "StepWork":
         """``self + times x other``, count by count (signed: ``times=-1`` subtracts)."""
-        out = []
-        for name in ("ops", "comm", "offload", "random", "attention", "modes"):
-            a, b = getattr(self, name), getattr(other, name)
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
             d = {k: a.get(k, 0) + times * b.get(k, 0) for k in set(a) | set(b)}
-            out.append({k: v for k, v in d.items() if v})
-        return StepWork(*out)
+            out[f.name] = {k: v for k, v in d.items() if v}
+        return StepWork(**out)
 
     def extend(self, larger: list[tuple["StepWork", int]]) -> "StepWork":
         """The counts at full depth: ``A + sum_i m_i (B_i - A)`` for each larger copy
