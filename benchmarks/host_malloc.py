@@ -11,6 +11,9 @@ per step (rank 0, from ``getrusage``), the peak resident set over the timed step
 resident set after them (the worse rank), and MFU (``mct train``'s model FLOPs per step over
 the median step, over its matmul peak), beside the CPU's model and flags.
 
+A mode may carry ``:nohuge`` (``memory.huge_pages = false``): ``--modes default:nohuge,default``
+measures what huge pages on mct's own buffers buy under glibc's defaults.
+
     PYTHONPATH=src:. python benchmarks/host_malloc.py [--model llama-small|llama-medium|gpt]
         [--precision bf16|fp32] [--modes default,cache] [--rounds 2] [--steps 4] [--warmup 2]
 """
@@ -70,15 +73,17 @@ def main() -> None:
     ap.add_argument("--json", default="host_malloc", help="result name or path (.json)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in HOST_MALLOC]
+    bad = [m for m in modes if m.partition(":")[0] not in HOST_MALLOC or m.partition(":")[2] not in ("", "nohuge")]
     if bad:
-        ap.error(f"--modes {args.modes!r}: {bad[0]!r} is not a mode; choose from {','.join(HOST_MALLOC)}")
+        ap.error(f"--modes {args.modes!r}: {bad[0]!r} is not a mode; choose from {','.join(HOST_MALLOC)}, "
+                 "each optionally with ':nohuge' (memory.huge_pages = false)")
     got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         base = config_for(args.model, args.precision, Path(tmp), args.stage)
         for r in range(args.rounds):
             for mode in modes:
-                cfg = {**base, "memory": {"host_malloc": mode}}
+                name, _, huge = mode.partition(":")
+                cfg = {**base, "memory": {"host_malloc": name, "huge_pages": huge != "nohuge"}}
                 got[mode].append(run_distributed(_worker, 2, cfg, args.steps, args.warmup,
                                                  str(Path(tmp) / f"{mode}{r}"), timeout=7200))
     rows = []

@@ -42,6 +42,10 @@ column is skipped with a one-line note.
 
     PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--precisions bf16,fp32]
         [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH] [--host-malloc cache]
+        [--mct-alt KEY=VALUE[,KEY=VALUE]]...
+
+``--mct-alt memory.huge_pages=false`` adds an mct variant with that setting to every row, stepping
+in turn with the others in the same ranks: an A/B of one setting under the same load.
 
 ``--host-malloc cache`` sets glibc's malloc as mct's ``memory.host_malloc = "cache"`` does, in
 each rank before any variant is built: it is process-wide, so the peers run under it too
@@ -114,12 +118,15 @@ def native_bf16() -> bool:
 # cross-entropy, or one that labels the forward for a profile) ----
 
 def _mct(size: str, precision: str, recompute: bool, rank: int,
-         loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
+         loss_fn: Callable = causal_lm_loss, sets: tuple[str, ...] = ()) -> Callable[[int], float]:
+    """``sets``: ``section.key=value`` overrides of the config (``--mct-alt``)."""
     from mct import Engine, EngineConfig
-    cfg = EngineConfig.from_dict({"zero": {"stage": 3, "reshard_root_after_forward": False},
-                                  "precision": {"mode": precision},
-                                  "checkpointing": {"policy": "all" if recompute else "none"},
-                                  "train": {"grad_clip": CLIP}, "memory": {"track": False}})
+    from mct.config import apply_overrides
+    cfg = EngineConfig.from_dict(apply_overrides({"zero": {"stage": 3, "reshard_root_after_forward": False},
+                                                  "precision": {"mode": precision},
+                                                  "checkpointing": {"policy": "all" if recompute else "none"},
+                                                  "train": {"grad_clip": CLIP}, "memory": {"track": False}},
+                                                 list(sets)))
     engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)
     return lambda i: engine.train_step(batch(size, i, rank), loss_fn).loss
 
@@ -190,6 +197,14 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
 VARIANTS = {"mct": _mct, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
 
 
+def _variant(name: str) -> Callable[..., Callable[[int], float]]:
+    """A variant's builder; ``mct[a.b=1,c.d=x]``: mct's with those config overrides (``--mct-alt``)."""
+    if name.startswith("mct[") and name.endswith("]"):
+        sets = tuple(name[4:-1].split(","))
+        return lambda *a, **kw: _mct(*a, **kw, sets=sets)
+    return VARIANTS[name]
+
+
 def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[str], steps: int,
             rounds: int, host_malloc: str = "default") -> list[dict[str, Any]]:
     import gc
@@ -205,7 +220,7 @@ def _worker(rank: int, world: int, rows: list[dict[str, Any]], variants: list[st
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # the group exists: adopt it
     out = []
     for row in rows:
-        steps_of = {v: VARIANTS[v](row["size"], row["precision"], row["recompute"], rank) for v in variants}
+        steps_of = {v: _variant(v)(row["size"], row["precision"], row["recompute"], rank) for v in variants}
         first: dict[str, float] = {}
 
         def record(v: str, fn: Callable[[int], float]) -> Callable[[int], None]:
@@ -255,6 +270,9 @@ def main() -> None:
     ap.add_argument("--host-malloc", default="default", choices=["default", "cache"],
                     help="glibc malloc of the ranks, process-wide, so every variant runs under it "
                          "(mct's memory.host_malloc; 'cache': no page faults, more resident memory)")
+    ap.add_argument("--mct-alt", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="one more mct variant with these config overrides (e.g. memory.huge_pages=false), "
+                         "interleaved with the others in the same ranks: an A/B of a setting; repeatable")
     ap.add_argument("--json", default="peers", help="result name or path (.json)")
     ap.add_argument("--with-deepspeed", action="store_true", help=argparse.SUPPRESS)  # set by the re-run
     args = ap.parse_args()
@@ -271,7 +289,13 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                                          os.environ.get("PYTHONPATH")]))}
         sys.exit(subprocess.call([args.deepspeed_python, __file__, *argv, "--with-deepspeed"], env=env))
-    variants = ["mct", "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])
+    from mct.config import apply_overrides
+    for alt in args.mct_alt:
+        try:
+            apply_overrides({}, alt.split(","))
+        except ValueError as e:
+            ap.error(f"--mct-alt {alt!r}: {e}")
+    variants = ["mct", *(f"mct[{alt}]" for alt in args.mct_alt), "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])
     if not args.with_deepspeed:
         print("note: DeepSpeed skipped (pass --deepspeed-python PATH; the docstring shows how to install it "
               "in a scratch venv)")

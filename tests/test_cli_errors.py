@@ -110,6 +110,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("host-malloc-unknown", [*TRAIN, "--set", "memory.host_malloc=jemalloc"], "memory.host_malloc = 'jemalloc'"),
     ("host-malloc-empty", [*TRAIN, "--set", "memory.host_malloc="], "memory.host_malloc = ''"),
     ("host-malloc-number", [*TRAIN, "--set", "memory.host_malloc=1"], "memory.host_malloc = "),
+    ("huge-pages-not-bool", [*TRAIN, "--set", "memory.huge_pages=sometimes"], "memory.huge_pages = "),
     ("plan-offload-unknown", ["plan", "--offloads", "params=disk"], "--offloads 'params=disk'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
     ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),

@@ -408,6 +408,13 @@ class MemoryConfig:
     'default' leaves glibc as it is; 'auto' = lean with offload on a CPU device unless
     the environment tunes malloc's mmap or trim threshold (MALLOC_MMAP_THRESHOLD_,
     MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES; mct.memory.host, docs/stages.md "offload")."""
+    huge_pages: bool = True
+    """CPU: ask the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) on mct's own large fresh
+    buffers (stage-3 gathered parameters, flat gradients, collective temporaries, the gradient
+    norm's) before their first write, so filling them faults once per 2 MiB instead of once per
+    4 KiB. Acts only where Linux's transparent huge pages are in 'madvise' mode; bytes and values
+    unchanged (mct.memory.host.HugePages). false: leave page sizes to the kernel (a machine
+    whose memory is too fragmented for huge pages, where the kernel would compact to find them)."""
     solver_allow: list[str] = field(default_factory=list)
     """What ``auto``'s search may change beyond the stage, the per-block recompute and the
     activation offload (docs/planner.md, "The solver"): 'micro_batch' (data.micro_batch_size x

@@ -41,12 +41,18 @@ import functools
 import os
 from typing import Any
 
+import torch
+
 try:
     import resource
 except ImportError:  # not Unix: no page fault counts
     resource = None  # type: ignore[assignment]
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 * 2**20
+"""Linux's transparent huge page on x86-64 and most arm64 kernels (4 KiB base pages)."""
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 BUILD_THRESHOLD = 64 * 1024
 TRAIN_THRESHOLD = {"lean": 32 * 2**20, "frugal": 64 * 1024, "cache": 2**30}
 TRIMMED = ("lean", "frugal")
@@ -133,3 +139,52 @@ def trim() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def thp_setting(path: str = THP_SETTING) -> str:
+    """The kernel's transparent huge page mode: 'always', 'madvise' or 'never' (the bracketed
+    word of ``/sys/kernel/mm/transparent_hugepage/enabled``); '' where there is none (not
+    Linux, no THP, unreadable)."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+class HugePages:
+    """``memory.huge_pages``: ask the kernel for 2 MiB pages on a fresh buffer before its first
+    write (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned part of its storage), so filling it
+    faults a page per 2 MiB instead of per 4 KiB. Under glibc's defaults every block of 32 MiB
+    and up is a fresh mapping, and mct's own stage-3 gathers, flat gradients and collective
+    temporaries are such blocks: each first write of them otherwise faults 8,192 pages per 32
+    MiB. Only where the kernel's THP mode is 'madvise' (with 'always' the kernel does this
+    already; with 'never' it refuses); no-op off glibc/Linux, on CUDA, in a dry run (fake
+    tensors), and for buffers under ``MIN_BYTES``. The bytes, their values and the tensors'
+    lifetimes do not change: only the page size the kernel backs them with."""
+
+    MIN_BYTES = 2 * HUGE_PAGE
+    """A buffer smaller than this may hold no whole aligned 2 MiB page: not worth the call."""
+
+    def __init__(self, enabled: bool, device: torch.device | str = "cpu") -> None:
+        libc = _libc() if enabled and torch.device(device).type == "cpu" else None
+        self.on = libc is not None and thp_setting() == "madvise"
+        if self.on:
+            self._madvise = libc.madvise
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise.restype = ctypes.c_int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, its storage's whole 2 MiB pages advised; returned for chaining."""
+        if self.on and type(t) in _PLAIN and t.device.type == "cpu":
+            st = t.untyped_storage()
+            n = st.nbytes()
+            if n >= self.MIN_BYTES:
+                ptr = st.data_ptr()
+                lo, hi = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + n) // HUGE_PAGE * HUGE_PAGE
+                if hi > lo:
+                    self._madvise(lo, hi - lo, MADV_HUGEPAGE)  # advice: a refusal changes nothing
+        return t
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

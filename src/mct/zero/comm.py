@@ -30,7 +30,7 @@ import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,10 @@ def _one_tensor(most: int, last: int, like: torch.Tensor) -> torch.Tensor:
         del tmp
         tmp = torch.empty(last, dtype=like.dtype, device=like.device)
     return tmp
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @dataclass
@@ -208,7 +212,12 @@ class Pending:
 class Comm:
     """Bucketed collectives over the default process group (or none)."""
 
-    def __init__(self, ctx: DistContext, bucket_bytes: int) -> None:
+    def __init__(self, ctx: DistContext, bucket_bytes: int,
+                 advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``advise(t)``: called on each fresh buffer the collectives and the ZeRO units
+        allocate, before its first write, returning it (``mct.memory.host.HugePages``);
+        None: nothing."""
+        self.advise = advise or _as_is
         self.ctx = ctx
         self.world = ctx.world_size
         self.rank = ctx.rank
@@ -261,7 +270,7 @@ class Comm:
         waited = 0.0
         if len(chunks) == 1:
             if source:
-                whole = torch.empty(self.world, S, dtype=out.dtype, device=out.device)
+                whole = self.advise(torch.empty(self.world, S, dtype=out.dtype, device=out.device))
                 full.fill(whole, 0, S)
                 full = whole.view(-1)
             works, keep = [self.ops.reduce_scatter(out, full)], [full]
@@ -285,11 +294,11 @@ class Comm:
                     t = time.perf_counter()
                     flight.popleft()[0].wait()  # and its copy is freed
                     waited += time.perf_counter() - t
+                src = self.advise(torch.empty(self.world, b - a, dtype=out.dtype, device=out.device))
                 if source:
-                    src = torch.empty(self.world, b - a, dtype=out.dtype, device=out.device)
                     full.fill(src, a, b)
                 else:
-                    src = view[:, a:b].contiguous()
+                    src.copy_(view[:, a:b])  # the columns' contiguous copy
                 flight.append((self.ops.reduce_scatter(out[a:b], src.view(-1)), src))
             works, keep = [w for w, _ in flight], [c for _, c in flight]
         p = Pending(works, self.stats, nbytes, then, keep, waited)

@@ -260,6 +260,9 @@ class FlatParamUnit:
         # as one (``BUCKETS_AS_ONE``): the same bytes, in one add per gradient.
         self.reduce_in_place = False
         self.grad_buckets: list[tuple[int, int]] | None = None
+        # called on each fresh buffer before its first write (ShardedModel sets the Comm's
+        # ``advise``: huge pages on the host, ``mct.memory.host.HugePages``)
+        self.advise: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0
@@ -282,6 +285,7 @@ class FlatParamUnit:
                 self.wait_gather()
             return
         self.working.untyped_storage().resize_(self.numel_bytes)
+        self.advise(self.working)
         src = self.master.to(self.param_dtype) if self.gather_source is None else self.gather_source()
         # Writing into the buffer must not look like an in-place change of the
         # parameters to autograd: tensors saved in forward are views of this storage.
@@ -310,7 +314,8 @@ class FlatParamUnit:
                 if not self.master_is_view:
                     self.working.copy_(self.master)
             else:
-                src = self.master.to(self.param_dtype) if not self.master_is_view else self.master.clone()
+                src = (self.master.to(self.param_dtype) if not self.master_is_view
+                       else self.advise(torch.empty_like(self.master)).copy_(self.master))
                 comm.all_gather(src, self.working, window=self.bucket_window)
 
     # ---- gradients ----
@@ -349,7 +354,7 @@ class FlatParamUnit:
         same bits as adding it into zeros, in one pass instead of a fill and an add); the
         elements no parameter covers (alignment gaps, tail padding) are zeroed now, those
         of parameters that get no gradient when the unit is reduced (``zero_unwritten``)."""
-        self.grad_full = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=device)
+        self.grad_full = self.advise(torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=device))
         self._zero = torch.zeros(1, dtype=self.reduce_dtype, device=device)
         self.unwritten = set(range(len(self.params)))
         self._zero_ranges(uncovered(self.layout, self.unwritten))
@@ -391,7 +396,7 @@ class FlatParamUnit:
                 self.grad_shard.add_(full)
                 full.zero_()
             return
-        out = torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device)
+        out = self.advise(torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device))
 
         def accumulate() -> None:
             # self.grad_full, not ``full``: at stages 2/3 this closure must not keep the

@@ -41,7 +41,8 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
     return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
 
 
-def fp64_sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def fp64_sq_norm(tensors: list[torch.Tensor], advise: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                 ) -> torch.Tensor:
     """Sum over ``tensors`` of the squared L2 norm of each, accumulated in fp64, in order:
     the value of ``sum(vector_norm(t, dtype=float64).square() for t in tensors)`` bit for
     bit. ``vector_norm(dtype=float64)`` reads a materialized fp64 copy of its input; here
@@ -53,7 +54,7 @@ def fp64_sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     per element of the largest shard to the device's memory, so each norm is taken as it is."""
     if tensors[0].device.type != "cpu":
         return sum(torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors)
-    buf = torch.empty(max(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device)
+    buf = advise(torch.empty(max(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device))
     total = None
     for t in tensors:
         sq = torch.linalg.vector_norm(buf[:t.numel()].copy_(t.reshape(-1))).square()
@@ -118,6 +119,7 @@ class ShardedModel:
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      precision=precision, persistent=persistent, full_grads=stage < 2, device=device,
                                      on_new_grad_shard=self._track_grad_shard)
+                unit.advise = comm.advise
                 if uname == "root":
                     # embedding + head (+ final norm): 1 B elements at a 128k vocabulary, 5x
                     # an 8B model's layer. The head's gradient arrives at the start of
@@ -225,7 +227,7 @@ class ShardedModel:
         scale_(shards, inv_divisor)
         if not shards or (self.stage == 0 and self.comm.rank != 0):
             return torch.zeros((), dtype=torch.float64, device=self._device())
-        return fp64_sq_norm(shards)
+        return fp64_sq_norm(shards, self.comm.advise)
 
     def _device(self) -> torch.device:
         return self.units[0].master.device if self.units else torch.device("cpu")
