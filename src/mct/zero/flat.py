@@ -286,7 +286,10 @@ class FlatParamUnit:
             return
         self.working.untyped_storage().resize_(self.numel_bytes)
         self.advise(self.working)
-        src = self.master.to(self.param_dtype) if self.gather_source is None else self.gather_source()
+        if self.gather_source is not None:
+            src = self.gather_source()
+        else:  # an fp32 master is sent as it is (``.to``'s no-copy case)
+            src = self.master if self.master.dtype == self.param_dtype else self._cast_master()
         # Writing into the buffer must not look like an in-place change of the
         # parameters to autograd: tensors saved in forward are views of this storage.
         with torch.autograd._unsafe_preserve_version_counter(self.working):
@@ -295,6 +298,14 @@ class FlatParamUnit:
             self.wait_gather()
         elif self.pending_gather is None:
             self.gathered = True
+
+    def _cast_master(self) -> torch.Tensor:
+        """This rank's master in the param dtype, in a fresh (advised) buffer: what an
+        all-gather sends. Never the master itself, even in fp32: a stage-1/2 all-gather
+        writes into the working buffer the fp32 master is a view of. ``copy_`` casts as
+        ``.to`` does (the same rounding)."""
+        return self.advise(torch.empty(self.master.shape, dtype=self.param_dtype,
+                                       device=self.master.device)).copy_(self.master)
 
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
@@ -314,8 +325,7 @@ class FlatParamUnit:
                 if not self.master_is_view:
                     self.working.copy_(self.master)
             else:
-                src = (self.master.to(self.param_dtype) if not self.master_is_view
-                       else self.advise(torch.empty_like(self.master)).copy_(self.master))
+                src = self._cast_master()
                 comm.all_gather(src, self.working, window=self.bucket_window)
 
     # ---- gradients ----
