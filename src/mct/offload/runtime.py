@@ -154,7 +154,7 @@ class OffloadedState:
         def source() -> torch.Tensor:
             if self.param_shards[i] is not None:
                 return self.param_shards[i]
-            out = torch.empty(u.layout.shard_numel, dtype=u.param_dtype, device=self.device)
+            out = self.comm.advise(torch.empty(u.layout.shard_numel, dtype=u.param_dtype, device=self.device))
             self.fetch(self.param_store, f"u{i}.param", out)
             return out
         return source
@@ -363,7 +363,7 @@ class OffloadedState:
         if u.master_is_view:
             yield u.master
             return
-        out = torch.empty(u.layout.shard_numel, dtype=torch.float32, device=self.device)
+        out = self.comm.advise(torch.empty(u.layout.shard_numel, dtype=torch.float32, device=self.device))
         self.fetch(self.store, f"u{i}.master", out)
         try:
             yield out
