@@ -92,7 +92,7 @@ class Engine:
         self.recompute = apply_checkpointing(
             model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
             device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
-            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"))
+            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise)
         # 2. precision: frozen parameters are cast here; trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager
 
+import torch
 import torch.nn as nn
 
 from mct.checkpointing.blocks import find_blocks
@@ -130,7 +131,8 @@ class CheckpointState:
 def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
                         recompute_context: Callable[[], ContextManager] | None = None,
                         device: Any = "cpu", offload_dir: str = "", name: str = "act",
-                        report: ReportFn | None = None) -> CheckpointState:
+                        report: ReportFn | None = None,
+                        advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CheckpointState:
     """Patch the blocks chosen by ``cfg.policy`` (and ``cfg.per_block``) so backward recomputes them.
 
     Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.
@@ -138,7 +140,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     tracker's ``activations`` category). ``cfg.offload`` != 'none': each region's input
     waits for backward in that tier (``ActivationOffload`` on ``device``; 'disk' files in
     a folder named after ``name`` under ``offload_dir``; ``report(tier, bytes)`` hears the
-    bytes parked). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
+    bytes parked; ``advise``: called on each buffer an input is read back into). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
     mutates only the blocks' instance ``forward`` attribute. Raises ValueError for policy
     'auto', no detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with
     k larger than the block count, a ``per_block`` list or counts that do not match it,
@@ -161,7 +163,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
             "it has no nn.ModuleList; name the block class, e.g. checkpointing.blocks = [\"MyLayer\"]")
     plans = region_plans(cfg, len(blocks)) if cfg.policy != "none" else []
     if cfg.offload != "none":
-        state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report)
+        state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report,
+                                          advise=advise)
     for plan in plans:
         region = Region([blocks[i] for i in plan.blocks], context_fn_for(plan.mode), verify=cfg.verify,
                         recompute_context=state.recompute_context)

@@ -133,12 +133,16 @@ class ActivationOffload:
 
     ``report(tier, nbytes)`` is told the bytes parked now after every change (the engine
     passes its tracker's ``set_offloaded``). Per-step counters: ``parked_peak_bytes``, ``parked_total_bytes``,
-    ``parked_count``, ``wait_s``. Raises ValueError for 'cpu' on a CPU device.
+    ``parked_count``, ``wait_s``. ``advise(t)``: called on each buffer an input is read back
+    into, before the read, returning it (the engine's huge pages, ``mct.memory.host.HugePages``).
+    Raises ValueError for 'cpu' on a CPU device.
     """
 
     def __init__(self, tier: str, device: torch.device | str, *, root: str = "", name: str = "act",
-                 report: ReportFn | None = None) -> None:
+                 report: ReportFn | None = None,
+                 advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.device = torch.device(device)
+        self._advise = advise or (lambda t: t)
         if tier not in ("cpu", "disk"):
             raise ValueError(f"checkpointing.offload = {tier!r}: choose 'none', 'cpu' or 'disk'")
         if tier == "cpu" and self.device.type != "cuda":
@@ -262,7 +266,7 @@ class ActivationOffload:
         if p.back is not None or p.tensor is not None:
             return
         # Allocated here, on the main thread, where the tracker counts it: the bytes are back.
-        p.back = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        p.back = self._advise(torch.empty(p.shape, dtype=p.dtype, device=p.device))
         self._add_parked(-p.nbytes)
         if p.fake:
             return
