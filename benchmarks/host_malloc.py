@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the heap reaches its steady state)")
     ap.add_argument("--json", default="host_malloc", help="result name or path (.json)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error(f"--rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}: rounds and steps at least 1, "
+                 "warmup at least 0")
     modes = args.modes.split(",")
     bad = [m for m in modes if m.partition(":")[0] not in HOST_MALLOC or m.partition(":")[2] not in ("", "nohuge")]
     if bad:

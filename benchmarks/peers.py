@@ -117,16 +117,22 @@ def native_bf16() -> bool:
 # ---- the variants: each returns step(i) -> the step's mean loss over ranks (``loss_fn``: the
 # cross-entropy, or one that labels the forward for a profile) ----
 
+def mct_config(precision: str, recompute: bool, sets: tuple[str, ...] = ()):
+    """mct's ``EngineConfig`` for a row; ``sets``: ``section.key=value`` overrides (``--mct-alt``).
+    Raises ValueError as ``mct train --set`` does."""
+    from mct import EngineConfig
+    from mct.config import apply_overrides
+    return EngineConfig.from_dict(apply_overrides({"zero": {"stage": 3, "reshard_root_after_forward": False},
+                                                   "precision": {"mode": precision},
+                                                   "checkpointing": {"policy": "all" if recompute else "none"},
+                                                   "train": {"grad_clip": CLIP}, "memory": {"track": False}},
+                                                  list(sets)))
+
+
 def _mct(size: str, precision: str, recompute: bool, rank: int,
          loss_fn: Callable = causal_lm_loss, sets: tuple[str, ...] = ()) -> Callable[[int], float]:
-    """``sets``: ``section.key=value`` overrides of the config (``--mct-alt``)."""
-    from mct import Engine, EngineConfig
-    from mct.config import apply_overrides
-    cfg = EngineConfig.from_dict(apply_overrides({"zero": {"stage": 3, "reshard_root_after_forward": False},
-                                                  "precision": {"mode": precision},
-                                                  "checkpointing": {"policy": "all" if recompute else "none"},
-                                                  "train": {"grad_clip": CLIP}, "memory": {"track": False}},
-                                                 list(sets)))
+    from mct import Engine
+    cfg = mct_config(precision, recompute, sets)
     engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)
     return lambda i: engine.train_step(batch(size, i, rank), loss_fn).loss
 
@@ -279,6 +285,8 @@ def main() -> None:
     sizes = ["small"] if args.quick else args.sizes.split(",")
     rounds = 1 if args.quick else args.rounds
     precisions = args.precisions.split(",")
+    if rounds < 1 or args.steps < 1:
+        ap.error(f"--rounds {rounds} --steps {args.steps}: each must be at least 1")
     bad = [s for s in sizes if s not in SIZES]
     if bad:
         ap.error(f"--sizes {args.sizes!r}: {bad[0]!r} is not a size; choose from {','.join(SIZES)}")
@@ -289,10 +297,10 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1] / "src"),
                                                                          os.environ.get("PYTHONPATH")]))}
         sys.exit(subprocess.call([args.deepspeed_python, __file__, *argv, "--with-deepspeed"], env=env))
-    from mct.config import apply_overrides
-    for alt in args.mct_alt:
+    for alt in args.mct_alt:  # every row's config, checked before any rank starts
         try:
-            apply_overrides({}, alt.split(","))
+            for p in precisions:
+                mct_config(p, False, tuple(alt.split(",")))
         except ValueError as e:
             ap.error(f"--mct-alt {alt!r}: {e}")
     variants = ["mct", *(f"mct[{alt}]" for alt in args.mct_alt), "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])

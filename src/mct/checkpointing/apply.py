@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager
 
-import torch
 import torch.nn as nn
 
 from mct.checkpointing.blocks import find_blocks
 from mct.checkpointing.offload import ActivationOffload, ReportFn
+from mct.memory.host import Advise, as_is
 from mct.checkpointing.policies import context_fn_for, policy_label, region_plans
 from mct.checkpointing.region import Region
 from mct.checkpointing.norms import TiledNorms, find_rms_norms
@@ -132,7 +132,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
                         recompute_context: Callable[[], ContextManager] | None = None,
                         device: Any = "cpu", offload_dir: str = "", name: str = "act",
                         report: ReportFn | None = None,
-                        advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CheckpointState:
+                        advise: Advise = as_is) -> CheckpointState:
     """Patch the blocks chosen by ``cfg.policy`` (and ``cfg.per_block``) so backward recomputes them.
 
     Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.

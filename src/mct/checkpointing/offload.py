@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from mct.checkpointing.act_store import ActivationStore
+from mct.memory.host import Advise, as_is
 
 ReportFn = Callable[[str, int], None]
 
@@ -140,9 +141,9 @@ class ActivationOffload:
 
     def __init__(self, tier: str, device: torch.device | str, *, root: str = "", name: str = "act",
                  report: ReportFn | None = None,
-                 advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 advise: Advise = as_is) -> None:
         self.device = torch.device(device)
-        self._advise = advise or (lambda t: t)
+        self._advise = advise
         if tier not in ("cpu", "disk"):
             raise ValueError(f"checkpointing.offload = {tier!r}: choose 'none', 'cpu' or 'disk'")
         if tier == "cpu" and self.device.type != "cuda":

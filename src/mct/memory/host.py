@@ -39,7 +39,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -139,6 +139,16 @@ def trim() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+Advise = Callable[[torch.Tensor], torch.Tensor]
+"""What is called on a fresh buffer before its first write and returns it (``HugePages``,
+``as_is``)."""
+
+
+def as_is(t: torch.Tensor) -> torch.Tensor:
+    """No advice: ``t`` as it is (the default ``Advise`` wherever none is given)."""
+    return t
 
 
 def thp_setting(path: str = THP_SETTING) -> str:

@@ -30,12 +30,13 @@ import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mct.dist import DistContext
+from mct.memory.host import Advise, as_is
 from mct.zero.partition import bucket_slices
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn on every
@@ -73,10 +74,6 @@ def _one_tensor(most: int, last: int, like: torch.Tensor) -> torch.Tensor:
         del tmp
         tmp = torch.empty(last, dtype=like.dtype, device=like.device)
     return tmp
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 @dataclass
@@ -213,11 +210,10 @@ class Comm:
     """Bucketed collectives over the default process group (or none)."""
 
     def __init__(self, ctx: DistContext, bucket_bytes: int,
-                 advise: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 advise: Advise = as_is) -> None:
         """``advise(t)``: called on each fresh buffer the collectives and the ZeRO units
-        allocate, before its first write, returning it (``mct.memory.host.HugePages``);
-        None: nothing."""
-        self.advise = advise or _as_is
+        allocate, before its first write, returning it (``mct.memory.host.HugePages``)."""
+        self.advise = advise
         self.ctx = ctx
         self.world = ctx.world_size
         self.rank = ctx.rank

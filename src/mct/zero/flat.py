@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
@@ -262,7 +263,7 @@ class FlatParamUnit:
         self.grad_buckets: list[tuple[int, int]] | None = None
         # called on each fresh buffer before its first write (ShardedModel sets the Comm's
         # ``advise``: huge pages on the host, ``mct.memory.host.HugePages``)
-        self.advise: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.advise: Advise = as_is
         self.pending_gather: Pending | None = None
         self.pending_reduce: Pending | None = None
         self.grads_seen = 0

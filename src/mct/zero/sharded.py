@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
 from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
@@ -41,8 +42,7 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
     return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
 
 
-def fp64_sq_norm(tensors: list[torch.Tensor], advise: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-                 ) -> torch.Tensor:
+def fp64_sq_norm(tensors: list[torch.Tensor], advise: Advise = as_is) -> torch.Tensor:
     """Sum over ``tensors`` of the squared L2 norm of each, accumulated in fp64, in order:
     the value of ``sum(vector_norm(t, dtype=float64).square() for t in tensors)`` bit for
     bit. ``vector_norm(dtype=float64)`` reads a materialized fp64 copy of its input; here
