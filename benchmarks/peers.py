@@ -42,10 +42,13 @@ column is skipped with a one-line note.
 
     PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--precisions bf16,fp32]
         [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH] [--host-malloc cache]
-        [--mct-alt KEY=VALUE[,KEY=VALUE]]...
+        [--mct-alt KEY=VALUE[,KEY=VALUE]]... [--mct-gloo-collectives]
 
 ``--mct-alt memory.huge_pages=false`` adds an mct variant with that setting to every row, stepping
 in turn with the others in the same ranks: an A/B of one setting under the same load.
+
+``--mct-gloo-collectives`` adds an mct variant ('mct-gloo') that issues gloo's own all-gather and
+all-reduce where mct sends and receives point to point (``mct.zero.comm.TorchCollectives``).
 
 ``--host-malloc cache`` sets glibc's malloc as mct's ``memory.host_malloc = "cache"`` does, in
 each rank before any variant is built: it is process-wide, so the peers run under it too
@@ -130,10 +133,18 @@ def mct_config(precision: str, recompute: bool, sets: tuple[str, ...] = ()):
 
 
 def _mct(size: str, precision: str, recompute: bool, rank: int,
-         loss_fn: Callable = causal_lm_loss, sets: tuple[str, ...] = ()) -> Callable[[int], float]:
+         loss_fn: Callable = causal_lm_loss, sets: tuple[str, ...] = (),
+         gloo_collectives: bool = False) -> Callable[[int], float]:
+    """``gloo_collectives``: this engine issues gloo's own all-gather and all-reduce where
+    mct sends and receives (``mct.zero.comm.GLOO_P2P``, read when the engine is built)."""
     from mct import Engine
+    from mct.zero import comm
     cfg = mct_config(precision, recompute, sets)
-    engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)
+    was, comm.GLOO_P2P = comm.GLOO_P2P, not gloo_collectives
+    try:
+        engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)
+    finally:
+        comm.GLOO_P2P = was
     return lambda i: engine.train_step(batch(size, i, rank), loss_fn).loss
 
 
@@ -204,7 +215,10 @@ VARIANTS = {"mct": _mct, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
 
 
 def _variant(name: str) -> Callable[..., Callable[[int], float]]:
-    """A variant's builder; ``mct[a.b=1,c.d=x]``: mct's with those config overrides (``--mct-alt``)."""
+    """A variant's builder; ``mct[a.b=1,c.d=x]``: mct's with those config overrides (``--mct-alt``);
+    ``mct-gloo``: mct's with gloo's collectives (``--mct-gloo-collectives``)."""
+    if name == "mct-gloo":
+        return lambda *a, **kw: _mct(*a, **kw, gloo_collectives=True)
     if name.startswith("mct[") and name.endswith("]"):
         sets = tuple(name[4:-1].split(","))
         return lambda *a, **kw: _mct(*a, **kw, sets=sets)
@@ -279,6 +293,9 @@ def main() -> None:
     ap.add_argument("--mct-alt", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="one more mct variant with these config overrides (e.g. memory.huge_pages=false), "
                          "interleaved with the others in the same ranks: an A/B of a setting; repeatable")
+    ap.add_argument("--mct-gloo-collectives", action="store_true",
+                    help="one more mct variant ('mct-gloo') issuing gloo's own all-gather and all-reduce "
+                         "where mct sends and receives point to point: what that choice buys, same ranks")
     ap.add_argument("--json", default="peers", help="result name or path (.json)")
     ap.add_argument("--with-deepspeed", action="store_true", help=argparse.SUPPRESS)  # set by the re-run
     args = ap.parse_args()
@@ -303,7 +320,8 @@ def main() -> None:
                 mct_config(p, False, tuple(alt.split(",")))
         except ValueError as e:
             ap.error(f"--mct-alt {alt!r}: {e}")
-    variants = ["mct", *(f"mct[{alt}]" for alt in args.mct_alt), "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])
+    variants = ["mct", *(f"mct[{alt}]" for alt in args.mct_alt), *(["mct-gloo"] if args.mct_gloo_collectives else []),
+                "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])
     if not args.with_deepspeed:
         print("note: DeepSpeed skipped (pass --deepspeed-python PATH; the docstring shows how to install it "
               "in a scratch venv)")

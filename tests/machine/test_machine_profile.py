@@ -158,7 +158,7 @@ def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     del old["extra"]["python_mode_op_s"], old["extra"]["selective_mode_op_s"], old["extra"]["tracker_op_s"]
     path.write_text(json.dumps({"version": 1, "profiles": {current_key("cpu"): old}}))
     cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 9
+    assert cal.source == "measured" and cal.profile.version == profile_mod.PROFILE_VERSION == 10
     assert cal.profile.extra["random_elements_per_s"] > 0 and cal.profile.extra["elementwise_by_dtype"]
     assert cal.profile.extra["elementwise_by_kind"] and cal.profile.extra["python_mode_op_s"] > 0
     assert cal.profile.extra["selective_mode_op_s"] > 0 and cal.profile.extra["tracker_op_s"] > 0

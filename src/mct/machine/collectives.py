@@ -1,7 +1,8 @@
 """Collective latency and bandwidth of this machine at a world size: ``world``
 processes spawned here (gloo over a file rendezvous on CPU, NCCL on CUDA devices), each
-timing the three collectives the engine issues, at a tiny size (latency) and a large one
-(bandwidth). A few seconds, mostly the processes' start; the time model
+timing the three collectives the engine issues (``mct.zero.comm.TorchCollectives``: on
+gloo, the all-gather and the 2-rank reduce-scatter are sends and receives), at a tiny
+size (latency) and a large one (bandwidth). A few seconds, mostly the processes' start; the time model
 (``mct.planner.steptime``) caches the result per backend and world in the machine profile.
 
 A collective's bytes are counted as the engine's ``Comm`` counts them: the
@@ -103,6 +104,9 @@ def _time_kind(kind: str, world: int, dev: torch.device) -> list[float]:
     ``LARGE_BYTES`` (float32), every rank starting together (a barrier before each)."""
     import torch.distributed as dist
 
+    from mct.zero.comm import TorchCollectives
+    ops = TorchCollectives()  # the raw collectives the engine issues (on gloo: sends and receives)
+
     def once(numel: int) -> float:
         full = torch.ones(numel - numel % world, device=dev)
         part = torch.empty(full.numel() // world, device=dev)
@@ -115,9 +119,9 @@ def _time_kind(kind: str, world: int, dev: torch.device) -> list[float]:
             if kind == "all_reduce":
                 dist.all_reduce(full)
             elif kind == "reduce_scatter":
-                (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full)
+                ops.reduce_scatter(part, full).wait()
             else:
-                (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, part)
+                ops.all_gather(full, part).wait()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             best = min(best, time.perf_counter() - t0)

@@ -32,7 +32,7 @@ from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
 from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 """Bumped when a profile gains a rate older code did not measure: a cached profile of
 another version is measured again, never half-used. 3: the random-number rate
 (``extra['random_elements_per_s']``), the fused attention kernels' rates
@@ -51,7 +51,9 @@ speed-up of elementwise ops and matmuls by size (``extra['elementwise_speedup']`
 memory tracker's cost per op (``extra['tracker_op_s']``), and the per-op overhead of steps
 without the tracker (with it before). 9: the wait per collective call as the slope from the
 calibration engines' stage-0 steps to their stage-3 ones (``collective_wait_s``; stage 0's
-time in its collectives over its calls before, a once-a-step skew counted per call)."""
+time in its collectives over its calls before, a once-a-step skew counted per call). 10: the
+collectives timed as the engine issues them (gloo's all-gather and 2-rank reduce-scatter as
+sends and receives, ``mct.zero.comm.TorchCollectives``; gloo's collectives before)."""
 
 SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
                 "python_mode_op_s", "selective_mode_op_s", "tracker_op_s")
