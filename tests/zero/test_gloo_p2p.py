@@ -80,7 +80,7 @@ def test_point_to_point_collectives_give_gloos_bits(world):
 
 def _train(rank: int, world: int) -> list:
     out = []
-    for stage in (2, 3):
+    for stage in (2, 3) if world == 2 else (3,):  # at 3 ranks only the all-gathers are sends
         runs = []
         for p2p in (True, False):
             comm_mod.GLOO_P2P = p2p
