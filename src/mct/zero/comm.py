@@ -30,7 +30,7 @@ import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -143,26 +143,26 @@ class TorchCollectives:
             mine = inp.view(self.world, -1)[self.rank]
             if self.world == 2 and self._pairwise(inp) and out.is_contiguous():
                 if out.numel() == 0:
-                    return _Exchanged([])
+                    return _InFlight()
                 peer = 1 - self.rank
                 works = [dist.irecv(out, peer, tag=REDUCE_TAG),
                          dist.isend(inp.view(2, -1)[peer], peer, tag=REDUCE_TAG)]
-                return _Exchanged(works, lambda: out.add_(mine))
-            return _SliceOut(dist.all_reduce(inp, async_op=True), mine, out)
+                return _InFlight(works, lambda: out.add_(mine))
+            return _InFlight([dist.all_reduce(inp, async_op=True)], lambda: out.copy_(mine))
         return _reduce_scatter(out, inp, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        rows = out.view(self.world, -1) if out.is_contiguous() else out  # out: [world, n]
-        if self._pairwise(inp) and inp.is_contiguous() and all(r.is_contiguous() for r in rows.unbind(0)):
+        if self._pairwise(inp) and inp.is_contiguous() and out.stride(-1) == 1:
             if inp.numel() == 0:
-                return _Exchanged([])
+                return _InFlight()
+            rows = out.view(self.world, -1)  # out: [world, n], each row one contiguous segment
             works = []
             for q in range(self.world):
                 if q != self.rank:
                     works.append(dist.irecv(rows[q], q, tag=GATHER_TAG))
                     works.append(dist.isend(inp, q, tag=GATHER_TAG))
             rows[self.rank].copy_(inp)
-            return _Exchanged(works)
+            return _InFlight(works)
         if out.is_contiguous():
             return _all_gather(out.view(-1), inp, async_op=True)
         return dist.all_gather(list(out.unbind(0)), inp, async_op=True)
@@ -179,37 +179,20 @@ class TorchCollectives:
         dist.barrier()
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
+class _InFlight:
+    """Raw operations in flight (none: done already); ``wait`` waits for all of them, then
+    runs ``then`` once (a reduce-scatter's sum, or its slice copied out of an all-reduce)."""
 
-
-class _Exchanged:
-    """Point-to-point sends and receives in flight; ``wait`` waits for all of them, then
-    runs ``then`` (the reduce-scatter's sum)."""
-
-    def __init__(self, works: list, then=None) -> None:
+    def __init__(self, works: list | tuple = (), then: Callable[[], Any] | None = None) -> None:
         self.works, self.then = works, then
 
     def wait(self) -> None:
-        works, self.works = self.works, []
+        works, self.works = self.works, ()
         for w in works:
             w.wait()
-        if self.then is not None:
-            then, self.then = self.then, None
+        then, self.then = self.then, None  # dropped: the tensors it holds are freed
+        if then is not None:
             then()
-
-
-class _SliceOut:
-    """An all-reduce in flight whose wait copies this rank's ``part`` of the sum to ``out``."""
-
-    def __init__(self, work, part: torch.Tensor, out: torch.Tensor) -> None:
-        self.work, self.part, self.out = work, part, out
-
-    def wait(self) -> None:
-        self.work.wait()
-        self.out.copy_(self.part)
-        self.work = self.part = self.out = None
 
 
 class SimulatedCollectives:
@@ -227,15 +210,15 @@ class SimulatedCollectives:
         self.world = world
         self.calls: Counter[tuple[str, int, int]] = Counter()
 
-    def reduce_scatter(self, out: torch.Tensor, inp: Any, buckets: int = 1) -> _Done:
+    def reduce_scatter(self, out: torch.Tensor, inp: Any, buckets: int = 1) -> _InFlight:
         assert inp.numel() == self.world * out.numel(), (inp.shape, out.shape, self.world)
         self.calls["reduce_scatter", inp.numel() * inp.element_size(), buckets] += 1
-        return _Done()
+        return _InFlight()
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, buckets: int = 1) -> _Done:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, buckets: int = 1) -> _InFlight:
         assert out.numel() == self.world * inp.numel(), (out.shape, inp.shape, self.world)
         self.calls["all_gather", out.numel() * out.element_size(), buckets] += 1
-        return _Done()
+        return _InFlight()
 
     def all_reduce(self, t: torch.Tensor, op: str, buckets: int = 1) -> None:
         assert op in ("sum", "max"), op
