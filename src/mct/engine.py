@@ -83,7 +83,8 @@ class Engine:
         self.precision = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20),
-                         advise=host.HugePages(cfg.memory.huge_pages and self.ctx.backend != "simulated", self.device))
+                         advise=host.HugePages(cfg.memory.huge_pages and self.ctx.backend != "simulated", self.device),
+                         simulated_gloo=cfg.distributed.backend != "nccl")
         self.model = place_model(model, self.device, init_program)
         optimizer = optimizer or optim.make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed)
 

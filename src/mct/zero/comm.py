@@ -93,6 +93,10 @@ GLOO_P2P = True
 (``TorchCollectives``); False: gloo's collectives (the same bits; tests compare the two,
 the machine profile times what the engine issues)."""
 
+SUM_CHUNK = 2**18
+"""Elements per chunk of a 2-rank exchange's sum (``Comm._exchange``: 1 MiB of fp32, so its
+second pass over the chunk reads it from cache)."""
+
 GATHER_TAG, REDUCE_TAG = 0x6d63, 0x6d64
 """The point-to-point tags of the gloo all-gather and reduce-scatter (``TorchCollectives``):
 one per kind, so the two kinds in flight at once never match each other's messages."""
@@ -137,6 +141,20 @@ class TorchCollectives:
 
     def _pairwise(self, t: torch.Tensor) -> bool:
         return self.gloo and self.p2p and t.device.type == "cpu"
+
+    @property
+    def pairs(self) -> bool:
+        """Two ranks exchanging by sends and receives (``exchange``): gloo, ``p2p``, world 2."""
+        return self.gloo and self.p2p and self.world == 2
+
+    def exchange(self, recvs: list[torch.Tensor], sends: list[torch.Tensor]):
+        """With the other of two ranks: each of ``recvs`` is received from it and each of
+        ``sends`` sent to it, in order (its ``sends`` are this rank's ``recvs``: the same
+        sizes, one tag, matched in order)."""
+        peer = 1 - self.rank
+        works = [dist.irecv(t, peer, tag=REDUCE_TAG) for t in recvs]
+        works += [dist.isend(t, peer, tag=REDUCE_TAG) for t in sends]
+        return _InFlight(works)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
         if self.gloo and inp.device.type == "cpu" and inp.is_contiguous():
@@ -206,8 +224,11 @@ class SimulatedCollectives:
     the real run issues for it (``zero.bucket_mb``); kind 'object' for an object
     all-gather or a barrier (latency only). The planner's time model reads it."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, pairs: bool = False) -> None:
+        """``pairs``: the group stands for two gloo ranks, which ``Comm`` reduces by
+        exchanges (``TorchCollectives.pairs``)."""
         self.world = world
+        self.pairs = pairs and world == 2
         self.calls: Counter[tuple[str, int, int]] = Counter()
 
     def reduce_scatter(self, out: torch.Tensor, inp: Any, buckets: int = 1) -> _InFlight:
@@ -260,9 +281,11 @@ class Comm:
     """Bucketed collectives over the default process group (or none)."""
 
     def __init__(self, ctx: DistContext, bucket_bytes: int,
-                 advise: Advise = as_is) -> None:
+                 advise: Advise = as_is, *, simulated_gloo: bool = True) -> None:
         """``advise(t)``: called on each fresh buffer the collectives and the ZeRO units
-        allocate, before its first write, returning it (``mct.memory.host.HugePages``)."""
+        allocate, before its first write, returning it (``mct.memory.host.HugePages``).
+        ``simulated_gloo``: a simulated context stands for a gloo run (False: NCCL), so
+        it takes the same paths (``pairs``)."""
         self.advise = advise
         self.ctx = ctx
         self.world = ctx.world_size
@@ -270,7 +293,11 @@ class Comm:
         self.bucket_bytes = bucket_bytes
         self.stats = CommStats()
         self.simulated = ctx.backend == "simulated"
-        self.ops = SimulatedCollectives(self.world) if self.simulated else TorchCollectives()
+        self.ops = (SimulatedCollectives(self.world, pairs=simulated_gloo and GLOO_P2P) if self.simulated
+                    else TorchCollectives())
+        # two ranks on the host over gloo: a unit's held gradients are sent as they are
+        # (``reduce_scatter`` of a sendable ``HeldGrads``), no flat gradient built
+        self.pairs = self.ops.pairs and ctx.device.type == "cpu"
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
@@ -310,6 +337,12 @@ class Comm:
             if then is not None:
                 then()
             return None
+        if source and self.pairs and getattr(full, "sendable", False) and full.dtype == out.dtype:
+            p = self._exchange(full, out, then)
+            if not async_op:
+                p.wait()
+                return None
+            return p
         S = out.numel()
         nbytes = full.numel() * full.element_size()
         chunks = bucket_slices(S, self.world, full.element_size(), self.bucket_bytes)
@@ -352,6 +385,55 @@ class Comm:
             p.wait()
             return None
         return p
+
+    def _exchange(self, held: Any, out: torch.Tensor, then) -> Pending:
+        """The reduce-scatter of ``held`` (a sendable ``HeldGrads``) between two ranks, bucket
+        by bucket: the other rank's row is sent in pieces straight from the gradients
+        (zeros for a parameter with none here), this rank's received into ``out``, and at
+        the wait this rank's own gradients are added: no flat gradient, no bucket copy,
+        no window (nothing to free between buckets). ``out = (0 + theirs) + mine``, a
+        cache-sized chunk at a time, has the bits of the flat buffers' sum ``(0 + theirs)
+        + (0 + mine)``: ``0 + x`` differs from ``x`` only for -0.0, and ``(0 + t) + m``
+        is the same for either zero ``m`` as ``0 + t`` is never -0.0. Columns no parameter
+        covers (gaps, padding) are zeros, as in the flat buffer."""
+        S, me = out.numel(), self.rank
+        chunks = bucket_slices(S, 2, out.element_size(), self.bucket_bytes)
+        mine: list[tuple[int, int, torch.Tensor | None]] = []
+        works: list = []
+        keep: list = [held]  # the sends read the gradients until the wait
+        for a, b in chunks:
+            sends = []
+            for c0, c1, g in held.row(1 - me, a, b):
+                if g is None:  # no gradient here on this rank
+                    g = torch.zeros(c1 - c0, dtype=out.dtype, device=out.device)
+                    keep.append(g)
+                sends.append(g)
+            recvs, at = [], a
+            for c0, c1, g in held.row(me, a, b):
+                if a + c0 > at:
+                    out[at:a + c0].zero_()
+                recvs.append(out[a + c0:a + c1])
+                mine.append((a + c0, a + c1, g))
+                at = a + c1
+            if b > at:
+                out[at:b].zero_()
+            if not self.simulated:
+                works.append(self.ops.exchange(recvs, sends))
+        if self.simulated:  # one counted call, as the real run's buckets
+            works = [self.ops.reduce_scatter(out, held, buckets=len(chunks))]
+        zero = torch.zeros(1, dtype=out.dtype, device=out.device)
+
+        def finish() -> None:
+            for x, y, g in mine:
+                step = y - x if self.simulated else SUM_CHUNK  # the same ops' bytes in O(1) fake ops
+                for k in range(x, y, step):
+                    o = out[k:min(k + step, y)]
+                    o.add_(zero)
+                    if g is not None:
+                        o.add_(g[k - x:k - x + o.numel()])
+            if then is not None:
+                then()
+        return Pending(works, self.stats, held.numel() * held.element_size(), finish, keep)
 
     def all_gather(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                    window: int | None = None) -> Pending | None:

@@ -9,6 +9,9 @@ Buffers (S = shard_numel, P = padded_numel = world * S):
                master is a view of the working buffer's own slice (no second copy).
   grad_full    [P] reduce dtype: parameter gradients are added into it by
                post-accumulate-grad hooks (stages 0/1: persistent; 2/3: per backward).
+               Not built by a unit that keeps its gradients (``hold_grads``: the root,
+               and at stages 2/3 every unit of a 2-rank gloo run in the reduce dtype,
+               whose gradients are sent as they are: ``Comm._exchange``).
   grad_shard   [S] fp32: the reduced, accumulated gradient of this rank's slice (fp32
                stage 0: grad_full itself; fp32 stage 1: a view of grad_full's slice).
                Stages 2/3 hold none between steps: the unit's first reduce of a step
@@ -19,6 +22,7 @@ At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
@@ -81,8 +85,12 @@ class HeldGrads:
     later ones added; only the elements no gradient covers are zeroed."""
 
     def __init__(self, layout: FlatLayout, grads: list[tuple[int, torch.Tensor]], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, sendable: bool = False) -> None:
+        """``sendable``: every gradient is in ``dtype`` and at most one per parameter, so
+        a 2-rank exchange may send them as they are (``Comm.reduce_scatter``, ``row``);
+        the same on every rank (the units' dtypes), never read from the tensors."""
         self.layout, self.grads, self.dtype, self.device = layout, grads, dtype, device
+        self.sendable = sendable
         # one zero for every bucket's first writes, alive as long as the held gradients (a
         # bucket-by-bucket reduce and the dry run's one-bucket shortcut hold the same bytes)
         self.zero = torch.zeros(1, dtype=dtype, device=device)
@@ -90,6 +98,7 @@ class HeldGrads:
         firsts = {i: n for n, (i, _) in reversed(list(enumerate(grads)))}
         self.first = [firsts[i] == n for n, (i, _) in enumerate(grads)]
         self.gaps = uncovered(layout, firsts)
+        self._by_index: dict[int, torch.Tensor] | None = None
 
     def numel(self) -> int:
         return self.layout.padded_numel
@@ -108,6 +117,29 @@ class HeldGrads:
                 put_columns(dst, flat, off, S, a, b, self.zero)
             else:
                 add_columns(dst, flat, off, S, a, b)
+
+    def row(self, r: int, a: int, b: int) -> list[tuple[int, int, torch.Tensor | None]]:
+        """Row ``r``'s columns [a, b) of the flat gradient viewed as [world, S], as the
+        pieces parameters cover, in column order: (c0, c1, g), columns [a + c0, a + c1)
+        holding ``g`` (a view of the parameter's own gradient; None where it got none on
+        this rank). Alignment gaps and padding are in no piece. Decided by the layout
+        alone, so two ranks cut the same pieces whatever gradients each holds. Needs
+        ``sendable`` (one gradient per parameter)."""
+        layout, S = self.layout, self.layout.shard_numel
+        if self._by_index is None:
+            self._by_index = {i: g.reshape(-1) for i, g in self.grads}
+        lo, hi = r * S + a, r * S + b
+        out = []
+        offsets, numels = layout.offsets, layout.numels()
+        for i in range(max(0, bisect.bisect_right(offsets, lo) - 1), len(offsets)):
+            off = offsets[i]
+            if off >= hi:
+                break
+            x, y = max(off, lo), min(off + numels[i], hi)
+            if x < y:
+                g = self._by_index.get(i)
+                out.append((x - lo, y - lo, None if g is None else g[x - off:y - off]))
+        return out
 
 
 def uncovered(layout: FlatLayout, indices) -> list[tuple[int, int]]:
@@ -203,7 +235,8 @@ class FlatParamUnit:
                  device: torch.device, on_new_grad_shard: Callable[[torch.Tensor], None] | None = None) -> None:
         """``precision``: the working (``param_dtype``) and reduction (``reduce_dtype``)
         dtypes. ``on_new_grad_shard`` is called with each gradient shard created during
-        a step (stages 2/3), e.g. to count it in a memory tracker."""
+        a step (stages 2/3), and each buffer summing a held parameter's parts, e.g. to
+        count it in a memory tracker."""
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.name = name
         self.on_new_grad_shard = on_new_grad_shard
@@ -248,6 +281,8 @@ class FlatParamUnit:
         # their gradients arrive at the two ends of backward).
         self.hold_grads = False
         self.held: list[tuple[int, torch.Tensor]] = []
+        self._held_at: dict[int, int] = {}  # parameter index -> its entry in ``held``
+        self._summed: set[int] = set()  # entries that are sums of parts (buffers of our own)
         # Stages 2/3: parameters with no gradient yet in this backward's grad_full (their
         # first one is written, not added: ``_new_grad_full``). Stages 0/1 keep a zeroed
         # buffer across micro-batches and steps and add every gradient into it.
@@ -336,7 +371,7 @@ class FlatParamUnit:
         parameter's gradient follows in this backward (a tiled MLP's earlier tiles); only
         a last part counts in ``grads_seen``."""
         if self.hold_grads and not self.full_grads:
-            self.held.append((index, grad))
+            self._hold(index, grad)
         else:
             if self.grad_full is None:
                 self._new_grad_full(grad.device)
@@ -358,6 +393,28 @@ class FlatParamUnit:
             else:
                 self.grad_full[off:off + self._numels[index]].add_(flat)
         self.grads_seen += int(last)
+
+    def _hold(self, index: int, grad: torch.Tensor) -> None:
+        """Keep ``grad`` until the unit is reduced. A parameter's later parts (a tiled
+        MLP's tiles) are summed into one buffer of the reduce dtype as they come, as the
+        flat buffer would sum them: ``(0 + g1) + g2 + ...`` in arrival order, never -0.0
+        (so ``HeldGrads`` writes it as it is), one buffer alive, not one per tile."""
+        at = self._held_at.get(index)
+        if at is None:
+            self._held_at[index] = len(self.held)
+            self.held.append((index, grad))
+            return
+        _, kept = self.held[at]
+        if at not in self._summed:
+            if self._zero is None:
+                self._zero = torch.zeros(1, dtype=self.reduce_dtype, device=grad.device)
+            total = self.advise(torch.empty(kept.numel(), dtype=self.reduce_dtype, device=grad.device))
+            put_zero_plus(total, kept.reshape(-1), self._zero)
+            self.held[at], kept = (index, total), total
+            self._summed.add(at)
+            if self.on_new_grad_shard is not None:
+                self.on_new_grad_shard(total)  # a gradient buffer made in backward: counted as one
+        kept.add_(grad.reshape(-1))
 
     def _new_grad_full(self, device: torch.device) -> None:
         """Stages 2/3: this backward's flat gradient, allocated without a zero-fill. Each
@@ -398,7 +455,9 @@ class FlatParamUnit:
         self.zero_unwritten()
         full = self.grad_full
         if self.held:
-            full, self.held = HeldGrads(self.layout, self.held, self.reduce_dtype, self.device), []
+            full = HeldGrads(self.layout, self.held, self.reduce_dtype, self.device,
+                             sendable=self.param_dtype == self.reduce_dtype)
+            self.held, self._held_at, self._summed, self._zero = [], {}, set(), None
         if full is None:
             return
         if self.layout.world == 1 and self.full_grads:
@@ -459,7 +518,7 @@ class FlatParamUnit:
             self.grad_full.zero_()
 
     def new_backward(self) -> None:
-        self.held = []  # none left by a backward that raised before its reduce
+        self.held, self._held_at, self._summed = [], {}, set()  # none left by a backward that raised before its reduce
         self.grads_seen = 0
         self.reduced_this_backward = False
 

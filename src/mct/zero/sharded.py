@@ -129,6 +129,10 @@ class ShardedModel:
                     # IN_FLIGHT_BUCKETS buckets' copies are alive, not all of them
                     unit.bucket_window = IN_FLIGHT_BUCKETS
                     unit.hold_grads = True
+                elif stage >= 2 and layout.world > 1 and comm.pairs and unit.param_dtype == unit.reduce_dtype:
+                    # two gloo ranks: its gradients are sent as they are (Comm._exchange), no
+                    # flat gradient is written
+                    unit.hold_grads = True
                 elif stage >= 2 and layout.world > 1:
                     # its gradient accumulates bucket by bucket: the reduce-scatter copies nothing
                     unit.reduce_in_place = True
