@@ -337,7 +337,7 @@ class Comm:
             if then is not None:
                 then()
             return None
-        if source and self.pairs and getattr(full, "sendable", False) and full.dtype == out.dtype:
+        if source and self.pairs and getattr(full, "sendable", False):
             p = self._exchange(full, out, then)
             if not async_op:
                 p.wait()

@@ -22,7 +22,6 @@ At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 
 from __future__ import annotations
 
-import bisect
 from typing import Callable
 
 import torch
@@ -125,20 +124,13 @@ class HeldGrads:
         this rank). Alignment gaps and padding are in no piece. Decided by the layout
         alone, so two ranks cut the same pieces whatever gradients each holds. Needs
         ``sendable`` (one gradient per parameter)."""
-        layout, S = self.layout, self.layout.shard_numel
+        S = self.layout.shard_numel
         if self._by_index is None:
             self._by_index = {i: g.reshape(-1) for i, g in self.grads}
-        lo, hi = r * S + a, r * S + b
         out = []
-        offsets, numels = layout.offsets, layout.numels()
-        for i in range(max(0, bisect.bisect_right(offsets, lo) - 1), len(offsets)):
-            off = offsets[i]
-            if off >= hi:
-                break
-            x, y = max(off, lo), min(off + numels[i], hi)
-            if x < y:
-                g = self._by_index.get(i)
-                out.append((x - lo, y - lo, None if g is None else g[x - off:y - off]))
+        for i, x, y, at in self.layout.pieces(r * S + a, r * S + b):
+            g = self._by_index.get(i)
+            out.append((at, at + y - x, None if g is None else g[x:y]))
         return out
 
 

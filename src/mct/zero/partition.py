@@ -9,6 +9,7 @@ owns the contiguous slice ``[r * shard_numel, (r + 1) * shard_numel)``.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -55,13 +56,21 @@ class FlatLayout:
     def param_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
         """Pieces of parameters that fall in rank's slice, as tuples
         (param_index, start_in_param, end_in_param, start_in_shard)."""
-        lo, hi = self.shard_range(rank)
-        pieces = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels())):
-            a, b = max(off, lo), min(off + n, hi)
+        return self.pieces(*self.shard_range(rank))
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """Pieces of parameters that fall in elements [lo, hi) of the flat buffer, in order,
+        as tuples (param_index, start_in_param, end_in_param, start_in_range); alignment
+        gaps and padding are in none. The offsets ascend: found by bisection, O(pieces)."""
+        out = []
+        for i in range(max(0, bisect.bisect_right(self.offsets, lo) - 1), len(self.offsets)):
+            off = self.offsets[i]
+            if off >= hi:
+                break
+            a, b = max(off, lo), min(off + math.prod(self.shapes[i]), hi)
             if a < b:
-                pieces.append((i, a - off, b - off, a - lo))
-        return pieces
+                out.append((i, a - off, b - off, a - lo))
+        return out
 
 
 ALIGN_ELEMENTS = 16
