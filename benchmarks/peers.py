@@ -136,10 +136,11 @@ def _mct(size: str, precision: str, recompute: bool, rank: int,
          loss_fn: Callable = causal_lm_loss, sets: tuple[str, ...] = (),
          gloo_collectives: bool = False) -> Callable[[int], float]:
     """``gloo_collectives``: this engine issues gloo's own all-gather and all-reduce where
-    mct sends and receives (``mct.zero.comm.GLOO_P2P``, read when the engine is built)."""
+    mct sends and receives (``mct.zero.comm.GLOO_P2P``, read when the engine is built) or
+    reads shared memory (``distributed.shared_memory``, off in that variant)."""
     from mct import Engine
     from mct.zero import comm
-    cfg = mct_config(precision, recompute, sets)
+    cfg = mct_config(precision, recompute, sets + (("distributed.shared_memory=false",) if gloo_collectives else ()))
     was, comm.GLOO_P2P = comm.GLOO_P2P, not gloo_collectives
     try:
         engine = Engine(llama(size), lambda groups: torch.optim.AdamW(groups, lr=LR), cfg)

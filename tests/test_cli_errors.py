@@ -114,6 +114,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("huge-pages-empty", [*TRAIN, "--set", "memory.huge_pages="], "memory.huge_pages = ''"),
     ("huge-pages-number", [*TRAIN, "--set", "memory.huge_pages=2"], "memory.huge_pages = '2'"),
     ("huge-pages-list", [*TRAIN, "--set", "memory.huge_pages=[true]"], "memory.huge_pages = '[true]'"),
+    ("shared-memory-not-bool", [*TRAIN, "--set", "distributed.shared_memory=yes please"],
+     "distributed.shared_memory = 'yes please'"),
     ("plan-offload-unknown", ["plan", "--offloads", "params=disk"], "--offloads 'params=disk'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
     ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),

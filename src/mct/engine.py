@@ -12,6 +12,7 @@ process group when one is initialized (else a single process)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -37,9 +38,12 @@ from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
+from mct.zero.shared import share_masters
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
 from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +126,11 @@ class Engine:
                                        cfg.zero.prefetch, root=model,
                                        reshard_root=cfg.zero.reshard_root_after_forward)
                        if self.stage == 3 else None)
+        # one host, stage 3, fp32: a step's gathers read the peers' masters from shared memory
+        self.shared, why = share_masters(self.sharded.units, self.comm, enabled=cfg.distributed.shared_memory,
+                                         resident=self.offload is None)
+        if self.shared is None and self.stage == 3 and self.comm.world > 1 and not self.comm.simulated:
+            log.info("stage-3 gathers send messages (no shared memory: %s)", why)
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))
         self.optimizer = optimizer([{**hyper[gi], "params": [u.master for u, g in owned if g == gi]}
                                     for gi in range(len(groups))])
@@ -172,6 +181,31 @@ class Engine:
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         kernels = self.precision.kernels(self.device.type)  # one mode object, re-entered per phase
+        window = self.shared.window() if self.shared is not None else contextlib.nullcontext()
+        with window:  # peers' shared masters are read only here: no rank writes them until it closes
+            loss_sum = self._forward_backward(micro, loss_fn, loss_sum, times, kernels)
+        t2 = time.perf_counter()
+        self._phase_name = "optimizer"
+        start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
+        try:
+            with self.tracker.phase(Phase.OPTIMIZER, "other"):
+                result = self._optimizer_step(loss_sum / len(micro))
+        finally:  # also after LossScaleFloorError: the engine must stay usable
+            self._phase_name = "idle"
+            if self.stage3 is not None:
+                self.stage3.end_step()
+        if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
+            self.reserve.observe(self.tracker.peaks().get("optimizer", {}).get("total", 0), start)
+        times["step"] = time.perf_counter() - t2
+        result.metrics = self._step_metrics(times)
+        result.metrics["loss_scale"] = result.loss_scale  # the scale used, not the scaler's next one
+        result.metrics["page_faults"] = None if faults is None else host.minor_faults() - faults
+        return result
+
+    def _forward_backward(self, micro: list, loss_fn: LossFn, loss_sum: torch.Tensor, times: dict[str, float],
+                          kernels) -> torch.Tensor:
+        """Every micro-batch's forward and backward (gradients reduced after the last);
+        returns ``loss_sum`` plus their losses."""
         for i, mb in enumerate(micro):
             mb = self._to_device(mb)
             t0 = time.perf_counter()
@@ -190,23 +224,7 @@ class Engine:
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
-        t2 = time.perf_counter()
-        self._phase_name = "optimizer"
-        start, had_state = self.tracker.live()["total"], bool(self.optimizer.state)
-        try:
-            with self.tracker.phase(Phase.OPTIMIZER, "other"):
-                result = self._optimizer_step(loss_sum / len(micro))
-        finally:  # also after LossScaleFloorError: the engine must stay usable
-            self._phase_name = "idle"
-            if self.stage3 is not None:
-                self.stage3.end_step()
-        if self.reserve is not None and had_state:  # a first step's growth is mostly the new state
-            self.reserve.observe(self.tracker.peaks().get("optimizer", {}).get("total", 0), start)
-        times["step"] = time.perf_counter() - t2
-        result.metrics = self._step_metrics(times)
-        result.metrics["loss_scale"] = result.loss_scale  # the scale used, not the scaler's next one
-        result.metrics["page_faults"] = None if faults is None else host.minor_faults() - faults
-        return result
+        return loss_sum
 
     @contextlib.contextmanager
     def _phase(self, phase: Phase):
@@ -344,9 +362,12 @@ class Engine:
         load_engine(self, path)
 
     def close(self) -> None:
-        """Release offload files and the I/O threads (also on garbage collection); final."""
+        """Release offload files, the I/O threads and the peers' shared shards (also on
+        garbage collection); final."""
         self.recompute.close()
         self.residency.close()
+        if getattr(self, "shared", None) is not None:
+            self.shared.close()
 
 
 def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:

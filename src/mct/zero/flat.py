@@ -22,7 +22,8 @@ At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,7 @@ from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
+from mct.zero.shared import read_into
 
 
 def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
@@ -263,6 +265,10 @@ class FlatParamUnit:
         # Stage 3: what ``gather`` all-gathers; None = this rank's master cast to the
         # param dtype. Offload points it at a parameter shard kept apart from the master.
         self.gather_source: Callable[[], torch.Tensor] | None = None
+        # Stage 3 on one host: (the window, [(rank, a descriptor of its master shard)]) from
+        # ``mct.zero.shared.share_masters``; a gather inside the window copies them
+        self.shared: tuple[Any, list[tuple[int, torch.Tensor]]] | None = None
+        self.shard_rank = shard_rank
         self.gathered = True
         # Buckets of this unit's collectives in flight at once (None: all); ShardedModel
         # gives the root unit a window (mct.zero.comm.IN_FLIGHT_BUCKETS).
@@ -314,6 +320,9 @@ class FlatParamUnit:
             return
         self.working.untyped_storage().resize_(self.numel_bytes)
         self.advise(self.working)
+        if self.shared is not None and self.shared[0].open:
+            self._gather_shared(comm)
+            return
         if self.gather_source is not None:
             src = self.gather_source()
         else:  # an fp32 master is sent as it is (``.to``'s no-copy case)
@@ -326,6 +335,19 @@ class FlatParamUnit:
             self.wait_gather()
         elif self.pending_gather is None:
             self.gathered = True
+
+    def _gather_shared(self, comm: Comm) -> None:
+        """Every rank's master shard copied into its row of the working buffer: this
+        rank's own, the peers' from their shared mappings (``mct.zero.shared``). The bytes
+        an fp32 all-gather moves, without a message; done when it returns."""
+        t0 = time.perf_counter()
+        rows = self.working.view(-1, self.master.numel())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
+            rows[self.shard_rank].copy_(self.master)
+            for q, fd in self.shared[1]:
+                read_into(fd, rows[q])
+        comm.stats.add(self.numel_bytes, time.perf_counter() - t0)
+        self.gathered = True
 
     def _cast_master(self) -> torch.Tensor:
         """This rank's master in the param dtype, in a fresh (advised) buffer: what an

@@ -1,0 +1,116 @@
+"""Stage-3 gathers through shared memory (``mct.zero.shared``, ``distributed.shared_memory``):
+gloo ranks on one host read each other's fp32 master shards instead of sending them. The
+same bits as the messages, only inside a step's window, and messages wherever sharing
+cannot be set up."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from mct.zero import shared as shared_mod
+from tests.distributed import run_distributed
+from tests.helpers import adamw, batches, engine_run, gpt_loss, tiny_config
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir(shared_mod.SHM_DIR) if f.startswith("mct-")}
+
+
+def slow_second_rank(groups: list[dict]) -> torch.optim.Optimizer:
+    """AdamW whose step on rank 1 starts late: a rank that read rank 1's masters before
+    rank 1 had written them (a window opened without its barrier) would gather stale weights."""
+    opt = adamw(groups)
+    step = opt.step
+    rank = torch.distributed.get_rank()
+
+    def late_step(*args, **kwargs):
+        if rank == 1:
+            time.sleep(0.3)
+        return step(*args, **kwargs)
+    opt.step = late_step
+    return opt
+
+
+def _bits(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {k: v.contiguous().view(torch.int32).reshape(-1).tolist() for k, v in state.items()}
+
+
+def _run(rank: int, world: int, shared: bool, **sections) -> tuple:
+    cfg = tiny_config(zero={"stage": 3, "bucket_mb": 0.002}, train={"grad_clip": 1.0},
+                      distributed={"shared_memory": shared}, **sections)
+    losses, state, engine, out = engine_run(cfg, rank, 3, optimizer=slow_second_rank, n_micro=2)
+    evals = engine.eval_loss(batches(9, rank)[0], gpt_loss)  # outside a window: messages
+    used = engine.shared is not None and engine.shared.windows == 3
+    engine.close()
+    return losses, evals, _bits(state), used, out.metrics["comm_bytes"]
+
+
+def _compare(rank: int, world: int) -> dict:
+    before = _shm_files()
+    out = {}
+    for name, sections in (("plain", {}), ("checkpointed", {"checkpointing": {"policy": "all"}})):
+        on, off = _run(rank, world, True, **sections), _run(rank, world, False, **sections)
+        out[name] = {"used": on[3], "unused": not off[3], "losses": on[0] == off[0], "eval": on[1] == off[1],
+                     "state": on[2] == off[2], "bytes": on[4] == off[4]}
+    out["files_left"] = sorted(_shm_files() - before)
+    return out
+
+
+def _room() -> bool:
+    st = os.statvfs(shared_mod.SHM_DIR)
+    return st.f_bavail * st.f_frsize > shared_mod.SLACK_BYTES + 2**20
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_gathers_read_peers_masters_with_the_messages_bits(world):
+    if not os.path.isdir(shared_mod.SHM_DIR) or not _room():
+        pytest.skip(f"no room in {shared_mod.SHM_DIR} for the shards (they would take messages)")
+    for rank, res in enumerate(run_distributed(_compare, world)):
+        assert res.pop("files_left") == [], rank  # every shard file unlinked once mapped
+        for name, checks in res.items():
+            assert all(checks.values()), (rank, name, checks)
+
+
+def _fallback(rank: int, world: int) -> tuple:
+    slack, shared_mod.SLACK_BYTES = shared_mod.SLACK_BYTES, 2**62  # no /dev/shm has room: messages
+    try:
+        return _run(rank, world, True), _run(rank, world, False)
+    finally:
+        shared_mod.SLACK_BYTES = slack
+
+
+@pytest.mark.multirank
+def test_no_room_in_dev_shm_keeps_the_messages():
+    for (on, off) in run_distributed(_fallback, 2):
+        assert not on[3] and on[0] == off[0] and on[2] == off[2]
+
+
+def test_not_tried_where_it_cannot_apply():
+    """One rank, a dry run, other stages and bf16 parameters never touch /dev/shm."""
+    before = _shm_files()
+    for sections in ({"zero": {"stage": 3}}, {"zero": {"stage": 2}}, {"precision": {"mode": "bf16"}}):
+        losses, _, engine, _ = engine_run(tiny_config(**sections), 0, 1)
+        assert engine.shared is None and len(losses) == 1
+    assert _shm_files() == before
+
+
+def test_shard_files_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """A start killed between creating its shard files and unlinking them leaves them in
+    /dev/shm; the next start removes those of dead processes, never a live one's."""
+    monkeypatch.setattr(shared_mod, "SHM_DIR", str(tmp_path))
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f"mct-0123456789abcdef-p{pid}-r1-u0"
+    live = tmp_path / f"mct-0123456789abcdef-p{os.getpid()}-r0-u0"
+    other = tmp_path / "mct-not-ours"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    shared_mod._remove_stale()
+    assert not stale.exists() and live.exists() and other.exists()
