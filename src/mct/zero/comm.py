@@ -293,6 +293,7 @@ class Comm:
         self.bucket_bytes = bucket_bytes
         self.stats = CommStats()
         self.simulated = ctx.backend == "simulated"
+        self.simulated_gloo = self.simulated and simulated_gloo
         self.ops = (SimulatedCollectives(self.world, pairs=simulated_gloo and GLOO_P2P) if self.simulated
                     else TorchCollectives())
         # two ranks on the host over gloo: a unit's held gradients are sent as they are

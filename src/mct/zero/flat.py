@@ -345,7 +345,10 @@ class FlatParamUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
             rows[self.shard_rank].copy_(self.master)
             for q, fd in self.shared[1]:
-                read_into(fd, rows[q])
+                if fd is None:  # a dry run: the bytes of a peer's shard (mct.zero.shared)
+                    rows[q].copy_(self.master)
+                else:
+                    read_into(fd, rows[q])
         comm.stats.add(self.numel_bytes, time.perf_counter() - t0)
         self.gathered = True
 

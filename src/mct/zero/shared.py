@@ -24,6 +24,9 @@ parameters, gloo on CPU, two ranks or more, masters resident (no optimizer offlo
 every rank able to create its shards in ``/dev/shm`` (space reserved up front: a full
 tmpfs fails the reservation, never a later write) and to open every peer's: ranks on
 different hosts, or a ``/dev/shm`` too small, keep the messages (the engine logs why).
+The planner's dry run of a gloo run takes the same path (one host assumed): each peer's
+shard is a copy of a stand-in of its size, so the time model prices the gathers as copies
+and the peaks are the run's.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ READ_BYTES = 256 * 2**20
 class SharedMasters:
     """Every unit's peers' master shards, open here, and the window in which a gather
     may read them. ``peers[i]``: (rank, a read-only descriptor of that rank's master shard
-    of unit ``i``)."""
+    of unit ``i``; None in a dry run)."""
 
-    def __init__(self, comm: Comm, peers: list[list[tuple[int, int]]]) -> None:
+    def __init__(self, comm: Comm, peers: list[list[tuple[int, int | None]]]) -> None:
         self.comm, self.peers = comm, peers
         self.open = False
         self.windows = 0
@@ -96,11 +99,12 @@ def read_into(fd: int, out: torch.Tensor) -> None:
         done += got
 
 
-def _close_all(peers: list[list[tuple[int, int]]]) -> None:
+def _close_all(peers: list[list[tuple[int, int | None]]]) -> None:
     for p in peers:  # the units hold these lists: emptied, no gather reads a closed descriptor
         for _, fd in p:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         p.clear()
 
 
@@ -113,6 +117,9 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     if why:
         return None, why
     shared = [u for u in units if not u.persistent]
+    if comm.simulated:  # the planner's dry run of a gloo run (taken to be on one host): the same
+        # gathers, each peer's shard copied from a stand-in of its shape (its bytes, no file)
+        return _attach(comm, shared, [[(q, None) for q in range(comm.world) if q != comm.rank] for _ in shared]), ""
     _remove_stale()
     ids = comm.all_gather_object((secrets.token_hex(8), os.getpid()))
     token, pids = ids[0][0], [pid for _, pid in ids]
@@ -154,19 +161,24 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
             # identity; its bytes now live in the mapping, which ``t`` gave up
             u.master.untyped_storage()._swap_data_ptr_(t.untyped_storage())
     del mine
+    return _attach(comm, shared, peers), ""
+
+
+def _attach(comm: Comm, shared: list, peers: list[list[tuple[int, int | None]]]) -> SharedMasters:
     sm = SharedMasters(comm, peers)
     for u, p in zip(shared, peers):
         u.shared = (sm, p)
-    return sm, ""
+    return sm
 
 
 def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> str:
     """Why sharing is off here ('' if it may be tried); the same answer on every rank."""
     if not enabled:
         return "distributed.shared_memory = false"
-    if comm.simulated or comm.world < 2:
-        return "one rank (or a dry run)"
-    if not (isinstance(comm.ops, TorchCollectives) and comm.ops.gloo and comm.ctx.device.type == "cpu"):
+    if comm.world < 2:
+        return "one rank"
+    if comm.ctx.device.type != "cpu" or not (comm.simulated_gloo if comm.simulated else
+                                             isinstance(comm.ops, TorchCollectives) and comm.ops.gloo):
         return "not gloo ranks on CPU"
     if not resident:
         return "optimizer offload moves the masters"
@@ -176,8 +188,9 @@ def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> st
     if any(u.param_dtype != torch.float32 or u.master.dtype != torch.float32 or u.gather_source is not None
            or not u.master.is_contiguous() for u in shared):
         return "parameters are not fp32 (a gather sends a cast of the master)"
-    if (not hasattr(torch.UntypedStorage, "_swap_data_ptr_") or not hasattr(os, "posix_fallocate")
-            or not hasattr(os, "preadv") or not os.path.isdir(SHM_DIR)):
+    if not comm.simulated and (not hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+                               or not hasattr(os, "posix_fallocate") or not hasattr(os, "preadv")
+                               or not os.path.isdir(SHM_DIR)):
         return f"no {SHM_DIR}, posix_fallocate or preadv here, or this torch cannot swap a storage's memory"
     return ""
 
