@@ -368,6 +368,7 @@ class Engine:
         self.residency.close()
         if getattr(self, "shared", None) is not None:
             self.shared.close()
+            self.shared = None  # any later gather sends messages
 
 
 def _host_values(sums: torch.Tensor, world: int) -> tuple[float, float, bool]:

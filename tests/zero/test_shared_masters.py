@@ -114,3 +114,17 @@ def test_shard_files_of_dead_processes_are_removed(tmp_path, monkeypatch):
         f.write_bytes(b"x")
     shared_mod._remove_stale()
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_open_file_limit_is_raised_for_the_peers_descriptors():
+    """A deep model on many local ranks opens a descriptor per unit and peer: the soft limit
+    is raised toward the hard one before the opens (in a child: limits are per process)."""
+    import subprocess
+    import sys
+    code = ("import resource; from mct.zero import shared; "
+            "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit(resource.RLIMIT_NOFILE, (64, h)); "
+            "shared._allow_descriptors(2000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], h)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.split()
+    soft, hard = int(out[0]), int(out[1])
+    assert soft >= min(hard if hard >= 0 else 2**31, 2000 + 64), (soft, hard)

@@ -320,7 +320,7 @@ class FlatParamUnit:
             return
         self.working.untyped_storage().resize_(self.numel_bytes)
         self.advise(self.working)
-        if self.shared is not None and self.shared[0].open:
+        if self.shared is not None and self.shared[0].open and self.shared[1]:
             self._gather_shared(comm)
             return
         if self.gather_source is not None:

@@ -141,6 +141,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     try:
         if not error:
             try:
+                _allow_descriptors(len(shared) * (comm.world - 1))
                 for i, u in enumerate(shared):
                     for q in range(comm.world):
                         if q != comm.rank:
@@ -193,6 +194,20 @@ def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> st
                                or not os.path.isdir(SHM_DIR)):
         return f"no {SHM_DIR}, posix_fallocate or preadv here, or this torch cannot swap a storage's memory"
     return ""
+
+
+def _allow_descriptors(more: int) -> None:
+    """Raise this process's soft limit on open files (up to the hard one) so that ``more``
+    descriptors fit beside those it has (a deep model on many local ranks: a unit per block
+    and parameter group, one descriptor per peer). Past the hard limit the opens fail and
+    every rank keeps the messages."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = len(os.listdir("/proc/self/fd")) + more + 256 if os.path.isdir("/proc/self/fd") else more + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def _path(token: str, pid: int, rank: int, i: int) -> str:
