@@ -84,9 +84,22 @@ def _fallback(rank: int, world: int) -> tuple:
         shared_mod.SLACK_BYTES = slack
 
 
+def _one_rank_without(rank: int, world: int) -> tuple:
+    """Only rank 1 finds no shared-memory directory (as on another host): every rank must
+    learn it before any uses its files, and keep the messages (no hang, no mixed paths)."""
+    was = shared_mod.SHM_DIR
+    if rank == 1:
+        shared_mod.SHM_DIR = "/nonexistent-shm-dir"
+    try:
+        return _run(rank, world, True), _run(rank, world, False)
+    finally:
+        shared_mod.SHM_DIR = was
+
+
 @pytest.mark.multirank
-def test_no_room_in_dev_shm_keeps_the_messages():
-    for (on, off) in run_distributed(_fallback, 2):
+@pytest.mark.parametrize("case", [_fallback, _one_rank_without])
+def test_no_room_in_dev_shm_keeps_the_messages(case):
+    for (on, off) in run_distributed(case, 2):
         assert not on[3] and on[0] == off[0] and on[2] == off[2]
 
 

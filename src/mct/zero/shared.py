@@ -109,10 +109,11 @@ def _close_all(peers: list[list[tuple[int, int | None]]]) -> None:
 
 
 def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> tuple[SharedMasters | None, str]:
-    """Move every non-persistent unit's fp32 master into shared memory and map every
+    """Move every non-persistent unit's fp32 master into shared memory and open every
     peer's; returns (the shared masters, or None, and why not). Collective: every rank
-    calls it and all get the same answer. ``units``: the ``FlatParamUnit``s, each given
-    ``shared`` (its peers' shards and the window) when sharing is on."""
+    calls it and all get the same answer (what a rank alone finds, such as no ``/dev/shm``
+    on its host, is exchanged before anything is used). ``units``: the ``FlatParamUnit``s,
+    each given ``shared`` (its peers' shards and the window) when sharing is on."""
     why = _ineligible(units, comm, enabled=enabled, resident=resident)
     if why:
         return None, why
@@ -120,7 +121,6 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     if comm.simulated:  # the planner's dry run of a gloo run (taken to be on one host): the same
         # gathers, each peer's shard copied from a stand-in of its shape (its bytes, no file)
         return _attach(comm, shared, [[(q, None) for q in range(comm.world) if q != comm.rank] for _ in shared]), ""
-    _remove_stale()
     ids = comm.all_gather_object((secrets.token_hex(8), os.getpid()))
     token, pids = ids[0][0], [pid for _, pid in ids]
     need = sum(u.master.numel() * u.master.element_size() for u in shared)
@@ -128,6 +128,10 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     paths = [_path(token, pids[comm.rank], comm.rank, i) for i in range(len(shared))]
     error = ""
     try:
+        if (not hasattr(torch.UntypedStorage, "_swap_data_ptr_") or not hasattr(os, "posix_fallocate")
+                or not hasattr(os, "preadv") or not os.path.isdir(SHM_DIR)):
+            raise OSError(f"no {SHM_DIR}, posix_fallocate or preadv here, or this torch cannot swap a storage's memory")
+        _remove_stale()
         st = os.statvfs(SHM_DIR)
         free = st.f_bavail * st.f_frsize
         if free < comm.world * need + SLACK_BYTES:
@@ -173,7 +177,8 @@ def _attach(comm: Comm, shared: list, peers: list[list[tuple[int, int | None]]])
 
 
 def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> str:
-    """Why sharing is off here ('' if it may be tried); the same answer on every rank."""
+    """Why sharing is off ('' if it may be tried): from the config and the model, which the
+    ranks have agreed on, so the same answer on every rank."""
     if not enabled:
         return "distributed.shared_memory = false"
     if comm.world < 2:
@@ -189,10 +194,6 @@ def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> st
     if any(u.param_dtype != torch.float32 or u.master.dtype != torch.float32 or u.gather_source is not None
            or not u.master.is_contiguous() for u in shared):
         return "parameters are not fp32 (a gather sends a cast of the master)"
-    if not comm.simulated and (not hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-                               or not hasattr(os, "posix_fallocate") or not hasattr(os, "preadv")
-                               or not os.path.isdir(SHM_DIR)):
-        return f"no {SHM_DIR}, posix_fallocate or preadv here, or this torch cannot swap a storage's memory"
     return ""
 
 
