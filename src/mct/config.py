@@ -454,7 +454,7 @@ class DistributedConfig:
     """gloo ranks on one host, ZeRO-3, fp32 parameters: a step's all-gathers copy the other
     ranks' master shards out of shared memory (``/dev/shm``) instead of sending messages
     (the same bytes; ``mct.zero.shared``). Tried once at start; where it cannot be
-    (other hosts, no room in ``/dev/shm``), messages, with a log line. false: messages only."""
+    (other hosts, no room in ``/dev/shm``), messages, and ``mct train`` warns why. false: messages only."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -38,7 +38,7 @@ from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
-from mct.zero.shared import share_masters
+from mct.zero.shared import SETUP_FAILED, share_masters
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
 from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle
@@ -129,6 +129,8 @@ class Engine:
         # one host, stage 3, fp32: a step's gathers read the peers' masters from shared memory
         self.shared, why = share_masters(self.sharded.units, self.comm, enabled=cfg.distributed.shared_memory,
                                          resident=self.offload is None)
+        # tried and failed (no room in /dev/shm, ranks on other hosts): a notice for the user
+        self.shared_note = why if why.startswith(SETUP_FAILED) else ""
         if self.shared is None and self.stage == 3 and self.comm.world > 1 and not self.comm.simulated:
             log.info("stage-3 gathers send messages (no shared memory: %s)", why)
         owned = list(zip(self.sharded.units, self.sharded.group_of_unit))

@@ -45,8 +45,9 @@ def _run(rank: int, world: int, shared: bool, **sections) -> tuple:
     losses, state, engine, out = engine_run(cfg, rank, 3, optimizer=slow_second_rank, n_micro=2)
     evals = engine.eval_loss(batches(9, rank)[0], gpt_loss)  # outside a window: messages
     used = engine.shared is not None and engine.shared.windows == 3
+    note = engine.shared_note
     engine.close()
-    return losses, evals, _bits(state), used, out.metrics["comm_bytes"]
+    return losses, evals, _bits(state), used, out.metrics["comm_bytes"], note
 
 
 def _compare(rank: int, world: int) -> dict:
@@ -101,6 +102,7 @@ def _one_rank_without(rank: int, world: int) -> tuple:
 def test_no_room_in_dev_shm_keeps_the_messages(case):
     for (on, off) in run_distributed(case, 2):
         assert not on[3] and on[0] == off[0] and on[2] == off[2]
+        assert on[5].startswith(shared_mod.SETUP_FAILED) and off[5] == ""  # a notice only where it was tried
 
 
 def test_not_tried_where_it_cannot_apply():

@@ -149,7 +149,11 @@ class Trainer:
         model, program = build_task_model(task, cfg, on_meta=builds_on_meta(cfg))
         optimizer = task.optimizer or make_optimizer(cfg)
         groups = task.param_groups(model) if task.param_groups else None
-        return Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)
+        engine = Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)
+        if engine.shared_note and self.ctx.is_main:
+            print(f"mct: warning: {engine.shared_note} (set distributed.shared_memory = false to keep "
+                  f"messages without this notice)", file=sys.stderr)
+        return engine
 
     def replace_engine(self, cfg: EngineConfig, state_from: Path | None) -> None:
         """Swap the run's engine for one built for ``cfg`` (the budget fallback's one

@@ -51,6 +51,10 @@ SHM_DIR = "/dev/shm"
 SLACK_BYTES = 8 * 2**20
 """Free space left in ``SHM_DIR`` beyond every rank's shards before sharing is tried."""
 
+SETUP_FAILED = "shared memory could not be set up, stage-3 gathers send messages: "
+"""The start of ``share_masters``' answer when it was tried and failed (a user's notice:
+``Engine.shared_note``), not off by the config."""
+
 READ_BYTES = 256 * 2**20
 """Bytes per ``preadv`` call (Linux moves at most 2 GiB in one; an 8B model's shard is more)."""
 
@@ -159,7 +163,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
                 os.unlink(path)  # open where needed: the memory lives while open or mapped
     if error:
         _close_all(peers)
-        return None, error
+        return None, f"{SETUP_FAILED}{error}"
     with torch.no_grad():
         for u, t in zip(shared, mine):
             # the master tensor (the optimizer's parameter, the tracker's storage) keeps its
