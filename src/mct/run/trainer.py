@@ -151,8 +151,9 @@ class Trainer:
         groups = task.param_groups(model) if task.param_groups else None
         engine = Engine(model, optimizer, cfg, param_groups=groups, ctx=self.ctx, init_program=program)
         if engine.shared_note and self.ctx.is_main:
-            print(f"mct: warning: {engine.shared_note} (set distributed.shared_memory = false to keep "
-                  f"messages without this notice)", file=sys.stderr)
+            print(f"mct: warning: {engine.shared_note} (where /dev/shm is too small, a container's --shm-size "
+                  f"enlarges it; distributed.shared_memory = false keeps messages without this notice)",
+                  file=sys.stderr)
         return engine
 
     def replace_engine(self, cfg: EngineConfig, state_from: Path | None) -> None:
