@@ -187,7 +187,8 @@ class MemoryTracker:
         self._self_ref = weakref.ref(self)
         self._offloaded: dict[str, dict[str, int]] = {}
         if self._cuda and enabled:
-            self.reset_peaks()  # the device's peak counter predates this tracker
+            torch.cuda.init()   # the allocator's statistics exist from CUDA's (lazy) start: a fresh
+            self.reset_peaks()  # process may build its engine first; the device's peak predates this tracker
 
     # -- public API ---------------------------------------------------------------
 
