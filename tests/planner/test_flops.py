@@ -113,3 +113,29 @@ def test_counting_changes_no_global_state():
     assert torch.equal(torch.get_rng_state(), before) and not torch.is_autocast_enabled("cpu")
     assert dataclasses.asdict(cfg) == dataclasses.asdict(_cfg(checkpointing={"policy": "all"},
                                                                precision={"mode": "bf16"}))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_attention_formulas_count_every_query_head_with_fewer_key_value_heads(heads):
+    """Grouped-query attention (key and value with fewer heads, as a Llama with GQA runs it
+    through SDPA's CPU or CUDA kernels) is counted per query head: the same as the equal-head
+    attention it broadcasts to, on every torch (torch's own formula rejects it before 2.13)."""
+    from torch.utils import flop_counter
+
+    from mct.planner.work import attention_backward_flops, attention_flops
+    h, h_kv = heads
+    q, o = (2, h, 16, 8), (2, h, 16, 8)
+    kv = (2, h_kv, 24, 8)
+    full = (2, h, 24, 8)
+    assert attention_flops(q, kv, kv) == attention_flops(q, full, full) == flop_counter.sdpa_flop_count(q, full, full)
+    assert (attention_backward_flops(o, q, kv, kv) == attention_backward_flops(o, q, full, full)
+            == flop_counter.sdpa_backward_flop_count(o, q, full, full))
+    with pytest.raises(ValueError, match="multiple"):
+        attention_flops((2, 5, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8))
+    # and a GQA model's step counts under the counter, each query head once
+    qt, kt = torch.randn(q, requires_grad=True), torch.randn(kv, requires_grad=True)
+    vt = torch.randn(kv, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS) as counter:
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        out.sum().backward()
+    assert counter.get_total_flops() == attention_flops(q, kv, kv) + attention_backward_flops(o, q, kv, kv)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from mct.checkpointing.policies import SelectiveDispatch
 from mct.precision.cpu_matmul import UpcastMatmul
@@ -28,26 +28,65 @@ from mct.precision.cpu_matmul import UpcastMatmul
 aten = torch.ops.aten
 
 
-def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
+def attention_flops(query, key, value) -> int:
+    """FLOPs of one SDPA forward from the shapes of its [B, H, S, D] query, key and value,
+    as torch counts it (two matmuls over the full [S_q, S_k] scores, no causal discount).
+    Key and value may have fewer heads than the query (grouped-query attention, the kernel
+    broadcasts them): every query head is counted. Our own, as torch's formula asserts equal
+    heads before 2.13."""
+    b, h, s_q, d_q = query
+    s_k, d_v = key[-2], value[-1]
+    _check_heads(query, key, value)
+    return 2 * b * h * s_q * s_k * (d_q + d_v)
 
 
-def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
+def attention_backward_flops(grad_out, query, key, value) -> int:
+    """FLOPs of one SDPA backward, as torch counts it: the scores recomputed, then the
+    gradients of both matmuls (five matmuls), every query head counted (see ``attention_flops``)."""
+    b, h, s_q, d_q = query
+    s_k, d_v = key[-2], value[-1]
+    _check_heads(query, key, value)
+    return 2 * b * h * s_q * s_k * (3 * d_q + 2 * d_v)
+
+
+def _check_heads(query, key, value) -> None:
+    h, h_kv = query[1], key[1]
+    if len(query) != 4 or len(key) != 4 or len(value) != 4 or h_kv != value[1] or h_kv < 1 or h % h_kv:
+        raise ValueError(f"attention FLOPs: query {tuple(query)}, key {tuple(key)}, value {tuple(value)} are not "
+                         f"[B, H, S, D] with the query's heads a multiple of the key's and value's")
+
+
+def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return attention_flops(query, key, value)
+
+
+def _attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return attention_backward_flops(grad_out, query, key, value)
 
 
 def _addmm_inplace_flops(acc, a, b, *args, out_shape=None, **kwargs) -> int:
     return 2 * a[0] * a[1] * b[1]
 
 
-EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+def _ops(*names: str) -> list:
+    return [getattr(aten, n) for n in names if hasattr(aten, n)]
+
+
+EXTRA_FORMULAS = {**dict.fromkeys(_ops("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                                       "_scaled_dot_product_efficient_attention",
+                                       "_scaled_dot_product_cudnn_attention"), _attention_flops),
+                  **dict.fromkeys(_ops("_scaled_dot_product_flash_attention_for_cpu_backward",
+                                       "_scaled_dot_product_flash_attention_backward",
+                                       "_scaled_dot_product_efficient_attention_backward",
+                                       "_scaled_dot_product_cudnn_attention_backward"), _attention_backward_flops),
                   aten.addmm_: _addmm_inplace_flops}
-"""What torch's counter does not know. Fake tensors live on the CPU, whose flash
-attention kernel it misses (it knows the CUDA ones): counted as torch counts SDPA, the
-full [S, S] score matrix (no causal discount), 2 matmuls forward and 5 backward (the
-scores recomputed). ``addmm_``: the in-place matmul chunked cross-entropy accumulates
-the head's weight gradient with."""
+"""What torch's counter does not know, or knows only in newer versions. Fake tensors live
+on the CPU, whose flash attention kernel it misses (it knows the CUDA ones): counted as
+torch counts SDPA, the full [S, S] score matrix (no causal discount), 2 matmuls forward
+and 5 backward (the scores recomputed). The CUDA SDPA kernels are counted by the same
+formulas, so grouped-query attention (fewer key/value heads) counts alike on every torch
+(torch before 2.13 rejects it). ``addmm_``: the in-place matmul chunked cross-entropy
+accumulates the head's weight gradient with."""
 
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
