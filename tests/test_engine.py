@@ -87,3 +87,25 @@ def test_zero_units_are_chosen_apart_from_checkpointing_blocks():
     assert engine.recompute.checkpointed_blocks == ["blocks.0", "blocks.1"]
     losses, ref_losses, rel, name = engine_vs_reference(cfg, 0, 1, steps=3)
     assert rel <= 1e-6, f"{name} differs by {rel:.2e}"
+
+
+@pytest.mark.parametrize("stage,policy", [(0, "none"), (2, "all"), (3, "all")])
+def test_a_dropped_engine_is_freed_with_its_buffers(stage, policy):
+    """Nothing outside the engine and its model keeps them alive once a step has run: the
+    gradient hooks on the parameters reach their engine weakly, so the garbage collector frees
+    both (on a GPU, their device memory) once the caller drops them, as ``mct train``'s budget
+    fallback does before it builds the next engine."""
+    import gc
+    import weakref
+
+    def build():
+        cfg = tiny_config(zero={"stage": stage}, checkpointing={"policy": policy})
+        model = GPT(cfg.model)
+        engine = Engine(model, adamw, cfg)
+        engine.train_step(batches(0, 0), gpt_loss)
+        return weakref.ref(engine), weakref.ref(model), [weakref.ref(u.working) for u in engine.sharded.units]
+
+    engine, model, buffers = build()
+    gc.collect()
+    assert engine() is None and model() is None
+    assert buffers and all(b() is None for b in buffers)

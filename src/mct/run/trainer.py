@@ -10,6 +10,7 @@ run in ``run_dir`` continues from its newest usable checkpoint (``mct.persistenc
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -167,6 +168,7 @@ class Trainer:
         restored into it (the caller drops them)."""
         self.engine.close()
         self.engine = None  # type: ignore[assignment]  # free the old engine before the new one allocates
+        gc.collect()  # its hooks and wrapped forwards hold it in reference cycles
         engine = self.build_engine(cfg)
         if state_from is not None:
             load_engine_state(engine, state_from)

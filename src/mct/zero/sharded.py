@@ -12,6 +12,7 @@ Frozen parameters and buffers are left as they are: replicated, never sharded.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -168,18 +169,28 @@ class ShardedModel:
         self.tracker.register(shard, "grads")
 
     def _grad_hook(self, unit: FlatParamUnit, index: int):
+        # Weak references: the hook lives on the parameter, which the unit holds; a strong one
+        # would close a cycle through the autograd's C++ side that the garbage collector cannot
+        # see, and no engine (its buffers, on a GPU its device memory) would ever be freed.
+        owner, unit_ref = weakref.ref(self), weakref.ref(unit)
+
         def hook(p: torch.Tensor) -> None:
-            if unit.hold_grads and not unit.full_grads:
-                self.tracker.register(p.grad, "grads")  # kept until the unit is reduced
-            created = unit.grad_full is None
-            last = not self.partial_grads()  # a tiled MLP's earlier tiles: more of p's gradient follows
-            unit.accumulate_grad(index, p.grad, last=last)
-            p.grad = None
-            if created and unit.grad_full is not None and not unit.full_grads:
-                self.tracker.register(unit.grad_full, "grads")
-            if last and self.stage >= 2 and unit.grads_seen == unit.n_trainable:
-                self._unit_backward_done(unit)
+            this, u = owner(), unit_ref()
+            if this is not None and u is not None:
+                this._accumulate(u, index, p)
         return hook
+
+    def _accumulate(self, unit: FlatParamUnit, index: int, p: torch.Tensor) -> None:
+        if unit.hold_grads and not unit.full_grads:
+            self.tracker.register(p.grad, "grads")  # kept until the unit is reduced
+        created = unit.grad_full is None
+        last = not self.partial_grads()  # a tiled MLP's earlier tiles: more of p's gradient follows
+        unit.accumulate_grad(index, p.grad, last=last)
+        p.grad = None
+        if created and unit.grad_full is not None and not unit.full_grads:
+            self.tracker.register(unit.grad_full, "grads")
+        if last and self.stage >= 2 and unit.grads_seen == unit.n_trainable:
+            self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: FlatParamUnit) -> None:
         # A pending reduce-scatter keeps its unit's full gradient [P] alive until it is
