@@ -8,6 +8,7 @@ frees every block, so the lifecycle and its memory are exercised).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -43,6 +44,7 @@ def main() -> None:
         predicted = predict_peak(lambda: GPT(cfg.model), gpt_loss, (tokens, tokens), cfg, 1,
                                  lambda g: torch.optim.AdamW(g, lr=1e-4),
                                  param_groups=lambda m: optimizer_groups(m, 0.1))
+        left = torch.cuda.memory_allocated()  # what an earlier row left behind (0 when it freed all)
         torch.manual_seed(0)
         model = GPT(cfg.model)
         engine = Engine(model, lambda g: torch.optim.AdamW(g, lr=1e-4), cfg,
@@ -59,9 +61,12 @@ def main() -> None:
         med = statistics.median(times[2:])
         row = {"policy": policy, "step_ms": med * 1e3, "tokens_per_s": args.batch * args.seq / med,
                "measured_peak_MiB": max(peaks[1:]) / 2**20, "predicted_peak_MiB": predicted / 2**20,
-               "error_pct": 100 * (predicted - max(peaks[1:])) / max(peaks[1:]), "loss": out.loss}
+               "error_pct": 100 * (predicted - max(peaks[1:])) / max(peaks[1:]), "loss": out.loss,
+               "left_before_MiB": left / 2**20}
         rows.append(row)
-        del engine, model
+        engine.close()
+        del engine, model, out
+        gc.collect()  # the engine's hooks hold it in reference cycles: free its device memory before the next row
         torch.cuda.empty_cache()
     keys = list(rows[0])
     print(" ".join(f"{k:>18}" for k in keys))
