@@ -405,6 +405,7 @@ def test_cuda_path_peaks_from_allocator_stats_across_nested_phases(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)  # no CUDA to start here
     stats.alloc(1000)                       # before the tracker: not a peak of its steps
     stats.alloc(-1000)
     tracker = MemoryTracker("cuda")
@@ -429,6 +430,7 @@ def test_cuda_path_budget_is_checked_at_phase_exit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats.max)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)  # no CUDA to start here
     tracker = MemoryTracker("cuda", budget_bytes=1000)
     with pytest.raises(MemoryBudgetExceeded, match="'forward'"):
         with tracker.phase("forward"):
@@ -468,3 +470,17 @@ def test_uncounted_is_a_no_op_under_a_budget():
         with tracker.uncounted(), tracker.phase("forward"):
             assert tracker.counting and _get_current_dispatch_mode() is not None
             w @ w @ w
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_tracker_is_a_fresh_process_first_use_of_cuda():
+    """An engine built before anything touched CUDA (its model still on the CPU) starts its
+    tracker first: resetting the allocator's peak before CUDA started raised 'Invalid device
+    argument'. A fresh interpreter, as a user's script is."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom mct.memory import MemoryTracker\nt = MemoryTracker('cuda')\n"
+            "x = torch.ones(1 << 20, device='cuda')\nassert t.peak_total() >= 4 << 20, t.peak_total()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
