@@ -343,11 +343,17 @@ class FlatParamUnit:
         t0 = time.perf_counter()
         rows = self.working.view(-1, self.master.numel())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
-            rows[self.shard_rank].copy_(self.master)
-            for q, fd in self.shared[1]:
-                if fd is None:  # a dry run: the bytes of a peer's shard (mct.zero.shared)
-                    rows[q].copy_(self.master)
-                else:
+            r = self.shard_rank
+            rows[r].copy_(self.master)
+            if all(fd is None for _, fd in self.shared[1]):
+                # a dry run (mct.zero.shared): the peers' rows written with stand-in bytes, the rows
+                # before this rank's and those after it each in one copy (any world, at most two ops)
+                n = rows.shape[0]
+                for a, b in ((0, r), (r + 1, n)):
+                    if b > a:
+                        rows[a:b].copy_(self.master.expand(b - a, -1))
+            else:
+                for q, fd in self.shared[1]:
                     read_into(fd, rows[q])
         comm.stats.add(self.numel_bytes, time.perf_counter() - t0)
         self.gathered = True
