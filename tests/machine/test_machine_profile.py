@@ -24,6 +24,12 @@ def quick(monkeypatch):
     monkeypatch.setattr(profile_mod, "THREADED_MATMUL_SIZES", (64,))
 
 
+MEASURES = pytest.mark.xdist_group("machine-measurement")
+"""On one worker, one after the other: each times matmuls on every core, and two such
+measurements at once (one per worker) spin OpenMP's threads against each other on a 2-core
+machine; a quick measurement then took over 300 s instead of 13."""
+
+
 @pytest.fixture
 def stub(monkeypatch) -> list[MachineProfile]:
     """No measurement: this machine's key with fixed rates; the list holds every profile
@@ -42,6 +48,7 @@ def stub(monkeypatch) -> list[MachineProfile]:
     return measured
 
 
+@MEASURES
 def test_calibrate_measures_once_then_reads_the_cache(tmp_path, quick):
     path = tmp_path / "machine.json"
     first = calibrate(path=path)
@@ -134,6 +141,7 @@ def test_calibrate_cuda_without_a_device_is_one_line_exit_2(capsys):
     assert err.startswith("mct: error: device 'cuda'") and "--device cpu" in err and "\n" not in err
 
 
+@MEASURES
 def test_an_older_profile_is_measured_again_with_the_new_rates(tmp_path, quick):
     """Version 3 added the random-number rate (and the per-op overhead and wait at a world
     size), version 4 the elementwise curves of bf16 and fp16, version 5 the per-op overhead
