@@ -203,45 +203,46 @@ def test_close_ends_the_io_thread_and_removes_the_folder(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
-def test_cuda_offload_trains_bit_identically_and_frees_device_bytes(tmp_path, tier, monkeypatch):
-    # Bit identity needs deterministic kernels: SDPA's CUDA backward (memory-efficient, with
-    # dropout) accumulates with atomics, so two runs without offload already differ; the explicit
-    # attention's matmuls and a deterministic cuBLAS workspace repeat exactly.
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        _cuda_offload_bit_identity(tmp_path, tier)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-
-
-def _cuda_offload_bit_identity(tmp_path, tier) -> None:
-    def run(off: str) -> tuple[dict, dict]:
-        cfg = tiny_config(model={"n_layer": 8, "dropout": 0.1, "d_model": 256, "seq_len": 128,
-                                 "attention": "explicit"},
-                          offload={"dir": str(tmp_path)}, checkpointing={"policy": "all", "offload": off})
-        torch.manual_seed(cfg.seed)
-        engine = Engine(GPT(cfg.model), sgd, cfg, ctx=DistContext(device=torch.device("cuda")))
-        for step in range(5):
-            xb = [(x, y, s) for x, y, s in _micro_batches(step, 0, 1)]
-            xb = [(torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(step)),
-                   torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(step + 99)), s)
-                  for _, _, s in xb]
-            out = engine.train_step(xb, seeded_gpt_loss)
-        state = {n: t.cpu() for n, t in engine.full_state_dict().items()}
-        engine.close()
-        del engine
-        gc.collect()  # the CUDA tracker counts every unregistered device byte as activations: free this run's
-        return state, out.metrics
-    ref, m_ref = run("none")
-    again, _ = run("none")
+def test_cuda_offload_trains_bit_identically_and_frees_device_bytes(tmp_path, tier, deterministic_cuda):
+    ref, m_ref = _cuda_offload_run(tmp_path, "none")
+    again, _ = _cuda_offload_run(tmp_path, "none")
     assert all(torch.equal(again[name], ref[name]) for name in ref), "not deterministic without offload"
-    got, m_got = run(tier)
+    got, m_got = _cuda_offload_run(tmp_path, tier)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
     assert m_got["act_offload_count"] == 7
     assert m_got["peaks"]["backward"]["activations"] < m_ref["peaks"]["backward"]["activations"]
+
+
+@pytest.fixture
+def deterministic_cuda(monkeypatch):
+    """Bit identity needs deterministic kernels: SDPA's CUDA backward (memory-efficient, with
+    dropout) accumulates with atomics, so two runs without offload already differ; the explicit
+    attention's matmuls and a deterministic cuBLAS workspace repeat exactly."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def _cuda_offload_run(tmp_path, off: str) -> tuple[dict, dict]:
+    """Five steps of an 8-block GPT on CUDA with activation offload ``off``: (the final
+    weights on the CPU, the last step's metrics)."""
+    cfg = tiny_config(model={"n_layer": 8, "dropout": 0.1, "d_model": 256, "seq_len": 128, "attention": "explicit"},
+                      offload={"dir": str(tmp_path)}, checkpointing={"policy": "all", "offload": off})
+    torch.manual_seed(cfg.seed)
+    engine = Engine(GPT(cfg.model), sgd, cfg, ctx=DistContext(device=torch.device("cuda")))
+    for step in range(5):
+        xb = [(torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(step)),
+               torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(step + 99)), s)
+              for _, _, s in _micro_batches(step, 0, 1)]
+        out = engine.train_step(xb, seeded_gpt_loss)
+    state = {n: t.cpu() for n, t in engine.full_state_dict().items()}
+    engine.close()
+    del engine
+    gc.collect()  # the CUDA tracker counts every unregistered device byte as activations: free this run's
+    return state, out.metrics
 
 
 def _gpt_work(n_layer: int):

@@ -34,26 +34,26 @@ def attention_flops(query, key, value) -> int:
     Key and value may have fewer heads than the query (grouped-query attention, the kernel
     broadcasts them): every query head is counted. Our own, as torch's formula asserts equal
     heads before 2.13."""
-    b, h, s_q, d_q = query
-    s_k, d_v = key[-2], value[-1]
-    _check_heads(query, key, value)
-    return 2 * b * h * s_q * s_k * (d_q + d_v)
+    scores, d_q, d_v = _scores(query, key, value)
+    return 2 * scores * (d_q + d_v)
 
 
 def attention_backward_flops(grad_out, query, key, value) -> int:
     """FLOPs of one SDPA backward, as torch counts it: the scores recomputed, then the
     gradients of both matmuls (five matmuls), every query head counted (see ``attention_flops``)."""
-    b, h, s_q, d_q = query
-    s_k, d_v = key[-2], value[-1]
-    _check_heads(query, key, value)
-    return 2 * b * h * s_q * s_k * (3 * d_q + 2 * d_v)
+    scores, d_q, d_v = _scores(query, key, value)
+    return 2 * scores * (3 * d_q + 2 * d_v)
 
 
-def _check_heads(query, key, value) -> None:
-    h, h_kv = query[1], key[1]
-    if len(query) != 4 or len(key) != 4 or len(value) != 4 or h_kv != value[1] or h_kv < 1 or h % h_kv:
+def _scores(query, key, value) -> tuple[int, int, int]:
+    """(elements of the [B, H_q, S_q, S_k] scores, D_q, D_v); ValueError unless all three are
+    [B, H, S, D] with the query's heads a multiple of the key's and value's."""
+    if (len(query) != 4 or len(key) != 4 or len(value) != 4 or key[1] != value[1] or key[1] < 1
+            or query[1] % key[1]):
         raise ValueError(f"attention FLOPs: query {tuple(query)}, key {tuple(key)}, value {tuple(value)} are not "
                          f"[B, H, S, D] with the query's heads a multiple of the key's and value's")
+    b, h, s_q, d_q = query
+    return b * h * s_q * key[2], d_q, value[3]
 
 
 def _attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:

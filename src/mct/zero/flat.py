@@ -265,9 +265,9 @@ class FlatParamUnit:
         # Stage 3: what ``gather`` all-gathers; None = this rank's master cast to the
         # param dtype. Offload points it at a parameter shard kept apart from the master.
         self.gather_source: Callable[[], torch.Tensor] | None = None
-        # Stage 3 on one host: (the window, [(rank, a descriptor of its master shard)]) from
-        # ``mct.zero.shared.share_masters``; a gather inside the window copies them
-        self.shared: tuple[Any, list[tuple[int, torch.Tensor]]] | None = None
+        # Stage 3 on one host: (the window, [(rank, a descriptor of its master shard; None in a
+        # dry run)]) from ``mct.zero.shared.share_masters``; a gather inside the window copies them
+        self.shared: tuple[Any, list[tuple[int, int | None]]] | None = None
         self.shard_rank = shard_rank
         self.gathered = True
         # Buckets of this unit's collectives in flight at once (None: all); ShardedModel
@@ -345,8 +345,8 @@ class FlatParamUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
             r = self.shard_rank
             rows[r].copy_(self.master)
-            if all(fd is None for _, fd in self.shared[1]):
-                # a dry run (mct.zero.shared): the peers' rows written with stand-in bytes, the rows
+            if comm.simulated:
+                # a dry run (mct.zero.shared: no files): the peers' rows written with stand-in bytes, the rows
                 # before this rank's and those after it each in one copy (any world, at most two ops)
                 n = rows.shape[0]
                 for a, b in ((0, r), (r + 1, n)):
