@@ -359,9 +359,19 @@ def test_the_wait_per_call_is_the_slope_from_stage_0_to_stage_3_not_a_per_step_s
 
 def test_measured_overhead_and_per_byte_cost_come_from_real_steps_of_both_models():
     """One process's calibration steps: a positive per-op overhead, a per-byte cost of at
-    least 0, no wait without ranks."""
+    least 0, no wait without ranks. The rates are a machine faster than any (1e14 FLOP/s and
+    bytes/s): the predicted compute is then below any real step's, whatever this CPU is (the
+    handmade profile's 1-8 GFLOP/s is slower than a CPU with fast matmuls, whose steps then
+    leave nothing beyond the prediction to fit)."""
     from mct.planner.overhead import measure_op_overhead
-    op_s, wait_s, byte_s = measure_op_overhead(rates_for(_profile(), 1, 1), 1, steps=1)
+    fast = 1e14
+    fastest = MachineProfile(device="cpu", name="fast", flags=("avx2",), torch_version="x", threads=1,
+                             matmul_one={"fp32": fast}, matmul_all={"fp32": fast}, matmul_size={"fp32": 1024},
+                             memcpy_bytes_per_s=fast,
+                             extra={"matmul_by_dim": {"fp32": [[16, fast], [256, fast]]},
+                                    "elementwise_curve": [[1e5, fast], [1e7, fast]], "copy_all_bytes_per_s": fast,
+                                    "random_elements_per_s": fast})
+    op_s, wait_s, byte_s = measure_op_overhead(rates_for(fastest, 1, 1), 1, steps=1)
     assert 0 < op_s < 1e-2 and wait_s == 0.0 and 0.0 <= byte_s < 1e-8
 
 
