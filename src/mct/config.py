@@ -451,10 +451,12 @@ class DistributedConfig:
     timeout_s: float = 300.0
     """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
     shared_memory: bool = True
-    """gloo ranks on one host, ZeRO-3, fp32 parameters: a step's all-gathers copy the other
-    ranks' master shards out of shared memory (``/dev/shm``) instead of sending messages
-    (the same bytes; ``mct.zero.shared``). Tried once at start; where it cannot be
-    (other hosts, no room in ``/dev/shm``), messages, and ``mct train`` warns why. false: messages only."""
+    """gloo ranks on one host, ZeRO-3: a step's all-gathers copy the other ranks' master
+    shards (bf16/fp16 parameters: each rank's cast of its shard, refreshed once a step, 2
+    bytes a parameter / world more per rank) out of shared memory (``/dev/shm``) instead of
+    sending messages (the same bytes; ``mct.zero.shared``). Tried once at start; where it
+    cannot be (other hosts, no room in ``/dev/shm``, optimizer offload), messages, and
+    ``mct train`` warns why. false: messages only."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):

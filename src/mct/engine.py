@@ -126,9 +126,12 @@ class Engine:
                                        cfg.zero.prefetch, root=model,
                                        reshard_root=cfg.zero.reshard_root_after_forward)
                        if self.stage == 3 else None)
-        # one host, stage 3, fp32: a step's gathers read the peers' masters from shared memory
+        # one host, stage 3: a step's gathers read the peers' masters (or their casts) from shared memory
         self.shared, why = share_masters(self.sharded.units, self.comm, enabled=cfg.distributed.shared_memory,
                                          resident=self.offload is None)
+        for u in self.sharded.units:  # bf16/fp16: each shard's published cast, a parameter copy
+            if u.published is not None:
+                self.tracker.register(u.published, "params")
         # tried and failed (no room in /dev/shm, ranks on other hosts): a notice for the user
         self.shared_note = why if why.startswith(SETUP_FAILED) else ""
         if self.shared is None and self.stage == 3 and self.comm.world > 1 and not self.comm.simulated:

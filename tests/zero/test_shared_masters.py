@@ -1,7 +1,7 @@
 """Stage-3 gathers through shared memory (``mct.zero.shared``, ``distributed.shared_memory``):
-gloo ranks on one host read each other's fp32 master shards instead of sending them. The
-same bits as the messages, only inside a step's window, and messages wherever sharing
-cannot be set up."""
+gloo ranks on one host read each other's fp32 master shards (bf16/fp16 parameters: their
+published casts) instead of sending them. The same bits as the messages, only inside a
+step's window, and messages wherever sharing cannot be set up."""
 
 from __future__ import annotations
 
@@ -46,17 +46,27 @@ def _run(rank: int, world: int, shared: bool, **sections) -> tuple:
     evals = engine.eval_loss(batches(9, rank)[0], gpt_loss)  # outside a window: messages
     used = engine.shared is not None and engine.shared.windows == 3
     note = engine.shared_note
+    # a published cast is a parameter copy: in the tracker's params and the reported state bytes
+    casts = sum(u.published.numel() * u.published.element_size() for u in engine.sharded.units
+                if u.published is not None)
+    counted = (engine.tracker.live()["params"], engine.model_state_bytes()["params"])
     engine.close()
-    return losses, evals, _bits(state), used, out.metrics["comm_bytes"], note
+    return losses, evals, _bits(state), used, out.metrics["comm_bytes"], note, casts, counted
 
 
 def _compare(rank: int, world: int) -> dict:
     before = _shm_files()
     out = {}
-    for name, sections in (("plain", {}), ("checkpointed", {"checkpointing": {"policy": "all"}})):
+    for name, sections in (("plain", {}), ("checkpointed", {"checkpointing": {"policy": "all"}}),
+                           ("bf16", {"precision": {"mode": "bf16"}}),
+                           ("fp16 checkpointed", {"precision": {"mode": "fp16"}, "checkpointing": {"policy": "all"}})):
         on, off = _run(rank, world, True, **sections), _run(rank, world, False, **sections)
+        fp32 = "precision" not in sections
         out[name] = {"used": on[3], "unused": not off[3], "losses": on[0] == off[0], "eval": on[1] == off[1],
-                     "state": on[2] == off[2], "bytes": on[4] == off[4]}
+                     "state": on[2] == off[2], "bytes": on[4] == off[4],
+                     # fp32 shares the masters themselves; bf16/fp16 a cast of each, 2 bytes a parameter
+                     "casts": (on[6] == 0) if fp32 else (on[6] > 0 and off[6] == 0),
+                     "casts counted": on[7][0] - off[7][0] == on[6] and on[7][1] - off[7][1] == on[6]}
     out["files_left"] = sorted(_shm_files() - before)
     return out
 
@@ -106,7 +116,7 @@ def test_no_room_in_dev_shm_keeps_the_messages(case):
 
 
 def test_not_tried_where_it_cannot_apply():
-    """One rank, a dry run, other stages and bf16 parameters never touch /dev/shm."""
+    """One rank (fp32 or bf16) and other stages never touch /dev/shm."""
     before = _shm_files()
     for sections in ({"zero": {"stage": 3}}, {"zero": {"stage": 2}}, {"precision": {"mode": "bf16"}}):
         losses, _, engine, _ = engine_run(tiny_config(**sections), 0, 1)

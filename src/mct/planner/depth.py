@@ -406,7 +406,9 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     first, steady = (_extend_step(wa.steps[i], [(c.windows.steps[i], c) for c in copies]) for i in range(2))
     if first is None or steady is None or set(steady) != set(PHASES) or set(first) != set(PHASES):
         return None
-    init = {c: ext(v, lambda r: r.init, c) for c, v in a.init.items()}
+    init = _extend_init(a, copies, ext)
+    if init is None:
+        return None
     offloaded = {t: ext(v, lambda r: r.offloaded, t) for t, v in a.offloaded.items()}
     counts = [*init.values(), *offloaded.values(), *(v for p in (steady, first) for d in p.values() for v in d.values())]
     if min(counts, default=0) < 0:
@@ -417,7 +419,30 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     worst = max(steady, key=lambda k: steady[k]["total"])
     return DryRun(peak=steady[worst]["total"], phase=worst, phases=steady,
                   first_step_peak=max(v["total"] for v in first.values()), first_step_phases=first,
-                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, work=work)
+                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, work=work,
+                  init_end=(None if a.init_end is None else {c: ext(v, lambda r: r.init_end, c)
+                                                            for c, v in a.init_end.items()}))
+
+
+def _extend_init(a: DryRun, copies: list[Copy], ext: Callable) -> dict[str, int] | None:
+    """The construction's peak at the full depth. It is the larger of an earlier moment's
+    (a unit being built) and what the engine keeps at the end (``DryRun.init_end``: the
+    shards, each growing with the depth). Each is extrapolated from the copies where the
+    copies' peaks fall at the same kind of moment; a smaller copy peaking early and a
+    larger one at the end means the end has overtaken it, and does so the more at the
+    full depth. None where the copies disagree the other way (the caller runs the model
+    whole)."""
+    runs = [a, *(c.run for c in copies)]
+    peak = {c: ext(v, lambda r: r.init, c) for c, v in a.init.items()}
+    if any(r.init_end is None for r in runs):
+        return peak
+    end = {c: ext(v, lambda r: r.init_end, c) for c, v in a.init_end.items()}
+    at_end = [r.init["total"] <= r.init_end["total"] for r in runs]
+    if all(at_end) or (not at_end[0] and all(at_end[1:])):
+        return end
+    if not any(at_end):
+        return peak if peak["total"] >= end["total"] else end
+    return None
 
 
 def extrapolated(prepared: Prepared, cfg: EngineConfig, world: int, batch: Any, *, meta_init: bool,

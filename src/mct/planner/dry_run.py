@@ -60,6 +60,11 @@ class DryRun:
     n_params: int
     offloaded: dict[str, int]
     """Bytes offload keeps off the device, per tier ({'cpu': n, 'disk': n}); not in any peak."""
+    init_end: dict[str, int] | None = dataclasses.field(default=None, compare=False)
+    """Live bytes by category (and 'total') once the engine is built: what it keeps. Its
+    last allocations (stage-3 shared-memory casts, ``mct.zero.shared``) may make it the
+    construction's peak (``init``); it grows with the model's depth where the peak of an
+    earlier moment may not, so ``mct.planner.depth`` extrapolates the two apart."""
     work: StepWork | None = dataclasses.field(default=None, compare=False)
     """The steady-state step's ops, collectives and offload traffic (``mct.planner.work``):
     what the time model (``mct.planner.steptime``) turns into seconds. Not compared: two
@@ -213,7 +218,7 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
             engine = Engine(model, optimizer, cfg, param_groups=groups, tracker=tracker, ctx=ctx,
                             init_program=program)  # type: ignore[arg-type] - FakeInit has its protocol
             del groups
-        init = tracker.peaks()["init"]
+        init, kept = tracker.peaks()["init"], tracker.live()
         data = fake_batch(batch, mode)
         if observer is not None:
             observer.attach(model, tracker)
@@ -248,7 +253,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
-                  n_params=n_params, offloaded=offloaded, work=work)
+                  n_params=n_params, offloaded=offloaded, work=work,
+                  init_end={c: kept.get(c, 0) for c in (*CATEGORIES, "total")})
 
 
 def _counted(counter: OpCounter, collectives: Any, modes_before: dict[str, int]) -> StepWork:

@@ -268,6 +268,9 @@ class FlatParamUnit:
         # Stage 3 on one host: (the window, [(rank, a descriptor of its master shard; None in a
         # dry run)]) from ``mct.zero.shared.share_masters``; a gather inside the window copies them
         self.shared: tuple[Any, list[tuple[int, int | None]]] | None = None
+        # bf16/fp16 parameters shared so: this rank's master shard cast to the param dtype, in
+        # shared memory (peers read it), refreshed as each window opens (mct.zero.shared)
+        self.published: torch.Tensor | None = None
         self.shard_rank = shard_rank
         self.gathered = True
         # Buckets of this unit's collectives in flight at once (None: all); ShardedModel
@@ -337,21 +340,23 @@ class FlatParamUnit:
             self.gathered = True
 
     def _gather_shared(self, comm: Comm) -> None:
-        """Every rank's master shard copied into its row of the working buffer: this
-        rank's own, the peers' from their shared mappings (``mct.zero.shared``). The bytes
-        an fp32 all-gather moves, without a message; done when it returns."""
+        """Every rank's master shard (bf16/fp16 parameters: its published cast) copied into
+        its row of the working buffer: this rank's own, the peers' from their shared
+        mappings (``mct.zero.shared``). The bytes an all-gather moves, without a message;
+        done when it returns."""
         t0 = time.perf_counter()
         rows = self.working.view(-1, self.master.numel())
+        src = self.master if self.published is None else self.published
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
             r = self.shard_rank
-            rows[r].copy_(self.master)
+            rows[r].copy_(src)
             if comm.simulated:
                 # a dry run (mct.zero.shared: no files): the peers' rows written with stand-in bytes, the rows
                 # before this rank's and those after it each in one copy (any world, at most two ops)
                 n = rows.shape[0]
                 for a, b in ((0, r), (r + 1, n)):
                     if b > a:
-                        rows[a:b].copy_(self.master.expand(b - a, -1))
+                        rows[a:b].copy_(src.expand(b - a, -1))
             else:
                 for q, fd in self.shared[1]:
                     read_into(fd, rows[q])

@@ -107,7 +107,7 @@ def bucket_slices(shard_numel: int, world: int, element_size: int, bucket_bytes:
 
 
 def model_state_bytes(n_params: int, world: int, stage: int, *, param_bytes: int, grad_bytes: int,
-                      master_bytes: int, optim_bytes_per_param: int) -> dict[str, float]:
+                      master_bytes: int, optim_bytes_per_param: int, cast_shard: bool = False) -> dict[str, float]:
     """ZeRO (Rajbhandari et al. 2020) per-rank model-state bytes by category.
 
     stage 0: everything replicated; 1: master + optimizer state sharded; 2: also
@@ -116,13 +116,16 @@ def model_state_bytes(n_params: int, world: int, stage: int, *, param_bytes: int
     low-precision parameter shard: blocks are gathered from the fp32 master shard and
     freed after use, so persistent ``params`` is 0 when a separate master exists (in
     fp32 the master shard is the parameter shard and counts as ``params``). Gathered
-    blocks in flight are transients, not counted here.
+    blocks in flight are transients, not counted here. ``cast_shard``: stage 3 with a
+    separate master whose ranks share memory (``mct.zero.shared``): each keeps a
+    param-dtype cast of its master shard for its peers to read, ``params`` =
+    ``n_params * param_bytes / world`` (the low-precision shard of DeepSpeed's formula).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero.stage must be 0, 1, 2 or 3, got {stage!r}")
     shard = 1 / world
     params = n_params * param_bytes * (shard if stage >= 3 else 1)
-    if stage == 3 and master_bytes > 0:
+    if stage == 3 and master_bytes > 0 and not cast_shard:
         params = 0.0
     return {
         "params": params,

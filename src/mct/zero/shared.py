@@ -12,15 +12,25 @@ kernel, no socket, and no peer's pages mapped here, so a rank's resident set is 
 was). The bytes are the same the message would carry (the master is what an fp32 gather
 sends), so the results are bit for bit those of the messages.
 
+With bf16 or fp16 parameters a gather sends the master's cast, not the master: each rank
+then *publishes* that cast, a param-dtype copy of each master shard kept in shared memory
+(``FlatParamUnit.published``), written once per step as the window opens (one cast per
+unit a step, where the messages cast at every gather: forward, backward and any
+recompute), and peers read it as they read fp32 masters. The cast is ``copy_``'s, the
+same rounding as the message's, so the bits are again the messages'. It costs each rank
+a param-dtype copy of its shard (2 bytes per parameter / world ranks), counted as
+``params`` by the tracker, the planner's dry run and ``Engine.model_state_bytes``.
+
 What makes it safe is when masters change: only the optimizer step, a state load or a
 restore writes them, and none of those runs inside a step's forward and backward. A step
 reads peers' masters only inside a *window* (``SharedMasters.window``) that opens and
 closes with a barrier: once the opening barrier returns, every rank has finished its
-writes; once the closing one returns, every rank has finished its reads. A gather outside
+writes (published casts included: they are refreshed before it); once the closing one
+returns, every rank has finished its reads. A gather outside
 a window (an evaluation, an export) sends messages as before.
 
 Chosen once, collectively, at the engine's construction (``share_masters``): stage 3, fp32
-parameters, gloo on CPU, two ranks or more, masters resident (no optimizer offload), and
+masters gathered from themselves (no offload's parameter shard), gloo on CPU, two ranks or more, masters resident (no optimizer offload), and
 every rank able to create its shards in ``/dev/shm`` (space reserved up front: a full
 tmpfs fails the reservation, never a later write) and to open every peer's: ranks on
 different hosts, or a ``/dev/shm`` too small, keep the messages (the engine logs why).
@@ -62,10 +72,12 @@ READ_BYTES = 256 * 2**20
 class SharedMasters:
     """Every unit's peers' master shards, open here, and the window in which a gather
     may read them. ``peers[i]``: (rank, a read-only descriptor of that rank's master shard
-    of unit ``i``; None in a dry run)."""
+    of unit ``i``, or of its published cast; None in a dry run). ``units``: the shared
+    units (those with a ``published`` cast are refreshed as each window opens)."""
 
-    def __init__(self, comm: Comm, peers: list[list[tuple[int, int | None]]]) -> None:
+    def __init__(self, comm: Comm, peers: list[list[tuple[int, int | None]]], units: list) -> None:
         self.comm, self.peers = comm, peers
+        self.casts = [u for u in units if u.published is not None]
         self.open = False
         self.windows = 0
         self._closer = weakref.finalize(self, _close_all, peers)
@@ -73,9 +85,13 @@ class SharedMasters:
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
         """Gathers inside read peers' masters. Collective: a barrier on entry (every rank's
-        masters written) and on exit (every rank's reads done), also when the body raises
-        (every rank raising alike keeps them matched; one rank alone raising fails its peers'
-        next collective at the process group's timeout, as any collective would)."""
+        masters written, and their published casts refreshed from them) and on exit (every
+        rank's reads done), also when the body raises (every rank raising alike keeps them
+        matched; one rank alone raising fails its peers' next collective at the process
+        group's timeout, as any collective would)."""
+        with torch.no_grad():
+            for u in self.casts:  # the masters may have changed since the last window (a step, a load)
+                u.published.copy_(u.master)
         self.comm.barrier()
         self.open = True
         self.windows += 1
@@ -86,9 +102,13 @@ class SharedMasters:
             self.comm.barrier()
 
     def close(self) -> None:
-        """Close every peer's shard (the engine is done; also on garbage collection)."""
+        """Close every peer's shard and drop the published casts (the engine is done; the
+        descriptors also on garbage collection)."""
         self.open = False
         self._closer()
+        for u in self.casts:
+            u.published = None
+        self.casts = []
 
 
 def read_into(fd: int, out: torch.Tensor) -> None:
@@ -113,21 +133,26 @@ def _close_all(peers: list[list[tuple[int, int | None]]]) -> None:
 
 
 def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> tuple[SharedMasters | None, str]:
-    """Move every non-persistent unit's fp32 master into shared memory and open every
-    peer's; returns (the shared masters, or None, and why not). Collective: every rank
-    calls it and all get the same answer (what a rank alone finds, such as no ``/dev/shm``
-    on its host, is exchanged before anything is used). ``units``: the ``FlatParamUnit``s,
-    each given ``shared`` (its peers' shards and the window) when sharing is on."""
+    """Move every non-persistent unit's fp32 master into shared memory (bf16/fp16
+    parameters: give it a published cast there, ``FlatParamUnit.published``) and open
+    every peer's; returns (the shared masters, or None, and why not). Collective: every
+    rank calls it and all get the same answer (what a rank alone finds, such as no
+    ``/dev/shm`` on its host, is exchanged before anything is used). ``units``: the
+    ``FlatParamUnit``s, each given ``shared`` (its peers' shards and the window) when
+    sharing is on."""
     why = _ineligible(units, comm, enabled=enabled, resident=resident)
     if why:
         return None, why
     shared = [u for u in units if not u.persistent]
     if comm.simulated:  # the planner's dry run of a gloo run (taken to be on one host): the same
         # gathers, each peer's shard copied from a stand-in of its shape (its bytes, no file)
+        for u in shared:
+            if _casts(u):  # the published cast: the run's bytes, in ordinary memory
+                u.published = torch.empty(u.master.shape, dtype=u.param_dtype, device=u.master.device)
         return _attach(comm, shared, [[(q, None) for q in range(comm.world) if q != comm.rank] for _ in shared]), ""
     ids = comm.all_gather_object((secrets.token_hex(8), os.getpid()))
     token, pids = ids[0][0], [pid for _, pid in ids]
-    need = sum(u.master.numel() * u.master.element_size() for u in shared)
+    need = sum(_shared_bytes(u) for u in shared)
     mine: list[torch.Tensor] = []
     paths = [_path(token, pids[comm.rank], comm.rank, i) for i in range(len(shared))]
     error = ""
@@ -141,7 +166,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
         if free < comm.world * need + SLACK_BYTES:
             raise OSError(f"{SHM_DIR} has {free} bytes free, the shards of {comm.world} ranks need {comm.world * need}")
         for path, u in zip(paths, shared):
-            mine.append(_create(path, u.master))
+            mine.append(_create(path, u.master, u.param_dtype))
     except (OSError, RuntimeError) as e:
         error = f"rank {comm.rank}: {e}"
     peers: list[list[tuple[int, int]]] = [[] for _ in shared]
@@ -153,7 +178,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
                 for i, u in enumerate(shared):
                     for q in range(comm.world):
                         if q != comm.rank:
-                            peers[i].append((q, _open(_path(token, pids[q], q, i), u.master)))
+                            peers[i].append((q, _open(_path(token, pids[q], q, i), _shared_bytes(u))))
             except (OSError, RuntimeError) as e:
                 error = f"rank {comm.rank} cannot open rank {q}'s shards (another host?): {e}"
         error = _first_error(comm, error)  # every rank has opened its peers' (or none use them)
@@ -166,15 +191,29 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
         return None, f"{SETUP_FAILED}{error}"
     with torch.no_grad():
         for u, t in zip(shared, mine):
-            # the master tensor (the optimizer's parameter, the tracker's storage) keeps its
-            # identity; its bytes now live in the mapping, which ``t`` gave up
-            u.master.untyped_storage()._swap_data_ptr_(t.untyped_storage())
+            if _casts(u):
+                u.published = t  # the master stays where it is; ``t`` holds its cast
+            else:
+                # the master tensor (the optimizer's parameter, the tracker's storage) keeps its
+                # identity; its bytes now live in the mapping, which ``t`` gave up
+                u.master.untyped_storage()._swap_data_ptr_(t.untyped_storage())
     del mine
     return _attach(comm, shared, peers), ""
 
 
+def _casts(u) -> bool:
+    """Whether unit ``u`` shares a published cast of its master (bf16/fp16 parameters), not the master."""
+    return u.param_dtype != u.master.dtype
+
+
+def _shared_bytes(u) -> int:
+    """The bytes unit ``u`` puts in shared memory: its master shard, or that shard's cast."""
+    return u.master.numel() * (torch.empty((), dtype=u.param_dtype).element_size() if _casts(u)
+                               else u.master.element_size())
+
+
 def _attach(comm: Comm, shared: list, peers: list[list[tuple[int, int | None]]]) -> SharedMasters:
-    sm = SharedMasters(comm, peers)
+    sm = SharedMasters(comm, peers, shared)
     for u, p in zip(shared, peers):
         u.shared = (sm, p)
     return sm
@@ -195,9 +234,9 @@ def _ineligible(units: list, comm: Comm, *, enabled: bool, resident: bool) -> st
     shared = [u for u in units if not u.persistent]
     if not shared:
         return "no unit gathered on demand (stage < 3, or every unit persistent)"
-    if any(u.param_dtype != torch.float32 or u.master.dtype != torch.float32 or u.gather_source is not None
-           or not u.master.is_contiguous() for u in shared):
-        return "parameters are not fp32 (a gather sends a cast of the master)"
+    if any(u.master.dtype != torch.float32 or u.gather_source is not None or not u.master.is_contiguous()
+           for u in shared):
+        return "a gather's source is not this rank's fp32 master shard"
     return ""
 
 
@@ -240,23 +279,24 @@ def _remove_stale() -> None:
             continue
 
 
-def _create(path: str, master: torch.Tensor) -> torch.Tensor:
-    """A shared mapping of ``path`` (created, its space reserved) holding ``master``'s values."""
-    nbytes = master.numel() * master.element_size()
+def _create(path: str, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A shared mapping of ``path`` (created, its space reserved) holding ``master``'s
+    values in ``dtype`` (``copy_``'s cast, as a gather's message carries it)."""
+    nbytes = master.numel() * torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC here, not SIGBUS at a later write
     finally:
         os.close(fd)
-    t = torch.from_file(path, shared=True, size=master.numel(), dtype=master.dtype)
-    t.copy_(master)
-    return t
+    t = torch.from_file(path, shared=True, size=master.numel(), dtype=dtype)
+    with torch.no_grad():
+        t.copy_(master)
+    return t.view(master.shape)
 
 
-def _open(path: str, master: torch.Tensor) -> int:
+def _open(path: str, nbytes: int) -> int:
     """A read-only descriptor of a peer's shard at ``path`` (FileNotFoundError on another
-    host); its size must be this rank's shard's."""
-    nbytes = master.numel() * master.element_size()
+    host); its size must be this rank's shard's, ``nbytes``."""
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     if size != max(nbytes, 1):
