@@ -614,3 +614,32 @@ def test_a_cuda_plan_dry_runs_native_matmuls_whatever_this_cpu_has():
     from mct.planner.plan import planned_device
     nccl = tiny_config(distributed={"backend": "nccl"})
     assert planned_device(nccl) == "cuda" and planned_device(upcast) == "cpu"  # what `mct plan` plans for
+
+
+def test_construction_peak_at_depth_is_the_larger_of_a_build_moment_and_what_the_engine_keeps():
+    """``mct.planner.depth._extend_init``: a shallow copy's construction may peak while a
+    unit is built (a depth-independent moment) and a deeper one at the end, where what
+    the engine keeps (``DryRun.init_end``: shards, shared-memory casts) grows with the
+    depth. Each is extrapolated from the copies where they agree; never a line through two
+    different moments (which could fall below zero)."""
+    from mct.planner.depth import Copy, _extend_init
+    from mct.planner.dry_run import DryRun
+
+    def run(peak: int, end: int) -> DryRun:
+        cats = lambda total: {"params": total, "total": total}  # noqa: E731
+        return DryRun(peak=0, phase="forward", phases={}, first_step_peak=0, first_step_phases={},
+                      init_peak=peak, init=cats(peak), n_params=0, offloaded={}, init_end=cats(end))
+
+    def ext_of(copies):
+        return lambda x, get, key: x + sum(c.m * (get(c.run).get(key, 0) - x) for c in copies)
+
+    def at_depth(a: DryRun, b: DryRun, m: int = 10) -> int | None:
+        copies = [Copy(b, None, m, lambda k: [k])]  # type: ignore[arg-type]
+        got = _extend_init(a, copies, ext_of(copies))
+        return None if got is None else got["total"]
+    # (construction peak, kept at the end) of a smaller copy and a larger one, m = 10 more periods
+    assert at_depth(run(100, 50), run(100, 54)) == 100  # both early; the end (90) stays below the build peak
+    assert at_depth(run(100, 70), run(100, 90)) == 70 + 10 * 20  # both early; at the full depth the end is above
+    assert at_depth(run(100, 70), run(110, 110)) == 70 + 10 * 40  # early, then the end: the end's line
+    assert at_depth(run(120, 120), run(140, 140)) == 120 + 10 * 20  # both at the end
+    assert at_depth(run(100, 100), run(120, 90)) is None  # the end first, then an earlier moment: no line
