@@ -153,3 +153,37 @@ def test_open_file_limit_is_raised_for_the_peers_descriptors():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.split()
     soft, hard = int(out[0]), int(out[1])
     assert soft >= min(hard if hard >= 0 else 2**31, 2000 + 64), (soft, hard)
+
+
+def _load_then_step(rank: int, world: int, path: str) -> dict:
+    """bf16 casts after a load: the load writes the masters between windows, so the next
+    window's cast must come from the loaded weights, not from the engine's own (it has
+    stepped once before the load: its casts hold its own weights then)."""
+    from mct.engine import Engine
+    from mct.models.gpt import GPT, optimizer_groups
+    cfg = tiny_config(zero={"stage": 3}, precision={"mode": "bf16"}, train={"grad_clip": 1.0})
+    _, _, first, _ = engine_run(cfg, rank, 1)  # one step, saved
+    first.save(path)
+    for step in (1, 2):
+        first.train_step(batches(step, rank, 1), gpt_loss)
+    want = _bits(first.full_state_dict())
+    casts_used = first.shared is not None and any(u.published is not None for u in first.sharded.units)
+    first.close()
+    torch.manual_seed(cfg.seed + 1)  # other initial weights: a stale cast would gather these
+    model = GPT(cfg.model)
+    second = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    second.train_step(batches(0, rank, 1), gpt_loss)  # its own weights cast and stepped: then loaded over
+    second.load(path)
+    for step in (1, 2):
+        second.train_step(batches(step, rank, 1), gpt_loss)
+    got = _bits(second.full_state_dict())
+    second.close()
+    return {"casts": casts_used, "equal": got == want}
+
+
+@pytest.mark.multirank
+def test_a_loaded_engine_gathers_the_loaded_weights_casts(tmp_path):
+    if not os.path.isdir(shared_mod.SHM_DIR) or not _room():
+        pytest.skip(f"no room in {shared_mod.SHM_DIR} for the shards (they would take messages)")
+    for res in run_distributed(_load_then_step, 2, str(tmp_path / "ck")):
+        assert res == {"casts": True, "equal": True}, res
