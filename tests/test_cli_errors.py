@@ -116,6 +116,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("huge-pages-list", [*TRAIN, "--set", "memory.huge_pages=[true]"], "memory.huge_pages = '[true]'"),
     ("shared-memory-not-bool", [*TRAIN, "--set", "distributed.shared_memory=yes please"],
      "distributed.shared_memory = 'yes please'"),
+    ("shared-memory-int", [*TRAIN, "--set", "distributed.shared_memory=2"], "distributed.shared_memory = '2'"),
+    ("shared-memory-list", [*TRAIN, "--set", "distributed.shared_memory=[]"], "distributed.shared_memory = '[]'"),
     ("plan-offload-unknown", ["plan", "--offloads", "params=disk"], "--offloads 'params=disk'"),
     ("timeout-huge", [*TRAIN, "--set", "distributed.timeout_s=1e300"], "distributed.timeout_s"),
     ("nproc-zero", [*TRAIN, "--nproc", "0"], "--nproc must be >= 1"),

@@ -30,9 +30,9 @@ returns, every rank has finished its reads. A gather outside
 a window (an evaluation, an export) sends messages as before.
 
 Chosen once, collectively, at the engine's construction (``share_masters``): stage 3, fp32
-masters gathered from themselves (no offload's parameter shard), gloo on CPU, two ranks or more, masters resident (no optimizer offload), and
-every rank able to create its shards in ``/dev/shm`` (space reserved up front: a full
-tmpfs fails the reservation, never a later write) and to open every peer's: ranks on
+masters resident (no optimizer offload) and gathered from themselves, gloo on CPU, two ranks
+or more, and every rank able to create its shards in ``/dev/shm`` (space reserved up front:
+a full tmpfs fails the reservation, never a later write) and to open every peer's: ranks on
 different hosts, or a ``/dev/shm`` too small, keep the messages (the engine logs why).
 The planner's dry run of a gloo run takes the same path (one host assumed): each peer's
 shard is a copy of a stand-in of its size, so the time model prices the gathers as copies
@@ -147,7 +147,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     if comm.simulated:  # the planner's dry run of a gloo run (taken to be on one host): the same
         # gathers, each peer's shard copied from a stand-in of its shape (its bytes, no file)
         for u in shared:
-            if _casts(u):  # the published cast: the run's bytes, in ordinary memory
+            if _shares_cast(u):  # the published cast: the run's bytes, in ordinary memory
                 u.published = torch.empty(u.master.shape, dtype=u.param_dtype, device=u.master.device)
         return _attach(comm, shared, [[(q, None) for q in range(comm.world) if q != comm.rank] for _ in shared]), ""
     ids = comm.all_gather_object((secrets.token_hex(8), os.getpid()))
@@ -191,7 +191,7 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
         return None, f"{SETUP_FAILED}{error}"
     with torch.no_grad():
         for u, t in zip(shared, mine):
-            if _casts(u):
+            if _shares_cast(u):
                 u.published = t  # the master stays where it is; ``t`` holds its cast
             else:
                 # the master tensor (the optimizer's parameter, the tracker's storage) keeps its
@@ -201,15 +201,15 @@ def share_masters(units: list, comm: Comm, *, enabled: bool, resident: bool) -> 
     return _attach(comm, shared, peers), ""
 
 
-def _casts(u) -> bool:
+def _shares_cast(u) -> bool:
     """Whether unit ``u`` shares a published cast of its master (bf16/fp16 parameters), not the master."""
     return u.param_dtype != u.master.dtype
 
 
 def _shared_bytes(u) -> int:
-    """The bytes unit ``u`` puts in shared memory: its master shard, or that shard's cast."""
-    return u.master.numel() * (torch.empty((), dtype=u.param_dtype).element_size() if _casts(u)
-                               else u.master.element_size())
+    """The bytes unit ``u`` puts in shared memory: its master shard in the param dtype (the
+    master itself where that is fp32, else its cast)."""
+    return u.master.numel() * u.param_dtype.itemsize
 
 
 def _attach(comm: Comm, shared: list, peers: list[list[tuple[int, int | None]]]) -> SharedMasters:
@@ -282,7 +282,7 @@ def _remove_stale() -> None:
 def _create(path: str, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A shared mapping of ``path`` (created, its space reserved) holding ``master``'s
     values in ``dtype`` (``copy_``'s cast, as a gather's message carries it)."""
-    nbytes = master.numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = master.numel() * dtype.itemsize
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC here, not SIGBUS at a later write
@@ -291,7 +291,7 @@ def _create(path: str, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     t = torch.from_file(path, shared=True, size=master.numel(), dtype=dtype)
     with torch.no_grad():
         t.copy_(master)
-    return t.view(master.shape)
+    return t
 
 
 def _open(path: str, nbytes: int) -> int:
