@@ -49,7 +49,7 @@ from mct.offload.torch_format import load_optimizer_state_dict, optimizer_state_
 from mct.offload.store import Store, UnitState, make_store, put_record
 from mct.offload.stream import ChunkStream, Item
 from mct.zero.comm import Comm
-from mct.zero.flat import FlatParamUnit, scale_
+from mct.zero.flat import FlatParamUnit, fp64_sq_norm, scale_
 from mct.zero.state_io import block_spans
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class OffloadedState:
                 total.add_(shard)
                 shard = total
             scaled = torch._foreach_mul([shard], self.inv_divisor())[0]
-            self.norm_sq[i] = torch.linalg.vector_norm(scaled, dtype=torch.float64).square()
+            self.norm_sq[i] = fp64_sq_norm([scaled])
             del scaled
             self.stream.write(self.stream.slots, [(Item(key, self.store, key, 0, shard.numel()), shard)])
             self.stream.drain(limit=self.stream.slots)  # bound the gradients held until written

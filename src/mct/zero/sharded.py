@@ -19,11 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
 from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
-from mct.zero.flat import FlatParamUnit, scale_
+from mct.zero.flat import FlatParamUnit, fp64_sq_norm, scale_
 from mct.zero.partition import bucket_slices, build_layout
 
 
@@ -41,26 +40,6 @@ def assign_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[
             if not in_block:
                 owner.setdefault(id(p), set()).add("root")
     return {pid: (next(iter(s)) if len(s) == 1 else "root") for pid, s in owner.items()}
-
-
-def fp64_sq_norm(tensors: list[torch.Tensor], advise: Advise = as_is) -> torch.Tensor:
-    """Sum over ``tensors`` of the squared L2 norm of each, accumulated in fp64, in order:
-    the value of ``sum(vector_norm(t, dtype=float64).square() for t in tensors)`` bit for
-    bit. ``vector_norm(dtype=float64)`` reads a materialized fp64 copy of its input; here
-    every tensor is cast into one fp64 buffer of the largest size, allocated once, so only
-    its pages are faulted in (a fresh copy per tensor maps and faults fresh pages each
-    time: above glibc's 32 MiB mmap ceiling every block-sized one does). The reduction
-    runs on the same fp64 values, contiguous from the same alignment: the same sums. On
-    CUDA the kernel widens as it reads (no copy): there the buffer would only add 8 bytes
-    per element of the largest shard to the device's memory, so each norm is taken as it is."""
-    if tensors[0].device.type != "cpu":
-        return sum(torch.linalg.vector_norm(t, dtype=torch.float64).square() for t in tensors)
-    buf = advise(torch.empty(max(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device))
-    total = None
-    for t in tensors:
-        sq = torch.linalg.vector_norm(buf[:t.numel()].copy_(t.reshape(-1))).square()
-        total = sq if total is None else total + sq
-    return total
 
 
 @dataclass(frozen=True)
@@ -242,7 +221,7 @@ class ShardedModel:
         scale_(shards, inv_divisor)
         if not shards or (self.stage == 0 and self.comm.rank != 0):
             return torch.zeros((), dtype=torch.float64, device=self._device())
-        return fp64_sq_norm(shards, self.comm.advise)
+        return fp64_sq_norm(shards)
 
     def _device(self) -> torch.device:
         return self.units[0].master.device if self.units else torch.device("cpu")
