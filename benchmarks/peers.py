@@ -42,13 +42,19 @@ column is skipped with a one-line note.
 
     PYTHONPATH=src:. python benchmarks/peers.py [--quick] [--sizes small,medium] [--precisions bf16,fp32]
         [--no-checkpointed-rows] [--rounds 2] [--steps 3] [--deepspeed-python PATH] [--host-malloc cache]
-        [--mct-alt KEY=VALUE[,KEY=VALUE]]... [--mct-gloo-collectives]
+        [--mct-alt KEY=VALUE[,KEY=VALUE]]... [--mct-gloo-collectives] [--local]
 
 ``--mct-alt memory.huge_pages=false`` adds an mct variant with that setting to every row, stepping
 in turn with the others in the same ranks: an A/B of one setting under the same load.
 
 ``--mct-gloo-collectives`` adds an mct variant ('mct-gloo') that issues gloo's own all-gather and
 all-reduce where mct sends and receives point to point (``mct.zero.comm.TorchCollectives``).
+
+``--local`` adds the floor ('local', ``_local``): each rank steps a whole replica of the model
+alone, no sharding and no gradient exchange, and a column 'x local' (each variant's median over
+the floor's): what the model's own compute costs on these ranks, which a ZeRO-3 step can beat only
+by the half of the optimizer's work it does not do. A target of 0.85x the best peer is out of
+any framework's reach on a row where 0.85 x the best peer's step is under the floor's.
 
 ``--host-malloc cache`` sets glibc's malloc as mct's ``memory.host_malloc = "cache"`` does, in
 each rank before any variant is built: it is process-wide, so the peers run under it too
@@ -212,7 +218,48 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
     return step
 
 
-VARIANTS = {"mct": _mct, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+def _local(size: str, precision: str, recompute: bool, rank: int,
+           loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
+    """The floor (``--local``): each rank steps a whole replica of the model by itself, the same
+    loss, AdamW and clipping, no sharding and no gradient exchange, only the loss's mean
+    all-reduced as every variant does. It is what the model's own forward, backward and optimizer
+    cost on these two ranks sharing this CPU: no ZeRO-3 step can be faster except by doing half
+    the optimizer's work (each rank's shard), and a ZeRO-3 variant's time beyond it is its
+    communication, waits and bookkeeping. bf16: the model's parameters in bf16, fp32 masters
+    stepped by AdamW, the gradients cast to fp32 (what FSDP2's ``MixedPrecisionPolicy`` computes),
+    the masters cast back after the step."""
+    import torch.distributed as dist
+    model = llama(size)
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = params
+    if precision == "bf16":
+        masters = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=LR)
+
+    def step(i: int) -> float:
+        loss = loss_fn(model, batch(size, i, rank))
+        loss.backward()
+        if masters is not params:
+            for m, p in zip(masters, params):
+                m.grad, p.grad = p.grad.float(), None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not params:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        return float(mean) / dist.get_world_size()
+    return step
+
+
+VARIANTS = {"mct": _mct, "fsdp2": _fsdp2, "deepspeed": _deepspeed, "local": _local}
 
 
 def _variant(name: str) -> Callable[..., Callable[[int], float]]:
@@ -297,6 +344,9 @@ def main() -> None:
     ap.add_argument("--mct-gloo-collectives", action="store_true",
                     help="one more mct variant ('mct-gloo') issuing gloo's own all-gather and all-reduce "
                          "where mct sends and receives point to point: what that choice buys, same ranks")
+    ap.add_argument("--local", action="store_true",
+                    help="one more variant ('local'): each rank steps a whole replica alone, no sharding, no "
+                         "gradient exchange: the floor of the model's own compute on these ranks; adds 'x local'")
     ap.add_argument("--json", default="peers", help="result name or path (.json)")
     ap.add_argument("--with-deepspeed", action="store_true", help=argparse.SUPPRESS)  # set by the re-run
     args = ap.parse_args()
@@ -322,7 +372,7 @@ def main() -> None:
         except ValueError as e:
             ap.error(f"--mct-alt {alt!r}: {e}")
     variants = ["mct", *(f"mct[{alt}]" for alt in args.mct_alt), *(["mct-gloo"] if args.mct_gloo_collectives else []),
-                "fsdp2"] + (["deepspeed"] if args.with_deepspeed else [])
+                "fsdp2"] + (["deepspeed"] if args.with_deepspeed else []) + (["local"] if args.local else [])
     if not args.with_deepspeed:
         print("note: DeepSpeed skipped (pass --deepspeed-python PATH; the docstring shows how to install it "
               "in a scratch venv)")
@@ -345,6 +395,7 @@ def main() -> None:
             r = util.row(med[v])
             table.append({"row": name, "precision": row["precision"], "variant": v, "median_ms": 1e3 * med[v],
                           "x_best_peer": med[v] / best_peer[0], "best_peer": best_peer[1],
+                          "x_local": med[v] / med["local"] if "local" in med else None,
                           "mfu_pct": 100 * r["mfu"] if r["mfu"] is not None else None,
                           "first_loss": f"{row['first_loss'][v]:.4f}", "steps_ms": [1e3 * t for t in per_step[v]]})
     print(f"2 gloo ranks x 1 thread, ZeRO-3, AdamW, clip {CLIP}; {rounds} round(s) x {args.steps} steps "
@@ -352,7 +403,8 @@ def main() -> None:
           f"{cpu_line()}; load average {os.getloadavg()[0]:.1f}")
     print(format_table(table, [("row", "model"), ("precision", "precision"), ("variant", "variant"),
                                ("median_ms", "median ms"), ("x_best_peer", "x best peer"),
-                               ("mfu_pct", "MFU %"), ("first_loss", "first loss")]))
+                               ("mfu_pct", "MFU %"), ("first_loss", "first loss")]
+                       + ([("x_local", "x local")] if args.local else [])))
     for precision, note in peaks.items():
         print(f"MFU ({precision}) = model FLOPs per step / median step / {note}")
     path = write_json(args.json, {"rows": table, "variants": variants, "rounds": rounds, "steps": args.steps,
