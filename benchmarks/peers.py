@@ -155,9 +155,16 @@ def _mct(size: str, precision: str, recompute: bool, rank: int,
     return lambda i: engine.train_step(batch(size, i, rank), loss_fn).loss
 
 
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    """The step's loss averaged over ranks (fp32), as every variant reports it: one scalar all-reduce."""
+    import torch.distributed as dist
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
 def _fsdp2(size: str, precision: str, recompute: bool, rank: int,
            loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = llama(size)
     if recompute:
@@ -176,16 +183,13 @@ def _fsdp2(size: str, precision: str, recompute: bool, rank: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        return float(mean) / dist.get_world_size()
+        return _mean_over_ranks(loss)
     return step
 
 
 def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
                loss_fn: Callable = causal_lm_loss) -> Callable[[int], float]:
     import deepspeed
-    import torch.distributed as dist
     import torch.nn.functional as F
     plain_linear = F.linear
     model = llama(size)
@@ -212,9 +216,7 @@ def _deepspeed(size: str, precision: str, recompute: bool, rank: int,
         finally:
             F.linear = plain_linear
         engine.step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        return float(mean) / dist.get_world_size()
+        return _mean_over_ranks(loss)
     return step
 
 
@@ -228,7 +230,6 @@ def _local(size: str, precision: str, recompute: bool, rank: int,
     communication, waits and bookkeeping. bf16: the model's parameters in bf16, fp32 masters
     stepped by AdamW, the gradients cast to fp32 (what FSDP2's ``MixedPrecisionPolicy`` computes),
     the masters cast back after the step."""
-    import torch.distributed as dist
     model = llama(size)
     if recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -253,9 +254,7 @@ def _local(size: str, precision: str, recompute: bool, rank: int,
             with torch.no_grad():
                 for m, p in zip(masters, params):
                     p.copy_(m)
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        return float(mean) / dist.get_world_size()
+        return _mean_over_ranks(loss)
     return step
 
 
