@@ -413,6 +413,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     except WorkerDied as e:
         print(f"mct: error: {e}", file=sys.stderr)
         return 1
+    from mct.planner.tables import format_plan
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     if args.plot:
         from mct.reporting.plots import plot_plan
@@ -436,8 +437,8 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
         raise ValueError("--solve needs a per-rank budget: pass --budget (e.g. --budget 24GiB) or set memory.budget")
     allow = check_allow(args.allow, "--allow") if args.allow is not None else tuple(cfg.memory.solver_allow)
     if len(grid.precisions) == 1 and grid.precisions[0] != cfg.precision.mode:  # --precisions bf16: that one
-        cfg = EngineConfig.from_dict({**cfg.to_dict(), "precision": {**cfg.to_dict()["precision"],
-                                                                     "mode": grid.precisions[0]}})
+        import dataclasses
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, mode=grid.precisions[0]))
     device = planned_device(cfg)
     space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True)
     from mct.planner.pool import WorkerDied
@@ -475,17 +476,15 @@ def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
                              f"choose from {','.join(ok)}")
         grid[key] = tuple(int(v) for v in values) if key == "stages" else values
     if args.offloads is not None:
-        from mct.planner.plan import offload_keys
+        from mct.planner.choice import OffloadChoice
         labels = tuple(v.strip() for v in args.offloads.split(",") if v.strip())
         if not labels:
             raise ValueError(f"--offloads {args.offloads!r}: nothing given; choose from none, optimizer=cpu|disk, "
                              f"optimizer+params=cpu|disk")
-        for label in labels:
-            try:
-                offload_keys(label)
-            except ValueError as e:
-                raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
-        grid["offloads"] = labels
+        try:
+            grid["offloads"] = tuple(OffloadChoice.parse(label) for label in labels)
+        except ValueError as e:
+            raise ValueError(f"--offloads {args.offloads!r}: {e}") from None
     if args.act_offloads is not None:
         tiers = tuple(v.strip() for v in args.act_offloads.split(",") if v.strip())
         bad = [t for t in tiers if t not in ("none", "cpu", "disk")]
@@ -509,44 +508,6 @@ def _token_counts(flag: str, text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 0:
         raise ValueError(f"{flag} {text!r}: give token counts >= 0, comma-separated (0 = off), e.g. 0,1024")
     return counts
-
-
-def format_plan(plan) -> str:
-    """The plan as a table: one row per configuration (steady-state peak, bytes per
-    category at that peak, the phase it is in, first-step and init peaks, fits, cost,
-    predicted seconds per step and tokens per second),
-    the recommended row marked '*', then the advice line."""
-    from mct.checkpointing import policy_label
-    from mct.config import CheckpointingConfig
-    from mct.memory.tracker import CATEGORIES, format_bytes
-    cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first",
-            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s"]
-    table = []
-    for r in plan.rows:
-        mark = "*" if r is plan.recommended else ""
-        policy = (policy_label(CheckpointingConfig(policy="per_block", per_block=r["per_block"]))
-                  if r.get("per_block") else r["policy"])
-        table.append([f"{r['stage']}{mark}", policy, r["precision"], r["offload"], r.get("act_offload", "none"),
-                      str(r.get("loss_chunk_tokens", 0) or "off"), str(r.get("mlp_tile_tokens", 0) or "off"),
-                      format_bytes(r["peak"]),
-                      *(format_bytes(r["breakdown"][c]) for c in CATEGORIES), r["phase"],
-                      format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]),
-                      format_bytes(r["offloaded"]["cpu"]), format_bytes(r["offloaded"]["disk"]),
-                      "yes" if r["fits"] else "no", f"{r['cost']:.2f}", _seconds(r.get("step_s")),
-                      f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"])
-    widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
-    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
-             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
-             "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
-    lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
-    lines += [f"step time: {note}" for note in getattr(plan, "time_notes", [])]
-    lines.append(plan.advice)
-    return "\n".join(lines)
-
-
-def _seconds(s: float | None) -> str:
-    """Predicted seconds per step, 3 significant digits; '-' when not predicted."""
-    return "-" if s is None else f"{s:.3g}"
 
 
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:

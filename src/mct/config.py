@@ -778,3 +778,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 d[name] = value
     return EngineConfig.from_dict(apply_overrides(d, overrides or []))
+
+
+def with_values(cfg: EngineConfig, values: dict[str, Any]) -> EngineConfig:
+    """``cfg`` with ``{"section.key": value}`` replaced (``dataclasses.replace``: each changed
+    section, then the whole config, validated again as at load). Values are typed already
+    (not text: ``apply_overrides`` types a user's). Raises ValueError as at load."""
+    sections: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        section, key = path.split(".")
+        sections.setdefault(section, {})[key] = value
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **kv)
+                                       for name, kv in sections.items()})

@@ -21,10 +21,10 @@ from typing import Any
 from mct.config import SOLVER_LEVERS, EngineConfig
 from mct.memory.tracker import format_bytes
 from mct.planner.grid import batch_size, prepare, task_of
+from mct.planner.choice import OffloadChoice, PlanRow
 from mct.planner.plan import (AUTO_LOSS_CHUNK, AUTO_MLP_TILE, STAGES, Plan, _advice, _chunk_setting, for_device,
-                              _offload_settings, _policy_settings, _tiling_may_fit, auto_act_offload, auto_offloads,
-                              offload_label)
-from mct.planner.solver import (Solution, Space, configure_row, need, predicted_seconds, recompute_label, solve,
+                              _offload_settings, _policy_settings, _tiling_may_fit, auto_act_offload, auto_offloads)
+from mct.planner.solver import (Solution, Space, configure_row, recompute_label, solve,
                                 timing)
 
 
@@ -39,15 +39,14 @@ def check_allow(allow: Any, key: str = "memory.solver_allow") -> tuple[str, ...]
     return tuple(items)
 
 
-def settings(row: dict[str, Any]) -> str:
+def settings(row: PlanRow) -> str:
     """A solver row as --set arguments."""
-    out = [f"zero.stage={row['stage']}", _policy_settings(row)]
-    if row["act_offload"] != "none":
-        out.append(f"checkpointing.offload={row['act_offload']}")
-    if row["offload"] != "none":
-        out.append(_offload_settings(row["offload"]))
+    out = [f"zero.stage={row.stage}", _policy_settings(row)]
+    if row.act_offload != "none":
+        out.append(f"checkpointing.offload={row.act_offload}")
+    out.append(_offload_settings(row).strip())
     out.append(_chunk_setting(row).strip())
-    out.append(f"data.micro_batch_size={row['micro_batch_size']} data.grad_accum={row['grad_accum']}")
+    out.append(f"data.micro_batch_size={row.micro_batch_size} data.grad_accum={row.grad_accum}")
     return " ".join(o for o in out if o)
 
 
@@ -67,7 +66,7 @@ def space_for(work: Any, cfg: EngineConfig, allow: tuple[str, ...] | list[str], 
     own_chunk = cfg.train.loss_chunk_tokens
     chunks = (0, AUTO_LOSS_CHUNK) if "loss_chunk" in allow and chunkable(work, cfg) else (own_chunk,)
     offloads = ("none", *auto_offloads(device)) if "offload" in allow and not cfg.offload.enabled \
-        else (offload_label(cfg),)
+        else (OffloadChoice.of(cfg),)
     per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
     mbs = (cfg.data.micro_batch_size,)
     if "micro_batch" in allow and batch_size(task_of(work).batch) == cfg.data.micro_batch_size:
@@ -97,9 +96,9 @@ def solve_auto(work: Any, cfg: EngineConfig, world: int, budget: int, allow: tup
         space = dataclasses.replace(space, chunks=(AUTO_LOSS_CHUNK,))
         sol = _more(sol, solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw))
     if sol.pick is None and _tiling_may_fit(cfg, work):
-        d = cfg.to_dict()
-        d["checkpointing"]["mlp_tile_tokens"] = AUTO_MLP_TILE  # same numerics up to the weight gradients' sums
-        cfg = EngineConfig.from_dict(d)
+        # same numerics up to the weight gradients' sums
+        cfg = dataclasses.replace(cfg, checkpointing=dataclasses.replace(cfg.checkpointing,
+                                                                         mlp_tile_tokens=AUTO_MLP_TILE))
         sol = _more(sol, solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw))
     if sol.pick is None and "offload" not in allow and not cfg.offload.enabled:
         space = dataclasses.replace(space, offloads=auto_offloads(device))
@@ -143,44 +142,51 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Any, *,
     best = sol.pick
     if best is None:
         raise ValueError(nothing_fits(sol, work, cfg))
-    choice = {"auto": auto, "zero.stage": best["stage"], "checkpointing.policy": best["policy"],
-              "checkpointing.per_block": best["per_block"],
-              "offload": best["offload"], "checkpointing.offload": best["act_offload"],
-              "train.loss_chunk_tokens": best["loss_chunk_tokens"],
-              "checkpointing.mlp_tile_tokens": best["mlp_tile_tokens"],
-              "data.micro_batch_size": best["micro_batch_size"], "data.grad_accum": best["grad_accum"],
-              "zero.reshard_root_after_forward": best["reshard_root_after_forward"],
-              "predicted_offloaded_bytes": best["offloaded"],
-              "budget_bytes": budget, "predicted_peak_bytes": best["peak"], "predicted_peak_phase": best["phase"],
-              "predicted_breakdown": best["breakdown"], "predicted_phases": best["phases"],
-              "predicted_first_step_peak_bytes": best["first_step_peak"],
-              "predicted_init_peak_bytes": best["init_peak"], "cost": best["cost"],
-              "predicted_step_s": best.get("step_s"), "predicted_tokens_per_s": best.get("tokens_per_s"),
-              "world_size": world,
-              "solver": {"why": sol.why, "dry_runs": len(sol.rows), "allow": list(cfg.memory.solver_allow),
-                         "frontier": [_brief(r) for r in sol.frontier]}}
-    return configure_row(cfg, best), choice
+    return configure_row(cfg, best), choice_record(best, sol, auto, budget, world, cfg)
 
 
-def _brief(r: dict[str, Any]) -> dict[str, Any]:
+def choice_record(best: PlanRow, sol: Solution, auto: list[str], budget: int, world: int,
+                  cfg: EngineConfig) -> dict[str, Any]:
+    """What ``auto`` chose, for metadata.json's ``plan`` (its keys are the record's format):
+    the keys set, the prediction, the solver's why and frontier."""
+    return {"auto": auto, "zero.stage": best.stage, "checkpointing.policy": best.policy,
+            "checkpointing.per_block": best.per_block,
+            "offload": best.offload.label, "checkpointing.offload": best.act_offload,
+            "train.loss_chunk_tokens": best.loss_chunk_tokens,
+            "checkpointing.mlp_tile_tokens": best.mlp_tile_tokens,
+            "data.micro_batch_size": best.micro_batch_size, "data.grad_accum": best.grad_accum,
+            "zero.reshard_root_after_forward": best.reshard_root_after_forward,
+            "predicted_offloaded_bytes": best.offloaded,
+            "budget_bytes": budget, "predicted_peak_bytes": best.peak, "predicted_peak_phase": best.phase,
+            "predicted_breakdown": best.breakdown, "predicted_phases": best.phases,
+            "predicted_first_step_peak_bytes": best.first_step_peak,
+            "predicted_init_peak_bytes": best.init_peak, "cost": best.cost,
+            "predicted_step_s": best.step_s, "predicted_tokens_per_s": best.tokens_per_s,
+            "world_size": world,
+            "solver": {"why": sol.why, "dry_runs": len(sol.rows), "allow": list(cfg.memory.solver_allow),
+                       "frontier": [_brief(r) for r in sol.frontier]}}
+
+
+def _brief(r: PlanRow) -> dict[str, Any]:
     """A frontier row for metadata.json: its configuration, need and predicted time."""
     keys = ("stage", "policy", "per_block", "act_offload", "loss_chunk_tokens", "mlp_tile_tokens", "offload",
             "micro_batch_size", "reshard_root_after_forward",
             "grad_accum", "peak", "first_step_peak", "init_peak", "cost", "step_s", "fits")
-    return {k: r.get(k) for k in keys}
+    d = r.to_dict()
+    return {k: d.get(k) for k in keys}
 
 
 def format_solution(sol: Solution) -> str:
     """The solution as text: what was searched, the frontier (need vs predicted time, the
     pick starred), the pick as --set arguments and why, one line each."""
-    timed = all(r.get("step_s") is not None for r in sol.rows)
+    timed = all(r.step_s is not None for r in sol.rows)
     head = ["need", "steady", "first", "init", "s/step" if timed else "cost", "stage", "recompute", "act",
             "loss_chunk", "offload", "micro x accum", "fits"]
-    table = [[format_bytes(need(r)) + ("*" if r is sol.pick else ""), format_bytes(r["peak"]),
-              format_bytes(r["first_step_peak"]), format_bytes(r["init_peak"]), f"{predicted_seconds(r):.4g}",
-              str(r["stage"]), recompute_label(r, sol.n_blocks), r["act_offload"],
-              str(r["loss_chunk_tokens"] or "off"), r["offload"], f"{r['micro_batch_size']} x {r['grad_accum']}",
-              "yes" if r["fits"] else "no"] for r in sol.frontier]
+    table = [[format_bytes(r.need) + ("*" if r is sol.pick else ""), format_bytes(r.peak),
+              format_bytes(r.first_step_peak), format_bytes(r.init_peak), f"{r.seconds:.4g}",
+              str(r.stage), recompute_label(r, sol.n_blocks), r.act_offload,
+              str(r.loss_chunk_tokens or "off"), r.offload.label, f"{r.micro_batch_size} x {r.grad_accum}",
+              "yes" if r.fits else "no"] for r in sol.frontier]
     widths = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(head)]
     lines = [f"model: {sol.n_params:,} parameters, {sol.n_blocks} blocks; {sol.world} rank(s); budget per rank: "
              f"{format_bytes(sol.budget)}; {sol.precision}; {len(sol.rows)} configurations dry-run",

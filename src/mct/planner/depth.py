@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mct.checkpointing import block_choices, find_blocks
 from mct.checkpointing.blocks import first_tensor, primary
-from mct.config import EngineConfig
+from mct.config import EngineConfig, with_values
 from mct.memory.tracker import CATEGORIES
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, fake_batch, materialize_fake, meta_model
 from mct.planner.mixed import CUT, MixedShape, mixed_shape
@@ -251,20 +251,17 @@ def copy_config(cfg: EngineConfig, stack: Stack, shape: Shape | MixedShape, long
     checkpointed whole (policy 'all' over ``PlannerSegment``s) with the blocks as ZeRO units;
     for a ``per_block`` config the copy's own choices (a ``MixedShape``'s, with run
     ``longer`` one block longer), or with every block alike that uniform policy."""
-    d = cfg.to_dict()
     if cfg.checkpointing.policy == "per_block":
         full = block_choices(cfg.checkpointing, stack.n)
         assert full is not None
         choices = shape.choices(longer) if isinstance(shape, MixedShape) else full[:1]
         uniform = len(set(choices)) == 1
-        d["checkpointing"] = {**d["checkpointing"], "policy": choices[0] if uniform else "per_block",
-                              "per_block": [] if uniform else choices}
-        return EngineConfig.from_dict(d)
+        return with_values(cfg, {"checkpointing.policy": choices[0] if uniform else "per_block",
+                                 "checkpointing.per_block": [] if uniform else list(choices)})
     if not isinstance(shape, Shape) or shape.segments is None:
         return cfg
-    d["checkpointing"] = {**d["checkpointing"], "policy": "all", "blocks": [SEGMENT]}
-    d["zero"] = {**d["zero"], "units": [stack.block_class]}
-    return EngineConfig.from_dict(d)
+    return with_values(cfg, {"checkpointing.policy": "all", "checkpointing.blocks": [SEGMENT],
+                             "zero.units": [stack.block_class]})
 
 
 PHASES = ("forward", "backward", "optimizer")

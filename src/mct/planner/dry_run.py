@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._pytree import tree_map
 
-from mct.config import EngineConfig
+from mct.config import EngineConfig, with_values
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.zero.comm import SimulatedCollectives
@@ -322,9 +322,7 @@ def _planning_config(config: EngineConfig) -> EngineConfig:
         if value == "auto":
             raise ValueError(f"{key} = 'auto' cannot be predicted: it is the planner's choice. Use mct.plan(...) "
                              f"(or `mct plan`) to compare every value, or set {key} to one of them")
-    d = config.to_dict()
-    d["memory"] = {**d["memory"], "track": True, "enforce": False}
-    return EngineConfig.from_dict(d)
+    return with_values(config, {"memory.track": True, "memory.enforce": False})
 
 
 def construction_peak(model_fn: ModelFn) -> dict[str, int] | None:

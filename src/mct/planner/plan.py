@@ -18,7 +18,7 @@ not a measurement (docs/planner.md):
            beyond the order of the loss's reductions.
 
 Offload choices are labels: 'none', 'optimizer=<tier>' or 'optimizer+params=<tier>'
-(tier 'cpu' or 'disk'; see ``offload_label``). A plan's grid takes the config's own
+(tier 'cpu' or 'disk'; ``mct.planner.choice.OffloadChoice``). A plan's grid takes the config's own
 offload setting unless ``Grid.offloads`` is given; ``auto`` tries offload only when nothing
 fits without it. Activation offload (``checkpointing.offload``: 'none', 'cpu', 'disk') is
 its own axis (``Grid.act_offloads``, default the config's own; rows with policy 'none' only
@@ -46,6 +46,7 @@ from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
 from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
                               map_task, smaller_batch, task_of)
+from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, seconds_of
 from mct.planner.pool import run_jobs
 from mct.planner.overhead import machine_rates
 from mct.planner.steptime import Rates, step_time, tokens_per_step
@@ -59,7 +60,6 @@ COMM_SHARE = 0.25
 """Assumed share of a data-parallel step spent communicating 2 psi (a mid-size cluster)."""
 RECOMPUTED = {"none": 0.0, "all": 1.0, "sqrt": 1.0, "every_k": 0.5, "selective": 0.5}
 OFFLOAD_COST = {"none": 0.0, "optimizer": 0.2, "optimizer+params": 0.3}
-TIERS = ("cpu", "disk")
 ACT_OFFLOAD_COST = {"none": 0.0, "cpu": 0.05, "disk": 0.1}
 LOSS_CHUNK_COST = 0.02
 AUTO_LOSS_CHUNK = 1024
@@ -68,13 +68,13 @@ AUTO_MLP_TILE = 1024
 """The MLP tile ``auto`` plans (tokens): an 8B Llama's [tile, 14336] bf16 intermediates are 28 MiB."""
 
 
-def step_cost(stage: int, policy: str, world: int, offload: str = "none", act_offload: str = "none",
+def step_cost(stage: int, policy: str, world: int, offload: OffloadChoice = NO_OFFLOAD, act_offload: str = "none",
               loss_chunk: int = 0, recomputed: float | None = None) -> float:
     """Relative step cost of a configuration (see the module docstring). ``recomputed``:
     the recomputed fraction when it is not the policy's own (per_block: ``recomputed_fraction``)."""
     compute = 1.0 + (RECOMPUTED.get(policy, 1.0) if recomputed is None else recomputed) / 3
     volume = 0.0 if world == 1 else (3.0 if stage == 3 else 2.0)
-    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.split("=")[0]]
+    return round(compute + COMM_SHARE * volume / 2 + OFFLOAD_COST[offload.kind]
                  + ACT_OFFLOAD_COST[act_offload] + (LOSS_CHUNK_COST if loss_chunk > 0 else 0.0), 4)
 
 
@@ -90,56 +90,14 @@ def per_block_setting(spec: list[str] | dict[str, int]) -> str:
     return f"checkpointing.per_block={text}"
 
 
-def offload_label(cfg: EngineConfig) -> str:
-    """The offload choice of ``cfg`` as a label: 'none', 'optimizer=<tier>', or
-    'optimizer+params=<tier>' (parameters on their own tier: '...=<tier>,params=<tier>')."""
-    o = cfg.offload
-    if o.optimizer == "none":
-        return "none"
-    if o.params == "none":
-        return f"optimizer={o.optimizer}"
-    return f"optimizer+params={o.optimizer}" if o.params == o.optimizer else f"optimizer={o.optimizer},params={o.params}"
-
-
-def offload_keys(label: str) -> dict[str, str]:
-    """{'optimizer': tier, 'params': tier} of an offload label. Raises ValueError."""
-    if label == "none":
-        return {"optimizer": "none", "params": "none"}
-    parts = dict(p.split("=", 1) for p in label.split(",") if "=" in p)
-    if "optimizer" in parts and parts.get("optimizer") in TIERS and set(parts) <= {"optimizer", "params"} \
-            and parts.get("params", "none") in (*TIERS, "none"):
-        return {"optimizer": parts["optimizer"], "params": parts.get("params", "none")}
-    if set(parts) == {"optimizer+params"} and parts["optimizer+params"] in TIERS:
-        return {"optimizer": parts["optimizer+params"], "params": parts["optimizer+params"]}
-    raise ValueError(f"offload choice {label!r}: use none, optimizer=cpu|disk or optimizer+params=cpu|disk")
-
-
 def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | None = None,
-                offload: str | None = None, act_offload: str | None = None,
+                offload: OffloadChoice | None = None, act_offload: str | None = None,
                 loss_chunk: int | None = None, mlp_tile: int | None = None) -> EngineConfig:
-    """``cfg`` with zero.stage, checkpointing.policy (and precision.mode, the offload
-    tiers of an offload label, checkpointing.offload, train.loss_chunk_tokens,
-    checkpointing.mlp_tile_tokens) replaced.
-    Policy 'per_block' keeps ``cfg``'s checkpointing.per_block (ValueError when it has none);
-    a uniform policy drops it."""
-    d = cfg.to_dict()
-    if policy == "per_block" and not cfg.checkpointing.per_block:
-        raise ValueError("checkpointing policy 'per_block' plans the config's checkpointing.per_block, and it sets "
-                         "none: set it (e.g. --set checkpointing.per_block=all=8,selective=8) or plan other policies")
-    d["zero"]["stage"], d["checkpointing"]["policy"] = stage, policy
-    if policy != "per_block":
-        d["checkpointing"]["per_block"] = []
-    if act_offload is not None:
-        d["checkpointing"]["offload"] = act_offload
-    if precision is not None:
-        d["precision"]["mode"] = precision
-    if offload is not None:
-        d["offload"] = {**d["offload"], **offload_keys(offload)}
-    if loss_chunk is not None:
-        d["train"]["loss_chunk_tokens"] = loss_chunk
-    if mlp_tile is not None:
-        d["checkpointing"]["mlp_tile_tokens"] = mlp_tile
-    return EngineConfig.from_dict(d)
+    """``apply(cfg, Choice(...))``: ``cfg`` with zero.stage, checkpointing.policy (and
+    precision.mode, the offload tiers, checkpointing.offload, train.loss_chunk_tokens,
+    checkpointing.mlp_tile_tokens) replaced. Policy 'per_block' keeps ``cfg``'s
+    checkpointing.per_block (ValueError when it has none); a uniform policy drops it."""
+    return apply(cfg, Choice(stage, policy, precision, offload, act_offload, loss_chunk, mlp_tile))
 
 
 def predict(work: Work, cfg: EngineConfig, world: int) -> DryRun:
@@ -168,53 +126,50 @@ def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
     return blocks * (1.0 if cfg.checkpointing.policy == "none" else 1.5)
 
 
-def row(run: DryRun, stage: int, policy: str, precision: str, world: int, budget: int | None,
-        offload: str = "none", act_offload: str = "none", loss_chunk: int = 0, mlp_tile: int = 0, *,
-        per_block: list[str] | dict[str, int] | None = None, recomputed: float | None = None,
-        rates: Rates | None = None, tokens: int = 0) -> dict[str, Any]:
-    """One plan row as plain data: the configuration, its steady-state peak with the
-    bytes per category at that peak, each phase's peak, the first-step and
-    initialization peaks, the bytes offload keeps off the device per tier
-    (``offloaded``: {'cpu': n, 'disk': n}, not in the peak), whether it fits
-    ``budget`` and its relative cost; ``act_offload``: checkpointing.offload;
-    ``per_block``: checkpointing.per_block of a 'per_block' row (None for the others),
-    ``recomputed`` its recomputed fraction (``recomputed_fraction``). With ``rates``
-    (``mct.planner.steptime``): ``step_s``, the predicted seconds per step, ``time`` its
-    terms, and ``tokens_per_s`` (``tokens`` per step over ``step_s``); else None."""
+def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomputed: float | None = None,
+        rates: Rates | None = None, tokens: int = 0) -> PlanRow:
+    """The plan row of ``choice`` (every field set: none left to the config) from its dry
+    run: its peaks, whether the steady-state peak fits ``budget`` (None: fits), its relative
+    cost (``recomputed``: a 'per_block' row's recomputed fraction, ``recomputed_fraction``),
+    and with ``rates`` (``mct.planner.steptime``) the predicted seconds per step, their
+    terms and the tokens per second (``tokens`` per step over it)."""
+    c = choice
+    assert c.precision is not None and c.offload is not None and c.act_offload is not None
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
-    return {"stage": stage, "policy": policy, "per_block": per_block if policy == "per_block" else None,
-            "precision": precision, "offload": offload,
-            "act_offload": act_offload, "loss_chunk_tokens": loss_chunk, "mlp_tile_tokens": mlp_tile, "world": world,
-            "peak": run.peak, "phase": run.phase, "breakdown": {c: at.get(c, 0) for c in CATEGORIES},
-            "phases": {k: v["total"] for k, v in run.phases.items()},
-            "first_step_peak": run.first_step_peak, "init_peak": run.init_peak, "offloaded": dict(run.offloaded),
-            "fits": budget is None or run.peak <= budget,
-            "cost": step_cost(stage, policy, world, offload, act_offload, loss_chunk,
-                              recomputed if policy == "per_block" else None),
-            "step_s": timed.total if timed else None, "time": timed.to_dict() if timed else None,
-            "tokens_per_s": tokens / timed.total if timed and timed.total > 0 else None}
+    return PlanRow(
+        stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
+        precision=c.precision, offload=c.offload, act_offload=c.act_offload, loss_chunk_tokens=c.loss_chunk or 0,
+        mlp_tile_tokens=c.mlp_tile or 0, world=world, peak=run.peak, phase=run.phase,
+        breakdown={k: at.get(k, 0) for k in CATEGORIES}, phases={k: v["total"] for k, v in run.phases.items()},
+        first_step_peak=run.first_step_peak, init_peak=run.init_peak, offloaded=dict(run.offloaded),
+        fits=budget is None or run.peak <= budget,
+        cost=step_cost(c.stage, c.policy, world, c.offload, c.act_offload, c.loss_chunk or 0,
+                       recomputed if c.policy == "per_block" else None),
+        step_s=timed.total if timed else None, time=timed.to_dict() if timed else None,
+        tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None)
 
 
 @dataclass
 class Plan:
-    """Plain data: ``rows`` (dicts, see ``row``), the ``recommended`` row (None when no
-    budget was given or nothing fits in ``precision``), and ``advice``, one line."""
+    """The ``rows`` (``PlanRow``), the ``recommended`` row (None when no budget was given or
+    nothing fits in ``precision``), and ``advice``, one line."""
 
-    rows: list[dict[str, Any]]
+    rows: list[PlanRow]
     budget: int | None
     world: int
     n_params: int
     precision: str
-    recommended: dict[str, Any] | None
+    recommended: PlanRow | None
     advice: str
     time_notes: list[str] = dataclasses.field(default_factory=list)
     """What the rows' step times could not count (a rate not measured here), one line each."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
-                "precision": self.precision, "advice": self.advice, "recommended": self.recommended,
-                "rows": self.rows, "time_notes": self.time_notes}
+                "precision": self.precision, "advice": self.advice,
+                "recommended": self.recommended.to_dict() if self.recommended is not None else None,
+                "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes}
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -230,9 +185,7 @@ def for_device(cfg: EngineConfig, device: str) -> EngineConfig:
     whatever this CPU has; a CPU run, as configured (this CPU's kernels)."""
     if device == "cpu" or cfg.precision.cpu_matmul == "native":
         return cfg
-    d = cfg.to_dict()
-    d["precision"]["cpu_matmul"] = "native"
-    return EngineConfig.from_dict(d)
+    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, cpu_matmul="native"))
 
 
 def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
@@ -262,9 +215,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
         raise ValueError(f"world size must be >= 1, got {world}")
     cfg = for_device(cfg, device)
     precisions = tuple(grid.precisions)
-    offloads = tuple(grid.offloads) if grid.offloads else (offload_label(cfg),)
-    for label in offloads:
-        offload_keys(label)  # a bad label fails before minutes of planning
+    offloads = tuple(offload_choice(o) for o in grid.offloads) if grid.offloads else (OffloadChoice.of(cfg),)
     acts = tuple(grid.act_offloads) if grid.act_offloads else (cfg.checkpointing.offload,)
     for tier in acts:
         if tier not in OFFLOAD_TIERS:
@@ -278,23 +229,24 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)
     work = prepare(work, cfg, extrapolate)
     works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
-    choices = [(stage, policy, precision, offload, act, chunk, tile) for precision in precisions for offload in offloads
-               for act in acts for chunk in chunks for tile in tiles for policy in grid.policies for stage in grid.stages
-               if (offload_keys(offload)["params"] == "none" or stage == 3) and (act == "none" or policy != "none")]
-    configs = [with_choice(cfg, *choice) for choice in choices]
-    runs = run_jobs(lambda i: predict(works[choices[i][5]], configs[i], world), len(configs), workers=workers,
-                    cost=[dry_run_cost(work, c) for c in configs])
     mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}
-    rows = [row(run, stage, policy, precision, world, budget, offload, act, chunk, tile, **mixed, rates=rates,
-                tokens=tokens) for run, (stage, policy, precision, offload, act, chunk, tile) in zip(runs, choices)]
+    choices = [Choice(stage, policy, precision, offload, act, chunk, tile,
+                      mixed.get("per_block") if policy == "per_block" else None)
+               for precision in precisions for offload in offloads for act in acts for chunk in chunks
+               for tile in tiles for policy in grid.policies for stage in grid.stages
+               if (offload.params == "none" or stage == 3) and (act == "none" or policy != "none")]
+    configs = [apply(cfg, c) for c in choices]
+    runs = run_jobs(lambda i: predict(works[choices[i].loss_chunk], configs[i], world), len(configs), workers=workers,
+                    cost=[dry_run_cost(work, c) for c in configs])
+    rows = [row(run, c, world, budget, recomputed=mixed.get("recomputed"), rates=rates, tokens=tokens)
+            for run, c in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
-    mine = [r for r in rows if r["precision"] == mode]
+    mine = [r for r in rows if r.precision == mode]
     # the fastest predicted (step_s; the relative step_cost when no machine profile is cached);
     # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
-    fitting = sorted((r for r in mine if r["fits"]),
-                     key=lambda r: (predicted_seconds(r), r["mlp_tile_tokens"] > 0, r["peak"], r["stage"]))
+    fitting = sorted((r for r in mine if r.fits), key=lambda r: (r.seconds, r.mlp_tile_tokens > 0, r.peak, r.stage))
     best = fitting[0] if fitting and budget is not None else None
     plan = Plan(rows, budget, world, n_params, mode, best, "", notes)
     if advise:
@@ -302,11 +254,14 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     return plan
 
 
-def predicted_seconds(row: dict[str, Any]) -> float:
-    """What a recommendation and the solver rank by: the row's predicted seconds per step
-    (``step_s``) when the plan has a time model, else its relative cost (``step_cost``)."""
-    step_s = row.get("step_s")
-    return float(step_s) if step_s is not None else float(row["cost"])
+def offload_choice(offload: OffloadChoice | str) -> OffloadChoice:
+    """An offload choice, or the label of one (the Python API's ``Grid.offloads`` may hold
+    labels): parsed here, at the plan's boundary. Raises ValueError for a bad label."""
+    return offload if isinstance(offload, OffloadChoice) else OffloadChoice.parse(offload)
+
+
+predicted_seconds = seconds_of
+"""What a recommendation and the solver rank a row by (``mct.planner.choice.seconds_of``)."""
 
 
 def _per_block_of(work: Work, cfg: EngineConfig) -> dict[str, Any]:
@@ -321,11 +276,11 @@ def _per_block_of(work: Work, cfg: EngineConfig) -> dict[str, Any]:
     return {"per_block": cfg.checkpointing.per_block, "recomputed": recomputed_fraction(choices)}
 
 
-def _policy_settings(r: dict[str, Any]) -> str:
+def _policy_settings(r: PlanRow) -> str:
     """A row's checkpointing as --set arguments."""
-    if r["policy"] == "per_block" and r.get("per_block"):
-        return f"checkpointing.policy=per_block {per_block_setting(r['per_block'])}"
-    return f"checkpointing.policy={r['policy']}"
+    if r.policy == "per_block" and r.per_block:
+        return f"checkpointing.policy=per_block {per_block_setting(r.per_block)}"
+    return f"checkpointing.policy={r.policy}"
 
 
 def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
@@ -333,35 +288,31 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
         r = plan.recommended
-        off = "" if r["offload"] == "none" else " " + _offload_settings(r["offload"])
-        off += "" if r.get("act_offload", "none") == "none" else f" checkpointing.offload={r['act_offload']}"
+        off = _offload_settings(r) + ("" if r.act_offload == "none" else f" checkpointing.offload={r.act_offload}")
         off += _chunk_setting(r)
-        return (f"recommended: zero.stage={r['stage']} {_policy_settings(r)} "
-                f"precision.mode={r['precision']}{off} (predicted peak {format_bytes(r['peak'])} per rank of "
-                f"{format_bytes(plan.budget)}, cost {r['cost']:.2f})")
-    mine = [r for r in plan.rows if r["precision"] == plan.precision]
+        return (f"recommended: zero.stage={r.stage} {_policy_settings(r)} "
+                f"precision.mode={r.precision}{off} (predicted peak {format_bytes(r.peak)} per rank of "
+                f"{format_bytes(plan.budget)}, cost {r.cost:.2f})")
+    mine = [r for r in plan.rows if r.precision == plan.precision]
     if not mine:
         return (f"no configuration in precision {plan.precision} (precision.mode) was planned: add it to the "
                 f"precisions planned (--precisions) or set precision.mode to one of them")
-    low = min(mine, key=lambda r: r["peak"])
-    off = ("" if low["offload"] == "none" else " " + _offload_settings(low["offload"])) + _chunk_setting(low)
+    low = min(mine, key=lambda r: r.peak)
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
-           f"zero.stage={low['stage']} {_policy_settings(low)}{off}, needs {format_bytes(low['peak'])} "
-           f"(misses by {format_bytes(low['peak'] - plan.budget)})")
+           f"zero.stage={low.stage} {_policy_settings(low)}{_offload_settings(low)}{_chunk_setting(low)}, needs "
+           f"{format_bytes(low.peak)} (misses by {format_bytes(low.peak - plan.budget)})")
     return msg + _what_would_fit(plan, work, cfg, low)
 
 
-def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, Any]) -> str:
+def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: PlanRow) -> str:
     """Fewer bytes per rank: a smaller micro-batch, or more ranks at stage 3."""
     hints = []
     batch = task_of(work).batch
     B = batch_size(batch)
     budget = plan.budget
     assert budget is not None
-    chunk = low.get("loss_chunk_tokens", cfg.train.loss_chunk_tokens)
-    base = with_choice(cfg, low["stage"], low["policy"], low["precision"], low["offload"], low.get("act_offload"),
-                       chunk, low.get("mlp_tile_tokens"))
-    work = map_task(work, with_loss_chunk, chunk)
+    base = apply(cfg, low.choice)
+    work = map_task(work, with_loss_chunk, low.loss_chunk_tokens)
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue
@@ -369,8 +320,7 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
         if predict(smaller, base, plan.world).peak <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
-    stage3 = with_choice(cfg, 3, low["policy"], low["precision"], low["offload"], low.get("act_offload"), chunk,
-                         low.get("mlp_tile_tokens"))
+    stage3 = apply(cfg, dataclasses.replace(low.choice, stage=3))
     worlds = [w for w in (2 ** k for k in range(1, 13)) if w > plan.world]
     lo, hi = 0, len(worlds) - 1  # the peak falls as ranks are added: bisect for the fewest that fit
     found = None
@@ -387,15 +337,16 @@ def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: dict[str, An
     return "; it would fit with " + " or ".join(hints)
 
 
-def _chunk_setting(r: dict[str, Any]) -> str:
-    chunk, tile = r.get("loss_chunk_tokens", 0), r.get("mlp_tile_tokens", 0)
+def _chunk_setting(r: PlanRow) -> str:
+    chunk, tile = r.loss_chunk_tokens, r.mlp_tile_tokens
     return (f" train.loss_chunk_tokens={chunk}" if chunk else "") + (f" checkpointing.mlp_tile_tokens={tile}"
                                                                      if tile else "")
 
 
-def _offload_settings(label: str) -> str:
-    keys = offload_keys(label)
-    return " ".join(f"offload.{k}={v}" for k, v in keys.items() if v != "none")
+def _offload_settings(r: PlanRow) -> str:
+    """A row's state offload as --set arguments, with a leading space ('' for none)."""
+    text = r.offload.settings()
+    return f" {text}" if text else ""
 
 
 def _loss_chunks(work: Work, cfg: EngineConfig, loss_chunks: tuple | None) -> tuple[int, ...]:
@@ -420,11 +371,11 @@ def _tiling_may_fit(cfg: EngineConfig, work: Work) -> bool:
     return bool(find_mlps(find_blocks(meta_model(task_of(work).model_fn), cfg.checkpointing.blocks)))
 
 
-def auto_offloads(device: str) -> tuple[str, ...]:
+def auto_offloads(device: str) -> tuple[OffloadChoice, ...]:
     """What ``auto`` tries when nothing fits without offload: host memory for a CUDA
     device, disk for a CPU device (where host memory is the budget)."""
     tier = "cpu" if device == "cuda" else "disk"
-    return (f"optimizer={tier}", f"optimizer+params={tier}")
+    return (OffloadChoice(tier), OffloadChoice(tier, tier))
 
 
 def auto_act_offload(device: str) -> str:

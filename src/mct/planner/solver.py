@@ -32,12 +32,14 @@ import dataclasses
 import importlib
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from mct.checkpointing import find_blocks
 from mct.config import EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner.plan import _per_block_of, dry_run_cost, offload_keys, predicted_seconds, with_choice
+from mct.planner.choice import Choice, OffloadChoice, PlanRow, apply, need_of
+from mct.planner.plan import _per_block_of, dry_run_cost, offload_choice, predicted_seconds
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
@@ -51,9 +53,8 @@ UNIFORM = ("none", "selective", "all")
 _PLAN = importlib.import_module("mct.planner.plan")  # predict looked up per call; plan() shadows the name
 
 
-def need(row: dict[str, Any]) -> int:
-    """The bytes a row needs of a budget: the largest of its steady-state, first-step and init peaks."""
-    return max(row["peak"], row["first_step_peak"], row["init_peak"])
+need = need_of
+"""The bytes a row needs of a budget (``mct.planner.choice.need_of``)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,11 @@ class Space:
     search_policy: bool
     acts: tuple[str, ...]
     chunks: tuple[int, ...]
-    offloads: tuple[str, ...]
+    offloads: tuple[OffloadChoice, ...]
     micro_batches: tuple[int, ...]
+
+    def __post_init__(self) -> None:  # offload labels ('optimizer=disk') are parsed once, here
+        object.__setattr__(self, "offloads", tuple(offload_choice(o) for o in self.offloads))
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class Candidate:
     per_block: tuple[tuple[str, int], ...]
     act: str
     chunk: int
-    offload: str
+    offload: OffloadChoice
     micro_batch: int
     keep_root: bool = False
     """Stage 3: the root unit stays gathered into the backward (zero.reshard_root_after_forward = false)."""
@@ -94,47 +98,37 @@ class Solution:
     ``grad_accum`` and ``fits`` = all three peaks fit), the non-dominated ones (``frontier``,
     by ``need`` and predicted time), the ``pick`` (None: nothing fits) and ``why``, one line."""
 
-    rows: list[dict[str, Any]]
+    rows: list[PlanRow]
     budget: int
     world: int
     n_params: int
     precision: str
     n_blocks: int
-    pick: dict[str, Any] | None = None
+    pick: PlanRow | None = None
     why: str = ""
-    frontier: list[dict[str, Any]] = field(default_factory=list)
+    frontier: list[PlanRow] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "world": self.world, "n_params": self.n_params, "precision": self.precision,
-                "n_blocks": self.n_blocks, "pick": self.pick, "why": self.why, "frontier": self.frontier,
-                "rows": self.rows}
+                "n_blocks": self.n_blocks, "pick": self.pick.to_dict() if self.pick is not None else None,
+                "why": self.why, "frontier": [r.to_dict() for r in self.frontier],
+                "rows": [r.to_dict() for r in self.rows]}
 
 
 def configure(cfg: EngineConfig, stage: int, policy: str, per_block: dict[str, int] | list | None, act: str,
-              chunk: int, offload: str, micro_batch: int, mlp_tile: int | None = None,
+              chunk: int, offload: OffloadChoice, micro_batch: int, mlp_tile: int | None = None,
               reshard_root: bool | None = None) -> EngineConfig:
-    """``cfg`` with a candidate's keys set (``plan.with_choice``, plus checkpointing.per_block,
-    data.micro_batch_size x data.grad_accum, their product kept, and, unless None,
-    zero.reshard_root_after_forward). Raises ValueError when the micro-batch does not divide
-    that product."""
-    per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
-    if micro_batch < 1 or per_rank % micro_batch:
-        raise ValueError(f"micro-batch {micro_batch} does not divide the batch per rank ({per_rank} = "
-                         f"data.micro_batch_size x data.grad_accum)")
-    d = cfg.to_dict()
-    d["data"] = {**d["data"], "micro_batch_size": micro_batch, "grad_accum": per_rank // micro_batch}
-    d["checkpointing"] = {**d["checkpointing"], "per_block": per_block or [],
-                          "policy": "per_block" if policy == "per_block" else "none"}
-    if reshard_root is not None:
-        d["zero"] = {**d["zero"], "reshard_root_after_forward": reshard_root}
-    return with_choice(EngineConfig.from_dict(d), stage, policy, None, offload, act, chunk, mlp_tile)
+    """``apply(cfg, Choice(...))`` of a candidate's keys: checkpointing.per_block (a uniform
+    policy drops it), data.micro_batch_size x data.grad_accum (their product kept), and unless
+    None zero.reshard_root_after_forward. Raises ValueError when the micro-batch does not
+    divide that product."""
+    return apply(cfg, Choice(stage, policy, None, offload, act, chunk, mlp_tile, per_block or [], micro_batch,
+                             reshard_root))
 
 
-def configure_row(cfg: EngineConfig, row: dict[str, Any]) -> EngineConfig:
-    """``cfg`` as a solver row says (``configure``)."""
-    return configure(cfg, row["stage"], row["policy"], row.get("per_block"), row["act_offload"],
-                     row["loss_chunk_tokens"], row["offload"], row["micro_batch_size"], row.get("mlp_tile_tokens"),
-                     row.get("reshard_root_after_forward"))
+def configure_row(cfg: EngineConfig, row: PlanRow) -> EngineConfig:
+    """``cfg`` as a solver row says (``apply`` of its choice)."""
+    return apply(cfg, dataclasses.replace(row.choice, precision=None))
 
 
 def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, measure: bool = True) -> dict[str, Any]:
@@ -155,7 +149,7 @@ class Evaluator:
         self.row_kw = timing(work, cfg, world) if row_kw is None else row_kw
         self.n = self.work.stack.n if isinstance(self.work, Prepared) else \
             len(find_blocks(meta_model(task_of(work).model_fn), cfg.checkpointing.blocks))
-        self.done: dict[Candidate, dict[str, Any]] = {}
+        self.done: dict[Candidate, PlanRow] = {}
         self._works: dict[tuple[int, int], Any] = {}
 
     def _work(self, chunk: int, mb: int) -> Any:
@@ -172,22 +166,23 @@ class Evaluator:
         return configure(self.cfg, c.stage, c.policy, pb, c.act, c.chunk, c.offload, c.micro_batch,
                          reshard_root=False if c.keep_root else None)
 
-    def rows(self, cands: list[Candidate]) -> list[dict[str, Any]]:
+    def rows(self, cands: list[Candidate]) -> list[PlanRow]:
         """The rows of ``cands``, dry-running those not seen yet in one batch of jobs."""
         todo = list(dict.fromkeys(c for c in cands if c not in self.done))
         configs = [self.config(c) for c in todo]
         runs = run_jobs(lambda i: _PLAN.predict(self._work(todo[i].chunk, todo[i].micro_batch), configs[i],
                                                   self.world),
                         len(todo), workers=self.workers, cost=[dry_run_cost(self.work, c) for c in configs])
+        per_rank = self.cfg.data.micro_batch_size * self.cfg.data.grad_accum
         for c, run, config in zip(todo, runs, configs):
             mixed = _per_block_of(self.work, config) if c.policy == "per_block" else {}
-            r = plan_row(run, c.stage, c.policy, self.cfg.precision.mode, self.world, self.budget, c.offload,
-                         c.act, c.chunk, config.checkpointing.mlp_tile_tokens, **mixed, **self.row_kw)
-            per_rank = self.cfg.data.micro_batch_size * self.cfg.data.grad_accum
-            r.update(micro_batch_size=c.micro_batch, grad_accum=per_rank // c.micro_batch, n_params=run.n_params,
-                     reshard_root_after_forward=config.zero.reshard_root_after_forward)
-            r["fits"] = need(r) <= self.budget
-            self.done[c] = r
+            choice = Choice(c.stage, c.policy, self.cfg.precision.mode, c.offload, c.act, c.chunk,
+                            config.checkpointing.mlp_tile_tokens, mixed.get("per_block"))
+            r = plan_row(run, choice, self.world, self.budget, recomputed=mixed.get("recomputed"), **self.row_kw)
+            r = dataclasses.replace(r, micro_batch_size=c.micro_batch, grad_accum=per_rank // c.micro_batch,
+                                    n_params=run.n_params,
+                                    reshard_root_after_forward=config.zero.reshard_root_after_forward)
+            self.done[c] = dataclasses.replace(r, fits=r.need <= self.budget)
         return [self.done[c] for c in cands]
 
     def candidate(self, branch: tuple, blocks: dict[str, int]) -> Candidate:
@@ -209,7 +204,7 @@ def _position(path: str, j: int, n: int) -> dict[str, int]:
     return {"selective": j} if j <= n else {"all": j - n, "selective": 2 * n - j}
 
 
-def _path(none: dict, sel: dict | None, full: dict) -> str:
+def _path(none: PlanRow, sel: PlanRow | None, full: PlanRow) -> str:
     """The path that saves bytes for the least time: selective first when its seconds per
     byte saved are fewer than all's (a linear program's vertex, per block), else all only."""
     if sel is None:
@@ -227,13 +222,13 @@ class Search:
 
     def __init__(self, ev: Evaluator, space: Space) -> None:
         self.ev, self.space = ev, space
-        self.best: dict[str, Any] | None = None
+        self.best: PlanRow | None = None
         self.searched: list[tuple] = []
         self.skipped: set[tuple] = set()  # dominated branches: their activation offload is not searched either
 
-    def consider(self, rows: list[dict[str, Any]]) -> None:
+    def consider(self, rows: list[PlanRow]) -> None:
         for r in rows:
-            if r["fits"] and (self.best is None or rank(r) < rank(self.best)):
+            if r.fits and (self.best is None or rank(r) < rank(self.best)):
                 self.best = r
 
     def beaten(self, t: float) -> bool:
@@ -243,7 +238,7 @@ class Search:
         """The uniform ``policy`` of ``branch``."""
         return self.ev.candidate(branch, {policy: self.ev.n} if policy != "none" else {})
 
-    def seeds(self, branch: tuple, lazy: bool = False) -> dict[str, dict[str, Any]]:
+    def seeds(self, branch: tuple, lazy: bool = False) -> dict[str, PlanRow]:
         """The uniform rows of ``branch`` dry-run so far (all of them unless ``lazy``)."""
         cands = {p: self.seed(branch, p) for p in UNIFORM}
         return {p: self.ev.done[c] for p, c in cands.items() if not lazy or c in self.ev.done}
@@ -275,7 +270,7 @@ class Search:
         """The fewest blocks recomputed that fit in ``branch`` (the module docstring, step 3)."""
         ev, n = self.ev, self.ev.n
         seeds = self.seeds(branch, lazy=True)
-        if seeds["none"]["fits"] or not seeds["all"]["fits"]:
+        if seeds["none"].fits or not seeds["all"].fits:
             return
         if self.dominated(branch):
             self.skipped.add(branch)
@@ -288,8 +283,8 @@ class Search:
         known = {0: seeds["none"], length: seeds["all"]}
         if path == "selective":
             known[n] = seeds["selective"]
-        lo = max(j for j, r in known.items() if not r["fits"])
-        hi = min(j for j, r in known.items() if r["fits"] and j > lo)
+        lo = max(j for j, r in known.items() if not r.fits)
+        hi = min(j for j, r in known.items() if r.fits and j > lo)
         if self.best is not None:  # the most blocks it may recompute and still be faster (time along the path)
             t0, t1 = predicted_seconds(known[0]), predicted_seconds(known[length])
             cap = max((j for j in range(lo + 1, hi) if t0 + (t1 - t0) * j / length < predicted_seconds(self.best)),
@@ -301,7 +296,7 @@ class Search:
         if self.best is not None and cap is not None:  # likely too slow: one dry run says whether it can fit
             row = ev.rows([ev.candidate(branch, _position(path, cap, n))])[0]
             known[cap] = row
-            if not row["fits"]:
+            if not row.fits:
                 return
             hi = cap
         rounds = 0
@@ -313,33 +308,34 @@ class Search:
             points = sorted(p for p in points if lo < p < hi)
             rows = ev.rows([ev.candidate(branch, _position(path, j, n)) for j in points])
             known.update(zip(points, rows))
-            hi = min(j for j, r in known.items() if r["fits"] and j > lo)
-            lo = max(j for j, r in known.items() if not r["fits"] and j < hi)
+            hi = min(j for j, r in known.items() if r.fits and j > lo)
+            lo = max(j for j, r in known.items() if not r.fits and j < hi)
             rounds += 1
         self.consider([known[hi]])
 
 
-def _guess(known: dict[int, dict[str, Any]], lo: int, hi: int, budget: int) -> int:
+def _guess(known: dict[int, PlanRow], lo: int, hi: int, budget: int) -> int:
     """Where a straight line between the bracket's rows meets the budget (a step strictly inside)."""
     excess_lo, excess_hi = need(known[lo]) - budget, need(known[hi]) - budget
     guess = lo + math.ceil((hi - lo) * excess_lo / max(excess_lo - excess_hi, 1))
     return min(max(guess, lo + 1), hi - 1)
 
 
-def rank(row: dict[str, Any]) -> tuple:
-    """The order of the pick: fastest, then the larger micro-batch, the lower need, the lower stage."""
+def rank(row: Mapping[str, Any]) -> tuple:
+    """The order of the pick (a ``PlanRow``, or its ``to_dict``): fastest, then the larger
+    micro-batch, the lower need, the lower stage."""
     return predicted_seconds(row), -row["micro_batch_size"], need(row), row["stage"]
 
 
 def branches(space: Space) -> list[tuple]:
     return [(s, a, c, o, m) for m in space.micro_batches for o in space.offloads for c in space.chunks
-            for a in space.acts for s in space.stages if offload_keys(o)["params"] == "none" or s == 3]
+            for a in space.acts for s in space.stages if o.params == "none" or s == 3]
 
 
 def frugal(space: Space, policy: str) -> Candidate:
     """The space's configuration with the lowest peaks (every lever at its most frugal)."""
     offload = space.offloads[-1] if 3 in space.stages else next(
-        (o for o in reversed(space.offloads) if offload_keys(o)["params"] == "none"), "none")
+        (o for o in reversed(space.offloads) if o.params == "none"), OffloadChoice())
     act = space.acts[-1] if policy != "none" else "none"
     pb = ()
     return Candidate(max(space.stages), policy, pb, act, max(space.chunks), offload, min(space.micro_batches))
@@ -354,8 +350,8 @@ def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *
     ev = Evaluator(work, cfg, world, budget, workers, row_kw)
     policy = ("all" if ev.n else "none") if space.search_policy else cfg.checkpointing.policy
     first = ev.rows([frugal(space, policy)])[0]
-    sol = Solution([], budget, world, first["n_params"], cfg.precision.mode, ev.n)
-    if not first["fits"]:
+    sol = Solution([], budget, world, first.n_params, cfg.precision.mode, ev.n)
+    if not first.fits:
         sol.rows = list(ev.done.values())
         return sol
     search = Search(ev, space)
@@ -372,7 +368,7 @@ def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *
                 continue
             search.consider(ev.rows([search.seed(b, p) for p in ("none", "all")]))
             search.branch(b)
-    if search.best is not None and search.best["stage"] == 3 and cfg.zero.stage == "auto" \
+    if search.best is not None and search.best.stage == 3 and cfg.zero.stage == "auto" \
             and cfg.zero.reshard_root_after_forward:
         picked = next(c for c, r in ev.done.items() if r is search.best)
         search.consider(ev.rows([dataclasses.replace(picked, keep_root=True)]))
@@ -383,22 +379,22 @@ def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *
     return sol
 
 
-def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def frontier(rows: list[Any]) -> list[Any]:
     """The rows no other row beats in both need and predicted time, by need."""
-    out: list[dict[str, Any]] = []
+    out: list[PlanRow] = []
     for r in sorted(rows, key=lambda r: (need(r), predicted_seconds(r))):
         if not out or predicted_seconds(r) < predicted_seconds(out[-1]):
             out.append(r)
     return out
 
 
-def recompute_label(row: dict[str, Any], n: int) -> str:
+def recompute_label(row: PlanRow, n: int) -> str:
     """What a row recomputes, in words: 'no blocks', 'every block (all)', '9 of 32 blocks (all 9)'."""
-    if row["policy"] == "none":
+    if row.policy == "none":
         return "no blocks"
-    if row["policy"] != "per_block":
-        return f"every block ({row['policy']})"
-    pb = row["per_block"] or {}
+    if row.policy != "per_block":
+        return f"every block ({row.policy})"
+    pb = row.per_block or {}
     if isinstance(pb, list):  # the config's own list: one choice per block
         pb = {c: pb.count(c) for c in ("all", "selective")}
     parts = [f"{k} {v}" for k, v in sorted(pb.items()) if v]
@@ -410,20 +406,20 @@ def why(sol: Solution, ev: Evaluator) -> str:
     and the fastest fitting uniform row's."""
     p = sol.pick
     assert p is not None
-    base_c = Candidate(p["stage"], "none", (), "none", p["loss_chunk_tokens"], p["offload"], p["micro_batch_size"])
+    base_c = Candidate(p.stage, "none", (), "none", p.loss_chunk_tokens, p.offload, p.micro_batch_size or 0)
     base = ev.done.get(base_c)  # the pick's branch without recompute (searched policies only)
     t0 = predicted_seconds(base) if base is not None else min(predicted_seconds(r) for r in sol.rows)
     than = "the no-recompute time" if base is not None else "the fastest row's time"
-    tried = [r for r in sol.rows if r["policy"] != "per_block" and r.get("reshard_root_after_forward") is not False]
-    uniform = [r for r in tried if r["fits"]]
+    tried = [r for r in sol.rows if r.policy != "per_block" and r.reshard_root_after_forward is not False]
+    uniform = [r for r in tried if r.fits]
     fastest = min(uniform, key=rank) if uniform else None
     other = ("no uniform policy was dry-run" if not tried else "no uniform policy fits" if fastest is None else
-             f"the fastest uniform that fits (zero.stage={fastest['stage']} {fastest['policy']}"
-             f"{'' if fastest['act_offload'] == 'none' else ' act ' + fastest['act_offload']}) would be "
+             f"the fastest uniform that fits (zero.stage={fastest.stage} {fastest.policy}"
+             f"{'' if fastest.act_offload == 'none' else ' act ' + fastest.act_offload}) would be "
              f"{predicted_seconds(fastest) / t0:.2f}x")
-    unit = f", {p['step_s']:.3g} s/step" if p.get("step_s") is not None else ""
-    if p.get("reshard_root_after_forward") is False:
+    unit = f", {p.step_s:.3g} s/step" if p.step_s is not None else ""
+    if p.reshard_root_after_forward is False:
         unit += ", zero.reshard_root_after_forward=false (one root all-gather fewer)"
-    return (f"fastest that fits {format_bytes(sol.budget)}: zero.stage={p['stage']}, recomputes "
+    return (f"fastest that fits {format_bytes(sol.budget)}: zero.stage={p.stage}, recomputes "
             f"{recompute_label(p, sol.n_blocks)}, {predicted_seconds(p) / t0:.2f}x {than}{unit}; "
             f"{other} ({len(sol.rows)} dry runs)")

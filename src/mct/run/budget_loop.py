@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mct.config import EngineConfig
+from mct.config import EngineConfig, with_values
 from mct.memory.tracker import format_bytes
 from mct.persistence.files import read_json, write_json
 from mct.planner.grid import Grid
@@ -38,9 +38,7 @@ def _root_kept_by_auto(auto_cfg: EngineConfig, current: EngineConfig) -> bool:
 
 
 def _root_resharded(cfg: EngineConfig) -> EngineConfig:
-    d = cfg.to_dict()
-    d["zero"]["reshard_root_after_forward"] = True
-    return EngineConfig.from_dict(d)
+    return with_values(cfg, {"zero.reshard_root_after_forward": True})
 
 
 @dataclass
@@ -91,21 +89,21 @@ class BudgetLoop:
         # the grid's other axes default to current's own (rows with policy 'none' have no
         # regions to offload: planned only when checkpointing.offload is 'none')
         plan = make_plan(self.work, current, self.world, a.memory.budget_bytes, grid, advise=False)  # only the rows
-        rows = [r for r in plan.rows if (r["stage"], r["policy"]) not in self.tried and r["peak"] < self.peak]
+        rows = [r for r in plan.rows if (r.stage, r.policy) not in self.tried and r.peak < self.peak]
         if not rows:
             stage, policy = _key(current)
             raise ValueError(f"memory budget exceeded at run time with zero.stage={stage} checkpointing.policy="
                              f"{policy}, and no configuration predicted to need less is left to try ({error.split('.')[0]}); "
                              f"raise memory.budget, lower data.micro_batch_size or use more ranks")
-        best = min(rows, key=lambda r: (r["cost"], r["peak"], r["stage"]))
-        self.tried.add((best["stage"], best["policy"]))
-        before, self.peak = self.peak, best["peak"]
+        best = min(rows, key=lambda r: (r.cost, r.peak, r.stage))
+        self.tried.add((best.stage, best.policy))
+        before, self.peak = self.peak, best.peak
         stage, policy = _key(current)
         change = {"from": {"zero.stage": stage, "checkpointing.policy": policy, "predicted_peak_bytes": before},
-                  "to": {"zero.stage": best["stage"], "checkpointing.policy": best["policy"],
-                         "predicted_peak_bytes": best["peak"]},
+                  "to": {"zero.stage": best.stage, "checkpointing.policy": best.policy,
+                         "predicted_peak_bytes": best.peak},
                   "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
-        return with_choice(current, best["stage"], best["policy"]), change  # a per_block pick's blocks go with it
+        return with_choice(current, best.stage, best.policy), change  # a per_block pick's blocks go with it
 
 
 def record_config_change(run_dir: str | Path, change: dict[str, Any]) -> None:

@@ -1,0 +1,243 @@
+"""A configuration the planner chose, as values: the offload choice (``OffloadChoice``),
+one configuration of a grid or a solve (``Choice``), ``apply`` (a config with a choice in
+it, by ``dataclasses.replace``: every section re-validated as at load) and the plan row
+(``PlanRow``: a choice's prediction, fields, serialized with the exact keys of
+``mct plan --json``).
+
+A ``PlanRow`` is also a read-only mapping of those keys (``row["peak"]``, ``row.get``), as
+the rows of ``mct.plan`` and ``mct plan --json`` have always been read from outside; inside
+mct rows are read by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mct.config import EngineConfig
+
+TIERS = ("cpu", "disk")
+"""Where state can be offloaded to."""
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """Where the fp32 master and optimizer state (``optimizer``) and the stage-3 parameter
+    shards (``params``) live between steps: 'none', 'cpu' or 'disk' each. Its ``label``
+    ('none', 'optimizer=disk', 'optimizer+params=disk', 'optimizer=cpu,params=disk') is how
+    a user writes it (``mct plan --offloads``) and how plan rows serialize it."""
+
+    optimizer: str = "none"
+    params: str = "none"
+
+    @classmethod
+    def parse(cls, label: str) -> "OffloadChoice":
+        """The choice a label names. Raises ValueError naming the label and the forms."""
+        if label == "none":
+            return cls()
+        parts = dict(p.split("=", 1) for p in label.split(",") if "=" in p)
+        if parts.get("optimizer") in TIERS and set(parts) <= {"optimizer", "params"} \
+                and parts.get("params", "none") in (*TIERS, "none"):
+            return cls(parts["optimizer"], parts.get("params", "none"))
+        if set(parts) == {"optimizer+params"} and parts["optimizer+params"] in TIERS:
+            return cls(parts["optimizer+params"], parts["optimizer+params"])
+        raise ValueError(f"offload choice {label!r}: use none, optimizer=cpu|disk or optimizer+params=cpu|disk")
+
+    @classmethod
+    def of(cls, cfg: EngineConfig) -> "OffloadChoice":
+        """The choice ``cfg``'s [offload] section makes."""
+        return cls(cfg.offload.optimizer, cfg.offload.params)
+
+    @property
+    def label(self) -> str:
+        if self.optimizer == "none":
+            return "none"
+        if self.params == "none":
+            return f"optimizer={self.optimizer}"
+        if self.params == self.optimizer:
+            return f"optimizer+params={self.optimizer}"
+        return f"optimizer={self.optimizer},params={self.params}"
+
+    @property
+    def kind(self) -> str:
+        """'none', 'optimizer' or 'optimizer+params' (what is offloaded, whatever the tiers)."""
+        return "none" if self.optimizer == "none" else "optimizer" if self.params == "none" else "optimizer+params"
+
+    def settings(self) -> str:
+        """As --set arguments ('' for none)."""
+        return " ".join(f"offload.{k}={v}" for k, v in (("optimizer", self.optimizer), ("params", self.params))
+                        if v != "none")
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __eq__(self, other: object) -> bool:  # equal to its label, as a label always compared
+        if isinstance(other, str):
+            return self.label == other
+        if isinstance(other, OffloadChoice):
+            return (self.optimizer, self.params) == (other.optimizer, other.params)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+
+NO_OFFLOAD = OffloadChoice()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One configuration: the keys a plan or a solve varies. None leaves the config's own
+    value. ``per_block``: checkpointing.per_block for policy 'per_block' (None: the config's
+    own; a uniform policy drops it); ``micro_batch``: data.micro_batch_size, the batch per
+    rank (micro-batch x data.grad_accum) kept; ``reshard_root``: zero.reshard_root_after_forward."""
+
+    stage: int
+    policy: str
+    precision: str | None = None
+    offload: OffloadChoice | None = None
+    act_offload: str | None = None
+    loss_chunk: int | None = None
+    mlp_tile: int | None = None
+    per_block: dict[str, int] | list[str] | None = None
+    micro_batch: int | None = None
+    reshard_root: bool | None = None
+
+
+def apply(cfg: EngineConfig, choice: Choice) -> EngineConfig:
+    """``cfg`` with ``choice``'s keys set; every section is validated again as at load.
+    Raises ValueError for policy 'per_block' with no per_block anywhere, or a micro-batch
+    that does not divide the batch per rank."""
+    c = choice
+    per_block = c.per_block if c.per_block is not None else cfg.checkpointing.per_block
+    if c.policy == "per_block" and not per_block:
+        raise ValueError("checkpointing policy 'per_block' plans the config's checkpointing.per_block, and it sets "
+                         "none: set it (e.g. --set checkpointing.per_block=all=8,selective=8) or plan other policies")
+    ckpt = {"policy": c.policy, "per_block": _copy(per_block) if c.policy == "per_block" else []}
+    if c.act_offload is not None:
+        ckpt["offload"] = c.act_offload
+    if c.mlp_tile is not None:
+        ckpt["mlp_tile_tokens"] = c.mlp_tile
+    zero = {"stage": c.stage} if c.reshard_root is None else {"stage": c.stage, "reshard_root_after_forward":
+                                                               c.reshard_root}
+    sections: dict[str, Any] = {
+        "zero": dataclasses.replace(cfg.zero, **zero),
+        "checkpointing": dataclasses.replace(cfg.checkpointing, **ckpt)}
+    if c.precision is not None:
+        sections["precision"] = dataclasses.replace(cfg.precision, mode=c.precision)
+    if c.offload is not None:
+        sections["offload"] = dataclasses.replace(cfg.offload, optimizer=c.offload.optimizer, params=c.offload.params)
+    if c.loss_chunk is not None:
+        sections["train"] = dataclasses.replace(cfg.train, loss_chunk_tokens=c.loss_chunk)
+    if c.micro_batch is not None:
+        per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
+        if c.micro_batch < 1 or per_rank % c.micro_batch:
+            raise ValueError(f"micro-batch {c.micro_batch} does not divide the batch per rank ({per_rank} = "
+                             f"data.micro_batch_size x data.grad_accum)")
+        sections["data"] = dataclasses.replace(cfg.data, micro_batch_size=c.micro_batch,
+                                               grad_accum=per_rank // c.micro_batch)
+    return dataclasses.replace(cfg, **sections)
+
+
+def _copy(spec: dict[str, int] | list[str]) -> dict[str, int] | list[str]:
+    return dict(spec) if isinstance(spec, dict) else list(spec)
+
+
+def need_of(row: Mapping[str, Any]) -> int:
+    """The bytes a row (a ``PlanRow``, or its ``to_dict``) needs of a budget: the largest of
+    its steady-state, first-step and init peaks."""
+    return max(row["peak"], row["first_step_peak"], row["init_peak"])
+
+
+def seconds_of(row: Mapping[str, Any]) -> float:
+    """What a recommendation and the solver rank a row (a ``PlanRow``, or its ``to_dict``)
+    by: ``step_s`` when the plan has a time model, else the relative ``cost``."""
+    step_s = row.get("step_s")
+    return float(step_s) if step_s is not None else float(row["cost"])
+
+
+_SOLVER_KEYS = ("micro_batch_size", "grad_accum", "n_params", "reshard_root_after_forward")
+
+
+@dataclass(frozen=True, eq=False)
+class PlanRow(Mapping):
+    """One dry-run configuration and its prediction: the configuration (stage, policy,
+    per_block of a 'per_block' row, precision, offload, act_offload, loss_chunk_tokens,
+    mlp_tile_tokens, world), the steady-state ``peak`` (tensor bytes) in ``phase`` with the
+    bytes per category there (``breakdown``), each phase's peak (``phases``), the
+    ``first_step_peak`` and ``init_peak``, the bytes offload keeps off the device per tier
+    (``offloaded``), whether it ``fits`` the budget, its relative ``cost``, and with a time
+    model ``step_s`` (predicted seconds per step), ``time`` (its terms) and ``tokens_per_s``.
+    A solver's rows also carry ``micro_batch_size``, ``grad_accum``, ``n_params`` and
+    ``reshard_root_after_forward`` (None in a grid plan's)."""
+
+    stage: int
+    policy: str
+    per_block: dict[str, int] | list[str] | None
+    precision: str
+    offload: OffloadChoice
+    act_offload: str
+    loss_chunk_tokens: int
+    mlp_tile_tokens: int
+    world: int
+    peak: int
+    phase: str
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    first_step_peak: int
+    init_peak: int
+    offloaded: dict[str, int]
+    fits: bool
+    cost: float
+    step_s: float | None = None
+    time: dict[str, Any] | None = None
+    tokens_per_s: float | None = None
+    micro_batch_size: int | None = None
+    grad_accum: int | None = None
+    n_params: int | None = None
+    reshard_root_after_forward: bool | None = None
+
+    @property
+    def need(self) -> int:
+        """The bytes it needs of a budget (``need_of``)."""
+        return need_of(self)
+
+    @property
+    def seconds(self) -> float:
+        """What a recommendation and the solver rank by (``seconds_of``)."""
+        return seconds_of(self)
+
+    @property
+    def choice(self) -> Choice:
+        """The configuration as a ``Choice`` (``apply`` sets it in a config)."""
+        return Choice(self.stage, self.policy, self.precision, self.offload, self.act_offload,
+                      self.loss_chunk_tokens, self.mlp_tile_tokens, self.per_block, self.micro_batch_size,
+                      self.reshard_root_after_forward)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with ``mct plan --json``'s keys (the solver's four only on its rows)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["offload"] = self.offload.label
+        if self.micro_batch_size is None:
+            for k in _SOLVER_KEYS:
+                del d[k]
+        return d
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _SOLVER_KEYS and self.micro_batch_size is None or key not in self._keys():
+            raise KeyError(key)
+        return self.offload.label if key == "offload" else getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(k for k in self._keys() if self.micro_batch_size is not None or k not in _SOLVER_KEYS)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @classmethod
+    def _keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    __hash__ = object.__hash__
