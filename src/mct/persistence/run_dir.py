@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.persistence.manifest import MANIFEST, verify_checkpoint
-from mct.persistence.files import fsync_dir
+from mct.persistence.files import fsync_dir, read_json
 
 CHECKPOINTS = "checkpoints"
 RUN_FILES = ("metadata.json", "metrics.jsonl", CHECKPOINTS, "model.safetensors")
@@ -211,3 +211,50 @@ class RunLock:
             pass
         os.close(self._fd)
         self._fd = -1
+
+
+BOOKKEEPING = ("metadata.json", "events.jsonl", "model.safetensors", "tokenizer.json", "metrics.rewound.jsonl",
+               LOCK_FILE)
+"""Files of a run directory that only the run writes (with metrics*.jsonl)."""
+
+RUN_FOLDERS = ("checkpoints", "hf")
+"""Folders of a run directory that the run replaces or prunes (a resume deletes ``hf/``,
+old checkpoints are pruned): nothing a user keeps may go there."""
+
+
+def check_outside_runs(out: Path, flag: str = "--out", example: str | None = None) -> None:
+    """Raise ValueError (one line, naming ``flag``) when ``out`` (a file or directory to
+    create) is part of a run's own tree: inside a checkpoint, anywhere under a run's
+    subfolders (``checkpoints/``, ``hf/``), or one of its bookkeeping names. A new name
+    directly in a run directory is allowed: no run writes or deletes it. Links are resolved
+    first, so a path through a symbolic link is judged where it lands. ``example``: the
+    name the message suggests instead (default: 'exported' with ``out``'s suffix). An
+    ``mct.outputs.Owned`` check."""
+    shown = f"{flag} {str(out)!r}"
+    example = example or f"exported{out.suffix}"
+    parent = out.parent.resolve()
+    landing = out.resolve() if out.is_symlink() else parent / out.name
+    for where in dict.fromkeys((parent / out.name, landing)):
+        for folder in where.parents:
+            if (folder / MANIFEST).is_file():
+                raise ValueError(f"{shown} is inside checkpoint {str(folder)!r}; write it elsewhere")
+            if is_run_dir(folder):
+                name = where.name
+                own = (name in BOOKKEEPING or name in RUN_FOLDERS or name.startswith((".hf.tmp", ".tokenizer.json"))
+                       or (name.startswith("metrics") and name.endswith(".jsonl")))
+                if folder != where.parent or own:
+                    raise ValueError(f"{shown} is part of run {str(folder)!r}'s own files, which the run "
+                                     f"replaces or prunes; pass another name (e.g. {str(folder / example)!r}) "
+                                     f"or another directory")
+
+
+def is_run_dir(folder: Path) -> bool:
+    """A directory made by `mct train`: a checkpoints/ folder, or a metadata.json that is
+    a run's (a JSON object with its config and world size)."""
+    if (folder / CHECKPOINTS).is_dir() and (folder / "metadata.json").exists():
+        return True
+    try:
+        meta = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else None
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "config" in meta and "world_size" in meta
