@@ -46,7 +46,7 @@ def kind(path: str | os.PathLike) -> str | None:
     file', 'a directory', 'a symbolic link (to ...)' (dangling or not), 'a FIFO', 'a socket', 'a device' or 'not a regular file'."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a parent may be a file)
         return None
     if stat.S_ISLNK(mode):
         dangling = "" if os.path.exists(path) else ", which does not exist"

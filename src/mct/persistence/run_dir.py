@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mct.outputs import kind
 from mct.persistence.manifest import MANIFEST, verify_checkpoint
 from mct.persistence.files import fsync_dir, read_json
 
@@ -134,11 +135,14 @@ def set_aside_newer(run_dir: str | Path, step: int, why: str | None = None) -> l
 
 def check_new_run_dir(run_dir: str | Path) -> None:
     """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
-    hold a run already, must not be a file, and must be creatable and writable. Leaves
+    hold a run already, must not be a file, FIFO or dangling link (``mct.outputs.kind``)
+    nor inside another run's own tree, and must be creatable and writable. Leaves
     the file system as it was (a probe directory and file are removed again)."""
     path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--run-dir {str(path)!r} is an existing file, not a directory; pass a new directory")
+    what = kind(path)
+    if what is not None and not path.is_dir():  # a link to a directory is fine: the run writes into it
+        raise ValueError(f"--run-dir {str(path)!r} is an existing file ({what}), not a directory; pass a new directory")
+    check_outside_runs(path, "--run-dir", example="new-run")
     if path.is_dir():
         held = [n for n in RUN_FILES if (path / n).exists()]
         if held:
