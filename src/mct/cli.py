@@ -630,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         link.setup()  # die with torchrun; tell the launcher this worker's pid
     code, line = 0, ""
     try:
+        from mct.conflicts import check_conflicts
+        for warning in check_conflicts(args, argv):  # flags that contradict: one line naming both
+            _warn(warning)
         code = handler(args, argv)
     except ValueError as e:
         code, line = 2, "mct: error: " + " ".join(str(e).split())  # one line, whatever the message held
