@@ -90,9 +90,9 @@ def check_file_output(path: str | os.PathLike, flag: str, *, force: bool, exampl
         raise ValueError(f"{flag} {str(p)!r} is a directory; pass a file name such as {str(p / example)!r}")
     if what is not None:
         _refuse_special(p, flag, what, "a new file name")
-    check_parent(p, flag)
-    if owned is not None:
+    if owned is not None:  # first: "part of a run" tells more than "its folder does not exist"
         owned(p, flag)
+    check_parent(p, flag)
     if what is not None and not force:
         raise ValueError(f"{flag} {str(p)!r} already exists; pass --force to replace it, or a new file name")
     if what is not None and not os.access(p, os.W_OK):
@@ -114,9 +114,9 @@ def check_dir_output(path: str | os.PathLike, flag: str, *, force: bool, writes:
                          f"{command} writes a directory: pass a new directory name")
     if what is not None and what != "a directory":
         _refuse_special(p, flag, what, "a new directory name")
-    check_parent(p, flag, create=parents)
     if owned is not None:
         owned(p, flag)
+    check_parent(p, flag, create=parents)
     entries = sorted(os.scandir(p), key=lambda e: e.name) if what else []
     if entries and not force:
         raise ValueError(f"{flag} {str(p)!r} already exists and is not an empty directory; pass --force to "
