@@ -42,8 +42,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def kind(path: str | os.PathLike) -> str | None:
-    """What is at ``path`` itself, links not followed: None when nothing is, else 'a regular
-    file', 'a directory', 'a symbolic link (to ...)' (dangling or not), 'a FIFO', 'a socket', 'a device' or 'not a regular file'."""
+    """What is at ``path`` itself, links not followed: None when nothing is (or a parent is a
+    file), else 'a regular file', 'a directory', 'a symbolic link (to ...)' (dangling or not),
+    'a FIFO', 'a socket', 'a device' or 'not a regular file'."""
     try:
         mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):  # nothing there (a parent may be a file)
@@ -59,8 +60,8 @@ def kind(path: str | os.PathLike) -> str | None:
 def _refuse_special(p: Path, flag: str, what: str, new: str) -> None:
     """Raise for a link, FIFO, socket or device at ``p``: --force never replaces one."""
     if what not in ("a regular file", "a directory"):
-        raise ValueError(f"{flag} {str(p)!r} is {what}; mct writes only a new name or its own kind of output "
-                         f"there, --force does not replace it: pass {new}")
+        raise ValueError(f"{flag} {str(p)!r} is {what}; mct never writes through or over one, not even with "
+                         f"--force: pass {new}")
 
 
 def check_parent(p: Path, flag: str, *, create: bool = False) -> None:
