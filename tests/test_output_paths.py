@@ -245,3 +245,23 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(OSError):
         write_file(target, fail)
     assert target.read_bytes() == b"the user's own notes\n" and [p.name for p in tmp_path.iterdir()] == ["w.bin"]
+
+
+@pytest.mark.parametrize("make,words", [(os.mkfifo, "(a FIFO)"), (_user_file, "(a regular file)"),
+                                        (lambda p: p.symlink_to(p.parent / "nowhere"), "which does not exist")],
+                         ids=["fifo", "file", "dangling-symlink"])
+def test_a_run_dir_that_cannot_be_one_is_named_as_what_it_is(make, words, tmp_path, capsys):
+    target = tmp_path / "run"
+    make(target)
+    before = _tree(tmp_path)
+    _refused(*_mct(["train", "--no-progress", "--run-dir", str(target), "--set", "train.steps=1"], capsys), target,
+             words)
+    assert _tree(tmp_path) == before
+
+
+def test_a_run_dir_inside_another_runs_checkpoints_is_refused(run, capsys):
+    before = _tree(run)
+    target = run / "checkpoints" / "new"
+    _refused(*_mct(["train", "--no-progress", "--run-dir", str(target), "--set", "train.steps=1"], capsys), target,
+             "own files")
+    assert _tree(run) == before
