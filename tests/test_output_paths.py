@@ -220,7 +220,10 @@ def test_install_dir_swaps_an_earlier_output_whole(tmp_path):
     (out / "old.json").write_text("old")
     new.mkdir()
     (new / "new.json").write_text("new")
-    install_dir(new, out)
+    with pytest.raises(ValueError, match="filled by another process"):  # not told to replace: nothing moves
+        install_dir(new, out)
+    assert [p.name for p in out.iterdir()] == ["old.json"] and (new / "new.json").is_file()
+    install_dir(new, out, force=True)
     assert [p.name for p in out.iterdir()] == ["new.json"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

@@ -169,16 +169,20 @@ def write_file(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     return p
 
 
-def install_dir(tmp: Path, out: Path) -> None:
+def install_dir(tmp: Path, out: Path, *, force: bool = False) -> None:
     """Make the complete directory ``tmp`` (beside ``out``) be ``out``: a plain rename when
-    ``out`` is absent or an empty directory, else (an earlier output ``check_dir_output``
-    allowed to replace) the old one is renamed aside, the new one in, the old one removed;
-    if the second rename fails the old one is put back. fsyncs the parent. Raises ValueError
-    when ``out`` became a link, file or FIFO meanwhile; an OSError propagates."""
+    ``out`` is absent or an empty directory, else (``force``: an earlier output
+    ``check_dir_output`` allowed to replace) the old one is renamed aside, the new one in, the
+    old one removed; if the second rename fails the old one is put back. fsyncs the parent.
+    Raises ValueError when ``out`` became a link, file or FIFO meanwhile, or (without
+    ``force``) a non-empty directory; an OSError propagates."""
     what = kind(out)
     if what not in (None, "a directory"):
         raise ValueError(f"{str(out)!r} became {what} while mct wrote it; nothing was replaced")
-    if what is None or not any(os.scandir(out)):
+    full = what is not None and any(os.scandir(out))
+    if full and not force:
+        raise ValueError(f"{str(out)!r} was filled by another process while mct wrote it; nothing was replaced")
+    if not full:
         os.replace(tmp, out)  # over an empty directory: atomic on POSIX
     else:
         old = temporary(out, "old")

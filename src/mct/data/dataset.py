@@ -43,11 +43,12 @@ def check_out_dir(out: str | os.PathLike, force: bool = False, owned: Owned | No
 
 
 class DatasetWriter:
-    """Appends documents to a dataset under construction; ``commit`` makes it DIR.
-    ``abort`` (or any exception inside ``with``) removes everything written."""
+    """Appends documents to a dataset under construction; ``commit`` makes it DIR (over an
+    earlier dataset only with ``force``). ``abort`` (or any exception inside ``with``)
+    removes everything written."""
 
-    def __init__(self, out: Path, dtype: np.dtype) -> None:
-        self.out, self.dtype = out, np.dtype(dtype)
+    def __init__(self, out: Path, dtype: np.dtype, force: bool = False) -> None:
+        self.out, self.dtype, self.force = out, np.dtype(dtype), force
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partials(out)
@@ -102,7 +103,7 @@ class DatasetWriter:
         for name in (TOKENIZER, META):
             with open(self.tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        install_dir(self.tmp, self.out)  # over an earlier dataset only where check_out_dir allowed it
+        install_dir(self.tmp, self.out, force=self.force)  # over an earlier dataset: check_out_dir allowed it
         return full
 
     def abort(self) -> None:

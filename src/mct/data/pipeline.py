@@ -192,7 +192,7 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
                desc="prepare", disable=not progress, smoothing=0.1)
     try:
         encoded = contextlib.closing(_encoded(_chunks(sources, digests, how), tok, text_field, workers))
-        with _single_threaded_tokenizers(), DatasetWriter(out_path, tok.dtype) as writer, encoded as stream:
+        with _single_threaded_tokenizers(), DatasetWriter(out_path, tok.dtype, force) as writer, encoded as stream:
             for enc in stream:
                 writer.add(enc.tokens, enc.lengths)
                 for k in counts:

@@ -247,7 +247,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
         tmp.mkdir()
         note = write_hf(path, tmp, assets, dtype, max_shard_bytes)
         warning = "; ".join(w for w in (warning, note) if w) or None
-        install_dir(tmp, out)
+        install_dir(tmp, out, force=force)
     except OSError as e:  # reads of the checkpoint are named by _Chunks: what is left is writing
         raise user_error(e, e.filename or out, WRITE) from None
     finally:
