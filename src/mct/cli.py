@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    pl.add_argument("--plot", metavar="FILE.png", help="also draw the predicted peaks as stacked bars")
+    pl.add_argument("--plot", metavar="FILE.png", help="also draw the predicted peaks as stacked bars (a new file, "
+                    "or a regular file with --force; never a link, FIFO or a run's own file)")
+    pl.add_argument("--force", action="store_true", help="replace --plot if it is an existing regular file")
     pl.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to plan, comma-separated")
     pl.add_argument("--policies", default=None, help="checkpointing policies to plan (default none,selective,sqrt,all, "
                     "and per_block when the config sets checkpointing.per_block)")
@@ -116,13 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "all in this process)")
     r = sub.add_parser("report", help="summarize a run directory", **kw)
     r.add_argument("run_dir", help="a directory made by `mct train`")
-    r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory")
+    r.add_argument("--plot", metavar="FILE.png", help="also draw loss, throughput, time and memory (a new file, "
+                   "or a regular file with --force; never a link, FIFO or a run's own file)")
+    r.add_argument("--force", action="store_true", help="replace --plot if it is an existing regular file")
     e = sub.add_parser("export", help="consolidated fp32 weights (safetensors) from a run's newest checkpoint",
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
     e.add_argument("--out", required=True, help="the .safetensors file to write (a new file, or a regular file "
-                                                "with --force; never a run's own files); --format hf: a new directory")
-    e.add_argument("--force", action="store_true", help="replace --out if it is an existing regular file")
+                                                "with --force; never a run's own files); --format hf: a new or "
+                                                "empty directory")
+    e.add_argument("--force", action="store_true", help="replace --out if it is an existing regular file (--format "
+                   "hf: an earlier export, a directory holding only an export's files)")
     e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: one fp32 file, names as named_parameters; hf: a Hugging Face model directory "
                         "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model")
@@ -151,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="text files (one document each), .jsonl / .jsonl.gz files (one document per line), "
                          "or directories of them")
-    pr.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create (must not exist)")
+    pr.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create: a new name or an "
+                    "empty directory (an earlier dataset with --force)")
+    pr.add_argument("--force", action="store_true", help="replace --out if it is an earlier dataset (a directory "
+                    "holding only a dataset's files; nothing else is ever deleted)")
     pr.add_argument("--tokenizer", default="bytes", metavar="SPEC",
                     help="'bytes' (UTF-8 bytes + EOS, vocab 257), a tokenizer.json file or a directory holding one, "
                          "or train:VOCAB (a byte-level BPE of VOCAB ids trained here on the inputs)")
@@ -332,8 +341,8 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
                          "whole, into a new --out; `mct train --resume RUN_DIR` continues training")
     if args.format == "hf":
         from mct.persistence.hf_export import export_hf
-        path, warning = export_hf(args.source, args.out, args.dtype, parse_bytes(args.max_shard_size,
-                                                                                  "--max-shard-size"))
+        path, warning = export_hf(args.source, args.out, args.dtype,
+                                  parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force)
     else:
         if args.dtype != "fp32" or args.max_shard_size != "2GB":
             raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
@@ -394,10 +403,11 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.planner import make_plan, plan_workers
     from mct.planner.plan import for_device, planned_device
     from mct.planner.pool import WorkerDied
+    from mct.persistence.run_dir import check_outside_runs
     from mct.reporting.plots import check_plot_path
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
-        check_plot_path(args.plot)  # before minutes of planning
+        check_plot_path(args.plot, args.force, check_outside_runs)  # before minutes of planning
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
@@ -513,8 +523,9 @@ def _token_counts(flag: str, text: str) -> tuple[int, ...]:
 def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.reporting.report import load_run, plot_title, report_table
     if args.plot:
+        from mct.persistence.run_dir import check_outside_runs
         from mct.reporting.plots import check_plot_path
-        check_plot_path(args.plot)
+        check_plot_path(args.plot, args.force, check_outside_runs)
     run = load_run(args.run_dir)
     for w in run.warnings:
         print(f"mct: warning: {w}", file=sys.stderr)
@@ -556,9 +567,11 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.data.pipeline import prepare, summary, terminate_as_interrupt
+    from mct.persistence.run_dir import check_outside_runs
     with terminate_as_interrupt():
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
-                       workers=args.workers, progress=not args.no_progress, split=args.split)
+                       workers=args.workers, progress=not args.no_progress, split=args.split, force=args.force,
+                       owned=check_outside_runs)
     line, warning = summary(meta, args.out)
     print(line)
     if warning:
@@ -578,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         link.setup()  # die with torchrun; tell the launcher this worker's pid
     code, line = 0, ""
     try:
+        from mct.conflicts import check_conflicts
+        for warning in check_conflicts(args, argv):  # flags that contradict: one line naming both
+            _warn(warning)
         code = handler(args, argv)
     except ValueError as e:
         code, line = 2, "mct: error: " + " ".join(str(e).split())  # one line, whatever the message held

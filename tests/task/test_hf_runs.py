@@ -102,6 +102,10 @@ def test_hf_export_and_run_hf_dir_give_the_runs_logits(root, base, capsys):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert main(["export", str(base), "--format", "hf", "--out", str(root / "bf16")]) == 2
     assert "not an empty directory" in capsys.readouterr().err
+    # --force replaces an earlier export whole (fp32 over the bf16 one; no shard of it left)
+    assert main(["export", str(base), "--format", "hf", "--out", str(root / "bf16"), "--force"]) == 0
+    assert sorted(p.name for p in (root / "bf16").glob("*.safetensors")) == ["model.safetensors"]
+    assert not list(root.glob(".bf16.*"))  # no temporary or set-aside directory left
 
 
 def test_sample_continues_the_prompt_with_the_runs_greedy_tokens(root, base, capsys):

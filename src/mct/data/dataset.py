@@ -27,44 +27,28 @@ from typing import Any
 import numpy as np
 
 from mct.errors import WRITE, describe, user_error
+from mct.outputs import Owned, check_dir_output, install_dir
 
 FORMAT = "mct-prepared-v1"
 META, TOKENS, DOCS, TOKENIZER = "meta.json", "tokens.bin", "docs.idx", "tokenizer.json"
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_out_dir(out: str | os.PathLike) -> Path:
-    """Raise ValueError unless ``out`` may receive a dataset: absent, or an empty
-    directory; its parent must be creatable. Returns it as a Path."""
-    p = Path(out).expanduser()
-    if p.exists() and not (p.is_dir() and not any(p.iterdir())):
-        raise ValueError(f"--out {str(out)!r} already exists and is not an empty directory; remove it or pass "
-                         f"a new directory")
-    up = p.absolute().parent
-    while not up.exists() and not up.is_symlink():
-        up = up.parent
-    if not up.is_dir():
-        raise ValueError(f"--out {str(out)!r}: {str(up)!r} is " + ("a dangling symbolic link" if up.is_symlink()
-                         else "a file, not a directory") + "; pass an --out under a directory")
-    if not os.access(up, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {str(out)!r}: cannot write {str(up)!r}: permission denied (check the path's "
-                         f"permissions and owner, or pass an --out elsewhere)")
-    return p
+def check_out_dir(out: str | os.PathLike, force: bool = False, owned: Owned | None = None) -> Path:
+    """``out`` as a Path if a dataset may be written there (``mct.outputs``): a new name
+    (missing parents are created), an empty directory, or with ``force`` an earlier
+    dataset (only its own files); never a link, FIFO or file, nor (``owned``) a run's own
+    tree. Raises ValueError (one line, the value and the fix) otherwise."""
+    return check_dir_output(Path(out).expanduser(), "--out", force=force, writes=(META, TOKENS, DOCS, TOKENIZER),
+                            command="mct prepare", owned=owned, parents=True)
 
 
 class DatasetWriter:
-    """Appends documents to a dataset under construction; ``commit`` makes it DIR.
-    ``abort`` (or any exception inside ``with``) removes everything written."""
+    """Appends documents to a dataset under construction; ``commit`` makes it DIR (over an
+    earlier dataset only with ``force``). ``abort`` (or any exception inside ``with``)
+    removes everything written."""
 
-    def __init__(self, out: Path, dtype: np.dtype) -> None:
-        self.out, self.dtype = out, np.dtype(dtype)
+    def __init__(self, out: Path, dtype: np.dtype, force: bool = False) -> None:
+        self.out, self.dtype, self.force = out, np.dtype(dtype), force
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             remove_stale_partials(out)
@@ -119,10 +103,7 @@ class DatasetWriter:
         for name in (TOKENIZER, META):
             with open(self.tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if self.out.exists():
-            self.out.rmdir()  # check_out_dir allowed only an empty directory
-        os.rename(self.tmp, self.out)
-        _fsync(self.out.parent)
+        install_dir(self.tmp, self.out, force=self.force)  # over an earlier dataset: check_out_dir allowed it
         return full
 
     def abort(self) -> None:

@@ -30,6 +30,7 @@ from mct.data.sources import CHUNK_BYTES, Chunk, Source, never, expand_inputs, g
 from mct.data.textstream import SPLITS
 from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer
 from mct.data.workers import OrderedWorkers
+from mct.outputs import Owned
 
 
 @dataclass
@@ -168,14 +169,16 @@ def _check_args(workers: Any, text_field: str, chunk_bytes: int, split: str) -> 
 
 def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field: str = "text",
             workers: int = 1, progress: bool = True, chunk_bytes: int = CHUNK_BYTES,
-            split: str = "file") -> dict[str, Any]:
+            split: str = "file", force: bool = False, owned: Owned | None = None) -> dict[str, Any]:
     """Tokenize ``inputs`` into the dataset directory ``out`` (see the module
     docstring); ``split`` cuts text files into documents (textstream.py). Returns its
     meta.json (plus ``seconds``, not stored). Creates ``out`` only when complete.
     Raises ValueError (one line, naming the value and the fix) for bad arguments,
-    unreadable inputs, a bad record (``FILE:LINE: ...``) or no documents."""
+    unreadable inputs, a bad record (``FILE:LINE: ...``) or no documents, and for an ``out``
+    that ``check_out_dir`` refuses (``force``: replace an earlier dataset; ``owned``: the
+    run's-own-files check)."""
     _check_args(workers, text_field, chunk_bytes, split)
-    out_path = check_out_dir(out)
+    out_path = check_out_dir(out, force, owned)
     sources = expand_inputs(inputs)
     t0 = time.perf_counter()
     reading = _Reading(split, chunk_bytes, never, text_field)
@@ -189,7 +192,7 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
                desc="prepare", disable=not progress, smoothing=0.1)
     try:
         encoded = contextlib.closing(_encoded(_chunks(sources, digests, how), tok, text_field, workers))
-        with _single_threaded_tokenizers(), DatasetWriter(out_path, tok.dtype) as writer, encoded as stream:
+        with _single_threaded_tokenizers(), DatasetWriter(out_path, tok.dtype, force) as writer, encoded as stream:
             for enc in stream:
                 writer.add(enc.tokens, enc.lengths)
                 for k in counts:

@@ -13,7 +13,8 @@ this package does the file I/O around them and imports nothing of the engine
     shards.py      the DCP layer: 1-D element-range pieces as DTensors, safe metadata reads
                    (imported on first use, ``lazy.py``: DCP takes a second to import)
     files.py       durable writes (temp, fsync, rename, dir fsync), checked JSON reads, digests
-    run_dir.py     a run directory: checkpoint names, newest usable one, pruning, reuse checks
+    run_dir.py     a run directory: checkpoint names, newest usable one, pruning, reuse checks,
+                   a run's own files (no user output lands there: ``mct.outputs``)
     resume.py      `mct train --resume`: the run's config, allowed overrides, clean history
     export.py      consolidated fp32 safetensors from a checkpoint, in one process
 """

@@ -11,18 +11,17 @@ a temporary and a rename (see ``safetensors_out``).
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import torch
 
 from mct.dist import agree
+from mct.outputs import check_file_output
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
-from mct.persistence.run_dir import LOCK_FILE, newest_usable
+from mct.persistence.run_dir import check_outside_runs, newest_usable
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.zero.state_io import param_slices
 
@@ -115,81 +114,11 @@ def export_engine(engine: Exportable, path: str | Path) -> None:
     agree(error, engine.comm)
 
 
-BOOKKEEPING = ("metadata.json", "events.jsonl", "model.safetensors", "tokenizer.json", "metrics.rewound.jsonl",
-               LOCK_FILE)
-"""Files of a run directory that only the run writes (with metrics*.jsonl)."""
-
-RUN_FOLDERS = ("checkpoints", "hf")
-"""Folders of a run directory that the run replaces or prunes (a resume deletes ``hf/``,
-old checkpoints are pruned): nothing a user keeps may go there."""
-
-
-def check_parent(out: Path) -> None:
-    """Raise ValueError (one line) unless ``out``'s parent is an existing directory."""
-    parent = out.parent
-    if parent.is_dir():
-        return
-    found = next((p for p in [parent, *parent.parents] if os.path.lexists(p)), parent)
-    why = ("is a dangling symbolic link" if found.is_symlink() and not found.exists() else
-           "is a file, not a directory" if found.exists() and not found.is_dir() else "does not exist")
-    shown = parent if why == "does not exist" else found
-    raise ValueError(f"--out {str(out)!r}: {str(shown)!r} {why}; pass a path in an existing directory")
-
-
-def check_outside_runs(out: Path, example: str = "export.safetensors") -> None:
-    """Raise ValueError (one line) when ``out`` (a file or directory to create) is part of
-    a run's own tree: inside a checkpoint, anywhere under a run's subfolders
-    (``checkpoints/``, ``hf/``), or one of its bookkeeping names. A new name directly in a
-    run directory is allowed: no run writes or deletes it. Links are resolved first, so a
-    path through a symbolic link is judged where it lands. ``example``: the name the
-    message suggests instead."""
-    shown = repr(str(out))
-    parent = out.parent.resolve()
-    landing = out.resolve() if out.is_symlink() else parent / out.name
-    for where in dict.fromkeys((parent / out.name, landing)):
-        for folder in where.parents:
-            if (folder / MANIFEST).is_file():
-                raise ValueError(f"--out {shown} is inside checkpoint {str(folder)!r}; write the export elsewhere")
-            if _is_run_dir(folder):
-                name = where.name
-                own = (name in BOOKKEEPING or name in RUN_FOLDERS or name.startswith((".hf.tmp", ".tokenizer.json"))
-                       or (name.startswith("metrics") and name.endswith(".jsonl")))
-                if folder != where.parent or own:
-                    raise ValueError(f"--out {shown} is part of run {str(folder)!r}'s own files, which the run "
-                                     f"replaces or prunes; pass another name (e.g. {str(folder / example)!r}) "
-                                     f"or another directory")
-
-
 def check_target(out: Path, force: bool) -> None:
     """Raise ValueError (one line) unless ``out`` may receive an export: a new file in an
     existing directory, or (``force``) an existing regular file; never a symlink, FIFO,
-    device or directory, and never a file of a run's own tree (``check_outside_runs``)."""
-    shown = repr(str(out))
-    if out.is_dir() and not out.is_symlink():
-        raise ValueError(f"--out {shown} is a directory; pass a file name such as model.safetensors")
-    check_parent(out)
-    if os.path.lexists(out):
-        mode = os.lstat(out).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
-                    else "not a regular file")
-            raise ValueError(f"--out {shown} is {kind}; mct export writes only regular files: pass a new file name")
-    check_outside_runs(out)
-    if os.path.lexists(out) and not force:
-        raise ValueError(f"--out {shown} already exists; pass --force to replace it, or a new file name")
-
-
-def _is_run_dir(folder: Path) -> bool:
-    """A directory made by `mct train`: a checkpoints/ folder, or a metadata.json that is
-    a run's (a JSON object with its config and world size)."""
-    if (folder / "checkpoints").is_dir() and (folder / "metadata.json").exists():
-        return True
-    try:
-        meta = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else None
-    except ValueError:
-        return False
-    return isinstance(meta, dict) and "config" in meta and "world_size" in meta
+    device or directory, and never a file of a run's own tree (``mct.outputs``)."""
+    check_file_output(out, "--out", force=force, example="model.safetensors", owned=check_outside_runs)
 
 
 def export(source: str | Path, out: str | Path, *, force: bool = False) -> tuple[Path, str | None]:

@@ -15,15 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.errors import user_error
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that renames and new entries in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from mct.outputs import fsync_dir  # noqa: F401 (one implementation, also imported from here)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -27,7 +27,9 @@ import torch
 from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN
-from mct.persistence.export import check_outside_runs, check_parent, pick_checkpoint
+from mct.outputs import check_dir_output, install_dir, temporary
+from mct.persistence.export import pick_checkpoint
+from mct.persistence.run_dir import check_outside_runs
 from mct.persistence.files import fsync_dir, read_json
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.task.hf import TOKENIZER_FILES
@@ -229,37 +231,40 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
 
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
-              max_shard_bytes: int = 2 * 10**9) -> tuple[Path, str | None]:
+              max_shard_bytes: int = 2 * 10**9, force: bool = False) -> tuple[Path, str | None]:
     """``mct export SOURCE --format hf --out DIR``: the HF directory of the newest usable
-    checkpoint of a run (or of a checkpoint directory). ``out`` must not exist or be an
-    empty directory; it appears complete or not at all. Returns (checkpoint used,
+    checkpoint of a run (or of a checkpoint directory). ``out`` must not exist, be an
+    empty directory or (``force``) an earlier HF export (``check_hf_out``); it appears
+    complete or not at all (``mct.outputs.install_dir``). Returns (checkpoint used,
     warning or None). Raises ValueError (one line) for a bad source, target or dtype."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(DTYPES)}")
-    out = Path(out)
-    if out.is_symlink():
-        raise ValueError(f"--out {str(out)!r} is a symbolic link; mct export writes a new directory: pass a new name")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {str(out)!r} exists and is not an empty directory; pass a new directory")
-    check_parent(out)
-    check_outside_runs(out, example="exported-hf")
+    out = check_hf_out(out, force)
     path, warning = pick_checkpoint(source)
     assets = _assets_of(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temporary(out)
     try:
         tmp.mkdir()
         note = write_hf(path, tmp, assets, dtype, max_shard_bytes)
         warning = "; ".join(w for w in (warning, note) if w) or None
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        install_dir(tmp, out, force=force)
     except OSError as e:  # reads of the checkpoint are named by _Chunks: what is left is writing
         raise user_error(e, e.filename or out, WRITE) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    fsync_dir(out.parent)
     return path, warning
+
+
+HF_WRITES = ("config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES)
+"""What an HF export directory holds: what ``--force`` may replace."""
+
+
+def check_hf_out(out: str | Path, force: bool) -> Path:
+    """``out`` as a Path if an HF directory may be exported there (``mct.outputs``:
+    new, empty, or with ``force`` an earlier export; outside a run's own tree). Raises
+    ValueError (one line) otherwise."""
+    return check_dir_output(out, "--out", force=force, writes=HF_WRITES, command="mct export --format hf",
+                            owned=check_outside_runs)
 
 
 def write_run_hf(run_dir: str | Path, dtype: str = "fp32", max_shard_bytes: int = 2 * 10**9) -> Path:

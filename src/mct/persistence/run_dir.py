@@ -15,8 +15,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mct.outputs import kind
 from mct.persistence.manifest import MANIFEST, verify_checkpoint
-from mct.persistence.files import fsync_dir
+from mct.persistence.files import fsync_dir, read_json
 
 CHECKPOINTS = "checkpoints"
 RUN_FILES = ("metadata.json", "metrics.jsonl", CHECKPOINTS, "model.safetensors")
@@ -134,11 +135,14 @@ def set_aside_newer(run_dir: str | Path, step: int, why: str | None = None) -> l
 
 def check_new_run_dir(run_dir: str | Path) -> None:
     """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
-    hold a run already, must not be a file, and must be creatable and writable. Leaves
+    hold a run already, must not be a file, FIFO or dangling link (``mct.outputs.kind``)
+    nor inside another run's own tree, and must be creatable and writable. Leaves
     the file system as it was (a probe directory and file are removed again)."""
     path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--run-dir {str(path)!r} is an existing file, not a directory; pass a new directory")
+    what = kind(path)
+    if what is not None and not path.is_dir():  # a link to a directory is fine: the run writes into it
+        raise ValueError(f"--run-dir {str(path)!r} is an existing file ({what}), not a directory; pass a new directory")
+    check_outside_runs(path, "--run-dir", example="new-run")
     if path.is_dir():
         held = [n for n in RUN_FILES if (path / n).exists()]
         if held:
@@ -211,3 +215,50 @@ class RunLock:
             pass
         os.close(self._fd)
         self._fd = -1
+
+
+BOOKKEEPING = ("metadata.json", "events.jsonl", "model.safetensors", "tokenizer.json", "metrics.rewound.jsonl",
+               LOCK_FILE)
+"""Files of a run directory that only the run writes (with metrics*.jsonl)."""
+
+RUN_FOLDERS = ("checkpoints", "hf")
+"""Folders of a run directory that the run replaces or prunes (a resume deletes ``hf/``,
+old checkpoints are pruned): nothing a user keeps may go there."""
+
+
+def check_outside_runs(out: Path, flag: str = "--out", example: str | None = None) -> None:
+    """Raise ValueError (one line, naming ``flag``) when ``out`` (a file or directory to
+    create) is part of a run's own tree: inside a checkpoint, anywhere under a run's
+    subfolders (``checkpoints/``, ``hf/``), or one of its bookkeeping names. A new name
+    directly in a run directory is allowed: no run writes or deletes it. Links are resolved
+    first, so a path through a symbolic link is judged where it lands. ``example``: the
+    name the message suggests instead (default: 'exported' with ``out``'s suffix). An
+    ``mct.outputs.Owned`` check."""
+    shown = f"{flag} {str(out)!r}"
+    example = example or f"exported{out.suffix}"
+    parent = out.parent.resolve()
+    landing = out.resolve() if out.is_symlink() else parent / out.name
+    for where in dict.fromkeys((parent / out.name, landing)):
+        for folder in where.parents:
+            if (folder / MANIFEST).is_file():
+                raise ValueError(f"{shown} is inside checkpoint {str(folder)!r}; write it elsewhere")
+            if is_run_dir(folder):
+                name = where.name
+                own = (name in BOOKKEEPING or name in RUN_FOLDERS or name.startswith((".hf.tmp", ".tokenizer.json"))
+                       or (name.startswith("metrics") and name.endswith(".jsonl")))
+                if folder != where.parent or own:
+                    raise ValueError(f"{shown} is part of run {str(folder)!r}'s own files, which the run "
+                                     f"replaces or prunes; pass another name (e.g. {str(folder / example)!r}) "
+                                     f"or another directory")
+
+
+def is_run_dir(folder: Path) -> bool:
+    """A directory made by `mct train`: a checkpoints/ folder, or a metadata.json that is
+    a run's (a JSON object with its config and world size)."""
+    if (folder / CHECKPOINTS).is_dir() and (folder / "metadata.json").exists():
+        return True
+    try:
+        meta = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else None
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "config" in meta and "world_size" in meta

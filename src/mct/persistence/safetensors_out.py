@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from mct.persistence.files import fsync_dir, write_failure
+from mct.outputs import replace_file
+from mct.persistence.files import write_failure
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
@@ -105,8 +106,7 @@ class SafetensorsWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
-            os.replace(self.tmp, self.path)
-            fsync_dir(self.path.parent)
+            replace_file(self.tmp, self.path)  # never through a link or FIFO that appeared meanwhile
         except OSError as e:
             self.abort()
             raise write_failure(self.path, self.nbytes, e) from None

@@ -8,9 +8,10 @@ or planner objects, so they keep working whatever produces the data.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from mct.outputs import Owned, check_file_output, write_file
 
 CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
 PHASES = ("forward", "backward", "optimizer")
@@ -21,25 +22,20 @@ COLORS = {"params": "#4c72b0", "master": "#8172b3", "grads": "#dd8452", "optimiz
 MIB = 2**20
 
 
-def check_plot_path(path: str | Path) -> Path:
-    """Validate an output path before any work is done. Returns it as a Path. Raises
-    ValueError (naming the value and the fix) for an unknown image format, a
-    directory, or a parent folder that does not exist or cannot be written."""
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
+
+
+def check_plot_path(path: str | Path, force: bool = False, owned: Owned | None = None) -> Path:
+    """Validate ``--plot`` before any work is done (``mct.outputs``: a new file, or with
+    ``force`` an existing regular file; never a link, FIFO, directory or, through ``owned``,
+    a run's own file). Returns it as a Path. Raises ValueError (one line, the value and
+    the fix) for those or an unknown image format."""
     p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"--plot {str(p)!r} is a directory; pass a file name such as {str(p / 'run.png')!r}")
-    if p.exists() and not p.is_file():
-        raise ValueError(f"--plot {str(p)!r} is not a regular file (a device, FIFO or socket); pass a new file name")
     fmt = p.suffix.lower().lstrip(".")
-    if fmt not in ("png", "svg", "pdf", "jpg", "jpeg"):
+    if fmt not in PLOT_FORMATS and not p.is_dir():
         raise ValueError(f"--plot {str(p)!r}: unknown image format {p.suffix or '(no suffix)'!r}; "
                          "end the name in .png, .svg, .pdf or .jpg")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"--plot {str(p)!r}: folder {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ValueError(f"--plot {str(p)!r} cannot be written (permission denied); choose another place")
-    return p
+    return check_file_output(p, "--plot", force=force, example="plot.png", owned=owned)
 
 
 def _pyplot():
@@ -56,13 +52,11 @@ def _num(v: Any) -> float:
 
 
 def _save(fig: Any, path: Path) -> None:
-    """Write to a temporary name then rename, so a failure leaves no half image."""
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    """Write to a temporary beside ``path`` then rename (``mct.outputs.write_file``), so a
+    failure leaves no half image and the old file, if any, as it was."""
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        tmp.replace(path)
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"--plot {str(path)!r} could not be written ({e.strerror or e})") from None
 
 
