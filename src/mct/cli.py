@@ -295,11 +295,13 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
-        from mct.planner import resolve_auto
         from mct.planner.plan import planned_device
         from mct.persistence.run_dir import check_new_run_dir
-        # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, task, device=planned_device(cfg))
+        from mct.run.resolve import solve_in_launcher
+        # an impossible budget fails here, in one line, before any launch; the workers train this answer
+        handoff = solve_in_launcher(cfg, args.nproc * args.nnodes, task, planned_device(cfg))
+        if args.nnodes == 1:  # several machines: rank 0 solves for all (each launcher only checked)
+            os.environ.update(handoff)
         extra: list[str] = []
         if not args.resume:
             run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"

@@ -31,7 +31,6 @@ from mct.persistence.files import read_json
 from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
 from mct.persistence.run_checkpoint import RunCheckpointer, upgrade_trainer_state
 from mct.persistence.run_dir import check_new_run_dir, checkpoints, newest_usable, set_aside_newer
-from mct.planner import resolve_auto
 from mct.planner.grid import resized_batch
 from mct.precision import LossScaleFloorError
 from mct.reporting.events import append_event
@@ -41,6 +40,7 @@ from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
 from mct.run.recovery import Recovery, StepOutcome
+from mct.run.resolve import resolve_once
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
 from mct.run.signals import StopRequest
@@ -81,7 +81,7 @@ class Trainer:
         elif not resume:
             agree(error_of(check_new_run_dir, self.run_dir) if ctx.is_main else None)
         self.task = task if task is not None else task_for(cfg)  # the CLI hands on the one it checked
-        self.cfg, self.choice = resolve_auto(cfg, ctx.world_size, self.task, device=ctx.device.type)
+        self.cfg, self.choice = resolve_once(cfg, self.task, ctx)  # the launcher's answer, or rank 0's
         self.task = with_loss_chunk(self.task, self.cfg.train.loss_chunk_tokens)  # auto may choose chunking
         if self.cfg.data.micro_batch_size != cfg.data.micro_batch_size:  # and the micro-batch (memory.solver_allow)
             self.task = replace(self.task, batch=resized_batch(self.task.batch, self.cfg.data.micro_batch_size))
