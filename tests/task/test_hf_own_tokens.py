@@ -27,10 +27,11 @@ CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards hex bold jumping frogs".split()
 
 
-def save_tiny_llama_with_tokenizer(d: Path) -> Path:
-    """A Llama of 2 layers (width 32) whose vocabulary is a byte-level BPE of 320 ids trained
-    here, saved with save_pretrained: tokenizer.json, tokenizer_config.json, a chat
-    template, generation_config.json, model.safetensors."""
+def save_tiny_llama_with_tokenizer(d: Path, layers: int = 2, width: int = 32, positions: int = 64) -> Path:
+    """A Llama of ``layers`` layers (``width`` wide, ``positions`` positions) whose
+    vocabulary is a byte-level BPE of 320 ids trained here, saved with save_pretrained:
+    tokenizer.json, tokenizer_config.json, a chat template, generation_config.json,
+    model.safetensors (seed 7)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -43,8 +44,9 @@ def save_tiny_llama_with_tokenizer(d: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
     fast.chat_template = CHAT
     fast.save_pretrained(d)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=positions,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(7)
     LlamaForCausalLM(config).save_pretrained(d)
