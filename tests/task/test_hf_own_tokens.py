@@ -101,6 +101,20 @@ def test_raw_jsonl_trains_on_the_models_tokens_plus_eos(root, capsys):
     assert len([p for p in (root / CACHE_DIR).iterdir() if p.is_dir()]) == 1
 
 
+def test_one_text_file_is_cut_for_the_split_and_keeps_the_models_tokens(root):
+    from transformers import AutoTokenizer
+    text = " ".join(_documents(40, 5))
+    (root / "one").mkdir()
+    (root / "one" / "book.txt").write_text(text)
+    corpus, _ = build_data(_cfg(root, root / "one" / "book.txt"))
+    hf = AutoTokenizer.from_pretrained(str(root / "llama"))
+    starts = [*corpus.train.starts.tolist(), *corpus.val.starts.tolist()]
+    pieces = [*_split_documents(corpus.train), *_split_documents(corpus.val)]
+    assert corpus.train.size > 0 and corpus.val.size > 0
+    whole = [t for _, piece in sorted(zip(starts, pieces)) for t in piece]
+    assert whole == hf(text)["input_ids"] + [hf.eos_token_id]  # one document: <s> text </s>, cut in two
+
+
 def test_data_prepared_with_the_models_tokenizer_is_the_same_and_not_warned(root, capsys):
     from mct.cli import main
     build_data(_cfg(root, root / "data"))  # the cached tokens of the raw path
