@@ -220,7 +220,7 @@ def summary(meta: dict[str, Any], out: str) -> tuple[str, str | None]:
             f"vocab_size {meta['vocab_size']}, eos_id {meta['eos_id']}); skipped {meta['skipped_empty']} empty, "
             f"{meta['skipped_binary']} non-text; {mb:.1f} MB in {meta['seconds']:.1f} s "
             f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s); train with --set data.path={out} "
-            f"--set model.vocab_size={meta['vocab_size']}")
+            f"(the built-in GPT also --set model.vocab_size={meta['vocab_size']}; an hf: model has its own)")
     rt = meta["roundtrip"]
     warning = (f"the tokenizer did not decode {rt['mismatched']} of {rt['checked']} checked documents back to "
                f"their text (it normalizes or drops characters); the dataset is not lossless"
