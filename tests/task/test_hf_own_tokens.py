@@ -179,3 +179,14 @@ def test_sample_equals_transformers_greedy_generate_on_the_runs_weights(run, cap
     assert got == tok.decode(out[0, 1:])
     assert main(["sample", str(run), "--tokens", "30", "--seed", "1"]) == 0  # sampled, from <s> alone
     capsys.readouterr()
+
+
+def test_tokenizer_config_add_bos_and_add_eos_override_the_post_processor(root, tmp_path):
+    from mct.data.tokenizer import resolve_tokenizer, tokenizer_identity
+    (tmp_path / "tokenizer.json").write_bytes((root / "llama" / "tokenizer.json").read_bytes())
+    assert resolve_tokenizer(str(tmp_path)).prefix == (1,)  # the post-processor's <s>, no config
+    config = {**SPECIAL, "add_bos_token": False, "add_eos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = resolve_tokenizer(str(tmp_path))
+    assert (tok.prefix, tok.suffix, tok.closing()) == ((), (2,), (2,))  # the EOS ends a document once
+    assert tokenizer_identity(tok.json) == tokenizer_identity((root / "llama" / "tokenizer.json").read_text())
