@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mct.data.corpus import Corpus, load_corpus, load_prepared
-from mct.data.dataset import FORMAT, is_prepared, open_prepared
+from mct.data.dataset import FORMAT, is_prepared, looks_partial, open_prepared
 from mct.data.sources import expand_inputs
 from mct.data.tokenizer import bytes_tokenizer_json, tokenizer_identity
 
@@ -48,7 +48,7 @@ def model_corpus(path: str, model_dir: str, *, seed: int, val_fraction: float, s
     d = Path(model_dir)
     own = d / "tokenizer.json"
     p = Path(path).expanduser()
-    raw = path != "" and not is_prepared(p) and not (p.is_file() and p.suffix == ".bin")
+    raw = path != "" and not is_prepared(p) and not looks_partial(p) and not (p.is_file() and p.suffix == ".bin")
     if not own.is_file():
         other = [n for n in OTHER_TOKENIZERS if (d / n).is_file()]
         if other and raw:
