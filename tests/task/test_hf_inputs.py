@@ -143,14 +143,14 @@ def test_sample_without_the_runs_tokenizer_is_an_error_not_bytes(probe, capsys):
 
 def test_ctrl_c_under_sample_keeps_the_text_generated(probe, capsys, monkeypatch):
     from mct.run import generate
-    real, calls = generate._logits, []
+    real, calls = generate._Collect.put, []
 
-    def logits(model, ids):
-        calls.append(1)
+    def put(self, value):  # generate hands its streamer the prompt, then each token: Ctrl-C after 3
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return real(model, ids)
-    monkeypatch.setattr(generate, "_logits", logits)
+        calls.append(1)
+        real(self, value)
+    monkeypatch.setattr(generate._Collect, "put", put)
     assert main(["sample", probe["run"], "--prompt", "the quick brown", "--tokens", "50",
                  "--temperature", "0"]) == 130
     out, err = capsys.readouterr()

@@ -263,16 +263,27 @@ class _DocNames(Sequence[str]):
         return f"doc{self.indices[i]}"
 
 
-def _prepared_corpus(path: Path, seed: int, val_fraction: float) -> Corpus:
+def load_prepared(path: Path, *, seed: int, val_fraction: float, seq_len: int, cut_lone: bool = False) -> Corpus:
+    """A prepared dataset's Corpus (``load_corpus`` of a prepared DIR); ``cut_lone``: a
+    dataset of one document is cut into pieces of at most ``DOC_BYTES`` tokens (at least
+    two), as a lone text file is, instead of refused. Raises what ``load_corpus`` raises."""
+    return _check_split_sizes(_prepared_corpus(path, seed, val_fraction, cut_lone), seq_len)
+
+
+def _prepared_corpus(path: Path, seed: int, val_fraction: float, cut_lone: bool = False) -> Corpus:
     """The document-level split of a prepared dataset (see the module docstring)."""
     ds = open_prepared(path)
     check_tokens_in_vocab(ds, scan_tokens(ds)[0])
     n = int(ds.meta["documents"])
-    if n < 2:
-        raise ValueError(f"data.path = {str(path)!r} holds {n} document; a train/validation split by document "
-                         "needs at least two; prepare more documents")
-    is_val = _assign_hashes(doc_hash(seed, n), val_fraction)
     starts, lengths = np.asarray(ds.offsets[:-1]), np.diff(ds.offsets)
+    if n == 1 and cut_lone:
+        pieces = max(2, math.ceil(int(lengths[0]) / DOC_BYTES))
+        bounds = np.arange(pieces + 1, dtype=np.int64) * int(lengths[0]) // pieces
+        starts, lengths, n = bounds[:-1], np.diff(bounds), pieces
+    if n < 2 or lengths.min() < 1:
+        raise ValueError(f"data.path = {str(path)!r} holds {ds.meta['documents']} document; a train/validation "
+                         "split by document needs at least two; prepare more documents")
+    is_val = _assign_hashes(doc_hash(seed, n), val_fraction)
     train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
     fp = hashlib.sha256(f"prepared\0{ds.meta_sha256}\0{seed}\0{val_fraction!r}\0{val_idx.size}".encode())
     return Corpus(train=DocumentSpans(ds.tokens, starts[train_idx], lengths[train_idx]),

@@ -28,7 +28,7 @@ import numpy as np
 from mct.data.dataset import DatasetWriter, check_out_dir
 from mct.data.sources import CHUNK_BYTES, Chunk, Source, never, expand_inputs, group_text, parse_chunk, read_source
 from mct.data.textstream import SPLITS
-from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer
+from mct.data.tokenizer import Encoder, Tokenizer, resolve_tokenizer, tokenizer_identity
 from mct.data.workers import OrderedWorkers
 from mct.outputs import Owned
 
@@ -52,18 +52,23 @@ class Encoded:
 
 
 def encode_chunk(enc: Encoder, chunk: Chunk, text_field: str) -> Encoded:
-    """Parse and encode one chunk. Raises ValueError (FILE:LINE) for a bad record."""
+    """Parse and encode one chunk: each document its tokenizer's prefix (a model's BOS),
+    its text's ids, the suffix and EOS (``Tokenizer.closing``). Raises ValueError
+    (FILE:LINE) for a bad record."""
     parsed = parse_chunk(chunk, text_field)
     tok = enc.tok
     ids = enc.encode_batch(parsed.texts)
-    eos = np.array([tok.eos_id], dtype=tok.dtype)
+    prefix, closing = np.array(tok.prefix, dtype=tok.dtype), np.array(tok.closing(), dtype=tok.dtype)
     parts, ends, run = [], [], 0
-    for a, end in zip(ids, parsed.ends):  # a piece whose document goes on gets no EOS
-        parts.append(a.astype(tok.dtype))
-        run += a.size
+    for a, start, end in zip(ids, parsed.starts, parsed.ends):  # a piece: the template at its document's ends
+        piece = [prefix] if start else []
+        piece.append(a.astype(tok.dtype))
         if end:
-            parts.append(eos)
-            ends.append(run + 1)
+            piece.append(closing)
+        parts += piece
+        run += sum(p.size for p in piece)
+        if end:
+            ends.append(run)
             run = 0
     tokens = np.concatenate(parts) if parts else np.empty(0, tok.dtype)
     lengths = np.array(ends, dtype=np.int64)
@@ -200,6 +205,8 @@ def prepare(inputs: list[str], out: str, *, tokenizer: str = "bytes", text_field
                 bar.update(enc.raw_bytes)
             meta = writer.commit({
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.kind,
+                "template": {"prefix": list(tok.prefix), "suffix": list(tok.suffix)},
+                "tokenizer_identity": tokenizer_identity(tok.json),
                 "text_field": text_field, "split": split, "skipped_empty": counts["empty"],
                 "skipped_binary": counts["binary"],
                 "roundtrip": {"checked": counts["checked"], "mismatched": counts["mismatched"]},
@@ -216,7 +223,7 @@ def summary(meta: dict[str, Any], out: str) -> tuple[str, str | None]:
             f"vocab_size {meta['vocab_size']}, eos_id {meta['eos_id']}); skipped {meta['skipped_empty']} empty, "
             f"{meta['skipped_binary']} non-text; {mb:.1f} MB in {meta['seconds']:.1f} s "
             f"({mb / max(meta['seconds'], 1e-9):.1f} MB/s); train with --set data.path={out} "
-            f"--set model.vocab_size={meta['vocab_size']}")
+            f"(the built-in GPT also --set model.vocab_size={meta['vocab_size']}; an hf: model has its own)")
     rt = meta["roundtrip"]
     warning = (f"the tokenizer did not decode {rt['mismatched']} of {rt['checked']} checked documents back to "
                f"their text (it normalizes or drops characters); the dataset is not lossless"

@@ -11,6 +11,7 @@ import torch
 
 from mct.config import check_int
 from mct.data.corpus import Corpus, load_corpus
+from mct.data.model_data import model_corpus
 
 if TYPE_CHECKING:
     from mct.config import EngineConfig
@@ -102,10 +103,15 @@ class BatchSampler:
         return self._windows(self.corpus.val, self.val_offsets(i), device)
 
 def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
-    """Corpus and sampler from a config; checks token ids against model.vocab_size for
+    """Corpus and sampler from a config (an ``hf:`` model's data in its own tokens:
+    ``model_data.model_corpus``); checks token ids against model.vocab_size for
     the built-in GPT (another model's own vocabulary is the bound: task.build.check_tokens)."""
-    corpus = load_corpus(cfg.data.path, seed=cfg.seed, val_fraction=cfg.data.val_fraction,
-                         seq_len=cfg.model.seq_len)
+    if cfg.model.source.startswith("hf:"):  # the model's own tokens (model_data.py)
+        corpus = model_corpus(cfg.data.path, cfg.model.source[3:], seed=cfg.seed,
+                              val_fraction=cfg.data.val_fraction, seq_len=cfg.model.seq_len)
+    else:
+        corpus = load_corpus(cfg.data.path, seed=cfg.seed, val_fraction=cfg.data.val_fraction,
+                             seq_len=cfg.model.seq_len)
     if cfg.model.source == "gpt":
         corpus.check_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,

@@ -281,12 +281,14 @@ def group_text(chunks: Iterator[Chunk], chunk_bytes: int = CHUNK_BYTES) -> Itera
 class Parsed:
     """Texts of a chunk's non-empty documents; ``empty``: documents skipped as empty;
     ``binary``: files skipped inside directories as not UTF-8 text; ``ends``: per
-    text, False for a piece whose document goes on in the next one."""
+    text, False for a piece whose document goes on in the next one; ``starts``: per
+    text, False for a piece that goes on with a document begun in an earlier one."""
 
     texts: list[str]
     empty: int = 0
     binary: int = 0
     ends: list[bool] = field(default_factory=list)
+    starts: list[bool] = field(default_factory=list)
 
 
 def _json_type(v: object) -> str:
@@ -340,6 +342,7 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
             if text:
                 out.texts.append(_valid(text, f"{chunk.names[0]}: row {chunk.first_line + i}", text_field))
                 out.ends.append(True)
+                out.starts.append(True)
             else:
                 out.empty += 1
         return out
@@ -351,6 +354,7 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
             if text:
                 out.texts.append(text)
                 out.ends.append(True)
+                out.starts.append(True)
             else:
                 out.empty += 1
         return out
@@ -358,6 +362,7 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
         if cont or not end:  # a piece of a streamed document: checked UTF-8 as it was read
             out.texts.append(data.decode("utf-8"))
             out.ends.append(end)
+            out.starts.append(not cont)
             continue
         try:
             text = data.decode("utf-8")
@@ -372,6 +377,7 @@ def parse_chunk(chunk: Chunk, text_field: str) -> Parsed:
         elif text:
             out.texts.append(text)
             out.ends.append(True)
+            out.starts.append(True)
         else:
             out.empty += 1
     return out

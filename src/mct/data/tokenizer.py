@@ -5,15 +5,22 @@ inputs with the ``tokenizers`` library). All of them are written out as a
 
 Ids: ``bytes`` keeps today's ids (a token is a UTF-8 byte, 0..255) and adds EOS = 256;
 a trained BPE has EOS = 0 and the 256 bytes next; a user's tokenizer keeps its ids and
-its EOS (found by name, else ``<|endoftext|>`` is added). Encoding never adds a BOS or
-template tokens, and text that spells a special token is encoded as text, so decoding a
-document's ids (without its EOS) gives its text back exactly for ``bytes`` and ``train``.
+its EOS (found by name, else ``<|endoftext|>`` is added). A user's tokenizer places its
+special tokens as it places them itself: the ids its post-processor puts around a text
+(a model's BOS; ``add_bos_token`` / ``add_eos_token`` of tokenizer_config.json override
+it, as transformers' tokenizers do) are ``Tokenizer.prefix`` / ``suffix``, put around each
+document; the EOS ends it (once: a suffix that ends with it is not doubled). ``bytes`` and
+``train`` add no template. Text that spells a special token is encoded as text, so
+decoding a document's ids (without its template and EOS) gives its text back exactly for
+``bytes`` and ``train``. ``tokenizer_identity`` names a tokenizer by what it maps (its
+model and added tokens), never by its path or its file's bytes.
 
 Nothing here reads the network: ``tokenizers`` builds everything from local files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -91,6 +98,14 @@ class Tokenizer:
     eos_id: int
     source: str
     pieces_ok: bool = True
+    prefix: tuple[int, ...] = ()
+    """Ids put before each document (the model's BOS), as the tokenizer places them."""
+    suffix: tuple[int, ...] = ()
+    """Ids put after each document's text, before its EOS (an EOS last here is not doubled)."""
+
+    def closing(self) -> tuple[int, ...]:
+        """What ends a document: ``suffix`` then EOS, EOS once."""
+        return self.suffix if self.suffix[-1:] == (self.eos_id,) else (*self.suffix, self.eos_id)
 
     @property
     def dtype(self) -> np.dtype:
@@ -128,15 +143,59 @@ class Encoder:
         return hf.decode(arr.tolist(), skip_special_tokens=False)
 
 
-def _eos_from_config(d: Path) -> str | None:
-    cfg = d / "tokenizer_config.json"
-    if not cfg.is_file():
-        return None
+def _tokenizer_config(d: Path) -> dict[str, Any]:
+    """tokenizer_config.json of directory ``d`` as a dict ({} when absent or unreadable)."""
     try:
-        eos = json.loads(cfg.read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _token_name(cfg: dict[str, Any], key: str) -> str | None:
+    """The name of special token ``key`` ('eos_token', 'bos_token') in a tokenizer config."""
+    tok = cfg.get(key)
+    return tok.get("content") if isinstance(tok, dict) else tok if isinstance(tok, str) else None
+
+
+def _template(hf: Any, cfg: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, suffix): the ids ``hf``'s post-processor puts before and after a text,
+    with ``add_bos_token`` / ``add_eos_token`` of ``cfg`` (tokenizer_config.json)
+    adding or removing the BOS / EOS, as transformers' tokenizers read them."""
+    enc = hf.encode("a", add_special_tokens=True)
+    mask = enc.special_tokens_mask
+    first = mask.index(0) if 0 in mask else len(mask)
+    last = len(mask) - mask[::-1].index(0) if 0 in mask else len(mask)
+    prefix, suffix = list(enc.ids[:first]), list(enc.ids[last:])
+    for key, ids, at in (("bos", prefix, 0), ("eos", suffix, -1)):
+        want, name = cfg.get(f"add_{key}_token"), _token_name(cfg, f"{key}_token")
+        tid = hf.token_to_id(name) if name else None
+        if not isinstance(want, bool) or tid is None:
+            continue
+        has = bool(ids) and ids[at] == tid
+        if want and not has:
+            ids.insert(0 if at == 0 else len(ids), tid)
+        elif has and not want:
+            ids.pop(at)
+    return tuple(prefix), tuple(suffix)
+
+
+def tokenizer_identity(text: str) -> str:
+    """sha256 of what a tokenizer.json (``text``) maps: its ``model`` (vocabulary, merges)
+    and ``added_tokens``, in a canonical form (key order and the two spellings of BPE
+    merges do not count). Two files of the same identity give every token the same id.
+    Raises ValueError for text that is not a tokenizer.json object."""
+    try:
+        d = json.loads(text)
+        model, added = d["model"], d.get("added_tokens") or []
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"not a tokenizer.json ({type(e).__name__}: {e})") from None
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):
+        model = {**model, "merges": [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]}
+    added = sorted(({"id": a.get("id"), "content": a.get("content"), "special": a.get("special")}
+                    for a in added if isinstance(a, dict)), key=lambda a: (str(a["id"]), str(a["content"])))
+    canon = json.dumps({"model": model, "added_tokens": added}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
 def _from_file(spec: str) -> Tokenizer:
@@ -151,14 +210,17 @@ def _from_file(spec: str) -> Tokenizer:
     except Exception as e:  # the library raises its own Exception type for any malformed file
         raise ValueError(f"--tokenizer {spec!r}: {f} is not a tokenizer.json the tokenizers library reads "
                          f"({str(e).splitlines()[0][:160]}); pass a valid one") from None
-    names = [n for n in [_eos_from_config(f.parent), *EOS_NAMES] if n]
+    cfg = _tokenizer_config(f.parent)
+    names = [n for n in [_token_name(cfg, "eos_token"), *EOS_NAMES] if n]
     eos = next((hf.token_to_id(n) for n in names if hf.token_to_id(n) is not None), None)
     if eos is None:  # documents need a separator: add one, recorded in the dataset's tokenizer.json
         hf.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
         eos = hf.token_to_id(EOS_TOKEN)
     # ids may be sparse: the model needs max id + 1 rows, not the number of tokens
     vocab_size = max(hf.get_vocab(with_added_tokens=True).values()) + 1
-    return Tokenizer(kind="file", json=hf.to_str(), vocab_size=vocab_size, eos_id=int(eos), source=spec)
+    prefix, suffix = _template(hf, cfg)
+    return Tokenizer(kind="file", json=hf.to_str(), vocab_size=vocab_size, eos_id=int(eos), source=spec,
+                     prefix=prefix, suffix=suffix)
 
 
 def _pieces_ok(tok: Tokenizer) -> bool:

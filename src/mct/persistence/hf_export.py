@@ -15,6 +15,7 @@ Everything goes to a temporary directory beside ``--out``, renamed when complete
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mct.data.tokenizer import tokenizer_identity
 from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN
@@ -43,7 +45,8 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 def copy_hf_assets(source_dir: str | Path, dest: str | Path, tokenizer: str | Path | None = None) -> str | None:
     """Copy config.json and the tokenizer files ``source_dir`` has into ``dest``
     (created). ``tokenizer``: the tokenizer.json the model is trained with (a run's own,
-    from its dataset), when known. Where it differs from ``source_dir``'s own, the
+    from its dataset), when known. Where it maps other ids than ``source_dir``'s own
+    (compared by content, ``tokenizer_identity``: the same tokenizer written again is the same), the
     directory's tokenizer files would encode text as ids the model never saw: ``dest``
     gets ``tokenizer`` as its tokenizer.json and none of the directory's tokenizer files,
     and a warning saying so is returned (else None). Raises ValueError (one line) when a
@@ -51,7 +54,7 @@ def copy_hf_assets(source_dir: str | Path, dest: str | Path, tokenizer: str | Pa
     dest, source_dir = Path(dest), Path(source_dir)
     dest.mkdir(parents=True, exist_ok=True)
     own = [n for n in TOKENIZER_FILES if n != "generation_config.json" and (source_dir / n).is_file()]
-    differs = tokenizer is not None and _bytes(Path(tokenizer)) != _bytes(source_dir / "tokenizer.json")
+    differs = tokenizer is not None and _identity(Path(tokenizer)) != _identity(source_dir / "tokenizer.json")
     names, note = ("config.json", *TOKENIZER_FILES), None
     if differs:
         names = ("config.json", "generation_config.json")
@@ -67,14 +70,20 @@ def copy_hf_assets(source_dir: str | Path, dest: str | Path, tokenizer: str | Pa
     return note
 
 
-def _bytes(path: Path) -> bytes | None:
-    """The file's bytes, None when there is no such file."""
+def _identity(path: Path) -> str | None:
+    """What the tokenizer.json at ``path`` maps (``tokenizer_identity``: its vocabulary
+    and added tokens, not its bytes or path); None when there is no such file, the
+    file's sha256 when it is no tokenizer.json."""
     if not path.is_file():
         return None
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as e:
         raise user_error(e, path) from None
+    try:
+        return tokenizer_identity(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return hashlib.sha256(data).hexdigest()
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -8,9 +8,18 @@ for a run that did not finish, its newest usable checkpoint. Text goes through t
 tokenizer the model was trained with, the run's own ``RUN_DIR/tokenizer.json`` (written
 when the run started: a prepared dataset's tokenizer, or the byte tokenizer of a text
 corpus), never ``data.path``'s, which may have moved or changed; a run without one is a
-one-line error, never a silent fall-back to bytes. Generation is autoregressive over the
-last ``model.seq_len`` tokens, one process, CPU, fp32; temperature 0 is greedy. Ctrl-C
-stops it and keeps what was generated.
+one-line error, never a silent fall-back to bytes. One process, CPU, fp32; temperature 0
+is greedy. Ctrl-C stops it and keeps what was generated.
+
+A Hugging Face model (``hf:``) generates with transformers' own ``generate`` and KV cache
+(each new token is one position's forward, not the whole window's): the prompt gets the
+special tokens its tokenizer puts before a text (the model's BOS, ``RUN_DIR/hf``'s
+tokenizer), generation stops at that tokenizer's EOS, sampling is plain temperature
+sampling (no top-k / top-p) from ``--seed``. The context grows to the model's positions
+(``max_position_embeddings``; else ``model.seq_len``); past them, generation goes on
+from the last half of them (the cache is rebuilt once per half). Any other model is run
+on the last ``model.seq_len`` tokens for every new token (no cache: the built-in GPT
+learns absolute positions, so a window that slides each token would void a cache).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from mct.errors import read_text, user_error
 from mct.persistence.export import consolidated_state, pick_checkpoint
 from mct.persistence.files import read_json
 from mct.task import task_for
+from mct.task.hf import positions_of
 from mct.task.tokens import forward_tokens
 
 MAX_TOKENS = 100_000
@@ -37,10 +47,14 @@ MIN_TEMPERATURE = 1e-4
 
 class _Text:
     """encode/decode of the run's own ``tokenizer.json`` (UTF-8 bytes when it is the byte
-    tokenizer, else a ``tokenizers.Tokenizer``)."""
+    tokenizer, else a ``tokenizers.Tokenizer``); ``prefix`` (ids put before each document,
+    a model's BOS) and ``eos_id`` as its dataset recorded them (none for a text corpus)."""
 
-    def __init__(self, run_dir: Path, cfg: EngineConfig) -> None:
+    def __init__(self, run_dir: Path, cfg: EngineConfig, dataset: dict[str, Any] | None = None) -> None:
         from mct.data.tokenizer import bytes_tokenizer_json
+        dataset = dataset or {}  # how the run's dataset placed special tokens (metadata.json, mct prepare)
+        self.prefix: tuple[int, ...] = tuple(dataset.get("template", {}).get("prefix", ()))
+        self.eos_id: int | None = dataset.get("eos_id")
         path = run_dir / "tokenizer.json"
         if not path.is_file():
             where = (f"it trained on token ids from {cfg.data.path!r}, which have no known tokenizer"
@@ -76,6 +90,14 @@ class _Text:
         if self.hf is not None:
             return self.hf.decode(ids, skip_special_tokens=False)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _dataset_of(run_dir: Path) -> dict[str, Any]:
+    """The run's prepared dataset as metadata.json recorded it ({} for other corpora)."""
+    recorded = read_json(run_dir / "metadata.json")
+    corpus = recorded.get("corpus") if isinstance(recorded, dict) else None
+    dataset = corpus.get("dataset") if isinstance(corpus, dict) else None
+    return dataset if isinstance(dataset, dict) else {}
 
 
 def _run_config(run_dir: Path) -> EngineConfig:
@@ -170,9 +192,12 @@ def sample_text(run_dir: str | Path, prompt: str = "", tokens: int = 200, temper
     a directory that is no run."""
     check_arguments(tokens, temperature)
     model, cfg, vocab = _load(Path(run_dir))
-    text = _Text(Path(run_dir), cfg)
-    ids = text.encode(prompt) or [text.encode("\n")[0]]  # an empty prompt starts from a newline
+    text = _Text(Path(run_dir), cfg, _dataset_of(Path(run_dir)))
+    ids = text.encode(prompt) or ([] if text.prefix else [text.encode("\n")[0]])  # else: from a newline
+    ids = [*text.prefix, *ids]
     _check_prompt(prompt, ids, vocab, text)
+    if cfg.model.source.startswith("hf:") and hasattr(model, "generate"):
+        return _hf_sample(model, text, ids, tokens, temperature, seed, cfg)
     generator = torch.Generator().manual_seed(seed)
     start = len(ids)
     try:
@@ -184,11 +209,56 @@ def sample_text(run_dir: str | Path, prompt: str = "", tokens: int = 200, temper
                 probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
                 ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     except KeyboardInterrupt:
-        return text.decode(ids), len(ids) - start, True
-    return text.decode(ids), len(ids) - start, False
+        return text.decode(ids[len(text.prefix):]), len(ids) - start, True
+    return text.decode(ids[len(text.prefix):]), len(ids) - start, False
 
 
 def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature: float = 0.8,
            seed: int = 0) -> str:
     """``prompt`` followed by ``tokens`` generated tokens, as text (see ``sample_text``)."""
     return sample_text(run_dir, prompt, tokens, temperature, seed)[0]
+
+
+class _Collect:
+    """A ``generate`` streamer (transformers' ``BaseStreamer`` protocol): what it produces,
+    token by token (its first ``put`` is the prompt), kept when Ctrl-C stops it mid-way."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.ids += [int(i) for i in value.reshape(-1)]
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_sample(model: nn.Module, text: "_Text", ids: list[int], tokens: int, temperature: float,
+               seed: int, cfg: EngineConfig) -> tuple[str, int, bool]:
+    """``sample_text`` of a transformers model: ``generate`` with its KV cache, in segments
+    of the model's positions (see the module docstring)."""
+    from transformers import GenerationConfig
+    limit = positions_of(model.config) or cfg.model.seq_len
+    eos = text.eos_id
+    start, collect = len(ids), _Collect()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            while len(ids) - start < tokens and (eos is None or len(ids) == start or ids[-1] != eos):
+                context = ids[-limit:] if len(ids) < limit else ids[-(limit // 2):]
+                new = min(tokens - (len(ids) - start), limit - len(context))
+                gen = GenerationConfig(max_new_tokens=new, do_sample=temperature > 0, use_cache=True,
+                                       temperature=temperature if temperature > 0 else None,
+                                       top_k=0 if temperature > 0 else None, top_p=1.0 if temperature > 0 else None,
+                                       eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+                collect.ids = []
+                model.generate(torch.tensor([context]), attention_mask=torch.ones(1, len(context), dtype=torch.long),
+                               generation_config=gen, streamer=collect)
+                ids += collect.ids
+        except KeyboardInterrupt:
+            ids += collect.ids
+            return text.decode(ids[len(text.prefix):]), len(ids) - start, True
+    return text.decode(ids[len(text.prefix):]), len(ids) - start, False

@@ -30,9 +30,12 @@ from mct.task.tokens import causal_lm_loss, chunk_choices, loss_for, token_batch
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 """config.json keys that bound the positions a model can embed, in order of preference."""
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "generation_config.json")
-"""Files of a model directory that travel with its weights (export copies them)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+"""Files of a model directory that travel with its weights (export copies them): every
+file ``AutoTokenizer.from_pretrained`` reads (special tokens, chat template) and the
+generation defaults."""
 
 
 def _transformers():
