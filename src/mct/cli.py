@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mct import __version__
-from mct.config import CLI_RECIPE, EngineConfig, load_config
+from mct.config import CLI_RECIPE, EngineConfig, PrecisionMode, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -213,34 +213,8 @@ def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
               f"share cores and run slower than --nproc {cores} (fine for testing a world size)")
     auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto"
     if cfg.memory.budget and not cfg.memory.enforce and not auto:
-        _warn(f"memory.budget = {cfg.memory.budget!r} is recorded but not enforced; set memory.enforce=true "
+        _warn(f"memory.budget = {cfg.memory.budget} bytes is recorded but not enforced; set memory.enforce=true "
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
-
-
-def _check_host_memory(cfg: EngineConfig, nproc: int, task) -> None:
-    """On CPU, refuse a model whose parameters alone (at 2 or 4 bytes each: nproc copies,
-    or one copy split across the ranks at stage 3; a lower bound on what training needs)
-    exceed the machine's physical memory, before anything is allocated: allocating it
-    would end in swapping or the OOM killer, not an error. Not checked when the
-    parameters are offloaded (offload.params) or the planner decides (zero.stage = auto).
-    Raises ValueError naming the size and the fix."""
-    import torch
-    if torch.cuda.is_available() or not hasattr(os, "sysconf"):
-        return
-    if cfg.offload.params != "none" or cfg.zero.stage == "auto":
-        return
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
-    from mct.task.meta import build_on_meta
-    n = sum(p.numel() for p in build_on_meta(task.model_fn).parameters())
-    need = n * (4 if cfg.precision.mode == "fp32" else 2) * (1 if cfg.zero.stage == 3 else nproc)
-    if need > ram:
-        raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
-                         f"{nproc} worker(s), more than this machine's {ram / 2**30:.1f} GiB of memory; shrink "
-                         f"model.n_layer/model.d_model, set zero.stage=3 with offload.optimizer=disk and "
-                         f"offload.params=disk, or run `mct plan` for the memory a configuration needs")
 
 
 def _model_flags(args: argparse.Namespace) -> list[str]:
@@ -283,7 +257,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg, run_dir = _train_config(args)
     done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
     if done is not None:  # a resume with no steps left leaves the run as it is
-        _finish_weights(Path(args.resume), done[1])
+        from mct.persistence.export import finish_weights
+        if finish_weights(Path(args.resume), done[1]):
+            _note(f"wrote {Path(args.resume) / 'model.safetensors'} from {done[1].name}")
         _note(f"--resume {args.resume!r}: the run already completed {done[0]} steps (train.steps = "
               f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")
         return 0
@@ -292,7 +268,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
               f"(pass --nproc M to reshard)")
     from mct.task import task_for
     task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
-    _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
+    from mct.task.meta import check_host_memory
+    check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
     _config_warnings(cfg, args.nproc)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner.plan import planned_device
@@ -313,22 +290,6 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                        rdzv_id=args.rdzv_id)
     from mct.run.worker import run_worker
     return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, task=task)
-
-
-def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
-    """A run stopped between its last checkpoint and its weights export: write
-    ``model.safetensors`` from that checkpoint (the same bytes the run would have written)."""
-    from mct.persistence.export import export_checkpoint
-    from mct.persistence.run_dir import RunLock
-    if (run_dir / "model.safetensors").is_file():
-        return
-    lock = RunLock(run_dir)  # not while the run itself may be writing it
-    try:
-        if not (run_dir / "model.safetensors").is_file():
-            export_checkpoint(checkpoint, run_dir / "model.safetensors")
-            _note(f"wrote {run_dir / 'model.safetensors'} from {checkpoint.name}")
-    finally:
-        lock.release()
 
 
 def _note(msg: str) -> None:
@@ -395,24 +356,35 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         teardown()
 
 
+def _plan_config(args: argparse.Namespace) -> EngineConfig:
+    """``mct plan``'s config: ``--budget B`` is ``memory.budget = B`` (converted where the
+    config converts it; an error names --budget, as the user wrote it)."""
+    budget = [f"memory.budget={args.budget}"] if args.budget else []
+    try:
+        return load_config(args.config, [*_model_flags(args), *budget], defaults=CLI_RECIPE)
+    except ValueError as e:
+        if budget and str(e).startswith("memory.budget "):
+            raise ValueError("--budget" + str(e)[len("memory.budget"):]) from None
+        raise
+
+
 def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     """``mct plan``: dry-run every configuration and print the table (or JSON). Returns
     0 when a configuration fits (or no budget was given); raises ValueError (exit 2,
     one line) when nothing fits. ``--plot FILE.png`` also draws it (``mct.reporting.plots``)."""
     import json
 
-    from mct.config import parse_bytes
     from mct.planner import make_plan, plan_workers
     from mct.planner.plan import for_device, planned_device
     from mct.planner.pool import WorkerDied
     from mct.persistence.run_dir import check_outside_runs
     from mct.reporting.plots import check_plot_path
-    cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
+    cfg = _plan_config(args)
     if args.plot:
         check_plot_path(args.plot, args.force, check_outside_runs)  # before minutes of planning
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-    limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
+    limit = cfg.memory.budget
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args, cfg)
@@ -448,9 +420,9 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
     if limit is None:
         raise ValueError("--solve needs a per-rank budget: pass --budget (e.g. --budget 24GiB) or set memory.budget")
     allow = check_allow(args.allow, "--allow") if args.allow is not None else tuple(cfg.memory.solver_allow)
-    if len(grid.precisions) == 1 and grid.precisions[0] != cfg.precision.mode:  # --precisions bf16: that one
-        import dataclasses
-        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, mode=grid.precisions[0]))
+    if len(grid.precisions) == 1:  # --precisions bf16: that one
+        from mct.config import with_values
+        cfg = with_values(cfg, {"precision.mode": grid.precisions[0]})
     device = planned_device(cfg)
     space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True)
     from mct.planner.pool import WorkerDied
@@ -469,7 +441,7 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
     return 0
 
 
-def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
+def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> Any:
     """--stages/--policies/--precisions/--offloads -> make_plan's ``Grid``. Raises
     ValueError naming a value that is not a stage, policy, precision mode or offload.
     --policies defaults to the uniform ones, and 'per_block' when ``cfg`` sets checkpointing.per_block."""
@@ -486,7 +458,8 @@ def _plan_grid(args: argparse.Namespace, cfg: EngineConfig) -> "Grid":
         if bad or not values:
             raise ValueError(f"--{key} {getattr(args, key)!r}: {bad or 'nothing'} is not allowed; "
                              f"choose from {','.join(ok)}")
-        grid[key] = tuple(int(v) for v in values) if key == "stages" else values
+        grid[key] = tuple(int(v) for v in values) if key == "stages" else \
+            tuple(PrecisionMode(v) for v in values) if key == "precisions" else values
     if args.offloads is not None:
         from mct.planner.choice import OffloadChoice
         labels = tuple(v.strip() for v in args.offloads.split(",") if v.strip())

@@ -31,6 +31,41 @@ class Name(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+class PrecisionMode(Name):
+    """``precision.mode``, converted at load: the dtype working parameters, their gradients
+    and the compute live in (``dtype``; fp32 master weights whatever the mode), and what
+    follows from it. Equal to, and serialized as, its name ('fp32', 'bf16', 'fp16')."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    def __repr__(self) -> str:  # messages show the value as the user wrote it: 'bf16'
+        return repr(self.value)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per working parameter."""
+        return 4 if self is PrecisionMode.fp32 else 2
+
+    @property
+    def is_low(self) -> bool:
+        """bf16 or fp16: 16-bit working parameters over fp32 masters."""
+        return self is not PrecisionMode.fp32
+
+    @property
+    def scales_loss(self) -> bool:
+        """fp16: dynamic loss scaling protects small gradients (bf16 has fp32's range)."""
+        return self is PrecisionMode.fp16
+
+    @property
+    def dtype(self) -> Any:
+        """The ``torch.dtype`` of working parameters (torch is imported on first use: the
+        schema loads without it)."""
+        import torch
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -48,6 +83,12 @@ def parse_bytes(text: str | int, key: str = "memory.budget") -> int:
     if n < 1:  # '0.5B' rounds to nothing: not a budget anyone means
         raise ValueError(f"{key} = {text!r} is less than one byte; pass a size like '2GiB'")
     return n
+
+
+class ByteSize(int):
+    """The annotation of a config key that is a byte count, written as a size ('2GiB') or
+    an int: the loader hands the text on as written and the section converts it
+    (``parse_bytes``), so an error names the value as the user wrote it."""
 
 
 def check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -245,8 +286,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    mode: str = "fp32"
-    """'fp32', 'bf16' or 'fp16': dtype of working parameters and compute."""
+    mode: PrecisionMode = PrecisionMode.fp32
+    """'fp32', 'bf16' or 'fp16': dtype of working parameters and compute (a ``PrecisionMode``
+    once loaded: its dtype and what follows from it)."""
     reduce_dtype: str = "fp32"
     """Dtype in which gradients are reduced across ranks: 'fp32' or 'param' (the working dtype)."""
     initial_scale_power: int = 16
@@ -263,8 +305,9 @@ class PrecisionConfig:
     on CPUs without native bf16/fp16 units (AVX512-BF16/AMX), where 'native' is 25-40x slower."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fp32", "bf16", "fp16"):
+        if self.mode not in tuple(PrecisionMode):
             _fail("precision.mode", self.mode, "choose 'fp32', 'bf16' or 'fp16'")
+        self.mode = PrecisionMode(self.mode)
         if self.reduce_dtype not in ("fp32", "param"):
             _fail("precision.reduce_dtype", self.reduce_dtype, "choose 'fp32' or 'param'")
         if self.cpu_matmul not in ("auto", "native", "fp32"):
@@ -393,8 +436,9 @@ SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload")
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    budget: str = ""
-    """Per-rank memory budget, e.g. '2GiB'; '' = none."""
+    budget: ByteSize | None = None
+    """Per-rank memory budget, written as a size ('2GiB', '512MB') or a byte count; bytes
+    (an int) once loaded: converted here, once; '' or absent = none."""
     enforce: bool = False
     """Raise MemoryBudgetExceeded as soon as live bytes pass the budget."""
     track: bool = True
@@ -431,8 +475,7 @@ class MemoryConfig:
         if bad:
             _fail("memory.solver_allow", self.solver_allow,
                   f"{bad[0]!r} is not a lever; choose from {', '.join(SOLVER_LEVERS)} (comma-separated, or [])")
-        if self.budget:
-            parse_bytes(self.budget)
+        self.budget = parse_bytes(self.budget) if self.budget not in (None, "") else None  # the one parse
         if self.enforce and not self.budget:
             _fail("memory.enforce", self.enforce, "needs memory.budget, e.g. budget = '2GiB'")
         if self.enforce and not self.track:
@@ -441,7 +484,8 @@ class MemoryConfig:
 
     @property
     def budget_bytes(self) -> int | None:
-        return parse_bytes(self.budget) if self.budget else None
+        """``budget`` (bytes already): the name older callers read."""
+        return self.budget
 
 
 @dataclass(kw_only=True)
@@ -673,8 +717,16 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         if t in (str, bool) and type(value) is t:
             return value
-    names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+        if t is ByteSize and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return value  # the section converts it
+        if isinstance(t, type) and issubclass(t, Name) and isinstance(value, str):
+            return value  # the section's __post_init__ converts it (naming the key when it is not a member)
+    names = " or ".join(_type_name(t) for t in options if t is not type(None))
     raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}")
+
+
+def _type_name(t: Any) -> str:
+    return "a size like '2GiB' or a byte count" if t is ByteSize else getattr(t, "__name__", str(t))
 
 
 def _parse_text(key: str, text: str, typ: Any) -> Any:
@@ -702,7 +754,7 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
                 return t(text)
             except (ValueError, OverflowError):
                 continue
-        elif t is str:
+        elif t is str or t is ByteSize or (isinstance(t, type) and issubclass(t, Name)):
             return text
     names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
     raise ValueError(f"{key} = {text!r} has the wrong type: expected {names}")

@@ -79,7 +79,7 @@ class Engine:
         self._host_malloc = host.mode_of(cfg, self.device.type)
         self._trim = self.ctx.backend != "simulated" and host.for_building(self._host_malloc)  # then for_training
         self._trim_steps = self._trim and host.trims_steps(self._host_malloc)
-        enforce = cfg.memory.budget_bytes if cfg.memory.enforce else None
+        enforce = cfg.memory.budget if cfg.memory.enforce else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
                                                 suggestion=default_suggestion(cfg) if enforce else None)
         if enforce and self.device.type == "cuda":

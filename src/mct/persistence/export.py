@@ -21,7 +21,7 @@ from mct.outputs import check_file_output
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
-from mct.persistence.run_dir import check_outside_runs, newest_usable
+from mct.persistence.run_dir import RunLock, check_outside_runs, newest_usable
 from mct.persistence.safetensors_out import SafetensorsWriter
 from mct.zero.state_io import param_slices
 
@@ -147,3 +147,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> None:
         writer.abort()
         raise
     writer.commit()
+
+
+def finish_weights(run_dir: Path, checkpoint: Path) -> bool:
+    """A run stopped between its last checkpoint and its weights export: write
+    ``model.safetensors`` from that checkpoint (the same bytes the run would have written).
+    Returns whether it wrote it (False: the run had)."""
+    if (run_dir / "model.safetensors").is_file():
+        return False
+    lock = RunLock(run_dir)  # not while the run itself may be writing it
+    try:
+        if not (run_dir / "model.safetensors").is_file():
+            export_checkpoint(checkpoint, run_dir / "model.safetensors")
+            return True
+        return False
+    finally:
+        lock.release()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mct.config import EngineConfig, parse_bytes
+from mct.config import EngineConfig, with_values
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import (DryRun, DryRunHooks, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run,
                                  dry_run_task)
@@ -75,7 +75,7 @@ def plan_task(task: Task, config: EngineConfig | dict | None = None, world_size:
     process); the rows are the same. Raises ValueError as ``predict_peak``, or for a
     bad budget or worker count."""
     cfg = _config(config)
-    limit = parse_bytes(budget, "budget") if budget is not None else cfg.memory.budget_bytes
+    limit = with_values(cfg, {"memory.budget": budget}).memory.budget if budget is not None else cfg.memory.budget
     return make_plan(task, cfg, world_size, limit, grid, extrapolate=extrapolate, workers=plan_workers(workers))
 
 

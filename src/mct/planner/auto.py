@@ -133,7 +133,7 @@ def resolve_auto(cfg: EngineConfig, world: int, work: Any, *,
             if v == "auto"]
     if not auto:
         return cfg, None
-    budget = cfg.memory.budget_bytes
+    budget = cfg.memory.budget
     if budget is None:
         raise ValueError(f"{' and '.join(auto)} = 'auto' needs a per-rank budget to plan for: set memory.budget, "
                          f"e.g. --set memory.budget=2GiB (or choose the value yourself; `mct plan` helps)")

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mct.config import EngineConfig
+from mct.config import EngineConfig, PrecisionMode
 
 TIERS = ("cpu", "disk")
 """Where state can be offloaded to."""
@@ -96,7 +96,7 @@ class Choice:
 
     stage: int
     policy: str
-    precision: str | None = None
+    precision: PrecisionMode | None = None
     offload: OffloadChoice | None = None
     act_offload: str | None = None
     loss_chunk: int | None = None
@@ -176,7 +176,7 @@ class PlanRow(Mapping):
     stage: int
     policy: str
     per_block: dict[str, int] | list[str] | None
-    precision: str
+    precision: PrecisionMode
     offload: OffloadChoice
     act_offload: str
     loss_chunk_tokens: int

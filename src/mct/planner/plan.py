@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mct.checkpointing import block_choices, find_blocks, find_mlps
-from mct.config import OFFLOAD_TIERS, EngineConfig
+from mct.config import OFFLOAD_TIERS, EngineConfig, PrecisionMode
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
@@ -159,7 +159,7 @@ class Plan:
     budget: int | None
     world: int
     n_params: int
-    precision: str
+    precision: PrecisionMode
     recommended: PlanRow | None
     advice: str
     time_notes: list[str] = dataclasses.field(default_factory=list)
@@ -214,7 +214,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     cfg = for_device(cfg, device)
-    precisions = tuple(grid.precisions)
+    precisions = tuple(PrecisionMode(p) for p in grid.precisions)  # the Python API's Grid may hold names
     offloads = tuple(offload_choice(o) for o in grid.offloads) if grid.offloads else (OffloadChoice.of(cfg),)
     acts = tuple(grid.act_offloads) if grid.act_offloads else (cfg.checkpointing.offload,)
     for tier in acts:

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mct.checkpointing import find_blocks
-from mct.config import EngineConfig
+from mct.config import EngineConfig, PrecisionMode
 from mct.memory.tracker import format_bytes
 from mct.planner.choice import Choice, OffloadChoice, PlanRow, apply, need_of
 from mct.planner.plan import _per_block_of, dry_run_cost, offload_choice, predicted_seconds
@@ -102,7 +102,7 @@ class Solution:
     budget: int
     world: int
     n_params: int
-    precision: str
+    precision: PrecisionMode
     n_blocks: int
     pick: PlanRow | None = None
     why: str = ""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mct.checkpointing.policies import policy_label
-from mct.config import CheckpointingConfig, parse_bytes
+from mct.config import CheckpointingConfig, MemoryConfig
 from mct.machine import format_flops, format_rate
 from mct.memory import host
 from mct.memory.tracker import format_bytes
@@ -35,10 +35,10 @@ class RunData:
     @property
     def budget(self) -> int | None:
         """memory.budget of the run's resolved config, in bytes (None when unset or unreadable)."""
-        text = (((self.meta or {}).get("config") or {}).get("memory") or {}).get("budget")
-        try:
-            return parse_bytes(text) if text else None
-        except ValueError:
+        written = (((self.meta or {}).get("config") or {}).get("memory") or {}).get("budget")
+        try:  # bytes in a run's record; a size ('2GiB') in older ones
+            return MemoryConfig(budget=written).budget
+        except (ValueError, TypeError):
             return None
 
 

@@ -79,7 +79,7 @@ class BudgetLoop:
                 same = {"zero.stage": stage, "checkpointing.policy": policy}
                 change = {"from": {**same, "zero.reshard_root_after_forward": False, "predicted_peak_bytes": self.peak},
                           "to": {**same, "zero.reshard_root_after_forward": True, "predicted_peak_bytes": peak},
-                          "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
+                          "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget)})"}
                 self.peak = peak
                 return freed, change
             current = freed  # the rows below are planned with the root resharded
@@ -88,7 +88,7 @@ class BudgetLoop:
         grid = Grid(stages, policies, (a.precision.mode,))
         # the grid's other axes default to current's own (rows with policy 'none' have no
         # regions to offload: planned only when checkpointing.offload is 'none')
-        plan = make_plan(self.work, current, self.world, a.memory.budget_bytes, grid, advise=False)  # only the rows
+        plan = make_plan(self.work, current, self.world, a.memory.budget, grid, advise=False)  # only the rows
         rows = [r for r in plan.rows if (r.stage, r.policy) not in self.tried and r.peak < self.peak]
         if not rows:
             stage, policy = _key(current)
@@ -102,7 +102,7 @@ class BudgetLoop:
         change = {"from": {"zero.stage": stage, "checkpointing.policy": policy, "predicted_peak_bytes": before},
                   "to": {"zero.stage": best.stage, "checkpointing.policy": best.policy,
                          "predicted_peak_bytes": best.peak},
-                  "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget_bytes)})"}
+                  "reason": f"memory budget exceeded at run time ({format_bytes(a.memory.budget)})"}
         return with_choice(current, best.stage, best.policy), change  # a per_block pick's blocks go with it
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from mct.config import EngineConfig
-from mct.machine import DTYPES, calibrate, cpu_line, format_rate
+from mct.config import EngineConfig, PrecisionMode
+from mct.machine import calibrate, cpu_line, format_rate
 from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare
 from mct.planner.overhead import machine_rates
@@ -54,10 +54,10 @@ class Utilization:
         flops = step_flops(task, cfg, world_size)
         cal = calibrate("cuda" if device_type == "cuda" else "cpu")
         prof, threads = cal.profile, threads_per_rank or torch.get_num_threads()
-        dtype = cfg.precision.mode
-        kernels = ""
-        if dtype != "fp32" and use_fp32_kernels(cfg.precision.cpu_matmul, device_type, DTYPES[dtype]):
-            dtype, kernels = "fp32", f" ({cfg.precision.mode} matmuls run on fp32 kernels here)"
+        mode = cfg.precision.mode
+        dtype, kernels = mode.value, ""
+        if mode.is_low and use_fp32_kernels(cfg.precision.cpu_matmul, device_type, mode.dtype):
+            dtype, kernels = PrecisionMode.fp32.value, f" ({mode} matmuls run on fp32 kernels here)"
         peak = prof.peak_flops(dtype, threads, world_size)
         rate = prof.matmul_one.get(dtype)
         if rate is None:

@@ -15,11 +15,14 @@ device to replay them on real storage: it builds under ``torch.device('meta')`` 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+
+from mct.config import EngineConfig
 
 _INITIALIZERS = frozenset(getattr(nn.init, name) for name in (
     "normal_", "uniform_", "trunc_normal_", "xavier_normal_", "xavier_uniform_", "kaiming_normal_",
@@ -46,3 +49,27 @@ def build_on_meta(model_fn: Callable[[], Any]) -> Any:
     """``model_fn()`` under ``torch.device('meta')``, its random initializers skipped."""
     with torch.device("meta"), _SkipRandomInitOnMeta():
         return model_fn()
+
+
+def check_host_memory(cfg: EngineConfig, nproc: int, task: Any) -> None:
+    """On CPU, refuse a model whose parameters alone (at 2 or 4 bytes each: nproc copies,
+    or one copy split across the ranks at stage 3; a lower bound on what training needs)
+    exceed the machine's physical memory, before anything is allocated: allocating it
+    would end in swapping or the OOM killer, not an error. Not checked when the
+    parameters are offloaded (offload.params) or the planner decides (zero.stage = auto).
+    Raises ValueError naming the size and the fix."""
+    if torch.cuda.is_available() or not hasattr(os, "sysconf"):
+        return
+    if cfg.offload.params != "none" or cfg.zero.stage == "auto":
+        return
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    n = sum(p.numel() for p in build_on_meta(task.model_fn).parameters())
+    need = n * cfg.precision.mode.itemsize * (1 if cfg.zero.stage == 3 else nproc)
+    if need > ram:
+        raise ValueError(f"the model has {n:,} parameters: {need / 2**30:.1f} GiB for the parameters alone on "
+                         f"{nproc} worker(s), more than this machine's {ram / 2**30:.1f} GiB of memory; shrink "
+                         f"model.n_layer/model.d_model, set zero.stage=3 with offload.optimizer=disk and "
+                         f"offload.params=disk, or run `mct plan` for the memory a configuration needs")
