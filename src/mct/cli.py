@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     kw: dict = {"formatter_class": _DefaultsFormatter,
                 "epilog": "Config keys default to the field defaults in mct/config.py, except "
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
-    t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
+    from mct.run.recipe import recipes_help
+    t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **{
+        **kw, "epilog": f"Config keys default to the field defaults in mct/config.py, except the recipe's "
+                        f"(a config file or --set wins; the run summary names the recipe): {recipes_help()}."})
     _common(t, nproc=False)
     t.add_argument("--nproc", type=int, default=None,
                    help="local worker processes, launched with torchrun (default: 1); with --resume, the "
@@ -245,7 +248,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def _train_config(args: argparse.Namespace):
     """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
     if not args.resume:
-        return load_config(args.config, _model_flags(args), defaults=CLI_RECIPE), args.run_dir
+        from mct.run.recipe import train_config
+        return train_config(args.config, _model_flags(args)), args.run_dir
     if args.model or args.init_from:
         raise ValueError("--resume continues the run's own model and weights; drop --model/--init-from")
     if args.config:
