@@ -251,8 +251,9 @@ class Trainer:
         else:
             passed = outcome.result.loss
             self._passed(outcome)
-        if signum:
-            self.recovery.preempt(signum, self.bar)
+        if signum:  # the step that made the state to save passed and updated: its checkpoint is trusted
+            self.recovery.preempt(signum, self.bar, trusted=agreed is Verdict.PASSED
+                                   and outcome.result is not None and not outcome.result.skipped)
         return passed
 
     def _step(self, step: int) -> StepOutcome:
