@@ -199,14 +199,16 @@ def _warn(msg: str) -> None:
         print(f"mct: warning: {msg}", file=sys.stderr)
 
 
-def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
-    """Settings that are allowed but probably not what the user meant: one line each."""
+def _config_warnings(cfg: EngineConfig, nproc: int, resume: str | None = None) -> None:
+    """Settings that are allowed but probably not what the user meant: one line each, once (by
+    the launcher, not again by its workers). ``resume``: the run dir a resume continues."""
     cores = os.cpu_count() or 1
     if nproc > cores and not _under_torchrun():
         _warn(f"--nproc {nproc} starts more workers than this machine's {cores} CPU cores; they will "
               f"share cores and run slower than --nproc {cores} (fine for testing a world size)")
-    auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto"
-    if cfg.memory.budget and not cfg.memory.enforce and not auto:
+    from mct.persistence.resume import planned_for_budget
+    auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto" or planned_for_budget(resume)
+    if cfg.memory.budget and not cfg.memory.enforce and not auto and not os.environ.get("MCT_LAUNCH_DIR"):
         _warn(f"memory.budget = {cfg.memory.budget!r} is recorded but not enforced; set memory.enforce=true "
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
 
@@ -288,7 +290,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.task import task_for
     task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
-    _config_warnings(cfg, args.nproc)
+    _config_warnings(cfg, args.nproc, args.resume)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner import resolve_auto
         from mct.planner.plan import planned_device

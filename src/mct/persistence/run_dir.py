@@ -93,6 +93,15 @@ def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None
                      f"start a new run with --run-dir, or set train.checkpoint_every")
 
 
+def resume_candidate(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``--resume`` would start from, by the trust marks alone (the newest
+    trusted complete one, else the newest complete one; ``newest_usable`` also verifies
+    the files), or None when the run has no complete checkpoint. Reads no tensor."""
+    found = checkpoints(run_dir)
+    trusted = [p for _, p in found if is_trusted(p)]
+    return (trusted or [p for _, p in found] or [None])[-1]
+
+
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, torn ones older than the
     newest complete one, and checkpoints set aside as ``.untrusted`` (``set_aside_newer``)
