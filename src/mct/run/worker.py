@@ -81,6 +81,10 @@ class _OutOfMemory(Exception):
     """The host or device ran out of memory (or the budget was crossed): one line, exit 2."""
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+"""What gloo / NCCL say when another rank's process died under a collective."""
+
+
 def _peer_gone(e: Exception) -> bool:
     """A collective failed because another rank's process died (gloo / NCCL wording)."""
     text = str(e)
@@ -95,13 +99,9 @@ def _peer_gone_line(e: Exception, run_dir: str | None) -> str:
     from mct.persistence.run_dir import resume_candidate
     reason = next(k for k in _PEER_GONE if k in str(e))
     pick = resume_candidate(run_dir) if run_dir else None
-    where = (f"the newest checkpoint is {pick}; continue with: mct train --resume {run_dir}" if pick else
+    where = (f"the last good checkpoint is {pick}; continue with: mct train --resume {run_dir}" if pick else
              "no checkpoint was written yet (train.checkpoint_every)")
     return f"mct: error: a peer process is gone (a collective failed: {reason}); {where}"
-
-
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
-"""What gloo / NCCL say when another rank's process died under a collective."""
 
 
 def _place_failed(e: BaseException) -> bool:
