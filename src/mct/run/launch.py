@@ -340,7 +340,7 @@ def lost_worker_line(d: Path, records: list[dict[str, Any]]) -> str:
     from mct.persistence.run_dir import resume_candidate
     pick = resume_candidate(run_dir)
     where = (f"the last good checkpoint is {pick}; continue with: mct train --resume {run_dir}" if pick else
-             f"no checkpoint was written yet (train.checkpoint_every); start the run again in a new --run-dir")
+             "no checkpoint was written yet (train.checkpoint_every); start the run again in a new --run-dir")
     return (f"mct: error: worker rank {rank} was killed by {name} (it printed nothing: kill -9 or the "
             f"out-of-memory killer); the other ranks stopped; {where}")
 
