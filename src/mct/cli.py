@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     kw: dict = {"formatter_class": _DefaultsFormatter,
                 "epilog": "Config keys default to the field defaults in mct/config.py, except "
                           "train.grad_clip = 1.0 (the mct recipe; the Python API does not clip)."}
-    t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
+    from mct.run.recipe import recipes_help
+    t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **{
+        **kw, "epilog": f"Config keys default to the field defaults in mct/config.py, except the recipe's "
+                        f"(a config file or --set wins; the run summary names the recipe): {recipes_help()}."})
     _common(t, nproc=False)
     t.add_argument("--nproc", type=int, default=None,
                    help="local worker processes, launched with torchrun (default: 1); with --resume, the "
@@ -205,14 +208,16 @@ def _warn(msg: str) -> None:
         print(f"mct: warning: {msg}", file=sys.stderr)
 
 
-def _config_warnings(cfg: EngineConfig, nproc: int) -> None:
-    """Settings that are allowed but probably not what the user meant: one line each."""
+def _config_warnings(cfg: EngineConfig, nproc: int, resume: str | None = None) -> None:
+    """Settings that are allowed but probably not what the user meant: one line each, once (by
+    the launcher, not again by its workers). ``resume``: the run dir a resume continues."""
     cores = os.cpu_count() or 1
     if nproc > cores and not _under_torchrun():
         _warn(f"--nproc {nproc} starts more workers than this machine's {cores} CPU cores; they will "
               f"share cores and run slower than --nproc {cores} (fine for testing a world size)")
-    auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto"
-    if cfg.memory.budget and not cfg.memory.enforce and not auto:
+    from mct.persistence.resume import planned_for_budget
+    auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto" or planned_for_budget(resume)
+    if cfg.memory.budget and not cfg.memory.enforce and not auto and not os.environ.get("MCT_LAUNCH_DIR"):
         _warn(f"memory.budget = {cfg.memory.budget} bytes is recorded but not enforced; set memory.enforce=true "
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
 
@@ -228,7 +233,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def _train_config(args: argparse.Namespace):
     """(config, run dir or None) of a new run, or of the run that ``--resume`` continues."""
     if not args.resume:
-        return load_config(args.config, _model_flags(args), defaults=CLI_RECIPE), args.run_dir
+        from mct.run.recipe import train_config
+        return train_config(args.config, _model_flags(args)), args.run_dir
     if args.model or args.init_from:
         raise ValueError("--resume continues the run's own model and weights; drop --model/--init-from")
     if args.config:
@@ -270,7 +276,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
     from mct.task.meta import check_host_memory
     check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
-    _config_warnings(cfg, args.nproc)
+    _config_warnings(cfg, args.nproc, args.resume)
     if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
         from mct.planner.plan import planned_device
         from mct.persistence.run_dir import check_new_run_dir

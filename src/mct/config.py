@@ -793,6 +793,16 @@ CLI_RECIPE: dict[str, dict[str, Any]] = {"train": {"grad_clip": 1.0}}
 API's: the CLI clips the global gradient norm at 1.0 (nanoGPT's recipe); ``Engine``
 built from ``EngineConfig.from_dict`` does not clip unless told (DeepSpeed, FSDP)."""
 
+FINETUNE_RECIPE: dict[str, dict[str, Any]] = {
+    "train": {"lr": 2e-5, "weight_decay": 0.01, "grad_clip": 1.0, "min_lr_ratio": 0.0},
+    "optimizer": {"betas": [0.9, 0.999]}}
+"""``mct train``'s defaults for a run that starts from pretrained weights (``train.init_from``
+set), in place of ``CLI_RECIPE`` and the field defaults: torchtune's and axolotl's full
+fine-tune values (lr 2e-5, AdamW's betas and weight decay 0.01, cosine to 0, clip 1.0).
+The warm-up is ``FINETUNE_WARMUP_FRACTION`` of ``train.steps`` (``mct.run.recipe``)."""
+FINETUNE_WARMUP_FRACTION = 0.03
+"""The fine-tune recipe's warm-up: this fraction of ``train.steps`` (HF's ``warmup_ratio``), >= 1 step."""
+
 
 def _read_config_file(path: str | Path) -> dict[str, Any]:
     """Parse a TOML config file. Raises ValueError (one line) for a missing path, a

@@ -131,6 +131,9 @@ def test_signal_to_launcher_checkpoints_leaves_no_orphan_and_resumes_identical(c
     assert [e["kind"] for e in read_events(run)] == ["signal"]
     rc, out, err = finish(mct("train", "--resume", str(run), "--nproc", "2", "--no-progress"))
     assert rc == 0, err
+    # the signal's checkpoint is trusted (its step passed): the resume loses no step and sets nothing aside
+    assert json.loads((run / "metadata.json").read_text())["resumes"][0]["from_step"] == step
+    assert "skipped checkpoint" not in err and not list((run / "checkpoints").glob("*.untrusted*")), err
     assert (run / "model.safetensors").read_bytes() == clean
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(STEPS))
@@ -152,6 +155,54 @@ def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tm
     assert [(e["kind"], e["step"]) for e in read_events(run)][:1] == [("restart", 10)]  # then "resume"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(STEPS))
+
+
+@pytest.mark.cli
+def test_a_killed_worker_is_one_line_naming_its_rank_checkpoint_and_resume_command(config, clean, tmp_path):
+    """kill -9 of rank 1 at step 12: one line (no gloo message, no torchrun report) naming
+    the rank, step 10's checkpoint and the resume command; that command ends identical."""
+    run = tmp_path / "run"
+    rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--run-dir", str(run),
+                              "--no-progress", env=_env(MCT_FAULT="kill@12:1")))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 1 and len(lines) == 1, err
+    assert lines[0].startswith("mct: error: worker rank 1 was killed by SIGKILL "), err
+    assert f"the last good checkpoint is {run / 'checkpoints' / 'step_00000010'}; " in lines[0], err
+    command = lines[0].split("continue with: ")[1]
+    assert command == f"mct train --resume {run}", err
+    rc, out, err = finish(mct(*command.split()[1:], "--no-progress"))
+    assert rc == 0, err
+    assert (run / "model.safetensors").read_bytes() == clean
+
+
+def test_the_lost_worker_is_the_one_torchrun_reports_killed_that_left_no_exit_record(tmp_path):
+    from mct.run.launch import RUN_DIR_FILE, lost_worker_line
+    (tmp_path / "torchrun.log").write_text(
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 11)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 12)\n")
+    assert lost_worker_line(tmp_path, []).startswith("mct: error: worker rank 1 was killed by SIGKILL ")
+    assert "before the run began" in lost_worker_line(tmp_path, [])
+    (tmp_path / RUN_DIR_FILE).write_text(str(tmp_path / "run"))
+    assert lost_worker_line(tmp_path, []).endswith("no checkpoint was written yet (train.checkpoint_every); "
+                                                   "start the run again in a new --run-dir")
+    said = [{"restart": 0, "rank": 1, "code": 1, "line": "mct: error: ..."}]  # rank 1 left its own word
+    assert lost_worker_line(tmp_path, said).startswith("mct: error: worker rank 0 was killed by SIGTERM ")
+    said.append({"restart": 0, "rank": 0, "code": 143, "line": ""})
+    assert lost_worker_line(tmp_path, said) == ""
+
+
+def test_a_peer_gone_line_keeps_the_transport_reason_whole_and_names_the_resume(tmp_path):
+    from mct.run.worker import _peer_gone_line
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:35915: "
+                        "Connection reset by peer" + " detail" * 60)
+    run = tmp_path / "run"
+    assert _peer_gone_line(gloo, str(run)) == ("mct: error: a peer process is gone (a collective failed: Connection "
+                                               "reset by peer); no checkpoint was written yet (train.checkpoint_every)")
+    ck = run / "checkpoints" / "step_00000004"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    assert _peer_gone_line(gloo, str(run)).endswith(f"; the last good checkpoint is {ck}; continue with: "
+                                                    f"mct train --resume {run}")
 
 
 @pytest.mark.cli

@@ -123,6 +123,18 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
     return EngineConfig.from_dict(new)
 
 
+def planned_for_budget(run_dir: str | Path | None) -> bool:
+    """Whether the run in ``run_dir`` (None: no run) started with ``auto`` (zero.stage or
+    checkpointing.policy), the planner choosing for its ``memory.budget``: its recorded
+    config holds the choice, metadata.json the plan. False when unreadable."""
+    if run_dir is None:
+        return False
+    try:
+        return bool(read_run_metadata(run_dir).get("plan"))
+    except ValueError:
+        return False
+
+
 def check_corpus(run_dir: str | Path, fingerprint: str) -> None:
     """Raise ValueError if the corpus now at ``data.path`` is not the one the run
     started with (its fingerprint in metadata.json): the samples would differ."""

@@ -6,6 +6,8 @@ torchtitan's CheckpointManager), each rank's RNG streams, the newest
 Trust: a checkpoint is written as soon as its step is done (a kill right after loses
 nothing), marked ``"trust": "pending"``; once a step that starts from its state applies
 an update and passes the divergence checks, the file ``trusted`` is added beside it.
+A checkpoint written on SIGTERM/SIGINT, or after the run's last step, is trusted at once
+when the step that made its state passed and applied an update (no later step will run).
 Resume never picks an untrusted checkpoint over a trusted one (``run_dir.newest_usable``).
 """
 
@@ -60,9 +62,11 @@ class RunCheckpointer:
 
     def confirm(self) -> None:
         """A step from the newest checkpoint's state applied an update and passed: mark it
-        trusted (rank 0 writes the mark; every rank forgets it)."""
+        trusted (rank 0 writes the mark, then prunes: set-aside ``.untrusted`` checkpoints
+        it supersedes go; every rank forgets it)."""
         if self.unconfirmed is not None and self.is_main and self.unconfirmed.is_dir():
             mark_trusted(self.unconfirmed)
+            prune(self.run_dir, self.tcfg.keep_checkpoints)
         self.unconfirmed = None
 
     def load(self, engine: Checkpointable, path: Path, trainer: dict[str, Any]) -> dict[str, Any]:

@@ -94,20 +94,41 @@ def newest_usable(run_dir: str | Path, units: list[dict[str, Any]] | None = None
                      f"start a new run with --run-dir, or set train.checkpoint_every")
 
 
+def resume_candidate(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``--resume`` would start from, by the trust marks alone (the newest
+    trusted complete one, else the newest complete one; ``newest_usable`` also verifies
+    the files), or None when the run has no complete checkpoint. Reads no tensor."""
+    found = checkpoints(run_dir)
+    trusted = [p for _, p in found if is_trusted(p)]
+    return (trusted or [p for _, p in found] or [None])[-1]
+
+
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and torn ones older than
-    the newest complete one. Never deletes the newest complete checkpoint. Returns what
-    was deleted."""
+    """Delete all but the newest ``keep`` complete checkpoints, torn ones older than the
+    newest complete one, and checkpoints set aside as ``.untrusted`` (``set_aside_newer``)
+    at or below the step of the newest trusted one (a good checkpoint superseded them).
+    Never deletes the newest complete checkpoint. Returns what was deleted."""
     complete = checkpoints(run_dir)
     if not complete:
         return []
     newest = complete[-1][0]
-    trusted = [p for _, p in complete if is_trusted(p)]
-    doomed = [p for _, p in complete[:-max(1, keep)] if not trusted or p != trusted[-1]]
+    trusted = [(s, p) for s, p in complete if is_trusted(p)]
+    doomed = [p for _, p in complete[:-max(1, keep)] if not trusted or p != trusted[-1][1]]
     doomed += [p for s, p in checkpoints(run_dir, complete_only=False) if s < newest and not (p / MANIFEST).exists()]
+    if trusted:
+        doomed += [p for s, p in set_aside(run_dir, "untrusted") if s <= trusted[-1][0]]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def set_aside(run_dir: str | Path, tag: str) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints ``set_aside_newer`` renamed ``step_N.<tag>[k]``, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    pattern = re.compile(rf"step_(\d{{8,}})\.{re.escape(tag)}\d*")
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := pattern.fullmatch(p.name)) and p.is_dir())
 
 
 def set_aside_newer(run_dir: str | Path, step: int, why: str | None = None) -> list[Path]:

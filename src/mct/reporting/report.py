@@ -227,6 +227,8 @@ class TrainSummary:
     """Median minor page faults per step of this process (the metrics rows' ``page_faults``)."""
     host_malloc: str = "default"
     """The run's resolved ``memory.host_malloc`` (``mct.memory.host``)."""
+    recipe: str = ""
+    """The training recipe in force and its values (``mct.run.recipe.recipe_line``)."""
 
 
 FAULTS_HINT_AT = 10_000
@@ -238,7 +240,7 @@ FAULTS_HINT = "; memory.host_malloc = \"cache\" keeps freed memory mapped (faste
 
 def summary_table(s: TrainSummary) -> str:
     """Human-readable end-of-run summary."""
-    lines = [f"run dir       {s.run_dir}",
+    lines = [f"run dir       {s.run_dir}", *([f"recipe        {s.recipe}"] if s.recipe else []),
              f"steps         {s.steps} ({s.skipped_steps} skipped)",
              f"train loss    {s.final_loss:.4f}"]
     if s.final_val_loss is not None:

@@ -24,6 +24,7 @@ import ctypes
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,8 @@ PR_SET_PDEATHSIG = 1
 FORCE_KILL_AFTER_S = 55.0
 """After forwarding a signal, the launcher SIGKILLs whatever still runs after this long
 (so nothing outlives it by more than a minute); workers save within preempt_timeout_s."""
+RUN_DIR_FILE = "run_dir"
+"""In the launch directory: the run's directory, as rank 0's command line names it."""
 PRIORITY = (2, 3, 143, 130)
 """Which worker exit code the launcher reports when ranks differ (first match wins)."""
 FINAL = (2, 3)
@@ -124,6 +127,11 @@ class WorkerLink:
                 os.kill(os.getppid(), signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def note_run_dir(self, run_dir: str) -> None:
+        """Rank 0 tells the launcher the run's directory (named in the lost-worker line)."""
+        if self.rank == 0:
+            self._write(RUN_DIR_FILE, run_dir)
 
     def _write(self, name: str, text: str) -> None:
         if self.launch_dir is None:
@@ -272,6 +280,10 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     if code in (130, 143) and not signum:
         code = 0 if torchrun_rc == 0 else -1
     crash = crash_report(d)  # a worker that died in native code: the cause, printed last
+    lost = "" if signum or torchrun_rc == 0 or code in FINAL or crash else lost_worker_line(d, records)
+    if lost:  # killed from outside (kill -9, the OOM killer): one line instead of the peers' and torchrun's
+        print(lost, file=sys.stderr, flush=True)
+        return 1
     if code > 0:
         line = next((r["line"] for r in final if r["code"] == code and r["line"]), "")
         if line:
@@ -291,6 +303,46 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
         sys.stderr.write(log.read_text(errors="replace"))
         sys.stderr.write(crash)
     return torchrun_rc
+
+
+_REPORTED = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+"""A failure in torchrun's report (its ChildFailedError block): the global rank, then its exit code."""
+
+
+def lost_worker_line(d: Path, records: list[dict[str, Any]]) -> str:
+    """One line for a worker that torchrun reports killed by a signal that it did not
+    handle and left no exit record (SIGKILL: ``kill -9``, the out-of-memory killer),
+    naming its rank, the checkpoint a resume starts from and the resume command. Empty
+    when torchrun's report names no such worker. The root cause comes first in the report;
+    a SIGTERM is torchrun's own stop of the survivors, so another signal is named first."""
+    log = d / "torchrun.log"
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    last = max((r["restart"] for r in records), default=0)
+    spoke = {r["rank"] for r in records if r["restart"] == last}
+    found = [(int(r), -int(c)) for r, c in _REPORTED.findall(text[text.find("Root Cause"):] + text)
+             if int(c) < 0 and int(r) not in spoke]
+    found.sort(key=lambda f: f[1] == signal.SIGTERM)  # stable: the root cause first among equals
+    if not found:
+        return ""
+    rank, signum = found[0]
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    try:
+        run_dir = (d / RUN_DIR_FILE).read_text()
+    except OSError:
+        return (f"mct: error: worker rank {rank} was killed by {name} (it printed nothing: kill -9 or the "
+                f"out-of-memory killer) before the run began; the other ranks stopped")
+    from mct.persistence.run_dir import resume_candidate
+    pick = resume_candidate(run_dir)
+    where = (f"the last good checkpoint is {pick}; continue with: mct train --resume {run_dir}" if pick else
+             "no checkpoint was written yet (train.checkpoint_every); start the run again in a new --run-dir")
+    return (f"mct: error: worker rank {rank} was killed by {name} (it printed nothing: kill -9 or the "
+            f"out-of-memory killer); the other ranks stopped; {where}")
 
 
 def crash_report(d: Path) -> str:

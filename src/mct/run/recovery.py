@@ -140,13 +140,16 @@ class Recovery:
                   f"{self.host.cfg.train.max_rollbacks} ({d.action.value}), restored the state of step "
                   f"{d.restore.step}", file=sys.stderr)
 
-    def preempt(self, signum: int, bar: Progress) -> None:
-        """Save the last completed step, log, print one line; raises Preempted."""
+    def preempt(self, signum: int, bar: Progress, trusted: bool = False) -> None:
+        """Save the last completed step, log, print one line; raises Preempted. ``trusted``:
+        the step that made this state passed the divergence checks (finite loss and gradient
+        norm) and applied its update, so its checkpoint is marked trusted at once, as the
+        run's last step's is (no later step will confirm it)."""
         name = signal.Signals(signum).name
         step = self.counters.step
         bar.close()
         if step > 0:
-            self.host.save_checkpoint()
+            self.host.save_checkpoint(trusted=trusted)
         append_event(self.run_dir, step=step, kind="signal", action=f"checkpoint step {step}, exit {128 + signum}",
                      reason=name, is_main=self.ctx.is_main)
         self.stop.cancel_watchdog()

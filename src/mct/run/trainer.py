@@ -40,6 +40,7 @@ from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
 from mct.run.recovery import Recovery, StepOutcome
+from mct.run.recipe import recipe_line
 from mct.run.resolve import resolve_once
 from mct.run.rollback import DivergenceDetector, RollbackController, Verdict
 from mct.run.schedule import LRSchedule
@@ -189,7 +190,7 @@ class Trainer:
         return broadcast_from_main(found)
 
     def _metadata_extra(self) -> dict[str, Any]:
-        return {"corpus": self.corpus.metadata(),
+        return {"corpus": self.corpus.metadata(), "recipe": recipe_line(self.cfg),
                 "n_params": sum(p.numel() for p in self.engine.model.parameters()),
                 "rng": {"init_seed": "seed", "data": "numpy default_rng([seed, 0, step])",
                         "val_data": "numpy default_rng([seed, 1, i])",
@@ -229,7 +230,7 @@ class Trainer:
                             skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir),
                             utilization=self.utilization.summary(self.log.median_step_time()),
                             page_faults=self.log.median_faults(),
-                            host_malloc=host.mode_of(self.cfg, self.ctx.device.type))
+                            host_malloc=host.mode_of(self.cfg, self.ctx.device.type), recipe=recipe_line(self.cfg))
 
     def run_step(self) -> float | None:
         """One turn of the loop at step ``counters.step``: the step, the ranks' agreed
@@ -250,8 +251,9 @@ class Trainer:
         else:
             passed = outcome.result.loss
             self._passed(outcome)
-        if signum:
-            self.recovery.preempt(signum, self.bar)
+        if signum:  # the step that made the state to save passed and updated: its checkpoint is trusted
+            self.recovery.preempt(signum, self.bar, trusted=agreed is Verdict.PASSED
+                                   and outcome.result is not None and not outcome.result.skipped)
         return passed
 
     def _step(self, step: int) -> StepOutcome:

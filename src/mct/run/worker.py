@@ -35,6 +35,7 @@ def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress
         ctx = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_s)
         run_dir = broadcast_from_main(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         existed = Path(run_dir).exists()
+        link.note_run_dir(run_dir)
         try:
             with run_dir_lock(run_dir, ctx, new=not resume):
                 summary = train(cfg, run_dir, ctx, progress=progress, resume=resume,
@@ -62,7 +63,7 @@ def run_worker(cfg: EngineConfig, run_dir: str | None, *, resume: bool, progress
         if stop.signum:  # stopping, and a peer is already gone (its collective failed): nothing to save together
             code, line = 128 + stop.signum, f"mct: stopped by {stop.name}; the newest complete checkpoint is unchanged"
         elif _peer_gone(e):  # a worker died; torchrun restarts the group (--max-restarts) or reports it
-            code, line = 1, f"mct: error: a peer process is gone ({str(e).splitlines()[0][:200]})"
+            code, line = 1, _peer_gone_line(e, run_dir)
         elif _place_failed(e):  # a full disk or an unwritable place outside a checkpoint save
             code, line = 2, f"mct: error: {_place_message(e, run_dir, cfg)}; the newest complete checkpoint is unchanged"
         else:
@@ -80,11 +81,27 @@ class _OutOfMemory(Exception):
     """The host or device ran out of memory (or the budget was crossed): one line, exit 2."""
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+"""What gloo / NCCL say when another rank's process died under a collective."""
+
+
 def _peer_gone(e: Exception) -> bool:
     """A collective failed because another rank's process died (gloo / NCCL wording)."""
     text = str(e)
-    return isinstance(e, RuntimeError) and any(k in text for k in (
-        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted"))
+    return isinstance(e, RuntimeError) and any(k in text for k in _PEER_GONE)
+
+
+def _peer_gone_line(e: Exception, run_dir: str | None) -> str:
+    """One line for a collective that failed because another rank's process died: the
+    transport's reason (its own words, whole, without its source location), the checkpoint a
+    resume starts from and the resume command. (Under ``mct train --nproc`` the launcher
+    prints its own line naming the lost rank instead.)"""
+    from mct.persistence.run_dir import resume_candidate
+    reason = next(k for k in _PEER_GONE if k in str(e))
+    pick = resume_candidate(run_dir) if run_dir else None
+    where = (f"the last good checkpoint is {pick}; continue with: mct train --resume {run_dir}" if pick else
+             "no checkpoint was written yet (train.checkpoint_every)")
+    return f"mct: error: a peer process is gone (a collective failed: {reason}); {where}"
 
 
 def _place_failed(e: BaseException) -> bool:
