@@ -70,7 +70,7 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from mct.engine import Engine
     from mct.models.gpt import gpt_loss, optimizer_groups
     from mct.memory import host
-    from mct.task.gpt import build_model_on_meta, make_optimizer
+    from mct.task.gpt import build_gpt_on_meta, make_optimizer
     cfg = EngineConfig.from_dict({
         "model": {"n_layer": spec["layers"], "n_head": 16, "d_model": 1024, "seq_len": 128, "vocab_size": 256},
         "data": {"micro_batch_size": 1}, "precision": {"mode": spec["precision"]}, "zero": {"stage": 3},
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     # as `mct train` does: the allocator setting before the model is built
     host.for_building(host.mode_of(cfg, "cpu"))
-    model, program = build_model_on_meta(cfg)
+    model, program = build_gpt_on_meta(cfg)
     engine = Engine(model, make_optimizer(cfg), cfg, param_groups=optimizer_groups(model, cfg.train.weight_decay),
                     init_program=program)
     init_s, hwm_init = time.perf_counter() - t0, _status("VmHWM")

@@ -26,7 +26,7 @@ from benchmarks.common import cpu_info, cpu_line, format_table, write_json  # no
 from mct.config import EngineConfig  # noqa: E402
 from mct.planner import Grid, make_plan, plan_workers, token_loss  # noqa: E402
 from mct.planner.dry_run import DryRunHooks, dry_run_task  # noqa: E402
-from mct.planner.grid import micro_batches, prepare  # noqa: E402
+from mct.planner.grid import micro_batches, prepare_work  # noqa: E402
 from mct.planner.plan import predict, with_choice  # noqa: E402
 from mct.task import Task, builds_on_meta, gpt_task  # noqa: E402
 
@@ -49,7 +49,7 @@ def side_by_side(n_layer: int, d_model: int, world: int, choice: tuple) -> dict:
     batch = micro_batches(work.batch, cfg.data.grad_accum)
     full, fw, fc = timed(lambda: dry_run_task(work, cfg, world, batch=batch,
                                               hooks=DryRunHooks(meta_init=builds_on_meta(cfg))))
-    planned, pw, pc = timed(lambda: prepare(work, cfg))
+    planned, pw, pc = timed(lambda: prepare_work(work, cfg))
     ext, ew, ec = timed(lambda: predict(planned, cfg, world))
     return {"d_model": d_model, "n_layer": n_layer, "params_B": round(full.n_params / 1e9, 2), "world": world,
             "config": "/".join(map(str, choice)), "full_s": round(fw, 2), "full_cpu_s": round(fc, 2),
@@ -71,7 +71,7 @@ def accuracy(quick: bool) -> list[dict]:
     for choice in choices:
         cfg = with_choice(tiny_config(), *choice)
         real = measure(hf_llama, token_loss, lambda s, r: random_batch(s, r, 3), cfg, 0)
-        run = predict(prepare(work, cfg), cfg, 1)
+        run = predict(prepare_work(work, cfg), cfg, 1)
         rows.append({"config": "/".join(map(str, choice)),
                      "steady_err_pct": round(100 * (run.peak - real["steps"][1]) / real["steps"][1], 3),
                      "first_err_pct": round(100 * (run.first_step_peak - real["steps"][0]) / real["steps"][0], 3),

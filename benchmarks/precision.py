@@ -40,7 +40,7 @@ from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.run.utilization import Utilization
 from mct.task.tokens import token_batch
-from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches
+from mct.run.trainer import build_gpt, make_optimizer, seeded_gpt_loss, step_batches
 
 VARIANTS = ("fp32", "bf16", "bf16:explicit", "fp16")
 """'mode[:attention[:cpu_matmul]]'; the first is the baseline of every ratio."""
@@ -66,7 +66,7 @@ def utilization(variant: str, micro_batch_size: int) -> Utilization:
 def make_engine(variant: str, micro_batch_size: int, track: bool) -> tuple[Engine, EngineConfig]:
     """Default GPT (ModelConfig defaults) in ``variant_config``."""
     cfg = variant_config(variant, micro_batch_size, track)
-    model = build_model(cfg)
+    model = build_gpt(cfg)
     return Engine(model, make_optimizer(cfg), cfg, param_groups=optimizer_groups(model, cfg.train.weight_decay)), cfg
 
 

@@ -37,7 +37,7 @@ from benchmarks.common import cpu_line, format_table, write_json  # noqa: E402
 from mct.config import EngineConfig  # noqa: E402
 from mct.machine import calibrate, usable_cores  # noqa: E402
 from mct.planner import token_loss  # noqa: E402
-from mct.planner.grid import prepare  # noqa: E402
+from mct.planner.grid import prepare_work  # noqa: E402
 from mct.planner.plan import predict  # noqa: E402
 from mct.planner.overhead import machine_rates  # noqa: E402
 from mct.planner.steptime import step_time  # noqa: E402
@@ -187,7 +187,7 @@ def main() -> None:
             cfg = config(m, s, p, q, args.grad_accum)
             task = Task(MODELS[m][0], loss_of(m), batch(m, 0, 0))
             t1 = time.process_time()
-            run = predict(prepare(task, cfg), cfg, world)
+            run = predict(prepare_work(task, cfg), cfg, world)
             assert run.work is not None and rates is not None
             pred = step_time(run.work, rates)
             rows.append({"model": m, "stage": s, "policy": p, "precision": q, "ranks": world, "threads": threads,

@@ -218,7 +218,7 @@ def _config_warnings(cfg: EngineConfig, nproc: int, resume: str | None = None) -
     from mct.persistence.resume import planned_for_budget
     auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto" or planned_for_budget(resume)
     if cfg.memory.budget and not cfg.memory.enforce and not auto and not os.environ.get("MCT_LAUNCH_DIR"):
-        _warn(f"memory.budget = {cfg.memory.budget} bytes is recorded but not enforced; set memory.enforce=true "
+        _warn(f"memory.budget = {cfg.memory.budget!r} is recorded but not enforced; set memory.enforce=true "
               f"to stop at the allocation that crosses it, or zero.stage=auto to plan for it")
 
 

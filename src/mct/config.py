@@ -86,9 +86,36 @@ def parse_bytes(text: str | int, key: str = "memory.budget") -> int:
 
 
 class ByteSize(int):
-    """The annotation of a config key that is a byte count, written as a size ('2GiB') or
-    an int: the loader hands the text on as written and the section converts it
-    (``parse_bytes``), so an error names the value as the user wrote it."""
+    """A config key's byte count, written as a size ('2GiB') or an int: the loader hands
+    the text on as written and the section converts it once (``ByteSize.of``). An int
+    everywhere (arithmetic, JSON), it remembers how the user wrote it: its ``repr`` is
+    that text, so a message names the value as written."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str | None = None) -> "ByteSize":
+        obj = super().__new__(cls, value)
+        obj.text = str(int(value)) if text is None else text
+        return obj
+
+    @classmethod
+    def of(cls, written: "str | int", key: str = "memory.budget") -> "ByteSize":
+        """The bytes of ``written`` ('24GiB', '512MB', 1024). Raises ValueError naming ``key``."""
+        if isinstance(written, ByteSize):
+            return written
+        return cls(parse_bytes(written, key), written if isinstance(written, str) else None)
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+    def __str__(self) -> str:  # str() and f"{x}": the number of bytes
+        return int.__repr__(self)
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+    def __reduce__(self) -> tuple:
+        return (ByteSize, (int(self), self.text))
 
 
 def check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -475,7 +502,7 @@ class MemoryConfig:
         if bad:
             _fail("memory.solver_allow", self.solver_allow,
                   f"{bad[0]!r} is not a lever; choose from {', '.join(SOLVER_LEVERS)} (comma-separated, or [])")
-        self.budget = parse_bytes(self.budget) if self.budget not in (None, "") else None  # the one parse
+        self.budget = ByteSize.of(self.budget) if self.budget not in (None, "") else None  # the one parse
         if self.enforce and not self.budget:
             _fail("memory.enforce", self.enforce, "needs memory.budget, e.g. budget = '2GiB'")
         if self.enforce and not self.track:
@@ -719,6 +746,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         if t is ByteSize and isinstance(value, (str, int)) and not isinstance(value, bool):
             return value  # the section converts it
+        if t is type(None) and value is None:
+            return None
         if isinstance(t, type) and issubclass(t, Name) and isinstance(value, str):
             return value  # the section's __post_init__ converts it (naming the key when it is not a member)
     names = " or ".join(_type_name(t) for t in options if t is not type(None))
@@ -843,12 +872,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def with_values(cfg: EngineConfig, values: dict[str, Any]) -> EngineConfig:
-    """``cfg`` with ``{"section.key": value}`` replaced (``dataclasses.replace``: each changed
-    section, then the whole config, validated again as at load). Values are typed already
-    (not text: ``apply_overrides`` types a user's). Raises ValueError as at load."""
+    """``cfg`` with ``{"section.key": value}`` replaced (``dataclasses.replace``: each value
+    checked against its field's type as at load, then each changed section and the whole
+    config validated again). Values are typed (not text: ``apply_overrides`` types a
+    user's). Raises ValueError as at load."""
     sections: dict[str, dict[str, Any]] = {}
     for path, value in values.items():
         section, key = path.split(".")
-        sections.setdefault(section, {})[key] = value
+        hint = typing.get_type_hints(_SECTIONS[section])[key]
+        sections.setdefault(section, {})[key] = _coerce(path, value, hint)
     return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **kv)
                                        for name, kv in sections.items()})

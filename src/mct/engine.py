@@ -352,11 +352,11 @@ class Engine:
 
     def layout(self) -> dict[str, Any]:
         """This rank's ``units``, ``extents``, ``local_numel``, no state read (``state_io.layout``)."""
-        return engine_state.layout(self)
+        return engine_state.state_layout(self)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Per-rank bytes of model state held during a step, by category."""
-        return engine_state.model_state_bytes(self)
+        return engine_state.held_state_bytes(self)
 
     def save(self, path: str) -> None:
         """Write a sharded checkpoint to the directory ``path`` (``mct.persistence``). Collective."""

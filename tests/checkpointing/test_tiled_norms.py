@@ -179,7 +179,7 @@ def test_depth_extrapolation_stays_exact_with_tiled_norms(tmp_path):
     has both)."""
     import json
 
-    from mct.planner.grid import prepare
+    from mct.planner.grid import prepare_work
     from mct.planner.plan import predict
     from mct.task import task_for
     (tmp_path / "config.json").write_text(json.dumps({
@@ -189,5 +189,5 @@ def test_depth_extrapolation_stays_exact_with_tiled_norms(tmp_path):
     cfg = EngineConfig.from_dict({"model": {"source": f"hf:{tmp_path}", "seq_len": 32}, "zero": {"stage": 3},
                                   "precision": {"mode": "bf16"}, "checkpointing": {"policy": "all", "mlp_tile_tokens": 96}})
     task = task_for(cfg)
-    full, ext = predict(task, cfg, 2), predict(prepare(task, cfg), cfg, 2)
+    full, ext = predict(task, cfg, 2), predict(prepare_work(task, cfg), cfg, 2)
     assert (ext.peak, ext.first_step_peak, ext.phases) == (full.peak, full.first_step_peak, full.phases)

@@ -15,7 +15,7 @@ from mct.config import EngineConfig
 from mct.planner import token_loss
 from mct.planner.depth import MixedShape, Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRunHooks, dry_run
-from mct.planner.grid import micro_batches, prepare
+from mct.planner.grid import micro_batches, prepare_work
 from mct.task import builds_on_meta, gpt_task
 from tests.helpers import one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
 from tests.planner_models import hf_gpt2, random_batch
@@ -66,7 +66,7 @@ def test_mixed_stack_depth_extrapolation_equals_the_full_dry_run_to_the_byte(per
                                   "zero": {"stage": stage}, "precision": {"mode": precision},
                                   "checkpointing": {"per_block": per_block}})
     work = gpt_task(cfg)
-    planned = prepare(work, cfg)
+    planned = prepare_work(work, cfg)
     assert isinstance(planned, Prepared)
     shape = shape_for(planned.stack, cfg, cheaper_only=False)  # 12 blocks: not cheaper, exact all the same
     assert isinstance(shape, MixedShape) and len(shape.grown) == 2, shape
@@ -84,7 +84,7 @@ def test_deep_mixed_stack_is_extrapolated_from_shallow_copies():
     """At 64 blocks the copies hold far fewer blocks than the model: the plan uses them."""
     cfg = EngineConfig.from_dict({"model": {"n_layer": 64, "d_model": 16, "n_head": 2, "vocab_size": 101, "seq_len": 13},
                                   "checkpointing": {"per_block": {"all": 40, "selective": 8}}})
-    planned = prepare(gpt_task(cfg), cfg)
+    planned = prepare_work(gpt_task(cfg), cfg)
     shape = shape_for(planned.stack, cfg)
     assert isinstance(shape, MixedShape) and shape.runs == (("all", 40), ("selective", 8), ("none", 16))
     assert shape.blocks == 4 * 9 + 3 < 64

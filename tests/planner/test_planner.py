@@ -322,11 +322,11 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte(name, stage, po
     from mct.planner.plan import with_choice
     from mct.planner.depth import Prepared
     from mct.planner.dry_run import DryRunHooks
-    from mct.planner.grid import micro_batches, prepare
+    from mct.planner.grid import micro_batches, prepare_work
     from mct.task import builds_on_meta
     work, base = _llama_work() if name == "llama" else _gpt_work(21)
     cfg = with_choice(base, stage, policy, precision)
-    planned = prepare(work, cfg)
+    planned = prepare_work(work, cfg)
     assert isinstance(planned, Prepared) and planned.stack is not None, name
     batch, meta_init = micro_batches(work.batch, cfg.data.grad_accum), builds_on_meta(cfg)
     ext = extrapolated(planned, cfg, world, batch, meta_init=meta_init,
@@ -356,7 +356,7 @@ def test_dry_run_keeps_its_meta_init_keyword():
 def test_models_without_a_clean_repeated_stack_get_full_dry_runs():
     """A block run twice per forward, too few blocks, blocks of different shapes: the
     planner does not extrapolate them (prepare leaves the task as it is)."""
-    from mct.planner.grid import prepare
+    from mct.planner.grid import prepare_work
     from mct.task import Task
 
     class Mixed(nn.Module):
@@ -373,9 +373,9 @@ def test_models_without_a_clean_repeated_stack_get_full_dry_runs():
     cfg = tiny_config()
     for model_fn in (tied_frozen_reused, lambda: _Wide(8, 4, 8, 2), Mixed):
         work = Task(model_fn=model_fn, loss_fn=lambda m, b: m(b[0]).float().mean(), batch=random_batch(0, 0, B))
-        assert prepare(work, cfg) is work, model_fn
+        assert prepare_work(work, cfg) is work, model_fn
     gpt, gcfg = _gpt_work(4)
-    assert prepare(gpt, gcfg) is not gpt  # the control: a clean stack is extrapolated
+    assert prepare_work(gpt, gcfg) is not gpt  # the control: a clean stack is extrapolated
 
 
 def _measure_built_on_meta(rank: int, world: int, cfg: EngineConfig) -> int:
@@ -514,12 +514,12 @@ def test_hugging_face_llama_is_planned_as_its_real_run_holds():
     no sequences, and would build an explicit causal mask a real run never holds (3-5%
     over the measured peak before the token loss told it): within 2% of the real run."""
     from mct.planner.plan import predict
-    from mct.planner.grid import prepare
+    from mct.planner.grid import prepare_work
     from mct.task import Task
     from tests.planner_models import hf_llama
     cfg = _cfg(0, "none", "fp32")
     real = measure(hf_llama, token_loss, lambda s, r: random_batch(s, r, B), cfg, 0, steps=3)
-    run = predict(prepare(Task(model_fn=hf_llama, loss_fn=token_loss, batch=random_batch(0, 0, B)), cfg), cfg, 1)
+    run = predict(prepare_work(Task(model_fn=hf_llama, loss_fn=token_loss, batch=random_batch(0, 0, B)), cfg), cfg, 1)
     for name, pred, meas in (("steady", run.peak, min(real["steps"][1:])),
                              ("first step", run.first_step_peak, real["steps"][0])):
         assert abs(pred - meas) <= 0.02 * meas, (name, pred, meas)

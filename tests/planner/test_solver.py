@@ -13,7 +13,7 @@ from mct.cli import main
 from mct.config import EngineConfig
 from mct.planner import Grid, make_plan, resolve_auto
 from mct.planner.auto import solve_auto, space_for
-from mct.planner.grid import prepare
+from mct.planner.grid import prepare_work
 from mct.planner.solver import Space, configure_row, frontier, need, predicted_seconds, rank, solve
 from mct.reporting.metrics import MetricsWriter
 from mct.task import gpt_task
@@ -72,7 +72,7 @@ def test_pick_fits_recomputes_fewer_blocks_and_is_no_slower_than_any_fitting_uni
     assert fitting and all(predicted_seconds(pick) <= predicted_seconds(r) for r in fitting)
     # the pick's numbers are a dry run's: its config predicted again, alone
     picked = configure_row(cfg, pick)
-    run = REAL_PREDICT(prepare(gpt_task(picked), picked), picked, 1)
+    run = REAL_PREDICT(prepare_work(gpt_task(picked), picked), picked, 1)
     assert (run.peak, run.first_step_peak, run.init_peak) == (pick["peak"], pick["first_step_peak"],
                                                               pick["init_peak"])
     # one block fewer does not fit (the fewest that fit), and every candidate reported was dry-run

@@ -19,7 +19,7 @@ from mct.models.gpt import GPT, gpt_loss
 from mct.planner import dry_run
 from mct.planner.grid import Grid
 from mct.planner.depth import Prepared, extrapolated, shape_for
-from mct.planner.grid import prepare
+from mct.planner.grid import prepare_work
 from mct.planner.plan import make_plan, predict
 from mct.planner.steptime import PARALLEL_BYTES, Rates, rates_for, step_time
 from mct.planner.work import StepWork, op_key
@@ -176,7 +176,7 @@ def test_extrapolated_time_equals_the_full_dry_runs(stage, policy):
     cfg = _cfg(stage, policy)
     task = _task(cfg)
     rates = rates_for(_profile(), 2, 1, ranks_here=2)
-    prepared = prepare(task, cfg)
+    prepared = prepare_work(task, cfg)
     assert isinstance(prepared, Prepared)
     shape = shape_for(prepared.stack, cfg, cheaper_only=False)  # 5 blocks: copies of 3 and 4, m = 2
     ext = extrapolated(prepared, cfg, 2, task.batch, meta_init=builds_on_meta(cfg), shape=shape)
@@ -515,7 +515,7 @@ def test_a_step_of_many_micro_batches_counts_every_one_though_the_plan_steps_thr
     cfg = _cfg(stage, policy, **extra)
     task = _task(cfg)
     every = dry_run(task.model_fn, task.loss_fn, [task.batch] * 6, cfg, 2).work
-    for planned in (predict(task, cfg, 2), predict(prepare(task, cfg), cfg, 2)):
+    for planned in (predict(task, cfg, 2), predict(prepare_work(task, cfg), cfg, 2)):
         work = planned.work
         assert work.n_ops == every.n_ops and work.flops == every.flops and work.bytes_moved == every.bytes_moved
         assert work.comm == every.comm and work.offload == every.offload

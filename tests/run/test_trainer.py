@@ -16,7 +16,7 @@ from mct.data import build_data
 from mct.models.gpt import optimizer_groups
 from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
-from mct.run.trainer import build_model, make_optimizer, seeded_gpt_loss, step_batches, train
+from mct.run.trainer import build_gpt, make_optimizer, seeded_gpt_loss, step_batches, train
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +144,7 @@ def test_two_rank_cli_run_matches_reference(tmp_path, corpus_dir):
 def _compare_with_reference(d: dict, losses: list[float], final: dict) -> None:
     cfg = EngineConfig.from_dict(d)
     _, sampler = build_data(cfg, world_size=2)
-    model = build_model(cfg)
+    model = build_gpt(cfg)
     ref = ReferenceTrainer(model, make_optimizer(cfg), grad_clip=cfg.train.grad_clip,
                            param_groups=optimizer_groups(model, cfg.train.weight_decay))
     for step in range(cfg.train.steps):

@@ -29,7 +29,7 @@ import numpy as np
 from mct.errors import WRITE, describe, user_error
 from mct.outputs import Owned, check_dir_output, install_dir
 
-FORMAT = "mct-prepared-v1"
+DATASET_FORMAT = "mct-prepared-v1"
 META, TOKENS, DOCS, TOKENIZER = "meta.json", "tokens.bin", "docs.idx", "tokenizer.json"
 
 
@@ -96,7 +96,7 @@ class DatasetWriter:
             f.close()
         tok_bytes = tokenizer_json.encode("utf-8")
         (self.tmp / TOKENIZER).write_bytes(tok_bytes)
-        full = {"format": FORMAT, "dtype": "uint16" if self.dtype.itemsize == 2 else "uint32",
+        full = {"format": DATASET_FORMAT, "dtype": "uint16" if self.dtype.itemsize == 2 else "uint32",
                 "byte_order": "little", **meta, "documents": self.n_docs, "tokens": self.n_tokens,
                 "tokens_sha256": self.sha.hexdigest(), "tokenizer_sha256": hashlib.sha256(tok_bytes).hexdigest()}
         (self.tmp / META).write_text(json.dumps(full, indent=1) + "\n")
@@ -154,7 +154,7 @@ def looks_partial(path: Path) -> bool:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class PreparedDataset:
     """An opened dataset: ``meta``, ``tokens`` (memory-mapped, [tokens]), ``offsets``
     (memory-mapped int64, [documents + 1]), ``path``, ``meta_sha256`` (of meta.json)."""
 
@@ -165,7 +165,7 @@ class Prepared:
     meta_sha256: str
 
 
-def open_prepared(path: Path) -> Prepared:
+def open_prepared(path: Path) -> PreparedDataset:
     """Open DIR, checking meta.json's fields against the file sizes and docs.idx's ends.
     Raises ValueError (naming the file and the fix) for anything inconsistent."""
     fix = f"re-create it with `mct prepare ... --out {path}`"
@@ -181,8 +181,8 @@ def open_prepared(path: Path) -> Prepared:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"data.path: {path / META} is not a valid dataset meta.json ({type(e).__name__}: {e}); "
                          f"{fix}") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"data.path: {path / META} has format {meta.get('format')!r}, not {FORMAT!r}; {fix}")
+    if meta.get("format") != DATASET_FORMAT:
+        raise ValueError(f"data.path: {path / META} has format {meta.get('format')!r}, not {DATASET_FORMAT!r}; {fix}")
     for name, want in ((TOKENS, n_tok * np.dtype(dtype).itemsize), (DOCS, (n_doc + 1) * 8)):
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have != want:
@@ -195,14 +195,14 @@ def open_prepared(path: Path) -> Prepared:
     offsets = np.memmap(path / DOCS, dtype="<i8", mode="r")
     if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) < 1):
         raise ValueError(f"data.path: {path / DOCS} offsets are not increasing from 0 to {n_tok}; {fix}")
-    return Prepared(path, meta, tokens, offsets, hashlib.sha256(raw).hexdigest())
+    return PreparedDataset(path, meta, tokens, offsets, hashlib.sha256(raw).hexdigest())
 
 
 SCAN_BLOCK = 1 << 26
 """Bytes of tokens.bin read at a time by ``scan_tokens``."""
 
 
-def scan_tokens(ds: Prepared, sha: bool = False) -> tuple[int, str | None]:
+def scan_tokens(ds: PreparedDataset, sha: bool = False) -> tuple[int, str | None]:
     """(the largest token id, the sha256 of tokens.bin when ``sha``), read in blocks of
     ``SCAN_BLOCK`` bytes (memory flat in the dataset's size)."""
     h = hashlib.sha256() if sha else None
@@ -215,7 +215,7 @@ def scan_tokens(ds: Prepared, sha: bool = False) -> tuple[int, str | None]:
     return top, h.hexdigest() if h is not None else None
 
 
-def check_tokens_in_vocab(ds: Prepared, top: int) -> None:
+def check_tokens_in_vocab(ds: PreparedDataset, top: int) -> None:
     """Raise ValueError when tokens.bin holds an id the dataset's own vocabulary lacks
     (meta.json's vocab_size edited down, or tokens.bin written by something else)."""
     if top >= int(ds.meta["vocab_size"]):
@@ -224,7 +224,7 @@ def check_tokens_in_vocab(ds: Prepared, top: int) -> None:
                          f"`mct prepare ... --out {ds.path}`")
 
 
-def check_tokens_sha256(ds: Prepared) -> None:
+def check_tokens_sha256(ds: PreparedDataset) -> None:
     """Raise ValueError when tokens.bin's sha256 is not the one meta.json recorded
     (the tokens changed in place since ``mct prepare`` wrote them). Reads tokens.bin."""
     top, digest = scan_tokens(ds, sha=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mct.data.corpus import Corpus, load_corpus, load_prepared
-from mct.data.dataset import FORMAT, is_prepared, looks_partial, open_prepared
+from mct.data.dataset import DATASET_FORMAT, is_prepared, looks_partial, open_prepared
 from mct.data.sources import expand_inputs
 from mct.data.tokenizer import bytes_tokenizer_json, tokenizer_identity
 
@@ -113,7 +113,7 @@ def tokenized(path: str, model_dir: Path) -> Path:
 def cache_key(path: str, model_dir: Path) -> str:
     """sha256 over what the tokens depend on: the dataset format, the tokenizer's files,
     the text field, and each input's kind and content in reading order (no path)."""
-    h = hashlib.sha256(f"{FORMAT}\0{TEXT_FIELD}\0file\0".encode())
+    h = hashlib.sha256(f"{DATASET_FORMAT}\0{TEXT_FIELD}\0file\0".encode())
     for name in ("tokenizer.json", "tokenizer_config.json"):
         f = model_dir / name
         h.update(hashlib.sha256(f.read_bytes()).digest() if f.is_file() else b"-")

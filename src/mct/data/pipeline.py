@@ -156,13 +156,13 @@ def _encoded(chunks: Iterator[Chunk], tok: Tokenizer, text_field: str, workers: 
         yield from pool.map(chunks)
 
 
-MAX_WORKERS = max(64, 2 * (os.cpu_count() or 1))
+MAX_ENCODE_WORKERS = max(64, 2 * (os.cpu_count() or 1))
 """--workers above this is refused: each worker is a process holding a tokenizer."""
 
 
 def _check_args(workers: Any, text_field: str, chunk_bytes: int, split: str) -> None:
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ValueError(f"--workers must be an integer in [1, {MAX_WORKERS}] (at most twice the CPU cores, 64 at "
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_ENCODE_WORKERS:
+        raise ValueError(f"--workers must be an integer in [1, {MAX_ENCODE_WORKERS}] (at most twice the CPU cores, 64 at "
                          f"least), got {workers!r}; e.g. --workers {min(8, os.cpu_count() or 1)}")
     if not text_field:
         raise ValueError("--text-field is empty; pass the JSON field that holds the text, e.g. --text-field text")

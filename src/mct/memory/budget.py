@@ -27,7 +27,7 @@ def default_suggestion(cfg: EngineConfig) -> Callable[[], str]:
     def text() -> str:
         return (f"zero.stage is {cfg.zero.stage} and checkpointing.policy {cfg.checkpointing.policy!r}: raise the "
                 f"stage, recompute blocks (policy 'all'), lower data.micro_batch_size, or run "
-                f"`mct plan --budget {cfg.memory.budget}` for a configuration predicted to fit")
+                f"`mct plan --budget {cfg.memory.budget.text if cfg.memory.budget else 'SIZE'}` for a configuration predicted to fit")
     return text
 
 

@@ -19,7 +19,7 @@ normal construction leaves it.
 
 Limits (checked, ValueError): a model whose construction reads tensor *values* on
 the host (``.item()``, data-dependent control flow) cannot be built on meta. Ops are
-taken as random by name (``RANDOM_OPS``) or by a ``Generator`` argument in the schema.
+taken as random by name (``RANDOM_INIT_OPS``) or by a ``Generator`` argument in the schema.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-RANDOM_OPS = frozenset({
+RANDOM_INIT_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
     "geometric_", "log_normal_", "cauchy_", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
     "randint_like", "multinomial", "poisson", "native_dropout", "dropout", "_standard_gamma",
@@ -64,7 +64,7 @@ class _Op:
 
 def _is_random(func) -> bool:
     name = func._schema.name.split("::")[-1]
-    if name in RANDOM_OPS:
+    if name in RANDOM_INIT_OPS:
         return True
     return any("Generator" in str(a.type) for a in func._schema.arguments)
 

@@ -29,7 +29,7 @@ import torch
 from mct.dist import agree
 from mct.persistence.lazy import LazyModule
 from mct.persistence.files import file_digest, fsync_dir, read_json, write_failure, write_json
-from mct.persistence.manifest import FORMAT, FROZEN, MANIFEST, check_layout, read_manifest, verify_checkpoint
+from mct.persistence.manifest import CHECKPOINT_FORMAT, FROZEN, MANIFEST, check_layout, read_manifest, verify_checkpoint
 from mct.reporting.events import utc_now
 
 shards = LazyModule("mct.persistence.shards")  # DCP takes a second to import: loaded on first use
@@ -138,7 +138,7 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
         def write_manifest() -> None:
             fsync_dir(path / "engine")
             write_json(path / MANIFEST, {
-                "format": FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
+                "format": CHECKPOINT_FORMAT, "step": step, "world_size": comm.world, "zero_stage": engine.stage,
                 "precision": engine.config.precision.mode,
                 "time": utc_now(),
                 "files": {k: v for d in digests for k, v in sorted(d.items())}})

@@ -144,7 +144,7 @@ def parameter_shapes(e: StateOwner) -> dict[str, tuple[int, ...]]:
     return {**shapes, **{n: tuple(p.shape) for n, p in e.model.named_parameters() if n not in shapes}}
 
 
-def layout(e: StateOwner) -> dict[str, Any]:
+def state_layout(e: StateOwner) -> dict[str, Any]:
     """This rank's state layout without reading any state (cheap under offload):
     ``units`` (as in ``state_dict()``), ``extents`` ({``<unit>/master``: [offset,
     global numel]}: every per-element tensor of a unit has its master's extent) and
@@ -152,7 +152,7 @@ def layout(e: StateOwner) -> dict[str, Any]:
     return zstate.layout(e.sharded.units, e.sharded.group_of_unit, e.comm.rank, zstate.block_spans(e.optimizer))
 
 
-def model_state_bytes(e: StateOwner) -> dict[str, int]:
+def held_state_bytes(e: StateOwner) -> dict[str, int]:
     """Per-rank bytes of model state held during a step, by category (optimizer
     included). At stages 2/3 this counts the fp32 gradient shards, which exist
     only from backward to the end of the optimizer step (``tracker.live()``

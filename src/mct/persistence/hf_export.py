@@ -38,7 +38,7 @@ from mct.task.hf import TOKENIZER_FILES
 
 shards = LazyModule("mct.persistence.shards")  # DCP: imported on first use
 
-DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 """--dtype -> (torch dtype, safetensors dtype, config.json dtype)."""
 
 
@@ -216,7 +216,7 @@ def _write_safetensors(path: Path, entries: list[tuple], dtype: torch.dtype,
 def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> str | None:
     """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``,
     with the tokenizer the run trained with (``copy_hf_assets``). Returns its warning."""
-    torch_dtype, config_dtype = DTYPES[dtype]
+    torch_dtype, config_dtype = EXPORT_DTYPES[dtype]
     element = torch_dtype.itemsize
     entries = _entries(checkpoint)
     files = _plan_files(entries, element, max_shard_bytes)
@@ -246,8 +246,8 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
     empty directory or (``force``) an earlier HF export (``check_hf_out``); it appears
     complete or not at all (``mct.outputs.install_dir``). Returns (checkpoint used,
     warning or None). Raises ValueError (one line) for a bad source, target or dtype."""
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(EXPORT_DTYPES)}")
     out = check_hf_out(out, force)
     path, warning = pick_checkpoint(source)
     assets = _assets_of(path)

@@ -11,7 +11,7 @@ from typing import Any
 
 from mct.persistence.files import check_digest, read_json
 
-FORMAT = "mct.checkpoint/1"
+CHECKPOINT_FORMAT = "mct.checkpoint/1"
 MANIFEST = "meta.json"
 FROZEN = "frozen/"
 
@@ -23,9 +23,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a complete checkpoint (no {MANIFEST}): pass a directory written by "
                          f"Engine.save or `mct train` (RUN_DIR/checkpoints/step_N)")
     meta = read_json(path / MANIFEST)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path / MANIFEST}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                         f"expected {FORMAT!r}")
+                         f"expected {CHECKPOINT_FORMAT!r}")
     for k, typ in (("step", int), ("world_size", int), ("zero_stage", int), ("files", dict)):
         if not isinstance(meta.get(k), typ):
             raise ValueError(f"{path / MANIFEST}: no valid {k!r}")

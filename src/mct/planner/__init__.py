@@ -14,7 +14,7 @@ from mct.config import EngineConfig, with_values
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import (DryRun, DryRunHooks, LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, dry_run,
                                  dry_run_task)
-from mct.planner.grid import POLICIES, PRECISIONS, STAGES, Grid
+from mct.planner.grid import PLANNED_POLICIES, PRECISIONS, STAGES, Grid
 from mct.planner.auto import resolve_auto
 from mct.planner.plan import Plan, make_plan, peak_check, step_cost
 from mct.planner.pool import plan_workers
@@ -81,7 +81,7 @@ def plan_task(task: Task, config: EngineConfig | dict | None = None, world_size:
 
 def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
          world_size: int = 1, budget: int | str | None = None, optimizer: OptimizerFactory | None = None, *,
-         param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = POLICIES,
+         param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = PLANNED_POLICIES,
          precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
          workers: int | None = None, act_offloads: tuple | None = None,
          loss_chunks: tuple | None = None) -> Plan:

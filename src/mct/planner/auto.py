@@ -20,7 +20,7 @@ from typing import Any
 
 from mct.config import SOLVER_LEVERS, EngineConfig
 from mct.memory.tracker import format_bytes
-from mct.planner.grid import batch_size, prepare, task_of
+from mct.planner.grid import batch_size, prepare_work, task_of
 from mct.planner.choice import OffloadChoice, PlanRow
 from mct.planner.plan import (AUTO_LOSS_CHUNK, AUTO_MLP_TILE, STAGES, Plan, _advice, _chunk_setting, for_device,
                               _offload_settings, _policy_settings, _tiling_may_fit, auto_act_offload, auto_offloads)
@@ -89,7 +89,7 @@ def solve_auto(work: Any, cfg: EngineConfig, world: int, budget: int, allow: tup
     has always tried them; each keeps the ones before. ``row_kw``: default ``timing``."""
     cfg = for_device(cfg, device)  # the dry runs' config; resolve_auto configures the user's own
     space = space or space_for(work, cfg, allow, device)
-    work = prepare(work, cfg)
+    work = prepare_work(work, cfg)
     row_kw = timing(work, cfg, world, device) if row_kw is None else row_kw  # once for every solve below
     sol = solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw)
     if sol.pick is None and "loss_chunk" not in allow and chunkable(work, cfg):

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mct.config import EngineConfig, PrecisionMode
+from mct.config import EngineConfig, PrecisionMode, with_values
 
 TIERS = ("cpu", "disk")
 """Where state can be offloaded to."""
@@ -107,7 +107,7 @@ class Choice:
 
 
 def apply(cfg: EngineConfig, choice: Choice) -> EngineConfig:
-    """``cfg`` with ``choice``'s keys set; every section is validated again as at load.
+    """``cfg`` with ``choice``'s keys set (``with_values``: each value and section checked as at load).
     Raises ValueError for policy 'per_block' with no per_block anywhere, or a micro-batch
     that does not divide the batch per rank."""
     c = choice
@@ -115,30 +115,21 @@ def apply(cfg: EngineConfig, choice: Choice) -> EngineConfig:
     if c.policy == "per_block" and not per_block:
         raise ValueError("checkpointing policy 'per_block' plans the config's checkpointing.per_block, and it sets "
                          "none: set it (e.g. --set checkpointing.per_block=all=8,selective=8) or plan other policies")
-    ckpt = {"policy": c.policy, "per_block": _copy(per_block) if c.policy == "per_block" else []}
-    if c.act_offload is not None:
-        ckpt["offload"] = c.act_offload
-    if c.mlp_tile is not None:
-        ckpt["mlp_tile_tokens"] = c.mlp_tile
-    zero = {"stage": c.stage} if c.reshard_root is None else {"stage": c.stage, "reshard_root_after_forward":
-                                                               c.reshard_root}
-    sections: dict[str, Any] = {
-        "zero": dataclasses.replace(cfg.zero, **zero),
-        "checkpointing": dataclasses.replace(cfg.checkpointing, **ckpt)}
-    if c.precision is not None:
-        sections["precision"] = dataclasses.replace(cfg.precision, mode=c.precision)
+    values: dict[str, Any] = {"zero.stage": c.stage, "checkpointing.policy": c.policy,
+                              "checkpointing.per_block": _copy(per_block) if c.policy == "per_block" else []}
+    optional = {"checkpointing.offload": c.act_offload, "checkpointing.mlp_tile_tokens": c.mlp_tile,
+                "zero.reshard_root_after_forward": c.reshard_root, "precision.mode": c.precision,
+                "train.loss_chunk_tokens": c.loss_chunk}
+    values.update((k, v) for k, v in optional.items() if v is not None)
     if c.offload is not None:
-        sections["offload"] = dataclasses.replace(cfg.offload, optimizer=c.offload.optimizer, params=c.offload.params)
-    if c.loss_chunk is not None:
-        sections["train"] = dataclasses.replace(cfg.train, loss_chunk_tokens=c.loss_chunk)
+        values.update({"offload.optimizer": c.offload.optimizer, "offload.params": c.offload.params})
     if c.micro_batch is not None:
         per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
         if c.micro_batch < 1 or per_rank % c.micro_batch:
             raise ValueError(f"micro-batch {c.micro_batch} does not divide the batch per rank ({per_rank} = "
                              f"data.micro_batch_size x data.grad_accum)")
-        sections["data"] = dataclasses.replace(cfg.data, micro_batch_size=c.micro_batch,
-                                               grad_accum=per_rank // c.micro_batch)
-    return dataclasses.replace(cfg, **sections)
+        values.update({"data.micro_batch_size": c.micro_batch, "data.grad_accum": per_rank // c.micro_batch})
+    return with_values(cfg, values)
 
 
 def _copy(spec: dict[str, int] | list[str]) -> dict[str, int] | list[str]:

@@ -66,7 +66,7 @@ class Stack:
 @dataclass(frozen=True)
 class Prepared:
     """What every configuration of a plan shares about its ``task``, found once
-    (``mct.planner.grid.prepare``): the model's repeated blocks (``stack``), its
+    (``mct.planner.grid.prepare_work``): the model's repeated blocks (``stack``), its
     parameter count, and the peak of building it as its factory does
     (``construction``, see ``dry_run.construction_peak``; None: built on meta)."""
 

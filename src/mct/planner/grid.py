@@ -1,4 +1,4 @@
-"""What a plan covers: a ``mct.task.Task`` (prepared once per plan: ``prepare``, what
+"""What a plan covers: a ``mct.task.Task`` (prepared once per plan: ``prepare_work``, what
 every configuration shares) and the ``Grid`` of configurations it dry-runs, with the
 batch shapes a dry run steps on."""
 
@@ -16,7 +16,7 @@ from mct.planner.dry_run import construction_peak
 from mct.task.spec import Task
 
 STAGES = (0, 1, 2, 3)
-POLICIES = ("none", "selective", "sqrt", "all")
+PLANNED_POLICIES = ("none", "selective", "sqrt", "all")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -28,7 +28,7 @@ class Grid:
     config's own checkpointing.per_block."""
 
     stages: tuple[int, ...] = STAGES
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = PLANNED_POLICIES
     precisions: tuple[str, ...] = PRECISIONS
     offloads: tuple[str, ...] | None = None
     act_offloads: tuple[str, ...] | None = None  # checkpointing.offload tiers; None: the config's own
@@ -36,7 +36,7 @@ class Grid:
     mlp_tiles: tuple[int, ...] | None = None  # checkpointing.mlp_tile_tokens values; None: the config's own
 
 
-def prepare(task: Task | Prepared, cfg: EngineConfig, extrapolate: bool = True) -> Task | Prepared:
+def prepare_work(task: Task | Prepared, cfg: EngineConfig, extrapolate: bool = True) -> Task | Prepared:
     """``task`` as ``Prepared`` when its depth can be extrapolated (and ``extrapolate``),
     else ``task`` itself. Builds the model on meta and on fake tensors once (nothing
     allocated); the plan's shallow copies are cut from the first. Raises ValueError for

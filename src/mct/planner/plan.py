@@ -44,7 +44,7 @@ from mct.config import OFFLOAD_TIERS, EngineConfig, PrecisionMode
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
-from mct.planner.grid import (POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare,  # noqa: F401
+from mct.planner.grid import (PLANNED_POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare_work,  # noqa: F401
                               map_task, smaller_batch, task_of)
 from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, seconds_of
 from mct.planner.pool import run_jobs
@@ -54,7 +54,7 @@ from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
 
 Work = Task | Prepared
-"""What a plan's dry runs take: a Task, or the Task with what its plan shares (``prepare``)."""
+"""What a plan's dry runs take: a Task, or the Task with what its plan shares (``prepare_work``)."""
 
 COMM_SHARE = 0.25
 """Assumed share of a data-parallel step spent communicating 2 psi (a mid-size cluster)."""
@@ -204,7 +204,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
     ``extrapolate``: a deep model's repeated blocks are dry-run at two small depths and
     extended (``mct.planner.depth``; exact where the blocks repeat); False: every
     configuration is dry-run at full depth. What every configuration shares (the
-    model's structure, its construction) is found once (``prepare``). ``workers`` > 1:
+    model's structure, its construction) is found once (``prepare_work``). ``workers`` > 1:
     a long grid's dry runs run in up to that many forked processes (``mct.planner.pool``;
     the same rows). ``rates``: what turns each row's step into seconds (``step_s``,
     ``tokens_per_s``); default this machine's for ``device`` (``overhead.machine_rates``:
@@ -227,7 +227,7 @@ def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, gri
         rates, notes = machine_rates(world, device, measure=measure)
     notes = [*notes, *(rates.notes if rates else ["no machine profile cached: no step times (mct calibrate)"])]
     tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)
-    work = prepare(work, cfg, extrapolate)
+    work = prepare_work(work, cfg, extrapolate)
     works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
     mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}
     choices = [Choice(stage, policy, precision, offload, act, chunk, tile,

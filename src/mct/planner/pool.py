@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 _JOB: Callable[[int], Any] | None = None  # set in the parent before forking; the workers inherit it
-MAX_WORKERS = 8
+MAX_PLAN_WORKERS = 8
 MIN_PARALLEL_S = 2.0
 """Fork only when the remaining jobs are predicted to take at least this long in one process."""
 
@@ -43,9 +43,9 @@ def usable_cores() -> int:
 
 def plan_workers(workers: int | None) -> int:
     """The worker count of a plan: ``workers``, or None for one per usable core (at
-    most ``MAX_WORKERS``). Raises ValueError for a count below 1."""
+    most ``MAX_PLAN_WORKERS``). Raises ValueError for a count below 1."""
     if workers is None:
-        return max(1, min(usable_cores(), MAX_WORKERS))
+        return max(1, min(usable_cores(), MAX_PLAN_WORKERS))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers (mct plan --workers) must be an integer >= 1 (default: one per CPU core), "
                          f"got {workers!r}")

@@ -43,7 +43,7 @@ from mct.planner.plan import _per_block_of, dry_run_cost, offload_choice, predic
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
-from mct.planner.grid import map_task, prepare, resized_batch, task_of
+from mct.planner.grid import map_task, prepare_work, resized_batch, task_of
 from mct.planner.pool import run_jobs
 from mct.planner.overhead import machine_rates
 from mct.planner.steptime import tokens_per_step
@@ -145,7 +145,7 @@ class Evaluator:
     def __init__(self, work: Any, cfg: EngineConfig, world: int, budget: int, workers: int,
                  row_kw: dict[str, Any] | None) -> None:
         self.cfg, self.world, self.budget, self.workers = cfg, world, budget, workers
-        self.work = prepare(work, cfg)
+        self.work = prepare_work(work, cfg)
         self.row_kw = timing(work, cfg, world) if row_kw is None else row_kw
         self.n = self.work.stack.n if isinstance(self.work, Prepared) else \
             len(find_blocks(meta_model(task_of(work).model_fn), cfg.checkpointing.blocks))

@@ -11,7 +11,7 @@
   64^3 to 2 x 512^3 FLOPs). The elementwise rate is the one-thread rate of the usual
   elementwise ops of the op's dtype at its bytes (``extra['elementwise_curve']`` for fp32,
   ``extra['elementwise_by_dtype']`` for bf16/fp16, fp32's where not measured: cache-resident
-  tensors move faster; an op of a ``KINDS`` kind at its kind's, ``extra['elementwise_by_kind']``:
+  tensors move faster; an op of a ``OP_KINDS`` kind at its kind's, ``extra['elementwise_by_kind']``:
   arithmetic runs several times the mix's rate, softmax and norms below it) x threads, the largest size's at most the every-thread copy rate shared by
   the ranks on this machine. The CPU's fused attention kernels at their own measured
   rates by head width (``extra['attention_by_dim']``; a matmul's when not measured). Random numbers (dropout's masks, ``StepWork.random``) at
@@ -98,7 +98,7 @@ class Rates:
     threads: int = 1
     """The rank's torch threads (``byte_cost``)."""
     elementwise_kinds: dict[str, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
-    """{kind: {dtype: curve}} of the ops of ``mct.planner.work.KINDS``, where measured (the
+    """{kind: {dtype: curve}} of the ops of ``mct.planner.work.OP_KINDS``, where measured (the
     rank's threads in them as ``elementwise``'s); an op of another kind, or of a kind or
     dtype not measured, runs at ``elementwise`` (``elementwise_by``)."""
     mode_op_s: float = 0.0

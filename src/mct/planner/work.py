@@ -109,7 +109,7 @@ def _packets(*names: str) -> frozenset:
     return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
 
 
-KINDS: dict[Any, str] = {
+OP_KINDS: dict[Any, str] = {
     **dict.fromkeys(_packets("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "pow", "copy_",
                              "clone", "_to_copy", "fill_", "zero_", "where", "masked_fill", "masked_fill_",
                              "addcmul", "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "_foreach_add_",
@@ -140,7 +140,7 @@ def mode_counts() -> dict[str, int]:
 
 OpKey = tuple[str, int, int, int, str]
 """(dtype name, FLOPs, bytes, smallest matrix dimension, kind) of one op; ('', 0, 0, 0, '')
-for a view; the dimension is 0 for an op without FLOPs; the kind one of ``KINDS`` ('' for
+for a view; the dimension is 0 for an op without FLOPs; the kind one of ``OP_KINDS`` ('' for
 the rest). Code that builds keys by hand may leave the kind out (4 fields: '')."""
 CommKey = tuple[str, int, int]
 """(kind, bytes, buckets) of one collective (``mct.zero.comm.SimulatedCollectives.calls``)."""
@@ -242,7 +242,7 @@ def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
     bytes of its distinct tensor inputs and outputs (0 for a view or an ``ALIAS_OPS`` op), and for an op with
     FLOPs the smallest of its first two tensor inputs' last two dimensions (a matmul's
     short side, an attention head's width: what its speed depends on besides its size), and
-    the op's ``KINDS`` kind."""
+    the op's ``OP_KINDS`` kind."""
     if func.is_view or func._overloadpacket in ALIAS_OPS:
         return ("", 0, 0, 0, "")
     formula = FORMULAS.get(func._overloadpacket)
@@ -257,4 +257,4 @@ def op_key(func, args: tuple, kwargs: dict, out) -> OpKey:
                 dtype = DTYPE_NAMES.get(t.dtype, str(t.dtype))
             if flops and t.dim() >= 2 and len(mats) < 2:
                 mats.append(min(int(t.shape[-1]), int(t.shape[-2])))
-    return (dtype, flops, nbytes, min(mats) if mats else 0, "" if flops else KINDS.get(func._overloadpacket, ""))
+    return (dtype, flops, nbytes, min(mats) if mats else 0, "" if flops else OP_KINDS.get(func._overloadpacket, ""))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("rollback", "skip_window", "lr_cut", "stop", "budget_fallback", "restart", "resume", "signal")
+EVENT_KINDS = ("rollback", "skip_window", "lr_cut", "stop", "budget_fallback", "restart", "resume", "signal")
 
 
 def utc_now() -> str:
@@ -27,7 +27,7 @@ def append_event(run_dir: str | Path, *, step: int, kind: str, action: str, reas
                  is_main: bool = True, **extra: Any) -> dict[str, Any] | None:
     """Append one event (only when ``is_main``); returns the record written, else None.
     The line is flushed and fsynced: events matter most just before a process dies."""
-    assert kind in KINDS, kind
+    assert kind in EVENT_KINDS, kind
     if not is_main:
         return None
     record = {"time": utc_now(), "step": int(step), "kind": kind, "action": action, "reason": reason, **extra}

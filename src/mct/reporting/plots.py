@@ -13,8 +13,8 @@ from typing import Any
 
 from mct.outputs import Owned, check_file_output, write_file
 
-CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
-PHASES = ("forward", "backward", "optimizer")
+PLOTTED_CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "other")
+STEP_PHASES = ("forward", "backward", "optimizer")
 COLORS = {"params": "#4c72b0", "master": "#8172b3", "grads": "#dd8452", "optimizer": "#55a868",
           "activations": "#c44e52", "other": "#937860", "buffers": "#937860", "gathered": "#da8bc3",
           "data": "#8c8c8c", "forward": "#4c72b0", "backward": "#dd8452", "recompute": "#c44e52",
@@ -182,9 +182,9 @@ def _time_panel(ax: Any, rows: list[dict]) -> None:
 
 def _memory_panel(ax: Any, rows: list[dict], budget: int | None) -> None:
     mem = next((r["memory"] for r in reversed(rows) if isinstance(r.get("memory"), dict)), {})
-    phases = [s for s in PHASES if s in mem] + [s for s in mem if s not in PHASES]
+    phases = [s for s in STEP_PHASES if s in mem] + [s for s in mem if s not in STEP_PHASES]
     bottom = [0.0] * len(phases)
-    for cat in CATEGORIES:
+    for cat in PLOTTED_CATEGORIES:
         vals = [_num(mem[s].get(cat, 0)) / MIB for s in phases]
         vals = [v if math.isfinite(v) else 0.0 for v in vals]
         if any(vals):

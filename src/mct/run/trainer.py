@@ -50,8 +50,8 @@ from mct.persistence.hf_export import copy_hf_assets, write_run_hf
 from mct.persistence.init_from import load_pretrained
 from mct.task import (Task, build_model as build_task_model, builds_on_meta, check_tokens, seeded, task_for,
                       with_loss_chunk)
-# build_model and seeded_gpt_loss: re-exported for tests/run/test_trainer.py
-from mct.task.gpt import build_model, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
+# build_gpt and seeded_gpt_loss: re-exported for tests/run/test_trainer.py
+from mct.task.gpt import build_gpt, make_optimizer, seeded_gpt_loss, step_batches  # noqa: F401
 
 
 class Trainer:

@@ -18,7 +18,7 @@ import torch
 from mct.config import EngineConfig, PrecisionMode
 from mct.machine import calibrate, cpu_line, format_rate
 from mct.planner.flops import StepFlops, step_flops
-from mct.planner.grid import prepare
+from mct.planner.grid import prepare_work
 from mct.planner.overhead import machine_rates
 from mct.planner.plan import for_device, predict
 from mct.planner.steptime import step_time
@@ -121,7 +121,7 @@ def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: 
     try:
         rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
         cfg = for_device(cfg, device_type)
-        run = predict(prepare(task, cfg), cfg, world_size)
+        run = predict(prepare_work(task, cfg), cfg, world_size)
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
         return None
     tracked = tracks_every_step(cfg, device_type)

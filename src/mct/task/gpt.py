@@ -27,15 +27,15 @@ def make_optimizer(cfg: EngineConfig):
     return make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
-def build_model(cfg: EngineConfig) -> GPT:
+def build_gpt(cfg: EngineConfig) -> GPT:
     """The GPT, initialized from ``cfg.seed`` (identical on every rank)."""
     seed_everything(cfg.seed)
     return GPT(cfg.model)
 
 
-def build_model_on_meta(cfg: EngineConfig) -> tuple[GPT, InitProgram]:
-    """The GPT of ``build_model`` on the meta device, with the program that gives each
-    parameter exactly ``build_model``'s values when the engine packs its unit."""
+def build_gpt_on_meta(cfg: EngineConfig) -> tuple[GPT, InitProgram]:
+    """The GPT of ``build_gpt`` on the meta device, with the program that gives each
+    parameter exactly ``build_gpt``'s values when the engine packs its unit."""
     seed_everything(cfg.seed)
     return record_init(lambda: GPT(cfg.model))
 
