@@ -55,7 +55,7 @@ def make_run(root: Path, layers: int, width: int) -> Path:
 def variants(run: Path, tokens: int) -> dict[str, Callable[[], int]]:
     """name -> a call that generates and returns the tokens it generated."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from mct.run import generate as g
+    from mct.task import sample as g
 
     model, cfg, _ = g._load(run)
     text = g._Text(run, cfg, g._dataset_of(run))

@@ -325,7 +325,7 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
-    from mct.run.generate import sample_text
+    from mct.task.sample import sample_text
     text, made, interrupted = sample_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.seed)
     print(text)
     if interrupted:  # Ctrl-C: what was generated is kept (printed above)

@@ -525,7 +525,7 @@ class DistributedConfig:
     """gloo ranks on one host, ZeRO-3: a step's all-gathers copy the other ranks' master
     shards (bf16/fp16 parameters: each rank's cast of its shard, refreshed once a step, 2
     bytes a parameter / world more per rank) out of shared memory (``/dev/shm``) instead of
-    sending messages (the same bytes; ``mct.zero.shared``). Tried once at start; where it
+    sending messages (the same bytes; ``mct.zero.shm``). Tried once at start; where it
     cannot be (other hosts, no room in ``/dev/shm``, optimizer offload), messages, and
     ``mct train`` warns why. false: messages only."""
 

@@ -29,7 +29,7 @@ from mct.dist import DistContext, agree
 from mct.memory.budget import apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion, step_reserve
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
-from mct.offload.meta_init import InitProgram, place_model
+from mct.task.init_program import InitProgram, place_model
 from mct.offload.residency import Residency, residency_for
 from mct.offload.snapshot import EngineSnapshot
 from mct.persistence import engine_state
@@ -38,7 +38,7 @@ from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
-from mct.zero.shared import SETUP_FAILED, share_masters
+from mct.zero.shm import SETUP_FAILED, share_masters
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
 from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle

@@ -381,7 +381,7 @@ def test_models_without_a_clean_repeated_stack_get_full_dry_runs():
 def _measure_built_on_meta(rank: int, world: int, cfg: EngineConfig) -> int:
     """Peak live storage of what `mct train` does before its first step at stage 3:
     the GPT recorded on meta, then the engine materializing it a unit at a time."""
-    from mct.offload.meta_init import record_init
+    from mct.task.init_program import record_init
     from mct.task.gpt import make_optimizer, param_groups
     from tests.storage_count import LiveStorage
     torch.manual_seed(0)

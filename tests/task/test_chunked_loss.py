@@ -257,7 +257,7 @@ class _ConfiguredLM(nn.Module):
 
 
 def test_a_users_model_with_a_config_attribute_is_called_as_in_training():
-    from mct.run.generate import _logits
+    from mct.task.sample import _logits
     torch.manual_seed(0)
     model, x = _ConfiguredLM(), torch.randint(0, V, (1, 8))
     assert torch.equal(_logits(model, x), model(x)[0, -1])  # as model(x), not model(input_ids=..., use_cache=...)

@@ -142,7 +142,7 @@ def test_sample_without_the_runs_tokenizer_is_an_error_not_bytes(probe, capsys):
 
 
 def test_ctrl_c_under_sample_keeps_the_text_generated(probe, capsys, monkeypatch):
-    from mct.run import generate
+    from mct.task import sample as generate
     real, calls = generate._Collect.put, []
 
     def put(self, value):  # generate hands its streamer the prompt, then each token: Ctrl-C after 3

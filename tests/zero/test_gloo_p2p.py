@@ -88,7 +88,7 @@ def _train(rank: int, world: int) -> list:
             comm_mod.GLOO_P2P = p2p
             cfg = tiny_config(zero={"stage": stage, "bucket_mb": 0.002},  # several buckets in flight
                               checkpointing={"mlp_tile_tokens": tiles},
-                              distributed={"shared_memory": False})  # gathers by messages, not mct.zero.shared
+                              distributed={"shared_memory": False})  # gathers by messages, not mct.zero.shm
             losses, state, *_ = engine_run(cfg, rank, 3, n_micro=2)
             runs.append((losses, state))
         comm_mod.GLOO_P2P = True

@@ -1,4 +1,4 @@
-"""Stage-3 gathers through shared memory (``mct.zero.shared``, ``distributed.shared_memory``):
+"""Stage-3 gathers through shared memory (``mct.zero.shm``, ``distributed.shared_memory``):
 gloo ranks on one host read each other's fp32 master shards (bf16/fp16 parameters: their
 published casts) instead of sending them. The same bits as the messages, only inside a
 step's window, and messages wherever sharing cannot be set up."""
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mct.zero import shared as shared_mod
+from mct.zero import shm as shared_mod
 from tests.distributed import run_distributed
 from tests.helpers import adamw, batches, engine_run, gpt_loss, tiny_config
 
@@ -148,7 +148,7 @@ def test_open_file_limit_is_raised_for_the_peers_descriptors():
     is raised toward the hard one before the opens (in a child: limits are per process)."""
     import subprocess
     import sys
-    code = ("import resource; from mct.zero import shared; "
+    code = ("import resource; from mct.zero import shm as shared; "
             "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit(resource.RLIMIT_NOFILE, (64, h)); "
             "shared._allow_descriptors(2000); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], h)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

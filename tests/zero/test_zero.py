@@ -74,7 +74,7 @@ def _memory_after_one_step(rank: int, world: int) -> dict:
             live = {**live, "grads": peaks["optimizer"]["grads"]}
             n = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
             pad = sum(u.layout.padded_numel for u in engine.sharded.units) - n
-            # gloo ranks of one host at stage 3, bf16: a shared cast of each master shard (mct.zero.shared)
+            # gloo ranks of one host at stage 3, bf16: a shared cast of each master shard (mct.zero.shm)
             casts = any(u.published is not None for u in engine.sharded.units)
             assert casts == (mode == "bf16" and stage == 3 and engine.shared is not None)
             formula = model_state_bytes(n, world, stage, param_bytes=p_bytes, grad_bytes=4,

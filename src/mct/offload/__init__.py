@@ -10,11 +10,11 @@ buffers for the optimizer step (see docs/stages.md, "offload").
   torch_format.py  its optimizer state in torch's Optimizer.state_dict() format
   persist.py its checkpoints, streamed; snapshot.py rollback snapshots that restore themselves
   protocols.py  what torch_format.py and persist.py may use of the runtime
-  meta_init.py  record a model's construction on the meta device; materialize it unit by unit
 """
 
-from mct.offload.meta_init import InitProgram, record_init
 from mct.offload.runtime import OffloadedState
+# record_init and InitProgram live in mct.task.init_program (what builds a model); kept here for callers
+from mct.task.init_program import InitProgram, record_init  # noqa: E402
 from mct.offload.store import DiskStore, HostStore, make_store
 from mct.offload.stream import ChunkStream, Item
 

@@ -62,7 +62,7 @@ class DryRun:
     """Bytes offload keeps off the device, per tier ({'cpu': n, 'disk': n}); not in any peak."""
     init_end: dict[str, int] | None = dataclasses.field(default=None, compare=False)
     """Live bytes by category (and 'total') once the engine is built: what it keeps. Its
-    last allocations (stage-3 shared-memory casts, ``mct.zero.shared``) may make it the
+    last allocations (stage-3 shared-memory casts, ``mct.zero.shm``) may make it the
     construction's peak (``init``); it grows with the model's depth where the peak of an
     earlier moment may not, so ``mct.planner.depth`` extrapolates the two apart."""
     work: StepWork | None = dataclasses.field(default=None, compare=False)
@@ -131,7 +131,7 @@ def fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
 
 
 class FakeInit:
-    """The planner's side of ``InitProgram`` (``mct.offload.meta_init``): a model built on
+    """The planner's side of ``InitProgram`` (``mct.task.init_program``): a model built on
     the meta device, its parameters made fake before the engine sees it but counted only
     from the moment the engine materializes them (``materialize``: buffers and frozen
     parameters first, then one unit at a time), as ``mct train`` builds stage 3 and

@@ -10,7 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 from mct.config import EngineConfig
-from mct.offload.meta_init import InitProgram, record_init
+from mct.task.init_program import InitProgram, record_init
 from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
 from mct.task.seeding import seed_everything

@@ -9,7 +9,7 @@ from mct.config import EngineConfig
 from mct.data.sampler import BatchSampler
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.optim import make_adamw
-from mct.offload.meta_init import InitProgram, record_init
+from mct.task.init_program import InitProgram, record_init
 from mct.task.seeding import micro_seed, seed_everything, seeded
 from mct.task.spec import Task
 from mct.task.tokens import chunk_choices, loss_for, token_batch

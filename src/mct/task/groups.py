@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from mct.config import EngineConfig
-from mct.offload.meta_init import probe_stand_ins
+from mct.task.init_program import probe_stand_ins
 from mct.task.spec import OptimizerFactory
 
 # Optimizers whose update of an element depends on other elements of the same

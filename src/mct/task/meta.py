@@ -9,7 +9,7 @@ itself. Everything else in the constructor (shapes, ties, buffers, non-random fi
 runs as under ``torch.device('meta')`` alone, and no random stream is touched either way
 (meta tensors draw nothing).
 
-Not for ``mct.offload.meta_init``, which records a model's initializers on the meta
+Not for ``mct.task.init_program``, which records a model's initializers on the meta
 device to replay them on real storage: it builds under ``torch.device('meta')`` itself.
 """
 

@@ -33,7 +33,7 @@ from mct.memory.host import Advise, as_is
 from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
-from mct.zero.shared import read_into
+from mct.zero.shm import read_into
 
 
 def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
@@ -313,10 +313,10 @@ class FlatParamUnit:
         # param dtype. Offload points it at a parameter shard kept apart from the master.
         self.gather_source: Callable[[], torch.Tensor] | None = None
         # Stage 3 on one host: (the window, [(rank, a descriptor of its master shard; None in a
-        # dry run)]) from ``mct.zero.shared.share_masters``; a gather inside the window copies them
+        # dry run)]) from ``mct.zero.shm.share_masters``; a gather inside the window copies them
         self.shared: tuple[Any, list[tuple[int, int | None]]] | None = None
         # bf16/fp16 parameters shared so: this rank's master shard cast to the param dtype, in
-        # shared memory (peers read it), refreshed as each window opens (mct.zero.shared)
+        # shared memory (peers read it), refreshed as each window opens (mct.zero.shm)
         self.published: torch.Tensor | None = None
         self.shard_rank = shard_rank
         self.gathered = True
@@ -389,7 +389,7 @@ class FlatParamUnit:
     def _gather_shared(self, comm: Comm) -> None:
         """Every rank's master shard (bf16/fp16 parameters: its published cast) copied into
         its row of the working buffer: this rank's own, the peers' from their shared
-        mappings (``mct.zero.shared``). The bytes an all-gather moves, without a message;
+        mappings (``mct.zero.shm``). The bytes an all-gather moves, without a message;
         done when it returns."""
         t0 = time.perf_counter()
         rows = self.working.view(-1, self.master.numel())
@@ -398,7 +398,7 @@ class FlatParamUnit:
             r = self.shard_rank
             rows[r].copy_(src)
             if comm.simulated:
-                # a dry run (mct.zero.shared: no files): the peers' rows written with stand-in bytes, the rows
+                # a dry run (mct.zero.shm: no files): the peers' rows written with stand-in bytes, the rows
                 # before this rank's and those after it each in one copy (any world, at most two ops)
                 n = rows.shape[0]
                 for a, b in ((0, r), (r + 1, n)):

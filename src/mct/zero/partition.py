@@ -117,7 +117,7 @@ def model_state_bytes(n_params: int, world: int, stage: int, *, param_bytes: int
     freed after use, so persistent ``params`` is 0 when a separate master exists (in
     fp32 the master shard is the parameter shard and counts as ``params``). Gathered
     blocks in flight are transients, not counted here. ``cast_shard``: stage 3 with a
-    separate master whose ranks share memory (``mct.zero.shared``): each keeps a
+    separate master whose ranks share memory (``mct.zero.shm``): each keeps a
     param-dtype cast of its master shard for its peers to read, ``params`` =
     ``n_params * param_bytes / world`` (the low-precision shard of DeepSpeed's formula).
     """

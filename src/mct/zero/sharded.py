@@ -281,7 +281,7 @@ class ShardedModel:
             if not u.master_is_view:
                 key = "params" if u.param_dtype == torch.float32 else "master"
                 out[key] += u.master.numel() * 4
-            if u.published is not None:  # a shared cast of the master shard (mct.zero.shared)
+            if u.published is not None:  # a shared cast of the master shard (mct.zero.shm)
                 out["params"] += u.published.numel() * u.published.element_size()
             if not u.grad_shard_in_full:
                 out["grads"] += u.layout.shard_numel * 4
