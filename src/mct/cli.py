@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    pl.add_argument("--wide", action="store_true", help="the full table: every category's bytes at each peak "
+                    "(the default table fits 100 columns)")
     pl.add_argument("--plot", metavar="FILE.png", help="also draw the predicted peaks as stacked bars (a new file, "
                     "or a regular file with --force; never a link, FIFO or a run's own file)")
     pl.add_argument("--force", action="store_true", help="replace --plot if it is an existing regular file")
@@ -403,8 +405,9 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     except WorkerDied as e:
         print(f"mct: error: {e}", file=sys.stderr)
         return 1
-    from mct.planner.tables import format_plan
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    from mct.planner.tables import format_plan, format_plan_brief
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan) if args.wide
+          else format_plan_brief(plan, cfg))
     if args.plot:
         from mct.reporting.plots import plot_plan
         plot_plan(plan.to_dict(), args.plot)

@@ -53,7 +53,7 @@ from mct.planner.steptime import Rates, step_time, tokens_per_step
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
 
-Work = Task | Prepared
+PlanInput = Task | Prepared
 """What a plan's dry runs take: a Task, or the Task with what its plan shares (``prepare_work``)."""
 
 COMM_SHARE = 0.25
@@ -100,7 +100,7 @@ def with_choice(cfg: EngineConfig, stage: int, policy: str, precision: str | Non
     return apply(cfg, Choice(stage, policy, precision, offload, act_offload, loss_chunk, mlp_tile))
 
 
-def predict(work: Work, cfg: EngineConfig, world: int) -> DryRun:
+def predict(work: PlanInput, cfg: EngineConfig, world: int) -> DryRun:
     """The dry run of ``work`` under ``cfg`` on ``world`` ranks, with the model built as
     ``mct train`` builds it (on meta at stage 3 and with offload: ``builds_on_meta``).
     Extrapolated from two shallow copies when ``work`` is ``Prepared`` (its model has
@@ -115,7 +115,7 @@ def predict(work: Work, cfg: EngineConfig, world: int) -> DryRun:
                         hooks=DryRunHooks(meta_init=meta_init, micro_batches=cfg.data.grad_accum))
 
 
-def dry_run_cost(work: Work, cfg: EngineConfig) -> float:
+def dry_run_cost(work: PlanInput, cfg: EngineConfig) -> float:
     """Relative cost of ``predict(work, cfg, ...)``: the blocks its dry runs step through
     (recomputing policies step through them about twice), for ordering a grid's jobs."""
     stack = work.stack if isinstance(work, Prepared) else None
@@ -188,7 +188,7 @@ def for_device(cfg: EngineConfig, device: str) -> EngineConfig:
     return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, cpu_matmul="native"))
 
 
-def make_plan(work: Work, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
+def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
               advise: bool = True, extrapolate: bool = True, workers: int = 1, rates: Rates | None = None,
               device: str = "cpu", measure: bool = True) -> Plan:
     """Dry-run every configuration of the ``grid`` for ``work`` on ``world`` ranks (the
@@ -264,7 +264,7 @@ predicted_seconds = seconds_of
 """What a recommendation and the solver rank a row by (``mct.planner.choice.seconds_of``)."""
 
 
-def _per_block_of(work: Work, cfg: EngineConfig) -> dict[str, Any]:
+def _per_block_of(work: PlanInput, cfg: EngineConfig) -> dict[str, Any]:
     """``row``'s per_block keywords: the config's checkpointing.per_block and its recomputed
     fraction at the model's block count. Raises ValueError as ``block_choices``."""
     if isinstance(work, Prepared):
@@ -283,7 +283,7 @@ def _policy_settings(r: PlanRow) -> str:
     return f"checkpointing.policy={r.policy}"
 
 
-def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
+def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig) -> str:
     if plan.budget is None:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
@@ -304,7 +304,7 @@ def _advice(plan: Plan, work: Work, cfg: EngineConfig) -> str:
     return msg + _what_would_fit(plan, work, cfg, low)
 
 
-def _what_would_fit(plan: Plan, work: Work, cfg: EngineConfig, low: PlanRow) -> str:
+def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow) -> str:
     """Fewer bytes per rank: a smaller micro-batch, or more ranks at stage 3."""
     hints = []
     batch = task_of(work).batch
@@ -349,7 +349,7 @@ def _offload_settings(r: PlanRow) -> str:
     return f" {text}" if text else ""
 
 
-def _loss_chunks(work: Work, cfg: EngineConfig, loss_chunks: tuple | None) -> tuple[int, ...]:
+def _loss_chunks(work: PlanInput, cfg: EngineConfig, loss_chunks: tuple | None) -> tuple[int, ...]:
     """The grid's train.loss_chunk_tokens values. Raises ValueError for a negative one,
     or for values other than the config's own with a loss that is the user's."""
     own = cfg.train.loss_chunk_tokens
@@ -363,7 +363,7 @@ def _loss_chunks(work: Work, cfg: EngineConfig, loss_chunks: tuple | None) -> tu
     return chunks
 
 
-def _tiling_may_fit(cfg: EngineConfig, work: Work) -> bool:
+def _tiling_may_fit(cfg: EngineConfig, work: PlanInput) -> bool:
     """Is MLP tiling worth planning for ``auto``? The config leaves it off and the model's
     blocks have an MLP (``mct.checkpointing.find_mlps``)."""
     if cfg.checkpointing.mlp_tile_tokens:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mct.checkpointing import policy_label
-from mct.config import CheckpointingConfig
+from mct.config import CheckpointingConfig, EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.plan import Plan
 
@@ -40,3 +40,62 @@ def format_plan(plan: Plan) -> str:
 def seconds_text(s: float | None) -> str:
     """Predicted seconds per step, 3 significant digits; '-' when not predicted."""
     return "-" if s is None else f"{s:.3g}"
+
+
+BRIEF_WIDTH = 100
+"""``mct plan``'s table fits this many columns (``--wide``: every category's bytes)."""
+
+
+def plan_header(plan: Plan, cfg: EngineConfig) -> str:
+    """What a plan assumed, in one line: the window, micro-batch, accumulation, ranks and the
+    tokens of one step, and the budget it was asked about."""
+    d, seq = cfg.data, cfg.model.seq_len
+    tokens = seq * d.micro_batch_size * d.grad_accum * plan.world
+    budget = format_bytes(plan.budget) if plan.budget else "none"
+    return (f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {budget} (tensor bytes)\n"
+            f"step: window {seq} tokens x micro-batch {d.micro_batch_size} x accumulation {d.grad_accum} x "
+            f"{plan.world} rank(s) = {tokens:,} tokens")
+
+
+def format_plan_brief(plan: Plan, cfg: EngineConfig) -> str:
+    """The answer first (the recommendation, its predicted step and the whole run's time,
+    or why nothing fits), then one row per configuration in at most ``BRIEF_WIDTH``
+    columns: the columns every row shares are said once above the table instead."""
+    lines = [plan_header(plan, cfg), plan.advice]
+    r = plan.recommended
+    if r is not None and r.step_s is not None:
+        steps = cfg.train.steps
+        lines.append(f"predicted: {r.step_s:.3g} s per step, {_duration(r.step_s * steps)} for train.steps = "
+                     f"{steps:,}" + (f", {r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else ""))
+    optional = {"offload": lambda x: x.offload.label, "act": lambda x: x.act_offload,
+                "loss_chunk": lambda x: str(x.loss_chunk_tokens or "off"),
+                "mlp_tile": lambda x: str(x.mlp_tile_tokens or "off")}
+    shared = {k: f(plan.rows[0]) for k, f in optional.items()
+              if plan.rows and len({f(x) for x in plan.rows}) == 1}
+    if shared:
+        lines.append("every row: " + ", ".join(f"{k} {v}" for k, v in shared.items()))
+    cols = ["stage", "recompute", "prec", *(k for k in optional if k not in shared), "peak", "fits", "s/step",
+            "tokens/s"]
+    table = []
+    for x in plan.rows:
+        policy = (policy_label(CheckpointingConfig(policy="per_block", per_block=x.per_block))
+                  if x.per_block else x.policy)
+        table.append([f"{x.stage}{'*' if x is r else ''}", policy, str(x.precision),
+                      *(f(x) for k, f in optional.items() if k not in shared), format_bytes(x.peak),
+                      "yes" if x.fits else "no", seconds_text(x.step_s),
+                      f"{x.tokens_per_s:,.0f}" if x.tokens_per_s else "-"])
+    widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
+    lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+    lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
+    lines += [f"step time: {note}" for note in plan.time_notes]
+    lines += ["peak: the steady-state step's (tensor bytes); * recommended; --wide: every category's bytes, "
+              "first-step and init peaks"]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
