@@ -88,8 +88,8 @@ def format_plan_brief(plan: Plan, cfg: EngineConfig) -> str:
     lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines += [f"step time: {note}" for note in plan.time_notes]
-    lines += ["peak: the steady-state step's (tensor bytes); * recommended; --wide: every category's bytes, "
-              "first-step and init peaks"]
+    lines += ["peak: the steady-state step's, in tensor bytes; * recommended",
+              "--wide: each category's bytes, the first-step and init peaks"]
     return "\n".join(lines)
 
 
