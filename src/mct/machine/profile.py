@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
+from mct.machine.load import Load
 from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
 
@@ -114,6 +115,16 @@ class MachineProfile:
     measured_at: str = ""
     seconds: float = 0.0
     version: int = PROFILE_VERSION
+    load: dict[str, Any] = field(default_factory=dict)
+    """What other processes used of this machine's cores while it was measured
+    (``mct.machine.load.Load.to_dict`` and 'passes', ``mct.machine.passes``); {}: not recorded
+    (a profile measured before mct watched the load, or written by hand)."""
+    suspect: str = ""
+    """Why a run found this profile wrong ('' when none did): the next command that measures
+    (``mct.machine.cache.calibrate``: `mct plan`, `auto`, `mct train`'s rank 0) measures it again."""
+    pinned: bool = False
+    """A profile written by hand or copied from another machine: a run that disagrees with it
+    still says so, but never marks it suspect (only ``mct calibrate --force`` replaces it)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_by_dim'
     {dtype: [[smallest dimension, FLOP/s], ...]} one thread at ``MATMUL_DIMS``;
@@ -138,6 +149,11 @@ class MachineProfile:
     each collective call of a real step beyond the collective's time} and 'byte_overhead_s'
     {the same keys: s per byte an op moves inside a real step beyond these rates}, measured on
     first use (``mct.planner.overhead.measure_op_overhead``)."""
+
+    @property
+    def load_busy(self) -> bool:
+        """Was this profile measured under load (``load`` says so; False when not recorded)?"""
+        return bool(self.load) and Load.from_dict(self.load).busy
 
     @property
     def key(self) -> str:
@@ -166,14 +182,17 @@ class MachineProfile:
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"machine profile version {d.get('version')!r}, this mct reads {PROFILE_VERSION}")
         try:
-            p = cls(device=str(d["device"]), name=str(d["name"]), flags=tuple(map(str, d["flags"])),
-                    torch_version=str(d["torch_version"]), threads=int(d["threads"]),
+            _check_types(d)
+            p = cls(device=d["device"], name=d["name"], flags=tuple(d["flags"]),
+                    torch_version=d["torch_version"], threads=d["threads"],
                     matmul_one=_rates(d["matmul_one"]), matmul_all=_rates(d["matmul_all"]),
-                    matmul_size={str(k): int(v) for k, v in d["matmul_size"].items()},
-                    memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=str(d.get("measured_at", "")),
-                    seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}))
+                    matmul_size=dict(d["matmul_size"]),
+                    memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=d.get("measured_at", ""),
+                    seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}),
+                    load=dict(d.get("load") or {}), suspect=d.get("suspect") or "", pinned=d.get("pinned", False))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
+        _check_marks(p)
         if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
             raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
         curves = [(name, p.extra.get(name) or []) for name in ("elementwise_curve", "elementwise_speedup",
@@ -195,12 +214,53 @@ class MachineProfile:
         return p
 
 
+def _check_marks(p: MachineProfile) -> None:
+    """Raise ValueError naming the field when the profile's load, suspect mark or pin is not
+    of its type (a damaged entry: measured again)."""
+    if p.load:
+        try:
+            Load.from_dict(p.load)
+        except ValueError as e:
+            raise ValueError(f"machine profile entry is damaged ({e})") from None
+        if not isinstance(p.load.get("passes", 1), int) or isinstance(p.load.get("passes"), bool):
+            raise ValueError(f"machine profile entry is damaged (load.passes is {p.load.get('passes')!r})")
+    if not isinstance(p.suspect, str):
+        raise ValueError(f"machine profile entry is damaged (suspect is {p.suspect!r}, not a string)")
+    if not isinstance(p.pinned, bool):
+        raise ValueError(f"machine profile entry is damaged (pinned is {p.pinned!r}, not true or false)")
+
+
 def _mapping(d: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
     """``d[key]`` (a JSON object; absent: {}). Raises ValueError naming it (``name``) for anything else."""
     got = d.get(key) or {}
     if not isinstance(got, dict):
         raise ValueError(f"machine profile entry is damaged ({name or key} is a {type(got).__name__}, not an object)")
     return got
+
+
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "device": (str,), "name": (str,), "flags": (list,), "torch_version": (str,), "threads": (int,),
+    "matmul_one": (dict,), "matmul_all": (dict,), "matmul_size": (dict,), "memcpy_bytes_per_s": (int, float),
+    "measured_at": (str,), "seconds": (int, float), "extra": (dict,), "load": (dict,), "suspect": (str,),
+    "pinned": (bool,)}
+"""The JSON type of each field a cached profile holds: a value of another type (a rate
+written as a string, a thread count as a float) is a damaged entry, never coerced."""
+
+
+def _check_types(d: dict[str, Any]) -> None:
+    """Raise TypeError naming the first field of ``d`` (a cached profile) whose value is not of
+    its ``FIELD_TYPES`` type, or whose rates, sizes or flags are not numbers, integers or strings."""
+    for name, types in FIELD_TYPES.items():
+        v = d.get(name)
+        if name in d and not (isinstance(v, types) and (bool not in types) == (not isinstance(v, bool))):
+            raise TypeError(f"{name} is {v!r}, not {' or '.join(t.__name__ for t in types)}")
+    if not all(isinstance(f, str) for f in d.get("flags") or []):
+        raise TypeError(f"flags are {d.get('flags')!r}, not strings")
+    for name in ("matmul_one", "matmul_all", "matmul_size"):
+        want = int if name == "matmul_size" else (int, float)
+        bad = {k: v for k, v in (d.get(name) or {}).items() if isinstance(v, bool) or not isinstance(v, want)}
+        if bad:
+            raise TypeError(f"{name} holds {bad!r}, not {'integers' if want is int else 'numbers'}")
 
 
 def _rates(d: Any) -> dict[str, float]:
