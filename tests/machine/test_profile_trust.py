@@ -191,3 +191,25 @@ def test_training_run_far_off_its_prediction_prints_one_line(tmp_path, corpus_di
     assert len(err) == 1 and err[0].startswith("mct: warning: steps took ") and "marked suspect" in err[0]
     suspect = json.loads((tmp_path / "cache" / "machine.json").read_text())["profiles"][current_key("cpu")]["suspect"]
     assert suspect.startswith("steps took ")
+
+
+def test_report_shows_the_ratio_flags_it_and_says_when_the_profile_was_measured(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": i, "loss": 1.0, "step_time_s": 0.6, "predicted_step_s": 0.2} for i in range(4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    profile = {**_profile().to_dict(), "load": {**Load(1.3, 2, 2.5, 9.0).to_dict(), "passes": 3}}
+    (run / "metadata.json").write_text(json.dumps({"utilization": {"machine_profile": profile}}))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[-1] == "3.00"  # measured / predicted per row
+    timing = next(line for line in out if line.startswith("step time: "))
+    assert "(measured / predicted 3.00; outside the time model's stated 1.5x" in timing
+    assert "mct calibrate --force" in timing
+    assert ("machine profile: measured 2026-01-01T00:00:00Z in 3.0 s, under load (other processes used 1.30 of 2 "
+            "cores), 3 passes") in out
+    rows = [{**r, "step_time_s": 0.25} for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(run)]) == 0
+    timing = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time: "))
+    assert timing.endswith("(measured / predicted 1.25)")

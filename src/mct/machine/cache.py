@@ -57,11 +57,11 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
     path that is not a directory, a suspect profile) and that it is measuring: never minutes
     of silence. Raises ValueError only for a device that cannot be measured (``measure_profile``)."""
     path = path or cache_file()
-    say = say or _stderr
     problem = _not_a_directory(path)
     entries, warning = ({}, problem) if problem else _read(path)
     key = current_key(device)
-    why = f"warning: {warning}" if warning else ("forced (mct calibrate --force)" if force else f"first use: no profile of this machine in {path}")
+    why = f"warning: {warning}" if warning else ("forced (mct calibrate --force)" if force else
+                                                 f"first use: no profile of this machine in {path}")
     if not force and key in entries:
         try:
             profile = MachineProfile.from_dict(entries[key])
@@ -72,6 +72,7 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
                 return Calibration(profile, "cache", path)
             why = (f"warning: the machine profile measured {profile.measured_at or '(time not recorded)'} is "
                    f"suspect ({profile.suspect})")
+    say = say or _stderr
     say(f"{why}; measuring this machine now, {_estimate(entries.get(key))}")
     profile = measure_watched(lambda: measure_profile(device), say)
     if problem:  # already said: the profile serves this command only
@@ -108,14 +109,15 @@ def _stderr(line: str) -> None:
 
 
 def _estimate(entry: Any) -> str:
-    """'about 15 s' from the last measurement of this key (a quiet pass's share), else the
-    2-core machine's; a busy machine takes up to ``MAX_PASSES`` times that."""
-    last = entry.get("seconds") if isinstance(entry, dict) else None
-    passes = (entry.get("load") or {}).get("passes", 1) if isinstance(entry, dict) and \
-        isinstance(entry.get("load"), dict) else 1
-    each = last / max(1, passes) if isinstance(last, (int, float)) and not isinstance(passes, bool) \
-        and isinstance(passes, int) and last > 0 else FIRST_MEASUREMENT_S
-    return f"about {each:.0f} s (up to {MAX_PASSES}x that on a busy machine)"
+    """'about 15 s (...)': one pass of the last measurement of this key (``entry``, a cached
+    profile, maybe damaged), else ``FIRST_MEASUREMENT_S``; a busy machine takes up to
+    ``MAX_PASSES`` times that."""
+    try:
+        last = MachineProfile.from_dict(entry)
+        each = last.seconds / max(1, last.load.get("passes", 1))
+    except ValueError:
+        each = 0.0
+    return f"about {each or FIRST_MEASUREMENT_S:.0f} s (up to {MAX_PASSES}x that on a busy machine)"
 
 
 def _not_a_directory(path: Path) -> str | None:

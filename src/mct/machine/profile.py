@@ -87,6 +87,13 @@ ATTENTION_DIMS = (16, 64)
 """Head widths of the one-thread fused attention curve (``extra['attention_by_dim']``;
 [4, 4, 128, d] causal, forward and backward)."""
 
+BY_DIM_BUDGET_S = 0.25
+"""Seconds of ``extra['matmul_by_dim']`` timed batches at one dimension after which no more
+are timed (at least 2): fp16 matmuls on a CPU without fp16 units (the 2-core AVX-512 EPYC:
+3 GFLOP/s quiet, 1 under load) took 3.7 s of a 14 s measurement quiet and 20 s under load at
+5 batches each; a call that long is timed well by 2, and the passes of a busy measurement
+(``mct.machine.passes``) add interleaved samples where back-to-back ones would all be slowed alike."""
+
 RANDOM_ELEMENTS = 2**16
 """Elements of the fp32 tensor ``bernoulli_`` fills to time random-number generation
 (``extra['random_elements_per_s']``): dropout's masks cost ~10 ns an element on one CPU
@@ -510,20 +517,26 @@ def _matmul_by_dim(dtype: torch.dtype, device: str, sync: Callable[[], None],
         b = torch.randn(d, side, device=device).to(dtype)
         flops = 2.0 * side * d * side
         torch.mm(a, b)
-        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync)])
+        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync,
+                                               budget_s=BY_DIM_BUDGET_S)])
     return out
 
 
-def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5) -> float:
-    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls."""
-    best = float("inf")
-    for _ in range(tries):
+def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5,
+             budget_s: float | None = None) -> float:
+    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls; with
+    ``budget_s``, of at least 2 once the batches took that long together."""
+    best, spent = float("inf"), 0.0
+    for i in range(tries):
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        took = time.perf_counter() - t0
+        best, spent = min(best, took / reps), spent + took
+        if budget_s is not None and i >= 1 and spent >= budget_s:
+            break
     return best
 
 
