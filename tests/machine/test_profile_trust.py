@@ -213,3 +213,18 @@ def test_report_shows_the_ratio_flags_it_and_says_when_the_profile_was_measured(
     assert main(["report", str(run)]) == 0
     timing = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time: "))
     assert timing.endswith("(measured / predicted 1.25)")
+
+
+def test_overheads_measured_under_load_are_measured_again_keeping_the_smaller(monkeypatch, capsys):
+    import mct.planner.overhead as overhead
+    got = [(3e-5, 1e-3, 4e-10), (2e-5, 2e-3, 1e-10)]  # the busy measurement, then the one after it
+    monkeypatch.setattr(overhead, "measure_op_overhead", lambda rates, threads, ranks=1: got.pop(0))
+    monkeypatch.setattr(overhead, "LoadWatch", FakeWatch([1.4, 0.3]))
+    monkeypatch.setattr(overhead, "remember", lambda p, key, value: (MachineProfile.from_dict(
+        {**p.to_dict(), "extra": {**p.extra, key: {**p.extra.get(key, {}), **value}}}), None))
+    profile = MachineProfile.from_dict({**_profile().to_dict(), "extra": {}})
+    profile, warning = overhead._with_overhead(profile, 1, 1)
+    assert warning is None and not got  # measured twice
+    assert profile.extra["op_overhead_s"]["1"] == 2e-5 and profile.extra["byte_overhead_s"]["1"] == 1e-10
+    assert profile.extra["overhead_load"]["1"]["other_cores"] == 0.3  # the quieter of the two
+    assert "measuring the per-op overhead of 1 rank(s)" in capsys.readouterr().err  # said before

@@ -72,7 +72,7 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
                 return Calibration(profile, "cache", path)
             why = (f"warning: the machine profile measured {profile.measured_at or '(time not recorded)'} is "
                    f"suspect ({profile.suspect})")
-    say = say or _stderr
+    say = say or say_line
     say(f"{why}; measuring this machine now, {_estimate(entries.get(key))}")
     profile = measure_watched(lambda: measure_profile(device), say)
     if problem:  # already said: the profile serves this command only
@@ -104,7 +104,9 @@ def mark_suspect(key: str, reason: str, *, path: Path | None = None) -> str | No
     return None
 
 
-def _stderr(line: str) -> None:
+def say_line(line: str) -> None:
+    """Print ``line`` as one ``mct: ...`` line to stderr now (a progress line before a
+    measurement, or a warning), flushed: stdout may be a `--json` document."""
     print(f"mct: {line}", file=sys.stderr, flush=True)
 
 

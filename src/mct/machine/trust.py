@@ -61,7 +61,7 @@ def check_run(profile: MachineProfile, measured_s: float | None, predicted_s: fl
         return (f"{what}; {name} was measured quiet, as were these steps: the time model is off for this "
                 f"configuration (docs/planner.md, 'Time model'), not marked suspect; mct calibrate --force if the "
                 f"machine changed")
-    reason = what.split(" (")[0] + (f" in a run ({run_load.describe()})" if run_load is not None else " in a run")
+    reason = what.split(" (")[0] + (f" in a run, {run_load.describe()}" if run_load is not None else " in a run")
     warning = mark_suspect(profile.key, reason, path=path)
     fix = "the next `mct plan` or auto run measures it again; now: mct calibrate --force"
     return f"{what}: {name} is marked suspect; {fix}" + (f" ({warning})" if warning else "")

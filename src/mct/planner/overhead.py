@@ -20,7 +20,7 @@ from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.machine import MachineProfile, calibrate
-from mct.machine.cache import cached, remember
+from mct.machine.cache import cached, remember, say_line
 from mct.machine.collectives import measure_collectives, spawn_ranks
 from mct.machine.load import LoadWatch
 from mct.machine.passes import measured_line
@@ -72,6 +72,7 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
         key = collective_key(profile, w0)
         if key not in profile.extra.get("collectives", {}):
             try:
+                say_line(f"measuring the collectives of {w0} ranks for the time model (a few seconds; cached)")
                 profile, warning = remember(profile, "collectives", {key: measure_collectives(w0, device)})
                 warnings += [warning] if warning else []
             except (RuntimeError, ValueError) as e:
@@ -103,6 +104,8 @@ def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[M
     if key in profile.extra.get("op_overhead_s", {}) and key in profile.extra.get("byte_overhead_s", {}):
         return profile, None
     rates = rates_for(profile, ranks, threads, ranks_here=ranks)
+    say_line(f"measuring the per-op overhead of {ranks} rank(s) at {threads} thread(s) from real steps for the time "
+             f"model (a few seconds; cached)")
     try:
         with LoadWatch() as watch:
             op_s, wait_s, byte_s = measure_op_overhead(rates, threads, ranks=ranks)
