@@ -228,3 +228,21 @@ def test_overheads_measured_under_load_are_measured_again_keeping_the_smaller(mo
     assert profile.extra["op_overhead_s"]["1"] == 2e-5 and profile.extra["byte_overhead_s"]["1"] == 1e-10
     assert profile.extra["overhead_load"]["1"]["other_cores"] == 0.3  # the quieter of the two
     assert "measuring the per-op overhead of 1 rank(s)" in capsys.readouterr().err  # said before
+
+
+def test_auto_in_a_training_rank_says_why_a_suspect_profile_is_not_measured(tmp_path, passes, monkeypatch, capsys):
+    from mct.planner.solver import timing
+    from mct.task import task_for
+    path = tmp_path / "machine.json"
+    profile = MachineProfile.from_dict({**_profile().to_dict(), "suspect": "steps took 3.00x the predicted 0.2 s"})
+    path.write_text(json.dumps({"version": 1, "profiles": {profile.key: profile.to_dict()}}))
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = EngineConfig.from_dict({"model": {"n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 8}})
+    assert timing(task_for(cfg), cfg, 1, measure=False)["rates"] is not None and not passes  # nothing measured
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("mct: warning: the machine profile is suspect (steps took 3.00x")
+    assert "a training rank measures nothing" in err[0] and "mct calibrate --force" in err[0]
+    monkeypatch.setenv("RANK", "1")
+    timing(task_for(cfg), cfg, 1, measure=False)
+    assert capsys.readouterr().err == ""  # rank 0 says it, once

@@ -5,8 +5,8 @@ measured step (the median after the first) is off the prediction by more than th
 model's stated error (``STATED_ERROR``, either way), or the model FLOP/s exceed the
 profile's matmul peak (MFU above 100%), the run says so in one line naming the profile and
 the fix, and marks the cached profile suspect (``mct.machine.cache.mark_suspect``): the
-next command that measures (`mct plan`, `auto`, `mct train`) measures it again, with a line
-first. Not marked: a pinned profile (written by hand; only `mct calibrate --force` replaces
+next command that measures (`mct plan`, `mct train`'s rank 0) measures it again, with a line
+first (`auto` inside a run measures nothing and says it ranks by a suspect profile). Not marked: a pinned profile (written by hand; only `mct calibrate --force` replaces
 it), and one measured on a quiet machine when the disagreement is explained otherwise (the
 run itself shared the machine, or both were quiet: then the time model, not the profile, is
 off for this configuration, and measuring again would change nothing).
@@ -63,5 +63,5 @@ def check_run(profile: MachineProfile, measured_s: float | None, predicted_s: fl
                 f"machine changed")
     reason = what.split(" (")[0] + (f" in a run, {run_load.describe()}" if run_load is not None else " in a run")
     warning = mark_suspect(profile.key, reason, path=path)
-    fix = "the next `mct plan` or auto run measures it again; now: mct calibrate --force"
+    fix = "the next `mct plan` or `mct train` measures it again; now: mct calibrate --force"
     return f"{what}: {name} is marked suspect; {fix}" + (f" ({warning})" if warning else "")

@@ -59,11 +59,18 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     processes; not with ``spawn=False``), the per-op overhead of one process and (spawning)
     of the world's ranks stepping at once, with the wait per collective call (a second,
     and a few seconds). ``measure=False``: the cache only (None when it holds no profile; what it
-    lacks is named in the notes). Returns the rates and warnings (a cache that could not
-    be written, a measurement that failed)."""
+    lacks is named in the notes; a suspect profile is used, with a warning saying why it is
+    not measured again). Returns the rates and warnings (a cache that could not be written, a
+    measurement that failed)."""
     if not measure:
         profile = cached(device)
-        return (None if profile is None else _noted(rates_for(profile, world, threads), profile)), []
+        if profile is None:
+            return None, []
+        unmeasured = [] if not profile.suspect or profile.pinned else [
+            f"the machine profile is suspect ({profile.suspect}) and is not measured again here (a training rank "
+            f"measures nothing: it would compete with the others), so configurations are ranked by it; "
+            f"mct calibrate --force measures it"]
+        return _noted(rates_for(profile, world, threads), profile), unmeasured
     cal = calibrate(device)
     profile, warnings = cal.profile, [cal.warning] if cal.warning else []
     threads = threads or threads_per_rank(world, device)
