@@ -6,7 +6,6 @@ measures it again with the line first. No real measurement: the passes are stubs
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

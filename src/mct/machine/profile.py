@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import platform
 import tempfile
@@ -29,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
+from mct.machine.entry import check_extra, check_marks, check_types, positive_rates
 from mct.machine.load import Load
 from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
@@ -55,11 +55,6 @@ calibration engines' stage-0 steps to their stage-3 ones (``collective_wait_s``;
 time in its collectives over its calls before, a once-a-step skew counted per call). 10: the
 collectives timed as the engine issues them (gloo's all-gather and 2-rank reduce-scatter as
 sends and receives, ``mct.zero.comm.TorchCollectives``; gloo's collectives before)."""
-
-SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
-                "python_mode_op_s", "selective_mode_op_s", "tracker_op_s")
-"""``extra``'s single-number entries: a cached one that is not a finite number >= 0 is a
-damaged entry (measured again), never a traceback where the time model reads it."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
@@ -189,92 +184,21 @@ class MachineProfile:
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"machine profile version {d.get('version')!r}, this mct reads {PROFILE_VERSION}")
         try:
-            _check_types(d)
+            check_types(d)
             p = cls(device=d["device"], name=d["name"], flags=tuple(d["flags"]),
                     torch_version=d["torch_version"], threads=d["threads"],
-                    matmul_one=_rates(d["matmul_one"]), matmul_all=_rates(d["matmul_all"]),
+                    matmul_one=positive_rates(d["matmul_one"]), matmul_all=positive_rates(d["matmul_all"]),
                     matmul_size=dict(d["matmul_size"]),
                     memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=d.get("measured_at", ""),
                     seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}),
                     load=dict(d.get("load") or {}), suspect=d.get("suspect") or "", pinned=d.get("pinned", False))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
-        _check_marks(p)
+        check_marks(p.load, p.suspect, p.pinned)
         if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
             raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
-        curves = [(name, p.extra.get(name) or []) for name in ("elementwise_curve", "elementwise_speedup",
-                                                                "matmul_speedup")]
-        curves += [(f"elementwise_by_dtype.{k}", c) for k, c in _mapping(p.extra, "elementwise_by_dtype").items()]
-        kinds = _mapping(p.extra, "elementwise_by_kind")
-        curves += [(f"elementwise_by_kind.{kind}.{k}", c) for kind in kinds
-                   for k, c in _mapping(kinds, kind, f"elementwise_by_kind.{kind}").items()]
-        for name in SCALAR_RATES:
-            x = p.extra.get(name)
-            if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
-                                      and math.isfinite(x) and x >= 0):
-                raise ValueError(f"machine profile entry is damaged ({name} is {x!r}, not a number >= 0)")
-        for name, curve in curves:
-            if not (isinstance(curve, list) and all(isinstance(pt, list) and len(pt) == 2 and
-                                                    all(isinstance(x, (int, float)) and x > 0 for x in pt)
-                                                    for pt in curve)):
-                raise ValueError(f"machine profile entry is damaged ({name} is not [[size, rate], ...] of positive numbers)")
+        check_extra(p.extra)
         return p
-
-
-def _check_marks(p: MachineProfile) -> None:
-    """Raise ValueError naming the field when the profile's load, suspect mark or pin is not
-    of its type (a damaged entry: measured again)."""
-    if p.load:
-        try:
-            Load.from_dict(p.load)
-        except ValueError as e:
-            raise ValueError(f"machine profile entry is damaged ({e})") from None
-        if not isinstance(p.load.get("passes", 1), int) or isinstance(p.load.get("passes"), bool):
-            raise ValueError(f"machine profile entry is damaged (load.passes is {p.load.get('passes')!r})")
-    if not isinstance(p.suspect, str):
-        raise ValueError(f"machine profile entry is damaged (suspect is {p.suspect!r}, not a string)")
-    if not isinstance(p.pinned, bool):
-        raise ValueError(f"machine profile entry is damaged (pinned is {p.pinned!r}, not true or false)")
-
-
-def _mapping(d: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
-    """``d[key]`` (a JSON object; absent: {}). Raises ValueError naming it (``name``) for anything else."""
-    got = d.get(key) or {}
-    if not isinstance(got, dict):
-        raise ValueError(f"machine profile entry is damaged ({name or key} is a {type(got).__name__}, not an object)")
-    return got
-
-
-FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "device": (str,), "name": (str,), "flags": (list,), "torch_version": (str,), "threads": (int,),
-    "matmul_one": (dict,), "matmul_all": (dict,), "matmul_size": (dict,), "memcpy_bytes_per_s": (int, float),
-    "measured_at": (str,), "seconds": (int, float), "extra": (dict,), "load": (dict,), "suspect": (str,),
-    "pinned": (bool,)}
-"""The JSON type of each field a cached profile holds: a value of another type (a rate
-written as a string, a thread count as a float) is a damaged entry, never coerced."""
-
-
-def _check_types(d: dict[str, Any]) -> None:
-    """Raise TypeError naming the first field of ``d`` (a cached profile) whose value is not of
-    its ``FIELD_TYPES`` type, or whose rates, sizes or flags are not numbers, integers or strings."""
-    for name, types in FIELD_TYPES.items():
-        v = d.get(name)
-        if name in d and not (isinstance(v, types) and (bool not in types) == (not isinstance(v, bool))):
-            raise TypeError(f"{name} is {v!r}, not {' or '.join(t.__name__ for t in types)}")
-    if not all(isinstance(f, str) for f in d.get("flags") or []):
-        raise TypeError(f"flags are {d.get('flags')!r}, not strings")
-    for name in ("matmul_one", "matmul_all", "matmul_size"):
-        want = int if name == "matmul_size" else (int, float)
-        bad = {k: v for k, v in (d.get(name) or {}).items() if isinstance(v, bool) or not isinstance(v, want)}
-        if bad:
-            raise TypeError(f"{name} holds {bad!r}, not {'integers' if want is int else 'numbers'}")
-
-
-def _rates(d: Any) -> dict[str, float]:
-    rates = {str(k): float(v) for k, v in d.items()}
-    if any(not (math.isfinite(v) and v > 0) for v in rates.values()):
-        raise ValueError(f"rates must be finite and positive, got {rates}")
-    return rates
 
 
 def machine_key(device: str, name: str, flags: tuple[str, ...] | list[str], torch_version: str, threads: int) -> str:
