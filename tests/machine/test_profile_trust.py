@@ -15,7 +15,7 @@ import mct.machine.passes as passes_mod
 from mct.cli import main
 from mct.config import EngineConfig
 from mct.machine import MachineProfile, calibrate, cpu_identity, current_key, usable_cores
-from mct.machine.load import Load, LoadWatch, busy_cpu_seconds
+from mct.machine.load import Load, LoadWatch, busy_cpu_seconds, quiet_now
 from mct.machine.trust import STATED_ERROR, check_run
 from mct.planner.overhead import machine_rates
 from mct.run.trainer import train
@@ -245,3 +245,27 @@ def test_auto_in_a_training_rank_says_why_a_suspect_profile_is_not_measured(tmp_
     monkeypatch.setenv("RANK", "1")
     timing(task_for(cfg), cfg, 1, measure=False)
     assert capsys.readouterr().err == ""  # rank 0 says it, once
+
+
+def test_a_profile_measured_under_load_is_measured_again_once_the_machine_is_quiet(tmp_path, passes, monkeypatch):
+    path = tmp_path / "machine.json"
+    busy = MachineProfile.from_dict({**_profile().to_dict(), "load": {**Load(1.6, 2, 7.0, 9.0).to_dict(), "passes": 3}})
+    path.write_text(json.dumps({"version": 1, "profiles": {busy.key: busy.to_dict()}}))
+    monkeypatch.setattr(cache_mod, "quiet_now", lambda: False)
+    assert calibrate(path=path).profile == busy and not passes  # still busy: measuring now would be no better
+    monkeypatch.setattr(cache_mod, "quiet_now", lambda: True)
+    said: list[str] = []
+    cal = calibrate(path=path, say=said.append)
+    assert cal.source == "measured" and len(passes) == 1 and not cal.profile.load_busy
+    assert said[0].startswith("warning: the machine profile was measured 2026-01-01T00:00:00Z under load (1.60 of 2")
+    assert "the machine is quiet now; measuring this machine now" in said[0]
+
+
+def test_quiet_now_is_what_other_processes_used_while_it_slept(monkeypatch):
+    import mct.machine.load as load_mod
+    for used, quiet in ((0.0, True), (0.005, True), (0.05, False)):  # CPU seconds others used in 0.1 s
+        readings = iter([100.0, 100.0 + used])
+        monkeypatch.setattr(load_mod, "busy_cpu_seconds", lambda cpus, stat: next(readings))
+        assert quiet_now(0.1) is quiet, used
+    monkeypatch.setattr(load_mod, "busy_cpu_seconds", lambda cpus, stat: None)
+    assert quiet_now(0.01) is False  # unknown is not quiet

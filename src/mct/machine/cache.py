@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from mct.machine.load import quiet_now
 from mct.machine.passes import MAX_PASSES, measure_watched, measured_line
 from mct.machine.profile import MachineProfile, current_key, format_rate, measure_profile
 
@@ -52,7 +53,8 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
     (``path``, default ``cache_file()``) when it holds a sound one for this key and ``force``
     is off, else measured now (``mct.machine.passes.measure_watched``: a quiet machine
     about 15 s on 2 cores, a busy one up to three passes) and written there. A profile a run
-    marked suspect (``mark_suspect``) is measured again. Before any measurement one line goes
+    marked suspect (``mark_suspect``) is measured again, as is one measured under load when the
+    machine is quiet now (``quiet_now``: half a second watched). Before any measurement one line goes
     to ``say`` (default: stderr) saying why (first use, a damaged or unreadable file, a cache
     path that is not a directory, a suspect profile) and that it is measuring: never minutes
     of silence. Raises ValueError only for a device that cannot be measured (``measure_profile``)."""
@@ -68,10 +70,12 @@ def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = N
         except ValueError as e:
             why = f"warning: {path}: {e}"
         else:
-            if not profile.suspect or profile.pinned:
+            if profile.pinned or not (profile.suspect or (profile.load_busy and quiet_now())):
                 return Calibration(profile, "cache", path)
-            why = (f"warning: the machine profile measured {profile.measured_at or '(time not recorded)'} is "
-                   f"suspect ({profile.suspect})")
+            when = profile.measured_at or "(time not recorded)"
+            why = (f"warning: the machine profile measured {when} is suspect ({profile.suspect})" if profile.suspect
+                   else f"warning: the machine profile was measured {when} under load ({profile.load['other_cores']:.2f} "
+                        f"of {profile.load['cores']} cores used by other processes) and the machine is quiet now")
     say = say or say_line
     say(f"{why}; measuring this machine now, {_estimate(entries.get(key))}")
     profile = measure_watched(lambda: measure_profile(device), say)

@@ -143,3 +143,16 @@ class LoadWatch:
         except (AttributeError, OSError):
             avg = None
         return Load(None if other is None else round(other, 3), len(self.cpus), avg, round(wall, 3))
+
+
+QUIET_SAMPLE_S = 0.5
+"""Seconds ``quiet_now`` watches: long enough for /proc/stat's 10 ms ticks to count a busy core."""
+
+
+def quiet_now(seconds: float = QUIET_SAMPLE_S) -> bool:
+    """Is the machine quiet now: other processes kept at most ``BUSY_CORES`` busy while this
+    one slept ``seconds`` (False when unknown)? Mutates nothing."""
+    with LoadWatch() as watch:
+        time.sleep(seconds)
+    load = watch.load()
+    return load.other_cores is not None and not load.busy
