@@ -38,14 +38,15 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
     """Machine profiles (MFU's peak) live in a temporary cache for the whole test run
     (subprocesses inherit ``MCT_CACHE_DIR``), seeded with ``SEEDED_RATES`` for this
     machine: no test writes the user's cache, and none waits for a measurement unless it
-    asks for one (tests/machine)."""
+    asks for one (tests/machine). It is pinned: a run whose steps disagree with these made-up
+    rates says so but never marks it suspect, so no later test re-measures the machine."""
     d = tmp_path_factory.mktemp("mct-cache")
     ident, cores = cpu_identity(), usable_cores()
     p = MachineProfile(device="cpu", name=ident["model"], flags=ident["flags"], torch_version=torch.__version__,
                        threads=cores, matmul_one=dict(SEEDED_RATES),
                        matmul_all={k: v * cores for k, v in SEEDED_RATES.items()},
                        matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9,
-                       extra=dict(SEEDED_EXTRA))
+                       extra=dict(SEEDED_EXTRA), pinned=True)
     (d / "machine.json").write_text(json.dumps({"version": 1, "profiles": {p.key: p.to_dict()}}))
     before = os.environ.get("MCT_CACHE_DIR")
     os.environ["MCT_CACHE_DIR"] = str(d)

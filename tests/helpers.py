@@ -11,6 +11,7 @@ import torch
 
 from mct.config import EngineConfig
 from mct.engine import Engine
+from mct.machine.load import Load
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.verify.reference import ReferenceTrainer
 
@@ -180,3 +181,23 @@ SEEDED_EXTRA = {"op_overhead_s": {**{str(t): 20e-6 for t in range(1, 65)},
                 "disk_bytes_per_s": 5e8}
 """The time model's rates of that profile (``mct.planner.steptime``): no test waits for
 the per-op overhead or the collectives to be measured unless it asks for it."""
+
+
+class FakeWatch:
+    """A ``LoadWatch`` whose passes see the loads (other processes' cores) of ``script`` in turn."""
+
+    def __init__(self, script: list[float]) -> None:
+        self.script = script
+
+    def __call__(self) -> "FakeWatch":
+        return self
+
+    def __enter__(self) -> "FakeWatch":
+        self.now = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def load(self) -> Load:
+        return Load(self.now, 2, 1.0, 5.0)

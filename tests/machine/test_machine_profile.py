@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import mct.machine.cache as cache_mod
+import mct.machine.passes as passes_mod
 import mct.machine.profile as profile_mod
 from mct.cli import main
 from mct.machine import MachineProfile, cache_file, calibrate, cpu_identity, current_key, usable_cores
+from tests.helpers import FakeWatch
 
 
 @pytest.fixture
@@ -22,6 +24,7 @@ def quick(monkeypatch):
     monkeypatch.setattr(profile_mod, "MATMUL_DIMS", (16, 64))
     monkeypatch.setattr(profile_mod, "ELEMENTWISE_SIZES", (2**16,))
     monkeypatch.setattr(profile_mod, "THREADED_MATMUL_SIZES", (64,))
+    monkeypatch.setattr(passes_mod, "MAX_PASSES", 1)  # one pass even when the suite's other worker loads the machine
 
 
 MEASURES = pytest.mark.xdist_group("machine-measurement")
@@ -45,6 +48,7 @@ def stub(monkeypatch) -> list[MachineProfile]:
         measured.append(p)
         return p
     monkeypatch.setattr(cache_mod, "measure_profile", measure)
+    monkeypatch.setattr(passes_mod, "LoadWatch", FakeWatch([0.0]))  # one pass, whatever else runs
     return measured
 
 
@@ -79,9 +83,13 @@ def test_damaged_cache_is_measured_again_not_a_traceback(tmp_path, stub, damage)
             "selective cost negative": _with_extra(good, selective_mode_op_s=-1e-5),
             }[damage]
     path.write_text(text)
-    cal = calibrate(path=path)
-    assert cal.source == "measured" and cal.warning and str(path) in cal.warning and len(stub) == 2
-    assert calibrate(path=path).profile == stub[-1]  # rewritten whole
+    said: list[tuple[str, int]] = []
+    cal = calibrate(path=path, say=lambda line: said.append((line, len(stub))))
+    assert cal.source == "measured" and cal.warning is None and len(stub) == 2
+    line, measured_before = said[0]
+    assert line.startswith("warning: ") and str(path) in line and "measuring this machine now" in line
+    assert measured_before == 1  # said before the measurement, never after minutes of silence
+    assert calibrate(path=path).profile == cal.profile  # rewritten whole
 
 
 def _with_extra(good: dict, **extra) -> str:
@@ -92,9 +100,10 @@ def _with_extra(good: dict, **extra) -> str:
 
 def test_unwritable_cache_warns_and_still_gives_the_profile(tmp_path, stub):
     (tmp_path / "file").write_text("")
-    cal = calibrate(path=tmp_path / "file" / "machine.json")  # its folder is a file
-    assert cal.source == "measured" and cal.profile.matmul_one["fp32"] > 0
-    assert "MCT_CACHE_DIR" in cal.warning
+    said: list[str] = []
+    cal = calibrate(path=tmp_path / "file" / "machine.json", say=said.append)  # its folder is a file
+    assert cal.source == "measured" and cal.profile.matmul_one["fp32"] > 0 and cal.warning is None
+    assert len(said) == 1 and "MCT_CACHE_DIR" in said[0] and "not a directory" in said[0]
 
 
 def test_cache_file_follows_mct_cache_dir_then_xdg(tmp_path, monkeypatch):
@@ -129,7 +138,8 @@ def test_calibrate_command_prints_the_table_then_json(tmp_path, monkeypatch, cap
     assert main(["calibrate", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["source"] == "cache" and got["key"] == current_key("cpu") and got["path"] == str(tmp_path / "machine.json")
-    assert got["profile"] == stub[0].to_dict() and len(stub) == 1
+    assert got["profile"] == {**stub[0].to_dict(), "load": {"other_cores": 0.0, "cores": 2, "loadavg": 1.0,
+                                                           "seconds": 5.0, "passes": 1}} and len(stub) == 1
     assert main(["calibrate", "--force", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["source"] == "measured" and len(stub) == 2
 

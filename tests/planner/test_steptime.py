@@ -25,6 +25,7 @@ from mct.planner.steptime import PARALLEL_BYTES, Rates, rates_for, step_time
 from mct.planner.work import StepWork, op_key
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task
+from tests.helpers import FakeWatch
 
 L, D, S, V, B = 5, 32, 16, 96, 2
 
@@ -500,6 +501,7 @@ def test_overhead_is_measured_at_the_ranks_own_threads(monkeypatch):
     monkeypatch.setattr(st, "remember", lambda p, key, value: (dataclasses.replace(
         p, extra={**p.extra, key: {**p.extra.get(key, {}), **value}}), None))
     monkeypatch.setattr(st, "measure_op_overhead", fake)
+    monkeypatch.setattr(st, "LoadWatch", FakeWatch([0.0]))  # quiet: measured once, whatever else runs
     rates, _ = st.machine_rates(1, threads=2, spawn=False)
     assert asked == [(2, 1)] and rates.op_s == 2e-5
 

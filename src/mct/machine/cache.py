@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
+from mct.machine.load import quiet_now
+from mct.machine.passes import MAX_PASSES, measure_watched, measured_line
 from mct.machine.profile import MachineProfile, current_key, format_rate, measure_profile
 
 CACHE_ENV = "MCT_CACHE_DIR"
 FILE_VERSION = 1
+FIRST_MEASUREMENT_S = 15
+"""What one pass of a first measurement takes on the 2-core machine, quiet (said before it starts)."""
 
 
 @dataclass(frozen=True)
@@ -41,26 +47,98 @@ def cache_file() -> Path:
     return Path(base) / "mct" / "machine.json"
 
 
-def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = None) -> Calibration:
+def calibrate(device: str = "cpu", *, force: bool = False, path: Path | None = None,
+              say: Callable[[str], None] | None = None) -> Calibration:
     """This machine's profile for ``device`` ('cpu' | 'cuda'): from the cache file
-    (``path``, default ``cache_file()``) when it holds one for this key and ``force`` is
-    off, else measured now (a few seconds) and written there. Raises ValueError only
-    for a device that cannot be measured (``measure_profile``)."""
+    (``path``, default ``cache_file()``) when it holds a sound one for this key and ``force``
+    is off, else measured now (``mct.machine.passes.measure_watched``: a quiet machine
+    about 15 s on 2 cores, a busy one up to three passes) and written there. A profile a run
+    marked suspect (``mark_suspect``) is measured again, as is one measured under load when the
+    machine is quiet now (``quiet_now``: half a second watched). Before any measurement one line goes
+    to ``say`` (default: stderr) saying why (first use, a damaged or unreadable file, a cache
+    path that is not a directory, a suspect profile) and that it is measuring: never minutes
+    of silence. Raises ValueError only for a device that cannot be measured (``measure_profile``)."""
     path = path or cache_file()
-    entries, warning = _read(path)
+    problem = _not_a_directory(path)
+    entries, warning = ({}, problem) if problem else _read(path)
     key = current_key(device)
+    why = f"warning: {warning}" if warning else ("forced (mct calibrate --force)" if force else
+                                                 f"first use: no profile of this machine in {path}")
     if not force and key in entries:
         try:
-            return Calibration(MachineProfile.from_dict(entries[key]), "cache", path)
+            profile = MachineProfile.from_dict(entries[key])
         except ValueError as e:
-            warning = f"{path}: {e}; measured again"
-    profile = measure_profile(device)
+            why = f"warning: {path}: {e}"
+        else:
+            if profile.pinned or not (profile.suspect or (profile.load_busy and quiet_now())):
+                return Calibration(profile, "cache", path)
+            when = profile.measured_at or "(time not recorded)"
+            why = (f"warning: the machine profile measured {when} is suspect ({profile.suspect})" if profile.suspect
+                   else f"warning: the machine profile was measured {when} under load ({profile.load['other_cores']:.2f} "
+                        f"of {profile.load['cores']} cores used by other processes) and the machine is quiet now")
+    say = say or say_line
+    say(f"{why}; measuring this machine now, {_estimate(entries.get(key))}")
+    profile = measure_watched(lambda: measure_profile(device), say)
+    if problem:  # already said: the profile serves this command only
+        return Calibration(profile, "measured", path)
     entries[profile.key] = profile.to_dict()
     try:
         _write(path, entries)
     except OSError as e:
-        warning = f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
-    return Calibration(profile, "measured", path, warning)
+        return Calibration(profile, "measured", path,
+                           f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory")
+    return Calibration(profile, "measured", path)
+
+
+def mark_suspect(key: str, reason: str, *, path: Path | None = None) -> str | None:
+    """Mark the cached profile ``key`` suspect for ``reason`` (the next ``calibrate`` measures
+    it again). Mutates the cache file (atomically); a pinned profile, or one the file no
+    longer holds, is left alone. Returns why the file was not written (None when fine or
+    nothing to do)."""
+    path = path or cache_file()
+    entries, _ = _read(path)
+    entry = entries.get(key)
+    if not isinstance(entry, dict) or entry.get("pinned") is True:
+        return None
+    entries[key] = {**entry, "suspect": reason}
+    try:
+        _write(path, entries)
+    except OSError as e:
+        return f"{path} not written ({e.strerror or e}); set {CACHE_ENV} to a writable directory"
+    return None
+
+
+def say_line(line: str) -> None:
+    """Print ``line`` as one ``mct: ...`` line to stderr now (a progress line before a
+    measurement, or a warning), flushed: stdout may be a `--json` document."""
+    print(f"mct: {line}", file=sys.stderr, flush=True)
+
+
+def _estimate(entry: Any) -> str:
+    """'about 15 s (...)': one pass of the last measurement of this key (``entry``, a cached
+    profile, maybe damaged), else ``FIRST_MEASUREMENT_S``; a busy machine takes up to
+    ``MAX_PASSES`` times that."""
+    try:
+        last = MachineProfile.from_dict(entry)
+        each = last.seconds / max(1, last.load.get("passes", 1))
+    except ValueError:
+        each = 0.0
+    return f"about {each or FIRST_MEASUREMENT_S:.0f} s (up to {MAX_PASSES}x that on a busy machine)"
+
+
+def _not_a_directory(path: Path) -> str | None:
+    """One line when the cache file's folder (or one above it) exists but is not a directory,
+    or the file's own place is a directory: the profile cannot be cached there."""
+    fix = f"the profile is not cached; set {CACHE_ENV} to a directory"
+    if path.is_dir():
+        return f"{path} is a directory, not the profile cache file: {fix}"
+    for parent in path.parents:
+        if parent.is_dir():
+            return None
+        if parent.exists() or parent.is_symlink():
+            named = f" ({CACHE_ENV})" if os.environ.get(CACHE_ENV) and Path(os.environ[CACHE_ENV]) == parent else ""
+            return f"{parent}{named} is not a directory: {fix}"
+    return None
 
 
 def cached(device: str = "cpu", *, path: Path | None = None) -> MachineProfile | None:
@@ -84,6 +162,8 @@ def remember(profile: MachineProfile, name: str, value: object, *, path: Path | 
     path = path or cache_file()
     merged = {**profile.extra.get(name, {}), **value} if isinstance(value, dict) else value
     new = MachineProfile.from_dict({**profile.to_dict(), "extra": {**profile.extra, name: merged}})
+    if _not_a_directory(path):  # said once, before the profile was measured
+        return new, None
     entries, _ = _read(path)
     entries[new.key] = new.to_dict()
     try:
@@ -161,9 +241,9 @@ def _read(path: Path) -> tuple[dict, str | None]:
     except FileNotFoundError:
         return {}, None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return {}, f"{path} not read ({e}); measured again"
+        return {}, f"{path} not read ({e})"
     if not isinstance(data, dict) or data.get("version") != FILE_VERSION or not isinstance(data.get("profiles"), dict):
-        return {}, f"{path} is not a version-{FILE_VERSION} profile cache; measured again"
+        return {}, f"{path} is not a version-{FILE_VERSION} profile cache"
     return dict(data["profiles"]), None
 
 
@@ -183,8 +263,9 @@ def calibration_table(cal: Calibration) -> str:
     """What ``mct calibrate`` prints: the machine, where the profile came from, the
     matmul rates per dtype and the copy bandwidth."""
     p = cal.profile
-    where = (f"measured now in {p.seconds:.1f} s, cached in {cal.path}" if cal.source == "measured" else
-             f"cached in {cal.path} (measured {p.measured_at}; --force measures again)")
+    kept = f"not cached ({_not_a_directory(cal.path)})" if _not_a_directory(cal.path) else f"cached in {cal.path}"
+    where = (f"measured now in {p.seconds:.1f} s, {kept} ({measured_line(p)})"
+             if cal.source == "measured" else f"cached in {cal.path} ({measured_line(p)}; --force measures again)")
     lines = [f"machine  {p.name} ({' '.join(p.flags) or '-'}), torch {p.torch_version}", f"profile  {where}"]
     if p.device == "cuda":
         heads, cells = ["matmul (device)"], lambda d: [p.matmul_one[d]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import platform
 import tempfile
@@ -29,6 +28,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from mct.checkpointing.policies import SelectiveDispatch, context_fn_for
+from mct.machine.entry import check_extra, check_marks, check_types, positive_rates
+from mct.machine.load import Load
 from mct.memory.tracker import MemoryTracker
 from mct.precision.cpu_matmul import UpcastMatmul
 
@@ -55,11 +56,6 @@ time in its collectives over its calls before, a once-a-step skew counted per ca
 collectives timed as the engine issues them (gloo's all-gather and 2-rank reduce-scatter as
 sends and receives, ``mct.zero.comm.TorchCollectives``; gloo's collectives before)."""
 
-SCALAR_RATES = ("copy_all_bytes_per_s", "disk_bytes_per_s", "host_bytes_per_s", "random_elements_per_s",
-                "python_mode_op_s", "selective_mode_op_s", "tracker_op_s")
-"""``extra``'s single-number entries: a cached one that is not a finite number >= 0 is a
-damaged entry (measured again), never a traceback where the time model reads it."""
-
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The precision modes' compute dtypes, by their config names."""
 
@@ -85,6 +81,13 @@ far below the square peak, and a model's are mostly such on a CPU."""
 ATTENTION_DIMS = (16, 64)
 """Head widths of the one-thread fused attention curve (``extra['attention_by_dim']``;
 [4, 4, 128, d] causal, forward and backward)."""
+
+BY_DIM_BUDGET_S = 0.25
+"""Seconds of ``extra['matmul_by_dim']`` timed batches at one dimension after which no more
+are timed (at least 2): fp16 matmuls on a CPU without fp16 units (the 2-core AVX-512 EPYC:
+3 GFLOP/s quiet, 1 under load) took 3.7 s of a 14 s measurement quiet and 20 s under load at
+5 batches each; a call that long is timed well by 2, and the passes of a busy measurement
+(``mct.machine.passes``) add interleaved samples where back-to-back ones would all be slowed alike."""
 
 RANDOM_ELEMENTS = 2**16
 """Elements of the fp32 tensor ``bernoulli_`` fills to time random-number generation
@@ -114,6 +117,16 @@ class MachineProfile:
     measured_at: str = ""
     seconds: float = 0.0
     version: int = PROFILE_VERSION
+    load: dict[str, Any] = field(default_factory=dict)
+    """What other processes used of this machine's cores while it was measured
+    (``mct.machine.load.Load.to_dict`` and 'passes', ``mct.machine.passes``); {}: not recorded
+    (a profile measured before mct watched the load, or written by hand)."""
+    suspect: str = ""
+    """Why a run found this profile wrong ('' when none did): the next command that measures
+    (``mct.machine.cache.calibrate``: `mct plan`, `auto`, `mct train`'s rank 0) measures it again."""
+    pinned: bool = False
+    """A profile written by hand or copied from another machine: a run that disagrees with it
+    still says so, but never marks it suspect (only ``mct calibrate --force`` replaces it)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Rates beyond the peaks (the time model's, ``mct.planner.steptime``): 'matmul_by_dim'
     {dtype: [[smallest dimension, FLOP/s], ...]} one thread at ``MATMUL_DIMS``;
@@ -138,6 +151,11 @@ class MachineProfile:
     each collective call of a real step beyond the collective's time} and 'byte_overhead_s'
     {the same keys: s per byte an op moves inside a real step beyond these rates}, measured on
     first use (``mct.planner.overhead.measure_op_overhead``)."""
+
+    @property
+    def load_busy(self) -> bool:
+        """Was this profile measured under load (``load`` says so; False when not recorded)?"""
+        return bool(self.load) and Load.from_dict(self.load).busy
 
     @property
     def key(self) -> str:
@@ -166,48 +184,21 @@ class MachineProfile:
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"machine profile version {d.get('version')!r}, this mct reads {PROFILE_VERSION}")
         try:
-            p = cls(device=str(d["device"]), name=str(d["name"]), flags=tuple(map(str, d["flags"])),
-                    torch_version=str(d["torch_version"]), threads=int(d["threads"]),
-                    matmul_one=_rates(d["matmul_one"]), matmul_all=_rates(d["matmul_all"]),
-                    matmul_size={str(k): int(v) for k, v in d["matmul_size"].items()},
-                    memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=str(d.get("measured_at", "")),
-                    seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}))
+            check_types(d)
+            p = cls(device=d["device"], name=d["name"], flags=tuple(d["flags"]),
+                    torch_version=d["torch_version"], threads=d["threads"],
+                    matmul_one=positive_rates(d["matmul_one"]), matmul_all=positive_rates(d["matmul_all"]),
+                    matmul_size=dict(d["matmul_size"]),
+                    memcpy_bytes_per_s=float(d["memcpy_bytes_per_s"]), measured_at=d.get("measured_at", ""),
+                    seconds=float(d.get("seconds", 0.0)), extra=dict(d.get("extra") or {}),
+                    load=dict(d.get("load") or {}), suspect=d.get("suspect") or "", pinned=d.get("pinned", False))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"machine profile entry is damaged ({type(e).__name__}: {e})") from None
+        check_marks(p.load, p.suspect, p.pinned)
         if "fp32" not in p.matmul_one or not p.memcpy_bytes_per_s > 0:
             raise ValueError("machine profile entry has no fp32 matmul rate or no copy bandwidth")
-        curves = [(name, p.extra.get(name) or []) for name in ("elementwise_curve", "elementwise_speedup",
-                                                                "matmul_speedup")]
-        curves += [(f"elementwise_by_dtype.{k}", c) for k, c in _mapping(p.extra, "elementwise_by_dtype").items()]
-        kinds = _mapping(p.extra, "elementwise_by_kind")
-        curves += [(f"elementwise_by_kind.{kind}.{k}", c) for kind in kinds
-                   for k, c in _mapping(kinds, kind, f"elementwise_by_kind.{kind}").items()]
-        for name in SCALAR_RATES:
-            x = p.extra.get(name)
-            if x is not None and not (isinstance(x, (int, float)) and not isinstance(x, bool)
-                                      and math.isfinite(x) and x >= 0):
-                raise ValueError(f"machine profile entry is damaged ({name} is {x!r}, not a number >= 0)")
-        for name, curve in curves:
-            if not (isinstance(curve, list) and all(isinstance(pt, list) and len(pt) == 2 and
-                                                    all(isinstance(x, (int, float)) and x > 0 for x in pt)
-                                                    for pt in curve)):
-                raise ValueError(f"machine profile entry is damaged ({name} is not [[size, rate], ...] of positive numbers)")
+        check_extra(p.extra)
         return p
-
-
-def _mapping(d: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
-    """``d[key]`` (a JSON object; absent: {}). Raises ValueError naming it (``name``) for anything else."""
-    got = d.get(key) or {}
-    if not isinstance(got, dict):
-        raise ValueError(f"machine profile entry is damaged ({name or key} is a {type(got).__name__}, not an object)")
-    return got
-
-
-def _rates(d: Any) -> dict[str, float]:
-    rates = {str(k): float(v) for k, v in d.items()}
-    if any(not (math.isfinite(v) and v > 0) for v in rates.values()):
-        raise ValueError(f"rates must be finite and positive, got {rates}")
-    return rates
 
 
 def machine_key(device: str, name: str, flags: tuple[str, ...] | list[str], torch_version: str, threads: int) -> str:
@@ -450,20 +441,26 @@ def _matmul_by_dim(dtype: torch.dtype, device: str, sync: Callable[[], None],
         b = torch.randn(d, side, device=device).to(dtype)
         flops = 2.0 * side * d * side
         torch.mm(a, b)
-        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync)])
+        out.append([float(d), flops / _fastest(lambda: torch.mm(a, b), max(1, min(50, int(2e8 / flops))), sync,
+                                               budget_s=BY_DIM_BUDGET_S)])
     return out
 
 
-def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5) -> float:
-    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls."""
-    best = float("inf")
-    for _ in range(tries):
+def _fastest(fn: Callable[[], Any], reps: int, sync: Callable[[], None], tries: int = 5,
+             budget_s: float | None = None) -> float:
+    """Seconds of one ``fn()``: the fastest of ``tries`` timed batches of ``reps`` calls; with
+    ``budget_s``, of at least 2 once the batches took that long together."""
+    best, spent = float("inf"), 0.0
+    for i in range(tries):
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        took = time.perf_counter() - t0
+        best, spent = min(best, took / reps), spent + took
+        if budget_s is not None and i >= 1 and spent >= budget_s:
+            break
     return best
 
 

@@ -20,8 +20,10 @@ from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.machine import MachineProfile, calibrate
-from mct.machine.cache import cached, remember
+from mct.machine.cache import cached, remember, say_line
 from mct.machine.collectives import measure_collectives, spawn_ranks
+from mct.machine.load import LoadWatch
+from mct.machine.passes import measured_line
 from mct.models.gpt import GPT, gpt_loss
 from mct.planner.dry_run import dry_run
 from mct.planner.steptime import (Rates, collective_key, measured_world, overhead_key, rates_for, step_time,
@@ -57,11 +59,18 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     processes; not with ``spawn=False``), the per-op overhead of one process and (spawning)
     of the world's ranks stepping at once, with the wait per collective call (a second,
     and a few seconds). ``measure=False``: the cache only (None when it holds no profile; what it
-    lacks is named in the notes). Returns the rates and warnings (a cache that could not
-    be written, a measurement that failed)."""
+    lacks is named in the notes; a suspect profile is used, with a warning saying why it is
+    not measured again). Returns the rates and warnings (a cache that could not be written, a
+    measurement that failed)."""
     if not measure:
         profile = cached(device)
-        return (None if profile is None else rates_for(profile, world, threads)), []
+        if profile is None:
+            return None, []
+        unmeasured = [] if not profile.suspect or profile.pinned else [
+            f"the machine profile is suspect ({profile.suspect}) and is not measured again here (a training rank "
+            f"measures nothing: it would compete with the others), so configurations are ranked by it; "
+            f"mct calibrate --force measures it"]
+        return _noted(rates_for(profile, world, threads), profile), unmeasured
     cal = calibrate(device)
     profile, warnings = cal.profile, [cal.warning] if cal.warning else []
     threads = threads or threads_per_rank(world, device)
@@ -70,6 +79,7 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
         key = collective_key(profile, w0)
         if key not in profile.extra.get("collectives", {}):
             try:
+                say_line(f"measuring the collectives of {w0} ranks for the time model (a few seconds; cached)")
                 profile, warning = remember(profile, "collectives", {key: measure_collectives(w0, device)})
                 warnings += [warning] if warning else []
             except (RuntimeError, ValueError) as e:
@@ -85,7 +95,13 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
     for n in sorted({1, ranks}):
         profile, warning = _with_overhead(profile, 1 if device == "cuda" else threads, n)
         warnings += [warning] if warning else []
-    return rates_for(profile, world, threads), warnings
+    return _noted(rates_for(profile, world, threads), profile), warnings
+
+
+def _noted(rates: Rates, profile: MachineProfile) -> Rates:
+    """``rates`` with a first note saying when and under what load the profile was measured
+    (`mct plan` prints it)."""
+    return dataclasses.replace(rates, notes=(f"machine profile {measured_line(profile)}", *rates.notes))
 
 
 def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[MachineProfile, str | None]:
@@ -94,11 +110,20 @@ def _with_overhead(profile: MachineProfile, threads: int, ranks: int) -> tuple[M
     key = overhead_key(threads, ranks)
     if key in profile.extra.get("op_overhead_s", {}) and key in profile.extra.get("byte_overhead_s", {}):
         return profile, None
+    rates = rates_for(profile, ranks, threads, ranks_here=ranks)
+    say_line(f"measuring the per-op overhead of {ranks} rank(s) at {threads} thread(s) from real steps for the time "
+             f"model (a few seconds; cached)")
     try:
-        op_s, wait_s, byte_s = measure_op_overhead(rates_for(profile, ranks, threads, ranks_here=ranks), threads,
-                                                   ranks=ranks)
+        with LoadWatch() as watch:
+            op_s, wait_s, byte_s = measure_op_overhead(rates, threads, ranks=ranks)
+        if watch.load().busy:  # once more; load only adds to a step, so the smaller of each is nearer the truth
+            with LoadWatch() as again:
+                more = measure_op_overhead(rates, threads, ranks=ranks)
+            op_s, wait_s, byte_s = (min(a, b) for a, b in zip((op_s, wait_s, byte_s), more))
+            watch = min(watch, again, key=lambda w: w.load().other_cores or 0.0)
     except (RuntimeError, ValueError) as e:
         return profile, f"per-op overhead of {ranks} ranks not measured ({e})"
+    profile, _ = remember(profile, "overhead_load", {key: watch.load().to_dict()})
     if ranks > 1:
         profile, _ = remember(profile, "collective_wait_s", {key: wait_s})
     profile, _ = remember(profile, "byte_overhead_s", {key: byte_s})

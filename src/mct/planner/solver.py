@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
 from mct.checkpointing import find_blocks
 from mct.config import EngineConfig, PrecisionMode
+from mct.machine.cache import say_line
 from mct.memory.tracker import format_bytes
 from mct.planner.choice import Choice, OffloadChoice, PlanRow, apply, need_of
 from mct.planner.plan import _per_block_of, dry_run_cost, offload_choice, predicted_seconds
@@ -135,7 +137,10 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
     """The keywords that give every solver row its predicted seconds (``plan.row``'s ``rates``
     and ``tokens``): this machine's rates (``measure=False``: the cached profile only, as a
     training rank reads it; no rates: rows ranked by their relative cost)."""
-    rates, _ = machine_rates(world, device, measure=measure)
+    rates, warnings = machine_rates(world, device, measure=measure)
+    if not measure and int(os.environ.get("RANK", "0")) == 0:  # every rank of a run resolves `auto`; one says it
+        for warning in warnings:
+            say_line(f"warning: {warning}")
     return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)}
 
 

@@ -15,7 +15,9 @@ from typing import Any
 
 from mct.checkpointing.policies import policy_label
 from mct.config import CheckpointingConfig, MemoryConfig
-from mct.machine import format_flops, format_rate
+from mct.machine import MachineProfile, format_flops, format_rate
+from mct.machine.passes import measured_line
+from mct.machine.trust import STATED_ERROR, disagreement
 from mct.memory import host
 from mct.memory.tracker import format_bytes
 from mct.reporting.metrics import read_jsonl
@@ -137,6 +139,9 @@ def report_table(run: RunData) -> str:
     timing = step_time_line(run.rows)
     if timing:
         lines.append(timing)
+    profile = profile_line(run.meta)
+    if profile:
+        lines.append(profile)
     if nonfinite:
         lines.append(f"non-finite values at logged steps: {', '.join(map(str, nonfinite))}")
     return "\n".join(lines)
@@ -156,8 +161,21 @@ def step_time_line(rows: list[dict[str, Any]]) -> str:
     if not pred or not meas:
         return ""
     median = meas[len(meas) // 2] if len(meas) % 2 else (meas[len(meas) // 2 - 1] + meas[len(meas) // 2]) / 2
+    off = disagreement(median, pred[-1]) is not None
     return (f"step time: measured median {median:.3g} s, predicted {pred[-1]:.3g} s "
-            f"(measured / predicted {median / pred[-1]:.2f})")
+            f"(measured / predicted {median / pred[-1]:.2f}"
+            + (f"; outside the time model's stated {STATED_ERROR}x: the machine profile is suspect, "
+               f"mct calibrate --force measures it again)" if off else ")"))
+
+
+def profile_line(meta: dict[str, Any] | None) -> str:
+    """'machine profile: measured T in S s, quiet (...)' of the profile the run used
+    (metadata.json ``utilization.machine_profile``); '' when absent or unreadable."""
+    try:
+        profile = MachineProfile.from_dict(((meta or {}).get("utilization") or {}).get("machine_profile"))
+    except ValueError:
+        return ""
+    return f"machine profile: {measured_line(profile)}"
 
 
 def solver_lines(meta: dict[str, Any] | None) -> list[str]:

@@ -23,6 +23,7 @@ from mct.data import build_data, copy_tokenizer
 from mct.data.sampler import DataPosition
 from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
+from mct.machine.load import LoadWatch
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded
 from mct.persistence.checkpoint import load_engine_state, set_rng_state
@@ -217,10 +218,17 @@ class Trainer:
         tcfg, c = self.cfg.train, self.counters
         self.bar = Progress(self.progress_enabled, tcfg.steps, c.step)
         first, loss, t_start = c.step, float("nan"), time.perf_counter()
-        while c.step < tcfg.steps:
-            passed = self.run_step()
-            loss = loss if passed is None else passed
+        with LoadWatch() as watch:  # what else ran meanwhile: says whether the steps can judge the profile
+            while c.step < tcfg.steps:
+                passed = self.run_step()
+                loss = loss if passed is None else passed
         self.bar.close()
+        if self.ctx.is_main:
+            # the run's other ranks are other processes to /proc/stat: its load is known alone only
+            line = self.utilization.check_profile(self.log.median_step_time(), len(self.log.step_times),
+                                                  self.log.mfu_warned, watch.load() if self.ctx.world_size == 1 else None)
+            if line:
+                print(f"mct: warning: {line}", file=sys.stderr)
         if first >= tcfg.steps:  # resumed at or past the last step: nothing to run, keep its checkpoint
             self.save_checkpoint()
         self.stop.cancel_watchdog()

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from mct.config import EngineConfig, PrecisionMode
-from mct.machine import calibrate, cpu_line, format_rate
+from mct.machine import MachineProfile, calibrate, cpu_line, format_rate
+from mct.machine.load import Load
+from mct.machine.trust import check_run
 from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare_work
 from mct.planner.overhead import machine_rates
@@ -87,6 +89,18 @@ class Utilization:
         if self.flops.hardware is not None:
             row["hardware_flops_per_step"] = self.flops.hardware
         return row
+
+    def check_profile(self, step_time_s: float | None, steady_steps: int, over_peak: bool,
+                      run_load: Load | None = None) -> str | None:
+        """The one line a run prints when its median step ``step_time_s`` (of ``steady_steps``
+        timed steps after the first) disagrees with the prediction beyond the time model's
+        stated error, or its MFU went above 100% (``over_peak``); marks the cached profile
+        suspect (``mct.machine.trust.check_run``). None when they agree or nothing was recorded."""
+        try:
+            profile = MachineProfile.from_dict(self.profile)
+        except ValueError:
+            return None
+        return check_run(profile, step_time_s, self.predicted_step_s, steady_steps, over_peak, run_load)
 
     def over_peak(self, achieved: float) -> str:
         """The warning for model FLOP/s above the measured peak."""
