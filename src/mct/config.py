@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Name(str, Enum):
@@ -30,6 +30,31 @@ class Name(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+@dataclass(frozen=True)
+class OnResume:
+    """What ``mct train --resume RUN_DIR --set key=value`` does with a changed key: where
+    ``allowed``, the new value applies from the resumed step on and ``effect`` says what
+    that means; otherwise the change is refused and ``effect`` says why, ``fix`` what to do.
+    Every config key declares one (each section's ``ON_RESUME``, beside its fields)."""
+
+    allowed: bool
+    effect: str
+    fix: str = ""
+
+
+NEW_RUN = "start a new run with --run-dir (add --init-from RUN_DIR to start from this run's weights)"
+
+
+def may(effect: str) -> OnResume:
+    """A key ``--resume`` may change, with what happens when it does."""
+    return OnResume(True, effect)
+
+
+def fixed(why: str, fix: str = NEW_RUN) -> OnResume:
+    """A key ``--resume`` refuses to change: ``why`` it would make another run, ``fix``."""
+    return OnResume(False, why, fix)
+
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -102,6 +127,13 @@ class ModelConfig:
     'pkg.module:factory' (a function returning an nn.Module). Only seq_len applies to
     every source; the other keys of [model] are the built-in GPT's."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        **dict.fromkeys(("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "source"),
+                        fixed("the checkpoint holds the weights of the run's architecture")),
+        "dropout": fixed("the run's dropout is part of its numerics (the same masks at every step)"),
+        "attention": fixed("another attention kernel changes the run's numerics"),
+    }
+
     def __post_init__(self) -> None:
         self._check_source()
         for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
@@ -147,6 +179,14 @@ class DataConfig:
     """Micro-batches per optimizer step (gradient accumulation)."""
     val_fraction: float = 0.1
     """Fraction of files held out for validation (split by file, never by window)."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "path": fixed("the samples and their order belong to the run"),
+        "micro_batch_size": fixed("the run's global batch belongs to it (same samples at the same steps)"),
+        "grad_accum": fixed("a resume sets it from the run's global batch and the number of ranks",
+                            "change --nproc instead (it must divide the run's micro-batches per step)"),
+        "val_fraction": fixed("the train/validation split belongs to the run"),
+    }
 
     def __post_init__(self) -> None:
         _check_range("data.micro_batch_size", self.micro_batch_size, 1)
@@ -214,6 +254,22 @@ class TrainConfig:
     time, so the [tokens, vocab] logits never exist (backward recomputes one chunk at a time); 0 = off.
     Used by the default loss of every model source (docs/planner.md, "Loss chunking")."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "steps": may("the run continues to the new count (or stops at once when it is already there); "
+                     "the LR schedule's decay is computed over the new count from the resumed step on"),
+        **dict.fromkeys(("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "decay_fraction", "weight_decay",
+                         "grad_clip"), fixed("the optimizer's hyperparameters belong to the run")),
+        **dict.fromkeys(("eval_every", "eval_batches", "log_every", "tensorboard"),
+                        may("evaluation and logging follow the new value from the resumed step on")),
+        **dict.fromkeys(("checkpoint_every", "keep_checkpoints"),
+                        may("checkpoints are saved and kept as the new value says from the resumed step on")),
+        **dict.fromkeys(("max_rollbacks", "snapshot_every", "loss_spike_factor", "loss_spike_window",
+                         "grad_norm_factor", "max_consecutive_skips", "lr_cut_factor", "preempt_timeout_s"),
+                        may("the divergence and signal handling use the new value from the resumed step on")),
+        "init_from": fixed("a resume continues from the run's checkpoint, never from other weights"),
+        "loss_chunk_tokens": may("the loss runs over the new chunks: the same values up to summation order"),
+    }
+
     def __post_init__(self) -> None:
         _check_range("train.steps", self.steps, 1)
         _check_range("train.lr", self.lr, 0.0, lo_open=True)
@@ -261,6 +317,10 @@ class PrecisionConfig:
     """bf16/fp16 matrix multiplies on a CPU: 'native' (torch's low-precision kernels), 'fp32'
     (fp32 kernels, result rounded back: same values up to summation order), or 'auto' = 'fp32'
     on CPUs without native bf16/fp16 units (AVX512-BF16/AMX), where 'native' is 25-40x slower."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("mode", "reduce_dtype", "initial_scale_power", "growth_interval", "hysteresis", "min_scale", "cpu_matmul"),
+        fixed("the run's precision is part of its numerics"))
 
     def __post_init__(self) -> None:
         if self.mode not in ("fp32", "bf16", "fp16"):
@@ -310,6 +370,10 @@ class CheckpointingConfig:
     time; 0 = off. Any policy; same numerics up to the summation order of the MLP's weight gradients.
     The model's standard RMSNorms (transformers' Llama-style) run over the same tiles, keeping their
     input and the fp32 per-token rstd only: forward bit-identical, the weight's gradient summed per tile."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("policy", "k", "blocks", "verify", "offload", "per_block", "mlp_tile_tokens"),
+        may("the blocks recompute (and their inputs wait) as the new value says: the same values"))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -378,6 +442,10 @@ class ZeroConfig:
     """Module class names whose instances are ZeRO units (gathered, reduced, freed together);
     [] = the same blocks as checkpointing (checkpointing.blocks)."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("stage", "bucket_mb", "prefetch", "persistent_numel", "reshard_root_after_forward", "units"),
+        may("the checkpoint is resharded to the new layout: the same values up to fp32 reduction order"))
+
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3, "auto") or isinstance(self.stage, bool):
             _fail("zero.stage", self.stage, "choose 0, 1, 2, 3 or 'auto'")
@@ -423,6 +491,10 @@ class MemoryConfig:
     (state offload whenever faster). Without 'loss_chunk' / 'offload' each is still tried
     when nothing fits without it, as ``auto`` always did."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("budget", "enforce", "track", "host_malloc", "huge_pages", "solver_allow"),
+        may("memory is budgeted, counted and allocated as the new value says from the resumed step on"))
+
     def __post_init__(self) -> None:
         if self.host_malloc not in HOST_MALLOC:
             *rest, last = map(repr, HOST_MALLOC)
@@ -457,6 +529,9 @@ class DistributedConfig:
     sending messages (the same bytes; ``mct.zero.shared``). Tried once at start; where it
     cannot be (other hosts, no room in ``/dev/shm``, optimizer offload), messages, and
     ``mct train`` warns why. false: messages only."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("backend", "timeout_s", "shared_memory"), may("the new process group uses the new value"))
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -493,6 +568,13 @@ class OptimizerConfig:
     rounding: 4), 'int8' (blockwise, 256 elements per fp32 scale: ~2.03). Master weights and
     the update arithmetic stay fp32."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        **dict.fromkeys(("name", "betas", "eps"), fixed("the optimizer's hyperparameters belong to the run")),
+        "state_dtype": fixed("the checkpoint holds Adam's moments in the run's state dtype (no conversion)",
+                             "resume with the run's optimizer.state_dtype, or start a new run from these weights "
+                             "(the moments start over): mct train --init-from RUN_DIR --set optimizer.state_dtype=NEW"),
+    }
+
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
             _fail("optimizer.name", self.name, f"choose one of {', '.join(OPTIMIZER_NAMES)}")
@@ -528,6 +610,10 @@ class OffloadConfig:
     """MiB of fp32 per streamed chunk of one unit's shard: the step's unit of I/O and compute."""
     buffers: int = 2
     """Chunks in flight (>= 2): one is stepped while the next ones are read and the last written."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("optimizer", "params", "dir", "chunk_mb", "buffers"),
+        may("the state is loaded into the new tier: the same values (offload on or off)"))
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "params"):
@@ -567,6 +653,9 @@ class EngineConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "seed": fixed("it seeds the run's data order and dropout")}
 
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
@@ -622,6 +711,26 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def resume_rules() -> dict[str, OnResume]:
+    """Every config key of the schema ('seed', 'section.key', in schema order) with what
+    ``--resume`` does when it changes: each section's ``ON_RESUME``. A field without a
+    declaration is an AssertionError (the schema's invariant; tests/test_config.py walks it)."""
+    rules = {"seed": EngineConfig.ON_RESUME["seed"]}
+    for name, klass in _SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            assert f.name in klass.ON_RESUME, f"{name}.{f.name} declares nothing in {klass.__name__}.ON_RESUME"
+            rules[f"{name}.{f.name}"] = klass.ON_RESUME[f.name]
+    return rules
+
+
+def config_value(config: EngineConfig, key: str) -> Any:
+    """The value of ``key`` ('seed' or 'section.key') in ``config``."""
+    if key == "seed":
+        return config.seed
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
 
 
 def _refused(section: str, key: str) -> str:
@@ -727,8 +836,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         hints = typing.get_type_hints(_SECTIONS[section])
         if _refused(section, key):
             raise ValueError(f"--set {item!r}: {_refused(section, key)}")
-        if key not in hints:
-            raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
+        if key not in {f.name for f in dataclasses.fields(_SECTIONS[section])}:
+            raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: "
+                             f"{', '.join(sorted(f.name for f in dataclasses.fields(_SECTIONS[section])))}")
         if not isinstance(d.setdefault(section, {}), dict):
             raise ValueError(f"config section [{section}] must be a table, got {d[section]!r}; "
                              f"write it as [{section}] with key = value lines")
