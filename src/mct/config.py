@@ -783,12 +783,50 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if t in (str, bool) and type(value) is t:
             return value
     names = " or ".join(getattr(t, "__name__", str(t)) for t in options)
-    raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}")
+    shapes = [("a table like {name = 1}" if typing.get_origin(t) is dict else
+               "a list like [0.9, 0.95]" if typing.get_args(t) == (float,) else 'a list like ["a", "b"]')
+              for t in options if typing.get_origin(t) in (list, dict)]
+    raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}"
+                     + (f" ({' or '.join(shapes)})" if shapes else ""))
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def _parse_bracketed(key: str, text: str, options: tuple[Any, ...]) -> Any:
+    """A --set value written as a TOML array or inline table (``[a, b]``, ``["a", "b"]``,
+    ``{all = 2, none = 1}``): what TOML makes of it (``EngineConfig.from_dict`` checks its
+    type), else bare words as strings (``[all,none]`` -> ['all', 'none']). Raises ValueError
+    showing the accepted forms for an unbalanced or malformed one."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    origins = {typing.get_origin(t): t for t in options}
+    closing = {"[": "]", "{": "}"}[text[0]]
+    if text.endswith(closing) and text[0] == "[" and list in origins:
+        item = (typing.get_args(origins[list]) or (str,))[0]
+        items = [_unquote(s) for s in text[1:-1].split(",") if s.strip()]
+        return [_parse_text(f"{key}[{i}]", s, item) for i, s in enumerate(items)]
+    if text.endswith(closing) and text[0] == "{" and dict in origins:
+        pairs = [s.split("=", 1) for s in text[1:-1].split(",") if s.strip()]
+        if all(len(p) == 2 and p[0].strip() for p in pairs):
+            return {_unquote(k): _parse_text(f"{key}.{_unquote(k)}", v.strip(), typing.get_args(origins[dict])[1])
+                    for k, v in pairs}
+    forms = [f"a list as {key}=[a,b], {key}='[\"a\",\"b\"]' or {key}=a,b"] if list in origins else []
+    forms += [f"a table as {key}={{name=N,name=N}} or {key}=name=N,name=N"] if dict in origins else []
+    what = " or ".join(w for w, o in (("list", list), ("table", dict)) if o in origins)
+    raise ValueError(f"{key} = {text!r} is not a TOML {what}: write {' or '.join(forms)}")
 
 
 def _parse_text(key: str, text: str, typ: Any) -> Any:
-    """Type a --set string by the field's annotation."""
+    """Type a --set string by the field's annotation; a list or table key takes the TOML
+    form too (``_parse_bracketed``). Raises ValueError naming the key and the value."""
     options = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    if text[:1] in ("[", "{") and any(typing.get_origin(t) in (list, dict) for t in options):
+        return _parse_bracketed(key, text, options)
     for t in options:
         if t is bool:
             if text.lower() in ("true", "1", "yes", "on"):
@@ -801,11 +839,10 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
                 if all(len(p) == 2 for p in pairs):
                     return {k.strip(): _parse_text(f"{key}.{k.strip()}", v.strip(), typing.get_args(t)[1])
                             for k, v in pairs}
-        elif typing.get_origin(t) is list:
-            items = [s.strip() for s in text.strip("[]").split(",") if s.strip()]
-            if (typing.get_args(t) or (str,))[0] is float:
-                return [_parse_text(f"{key}[{i}]", s, float) for i, s in enumerate(items)]
-            return [s.strip() for s in text.split(",") if s.strip()]
+        elif typing.get_origin(t) is list:  # a,b (the bracketed forms above)
+            item = (typing.get_args(t) or (str,))[0]
+            items = [_unquote(s) for s in text.split(",") if s.strip()]
+            return [_parse_text(f"{key}[{i}]", s, item) for i, s in enumerate(items)]
         elif t in (int, float):
             try:
                 return t(text)
