@@ -585,6 +585,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         for w in warnings:
             _warn(w)
         cal = dataclasses.replace(calibrate(device), source=cal.source)
+        _warn_unmeasured_world(cal.profile, args.world_size)
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
                           "profile": cal.profile.to_dict()}, indent=2))
@@ -593,6 +594,17 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _warn_unmeasured_world(profile, world: int) -> None:
+    """One warning line when ``mct calibrate --world-size N`` could not measure N ranks here:
+    what was measured (collectives at fewer ranks) and what the N-rank figures are."""
+    from mct.planner.steptime import MAX_MEASURED_WORLD, measured_world
+    measured = measured_world(profile, world)
+    if world > 1 and measured < world:
+        limit = (f"this machine's {measured} {'devices' if profile.device == 'cuda' else 'usable cores'}"
+                 if measured < MAX_MEASURED_WORLD else f"at most {MAX_MEASURED_WORLD} ranks are measured")
+        overhead = f", and the per-op overhead is {measured} ranks' stepping at once" if profile.device == "cpu" else ""
+        _warn(f"--world-size {world}: collectives were measured at {measured} ranks ({limit}), not {world}; "
+              f"the {world}-rank communication is scaled from them as a ring{overhead}")
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.data.pipeline import prepare, summary, terminate_as_interrupt
     with terminate_as_interrupt():

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mct.errors import not_a_directory
 from mct.persistence.manifest import MANIFEST, verify_checkpoint
 from mct.persistence.files import fsync_dir
 
@@ -137,8 +138,9 @@ def check_new_run_dir(run_dir: str | Path) -> None:
     hold a run already, must not be a file, and must be creatable and writable. Leaves
     the file system as it was (a probe directory and file are removed again)."""
     path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--run-dir {str(path)!r} is an existing file, not a directory; pass a new directory")
+    why = not_a_directory(path)  # a file, a FIFO, a dangling link (mkdir would say "File exists")
+    if why:
+        raise ValueError(f"--run-dir {str(path)!r} is {why}; pass a new directory")
     if path.is_dir():
         held = [n for n in RUN_FILES if (path / n).exists()]
         if held:
