@@ -172,7 +172,7 @@ def test_a_run_dir_is_never_reused(base, tmp_path, capfd):
         assert "already holds a run" in err and "--resume" in err and "\n" not in err
     assert _tree(base) == before
     (tmp_path / "file").write_text("x")
-    for bad, why in ((tmp_path / "file", "existing file"), (tmp_path / "file" / "sub", "not writable")):
+    for bad, why in ((tmp_path / "file", "is a file, not a directory"), (tmp_path / "file" / "sub", "not writable")):
         assert main(["train", "--run-dir", str(bad), "--set", "train.steps=1"]) == 2
         err = capfd.readouterr().err.strip()
         assert why in err and "\n" not in err
