@@ -127,7 +127,7 @@ def test_a_forbidden_change_on_resume_is_one_line_with_both_values_and_the_fix(c
     key = change.split("=")[0]
     line = _one_error_line(["train", "--resume", str(a_run), "--no-progress", "--set", change], capsys)
     assert line.startswith(f"mct: error: --resume cannot change {key} from "), line
-    assert resume_rules()[key].fix in line
+    assert resume_rules()[key].fix.split("{")[0] in line
     assert sorted((p.relative_to(a_run), p.stat().st_mtime_ns) for p in a_run.rglob("*")) == before
 
 

@@ -36,7 +36,8 @@ class OnResume:
     """What ``mct train --resume RUN_DIR --set key=value`` does with a changed key: where
     ``allowed``, the new value applies from the resumed step on and ``effect`` says what
     that means; otherwise the change is refused and ``effect`` says why, ``fix`` what to do.
-    Every config key declares one (each section's ``ON_RESUME``, beside its fields)."""
+    Every config key declares one (each section's ``ON_RESUME``, beside its fields); ``fix``
+    may name ``{old}`` and ``{new}``, the two values."""
 
     allowed: bool
     effect: str
@@ -571,8 +572,9 @@ class OptimizerConfig:
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         **dict.fromkeys(("name", "betas", "eps"), fixed("the optimizer's hyperparameters belong to the run")),
         "state_dtype": fixed("the checkpoint holds Adam's moments in the run's state dtype (no conversion)",
-                             "resume with the run's optimizer.state_dtype, or start a new run from these weights "
-                             "(the moments start over): mct train --init-from RUN_DIR --set optimizer.state_dtype=NEW"),
+                             "resume with optimizer.state_dtype={old} (the run's), or start a new run from these "
+                             "weights, its moments starting over: mct train --init-from RUN_DIR --set "
+                             "optimizer.state_dtype={new}"),
     }
 
     def __post_init__(self) -> None:

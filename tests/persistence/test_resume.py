@@ -152,8 +152,8 @@ def test_resume_refuses_changes_that_make_another_run(base, capfd):
         err = capfd.readouterr().err.strip()
         name, value = key.split("=")
         assert err.startswith(f"mct: error: --resume cannot change {name} from ") and "\n" not in err, err
-        assert "--run-dir" in err or "optimizer.state_dtype=NEW" in err, err
-    assert "from 'fp32' to 'int8'" in err and "--init-from RUN_DIR" in err  # the state dtype: both values, the fix
+        assert "--run-dir" in err or "--init-from RUN_DIR --set optimizer.state_dtype=int8" in err, err
+    assert "from 'fp32' to 'int8'" in err and "resume with optimizer.state_dtype=fp32" in err  # both values, the fix
     assert _tree(base) == before
     assert main(["train", "--resume", str(base), "--nproc", "4"]) == 2  # 1 micro-batch cannot split 4 ways
     assert "cannot split evenly" in capfd.readouterr().err

@@ -88,7 +88,7 @@ def test_a_change_on_resume_is_refused_in_one_line_or_recorded_as_the_schema_dec
         resume_changes(saved, new)
     msg = str(e.value)
     assert "\n" not in msg and f"--resume cannot change {key} from {was!r} to {now!r}" in msg, msg
-    assert rule.fix in msg
+    assert rule.fix.format(old=was, new=now) in msg
     assert resume_changes(saved, new, refuse=False) == {}  # the trainer's record leaves it out
 
 

@@ -35,7 +35,8 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any], refuse: bool = Tr
         if was == now:
             continue
         if not rule.allowed and refuse:
-            raise ValueError(f"--resume cannot change {key} from {was!r} to {now!r}: {rule.effect}; {rule.fix}")
+            raise ValueError(f"--resume cannot change {key} from {was!r} to {now!r}: {rule.effect}; "
+                             f"{rule.fix.format(old=was, new=now)}")
         if rule.allowed:
             changes[key] = [was, now]
     return changes
