@@ -17,9 +17,10 @@ compiler's version and the CPU's flags (``-march=native``), written to a tempora
 renamed, its size and sha256 recorded beside it (``adamw-KEY.so.json``). Nothing cached is
 trusted unchecked: before a cached library is mapped, its size, sha256 and symbols are checked
 against that record (a truncated library would be a bus error, one without the symbols an
-AttributeError); a damaged one is rebuilt, with one warning line. Where no compiler is found or the build fails, ``load()`` returns None and
-the optimizer runs its torch reference, which gives the same bytes (the flags keep every
-operation rounding once: ``-ffp-contract=off``, no fast-math).
+AttributeError); a damaged one is rebuilt, with one warning line. Where no compiler is found
+or the build fails, ``load()`` returns None and the optimizer runs its torch reference, which
+gives the same bytes (the flags keep every operation rounding once: ``-ffp-contract=off``, no
+fast-math).
 """
 
 from __future__ import annotations
