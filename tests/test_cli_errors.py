@@ -276,6 +276,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("solver-allow-table", [*TRAIN, "--set", "memory.solver_allow={{micro_batch=1}}"],  # {{ }}: str.format
      "memory.solver_allow = {{'micro_batch': 1}} has the wrong type: expected list (a list like"),
     ("solver-allow-unknown-toml", [*TRAIN, "--set", 'memory.solver_allow=["fast"]'], "'fast' is not a lever"),
+    ("resume-empty", ["train", "--resume", "", *TINY], "--resume '' is empty"),
+    ("config-empty", [*TRAIN, "--config", ""], "--config '' is empty"),
+    ("plan-world-huge", ["plan", "--world-size", "99999999999999999999"], "<= 16777216 (2**24), got 99999999999999999999"),
+    ("calibrate-world-huge", ["calibrate", "--world-size", "16777217"], "<= 16777216"),
     ("betas-toml-out-of-range", [*TRAIN, "--set", "optimizer.betas=[0.9, 1.5]"], "optimizer.betas = [0.9, 1.5]"),
 ]
 

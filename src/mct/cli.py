@@ -267,6 +267,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         check_rdzv_endpoint(args.rdzv_endpoint)
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
+    if args.resume is not None and not args.resume.strip():  # not a new run: '' would start one
+        raise ValueError("--resume '' is empty; pass the run directory to continue (the --run-dir of an earlier run)")
     from mct.persistence.resume import finished_step, recorded_local_ranks
     recorded = args.nproc is None and args.resume and not _under_torchrun()
     if args.nproc is None:
@@ -398,8 +400,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.plot:
         check_plot_path(args.plot)  # before minutes of planning
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    _check_world_size(args.world_size)
     limit = parse_bytes(args.budget, "--budget") if args.budget else cfg.memory.budget_bytes
     from mct.task import task_for
     work = task_for(cfg)
@@ -572,8 +573,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
 
     from mct.machine import calibrate, calibration_table, default_device
     device = default_device() if args.device == "auto" else args.device
-    if args.world_size is not None and args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.world_size is not None:
+        _check_world_size(args.world_size)
     cal = calibrate(device, force=args.force)
     if cal.warning:
         _warn(cal.warning)
@@ -592,6 +593,17 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print(calibration_table(cal))
     return 0
+
+
+MAX_WORLD_SIZE = 2**24
+"""The largest --world-size `mct plan` / `mct calibrate` model: beyond any machine count, and
+past it the planner's index arithmetic overflows."""
+
+
+def _check_world_size(world: int) -> None:
+    """ValueError (one line) unless 1 <= ``world`` <= MAX_WORLD_SIZE."""
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"--world-size must be >= 1 and <= {MAX_WORLD_SIZE} (2**24), got {world}")
 
 
 def _warn_unmeasured_world(profile, world: int) -> None:

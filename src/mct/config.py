@@ -897,6 +897,8 @@ def _read_config_file(path: str | Path) -> dict[str, Any]:
     non-UTF-8 file, and invalid TOML."""
     p = Path(path)
     what = f"--config {str(p)!r}"
+    if not str(path).strip():  # Path('') is '.', a directory: say what was given
+        raise ValueError("--config '' is empty; pass the path of a TOML file")
     if not p.exists():
         raise ValueError(f"{what}: no such file; pass the path of a TOML file")
     if p.is_dir():
