@@ -246,6 +246,41 @@ CASES: list[tuple[str, list[str], str]] = [
     ("prepare-out-is-input-file", ["prepare", "{tmp}/data/latin1.txt", "--out", "{tmp}/data/latin1.txt"],
      "already exists and is not an empty directory"),
     ("plan-loss-chunks-not-int", ["plan", "--loss-chunks", "0,1.5"], "give token counts >= 0"),
+    # Probe V: paths that are links, FIFOs or files where a directory is needed; lists the TOML way
+    ("offload-dir-dangling-link", [*TRAIN, "--set", "offload.optimizer=disk", "--set", "offload.dir={tmp}/dangling"],
+     "offload.dir = '{tmp}/dangling' is a dangling symbolic link (it points at '{tmp}/nowhere'"),
+    ("offload-dir-a-file", [*TRAIN, "--set", "offload.optimizer=disk", "--set", "offload.dir={tmp}/broken.toml"],
+     "offload.dir = '{tmp}/broken.toml' is a file, not a directory"),
+    ("offload-dir-fifo", [*TRAIN, "--set", "offload.optimizer=disk", "--set", "offload.dir={tmp}/fifo"],
+     "offload.dir = '{tmp}/fifo' is not a directory (a device, FIFO or socket)"),
+    ("act-offload-dir-dangling-link", [*TRAIN, "--set", "checkpointing.policy=all", "--set",
+                                       "checkpointing.offload=disk", "--set", "offload.dir={tmp}/dangling"],
+     "offload.dir = '{tmp}/dangling' is a dangling symbolic link"),
+    ("act-offload-dir-a-file", [*TRAIN, "--set", "checkpointing.policy=all", "--set", "checkpointing.offload=disk",
+                                "--set", "offload.dir={tmp}/broken.toml"], "is a file, not a directory"),
+    ("run-dir-a-file", ["train", "--run-dir", "{tmp}/broken.toml", *TINY], "is a file, not a directory"),
+    ("run-dir-fifo", ["train", "--run-dir", "{tmp}/fifo", *TINY], "is not a directory (a FIFO)"),
+    ("run-dir-dangling-link", ["train", "--run-dir", "{tmp}/dangling", *TINY],
+     "--run-dir '{tmp}/dangling' is a dangling symbolic link"),
+    ("config-dangling-link", [*TRAIN, "--config", "{tmp}/dangling"], "no such file"),
+    ("resume-a-file", ["train", "--resume", "{tmp}/broken.toml"], "is not a run directory"),
+    ("resume-fifo", ["train", "--resume", "{tmp}/fifo"], "is not a run directory"),
+    ("init-from-fifo", [*TRAIN, "--init-from", "{tmp}/fifo"], "--init-from '{tmp}/fifo'"),
+    ("init-from-dangling-link", [*TRAIN, "--init-from", "{tmp}/dangling"], "--init-from '{tmp}/dangling'"),
+    ("per-block-list-unclosed", [*TRAIN, "--set", "checkpointing.per_block=[all,none"],
+     "is not a TOML list or table: write a list as checkpointing.per_block=[a,b]"),
+    ("per-block-list-of-numbers", [*TRAIN, "--set", "checkpointing.per_block=[1,2]"],
+     "checkpointing.per_block = [1, 2] has the wrong type"),
+    ("per-block-list-unknown", [*TRAIN, "--set", "checkpointing.per_block=[all,most]"],
+     "checkpointing.per_block[1] = 'most'"),
+    ("solver-allow-table", [*TRAIN, "--set", "memory.solver_allow={{micro_batch=1}}"],  # {{ }}: str.format
+     "memory.solver_allow = {{'micro_batch': 1}} has the wrong type: expected list (a list like"),
+    ("solver-allow-unknown-toml", [*TRAIN, "--set", 'memory.solver_allow=["fast"]'], "'fast' is not a lever"),
+    ("resume-empty", ["train", "--resume", "", *TINY], "--resume '' is empty"),
+    ("config-empty", [*TRAIN, "--config", ""], "--config '' is empty"),
+    ("plan-world-huge", ["plan", "--world-size", "99999999999999999999"], "<= 16777216 (2**24), got 99999999999999999999"),
+    ("calibrate-world-huge", ["calibrate", "--world-size", "16777217"], "<= 16777216"),
+    ("betas-toml-out-of-range", [*TRAIN, "--set", "optimizer.betas=[0.9, 1.5]"], "optimizer.betas = [0.9, 1.5]"),
 ]
 
 
@@ -267,6 +302,7 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     (tmp / "emptied_run" / "checkpoints").mkdir(parents=True)  # a run that saved every 2 steps, all deleted
     (tmp / "emptied_run" / "metadata.json").write_text('{"world_size": 1, "config": {"train": {"checkpoint_every": 2}}}')
     (tmp / "link").symlink_to(tmp / "broken.toml")
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
     for name, config in HF_CONFIGS.items():
         (tmp / f"hf_{name}").mkdir()
         (tmp / f"hf_{name}" / "config.json").write_text(json.dumps(config))
@@ -320,7 +356,7 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
     errors = [line for line in lines if line.startswith("mct: error:")]
     assert len(errors) == 1, err
     assert "Traceback" not in err
-    assert fragment in errors[0], errors[0]
+    assert fragment.format(**values) in errors[0], errors[0]
     assert [line for line in lines if not line.startswith(("mct: error:", "mct: warning:"))] == [], err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "a failed command wrote files"
 

@@ -50,6 +50,53 @@ def test_set_overrides_are_typed_by_field():
     assert cfg.memory.budget_bytes == 2 * 2**30
 
 
+@pytest.mark.parametrize("item, want", [
+    # TOML's own forms, as a config file writes them
+    ('checkpointing.per_block=["all", "none"]', ["all", "none"]),
+    ("checkpointing.per_block={all = 2, none = 1}", {"all": 2, "none": 1}),
+    ("checkpointing.per_block={all=2,none=1}", {"all": 2, "none": 1}),
+    ("checkpointing.blocks=['Block', 'MLP']", ["Block", "MLP"]),
+    ("optimizer.betas=[0.9, 0.95]", [0.9, 0.95]),
+    ("optimizer.betas=[1e-1, 5e-1]", [0.1, 0.5]),
+    ("memory.solver_allow=[]", []),
+    # bare words in brackets, as a shell user writes them: strings, as TOML would quote them
+    ("checkpointing.per_block=[all,none]", ["all", "none"]),
+    ("checkpointing.per_block=[all, \"none\"]", ["all", "none"]),
+    ("memory.solver_allow=[micro_batch]", ["micro_batch"]),
+    ("zero.units=[Block]", ["Block"]),
+    # the forms that worked before stay
+    ("checkpointing.per_block=all,none", ["all", "none"]),
+    ("checkpointing.per_block=all=2,none=1", {"all": 2, "none": 1}),
+    ("memory.solver_allow=micro_batch,offload", ["micro_batch", "offload"]),
+    ("memory.solver_allow=", []),
+    ("optimizer.betas=0.9,0.95", [0.9, 0.95]),
+    ('checkpointing.blocks="Block","MLP"', ["Block", "MLP"]),
+])
+def test_set_takes_lists_and_tables_the_toml_way(item, want):
+    """A list or table key's --set value means what it means in a TOML file (bare words
+    in brackets read as strings), and the older comma forms keep working."""
+    key, _ = item.split("=", 1)
+    section, name = key.split(".")
+    got = getattr(getattr(EngineConfig.from_dict(apply_overrides({}, [item])), section), name)
+    assert got == want and type(got) is type(want), (item, got)
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("checkpointing.per_block=[all", "checkpointing.per_block = '[all' is not a TOML list or table: write a list as "
+                                     "checkpointing.per_block=[a,b]"),
+    ("memory.solver_allow={micro_batch", "is not a TOML list: write a list as memory.solver_allow=[a,b]"),
+    ("memory.solver_allow={a=1}", "memory.solver_allow = {'a': 1} has the wrong type: expected list (a list like"),
+    ("checkpointing.per_block=[1, 2]", "expected dict or list (a table like {name = 1} or a list like"),
+    ("checkpointing.per_block={all=two}", "checkpointing.per_block.all = 'two' has the wrong type: expected int"),
+    ("optimizer.betas=[a, b]", "optimizer.betas[0] = 'a' has the wrong type: expected float"),
+    ("optimizer.betas={b1=0.9}", "optimizer.betas = {'b1': 0.9} has the wrong type: expected list (a list like [0.9"),
+])
+def test_a_malformed_list_or_table_on_set_shows_the_accepted_form(item, fragment):
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_dict(apply_overrides({}, [item]))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("item, fragment", [
     ("zero.stage", "must look like section.key=value"),
     ("stage=2", "the key must be section.key"),

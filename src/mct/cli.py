@@ -258,6 +258,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         check_rdzv_endpoint(args.rdzv_endpoint)
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
+    if args.resume is not None and not args.resume.strip():  # not a new run: '' would start one
+        raise ValueError("--resume '' is empty; pass the run directory to continue (the --run-dir of an earlier run)")
     from mct.persistence.resume import finished_step, recorded_local_ranks
     recorded = args.nproc is None and args.resume and not _under_torchrun()
     if args.nproc is None:
@@ -390,8 +392,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _plan_config(args)
     if args.plot:
         check_plot_path(args.plot, args.force, check_outside_runs)  # before minutes of planning
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    _check_world_size(args.world_size)
     limit = cfg.memory.budget
     from mct.task import task_for
     work = task_for(cfg)
@@ -528,8 +529,8 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
 
     from mct.machine import calibrate, calibration_table, default_device
     device = default_device() if args.device == "auto" else args.device
-    if args.world_size is not None and args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.world_size is not None:
+        _check_world_size(args.world_size)
     cal = calibrate(device, force=args.force)
     if cal.warning:
         _warn(cal.warning)
@@ -541,6 +542,7 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         for w in warnings:
             _warn(w)
         cal = dataclasses.replace(calibrate(device), source=cal.source)
+        _warn_unmeasured_world(cal.profile, args.world_size)
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
                           "profile": cal.profile.to_dict()}, indent=2))
@@ -549,6 +551,28 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+MAX_WORLD_SIZE = 2**24
+"""The largest --world-size `mct plan` / `mct calibrate` model: beyond any machine count, and
+past it the planner's index arithmetic overflows."""
+
+
+def _check_world_size(world: int) -> None:
+    """ValueError (one line) unless 1 <= ``world`` <= MAX_WORLD_SIZE."""
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"--world-size must be >= 1 and <= {MAX_WORLD_SIZE} (2**24), got {world}")
+
+
+def _warn_unmeasured_world(profile, world: int) -> None:
+    """One warning line when ``mct calibrate --world-size N`` could not measure N ranks here:
+    what was measured (collectives at fewer ranks) and what the N-rank figures are."""
+    from mct.planner.steptime import MAX_MEASURED_WORLD, measured_world
+    measured = measured_world(profile, world)
+    if world > 1 and measured < world:
+        limit = (f"this machine's {measured} {'devices' if profile.device == 'cuda' else 'usable cores'}"
+                 if measured < MAX_MEASURED_WORLD else f"at most {MAX_MEASURED_WORLD} ranks are measured")
+        overhead = f", and the per-op overhead is {measured} ranks' stepping at once" if profile.device == "cpu" else ""
+        _warn(f"--world-size {world}: collectives were measured at {measured} ranks ({limit}), not {world}; "
+              f"the {world}-rank communication is scaled from them as a ring{overhead}")
 def cmd_prepare(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.data.pipeline import prepare, summary, terminate_as_interrupt
     from mct.persistence.run_dir import check_outside_runs

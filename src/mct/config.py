@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Name(str, Enum):
@@ -64,6 +64,32 @@ class PrecisionMode(Name):
         schema loads without it)."""
         import torch
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+@dataclass(frozen=True)
+class OnResume:
+    """What ``mct train --resume RUN_DIR --set key=value`` does with a changed key: where
+    ``allowed``, the new value applies from the resumed step on and ``effect`` says what
+    that means; otherwise the change is refused and ``effect`` says why, ``fix`` what to do.
+    Every config key declares one (each section's ``ON_RESUME``, beside its fields); ``fix``
+    may name ``{old}`` and ``{new}``, the two values."""
+
+    allowed: bool
+    effect: str
+    fix: str = ""
+
+
+NEW_RUN = "start a new run with --run-dir (add --init-from RUN_DIR to start from this run's weights)"
+
+
+def may(effect: str) -> OnResume:
+    """A key ``--resume`` may change, with what happens when it does."""
+    return OnResume(True, effect)
+
+
+def fixed(why: str, fix: str = NEW_RUN) -> OnResume:
+    """A key ``--resume`` refuses to change: ``why`` it would make another run, ``fix``."""
+    return OnResume(False, why, fix)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -170,6 +196,13 @@ class ModelConfig:
     'pkg.module:factory' (a function returning an nn.Module). Only seq_len applies to
     every source; the other keys of [model] are the built-in GPT's."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        **dict.fromkeys(("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "source"),
+                        fixed("the checkpoint holds the weights of the run's architecture")),
+        "dropout": fixed("the run's dropout is part of its numerics (the same masks at every step)"),
+        "attention": fixed("another attention kernel changes the run's numerics"),
+    }
+
     def __post_init__(self) -> None:
         self._check_source()
         for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
@@ -215,6 +248,14 @@ class DataConfig:
     """Micro-batches per optimizer step (gradient accumulation)."""
     val_fraction: float = 0.1
     """Fraction of files held out for validation (split by file, never by window)."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "path": fixed("the samples and their order belong to the run"),
+        "micro_batch_size": fixed("the run's global batch belongs to it (same samples at the same steps)"),
+        "grad_accum": fixed("a resume sets it from the run's global batch and the number of ranks",
+                            "change --nproc instead (it must divide the run's micro-batches per step)"),
+        "val_fraction": fixed("the train/validation split belongs to the run"),
+    }
 
     def __post_init__(self) -> None:
         _check_range("data.micro_batch_size", self.micro_batch_size, 1)
@@ -282,6 +323,22 @@ class TrainConfig:
     time, so the [tokens, vocab] logits never exist (backward recomputes one chunk at a time); 0 = off.
     Used by the default loss of every model source (docs/planner.md, "Loss chunking")."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "steps": may("the run continues to the new count (or stops at once when it is already there); "
+                     "the LR schedule's decay is computed over the new count from the resumed step on"),
+        **dict.fromkeys(("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "decay_fraction", "weight_decay",
+                         "grad_clip"), fixed("the optimizer's hyperparameters belong to the run")),
+        **dict.fromkeys(("eval_every", "eval_batches", "log_every", "tensorboard"),
+                        may("evaluation and logging follow the new value from the resumed step on")),
+        **dict.fromkeys(("checkpoint_every", "keep_checkpoints"),
+                        may("checkpoints are saved and kept as the new value says from the resumed step on")),
+        **dict.fromkeys(("max_rollbacks", "snapshot_every", "loss_spike_factor", "loss_spike_window",
+                         "grad_norm_factor", "max_consecutive_skips", "lr_cut_factor", "preempt_timeout_s"),
+                        may("the divergence and signal handling use the new value from the resumed step on")),
+        "init_from": fixed("a resume continues from the run's checkpoint, never from other weights"),
+        "loss_chunk_tokens": may("the loss runs over the new chunks: the same values up to summation order"),
+    }
+
     def __post_init__(self) -> None:
         _check_range("train.steps", self.steps, 1)
         _check_range("train.lr", self.lr, 0.0, lo_open=True)
@@ -330,6 +387,10 @@ class PrecisionConfig:
     """bf16/fp16 matrix multiplies on a CPU: 'native' (torch's low-precision kernels), 'fp32'
     (fp32 kernels, result rounded back: same values up to summation order), or 'auto' = 'fp32'
     on CPUs without native bf16/fp16 units (AVX512-BF16/AMX), where 'native' is 25-40x slower."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("mode", "reduce_dtype", "initial_scale_power", "growth_interval", "hysteresis", "min_scale", "cpu_matmul"),
+        fixed("the run's precision is part of its numerics"))
 
     def __post_init__(self) -> None:
         if self.mode not in tuple(PrecisionMode):
@@ -380,6 +441,10 @@ class CheckpointingConfig:
     time; 0 = off. Any policy; same numerics up to the summation order of the MLP's weight gradients.
     The model's standard RMSNorms (transformers' Llama-style) run over the same tiles, keeping their
     input and the fp32 per-token rstd only: forward bit-identical, the weight's gradient summed per tile."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("policy", "k", "blocks", "verify", "offload", "per_block", "mlp_tile_tokens"),
+        may("the blocks recompute (and their inputs wait) as the new value says: the same values"))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -448,6 +513,10 @@ class ZeroConfig:
     """Module class names whose instances are ZeRO units (gathered, reduced, freed together);
     [] = the same blocks as checkpointing (checkpointing.blocks)."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("stage", "bucket_mb", "prefetch", "persistent_numel", "reshard_root_after_forward", "units"),
+        may("the checkpoint is resharded to the new layout: the same values up to fp32 reduction order"))
+
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3, "auto") or isinstance(self.stage, bool):
             _fail("zero.stage", self.stage, "choose 0, 1, 2, 3 or 'auto'")
@@ -494,6 +563,10 @@ class MemoryConfig:
     (state offload whenever faster). Without 'loss_chunk' / 'offload' each is still tried
     when nothing fits without it, as ``auto`` always did."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("budget", "enforce", "track", "host_malloc", "huge_pages", "solver_allow"),
+        may("memory is budgeted, counted and allocated as the new value says from the resumed step on"))
+
     def __post_init__(self) -> None:
         if self.host_malloc not in HOST_MALLOC:
             *rest, last = map(repr, HOST_MALLOC)
@@ -528,6 +601,9 @@ class DistributedConfig:
     sending messages (the same bytes; ``mct.zero.shm``). Tried once at start; where it
     cannot be (other hosts, no room in ``/dev/shm``, optimizer offload), messages, and
     ``mct train`` warns why. false: messages only."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("backend", "timeout_s", "shared_memory"), may("the new process group uses the new value"))
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -564,6 +640,14 @@ class OptimizerConfig:
     rounding: 4), 'int8' (blockwise, 256 elements per fp32 scale: ~2.03). Master weights and
     the update arithmetic stay fp32."""
 
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        **dict.fromkeys(("name", "betas", "eps"), fixed("the optimizer's hyperparameters belong to the run")),
+        "state_dtype": fixed("the checkpoint holds Adam's moments in the run's state dtype (no conversion)",
+                             "resume with optimizer.state_dtype={old} (the run's), or start a new run from these "
+                             "weights, its moments starting over: mct train --init-from RUN_DIR --set "
+                             "optimizer.state_dtype={new}"),
+    }
+
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
             _fail("optimizer.name", self.name, f"choose one of {', '.join(OPTIMIZER_NAMES)}")
@@ -599,6 +683,10 @@ class OffloadConfig:
     """MiB of fp32 per streamed chunk of one unit's shard: the step's unit of I/O and compute."""
     buffers: int = 2
     """Chunks in flight (>= 2): one is stepped while the next ones are read and the last written."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
+        ("optimizer", "params", "dir", "chunk_mb", "buffers"),
+        may("the state is loaded into the new tier: the same values (offload on or off)"))
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "params"):
@@ -638,6 +726,9 @@ class EngineConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        "seed": fixed("it seeds the run's data order and dropout")}
 
     def __post_init__(self) -> None:
         _check_range("seed", self.seed, 0, MAX_SEED)
@@ -693,6 +784,26 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def resume_rules() -> dict[str, OnResume]:
+    """Every config key of the schema ('seed', 'section.key', in schema order) with what
+    ``--resume`` does when it changes: each section's ``ON_RESUME``. A field without a
+    declaration is an AssertionError (the schema's invariant; tests/test_config.py walks it)."""
+    rules = {"seed": EngineConfig.ON_RESUME["seed"]}
+    for name, klass in _SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            assert f.name in klass.ON_RESUME, f"{name}.{f.name} declares nothing in {klass.__name__}.ON_RESUME"
+            rules[f"{name}.{f.name}"] = klass.ON_RESUME[f.name]
+    return rules
+
+
+def config_value(config: EngineConfig, key: str) -> Any:
+    """The value of ``key`` ('seed' or 'section.key') in ``config``."""
+    if key == "seed":
+        return config.seed
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
 
 
 def _refused(section: str, key: str) -> str:
@@ -751,7 +862,42 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if isinstance(t, type) and issubclass(t, Name) and isinstance(value, str):
             return value  # the section's __post_init__ converts it (naming the key when it is not a member)
     names = " or ".join(_type_name(t) for t in options if t is not type(None))
-    raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}")
+    shapes = [("a table like {name = 1}" if typing.get_origin(t) is dict else
+               "a list like [0.9, 0.95]" if typing.get_args(t) == (float,) else 'a list like ["a", "b"]')
+              for t in options if typing.get_origin(t) in (list, dict)]
+    raise ValueError(f"{key} = {value!r} has the wrong type: expected {names}"
+                     + (f" ({' or '.join(shapes)})" if shapes else ""))
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def _parse_bracketed(key: str, text: str, options: tuple[Any, ...]) -> Any:
+    """A --set value written as a TOML array or inline table (``[a, b]``, ``["a", "b"]``,
+    ``{all = 2, none = 1}``): what TOML makes of it (``EngineConfig.from_dict`` checks its
+    type), else bare words as strings (``[all,none]`` -> ['all', 'none']). Raises ValueError
+    showing the accepted forms for an unbalanced or malformed one."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    origins = {typing.get_origin(t): t for t in options}
+    closing = {"[": "]", "{": "}"}[text[0]]
+    if text.endswith(closing) and text[0] == "[" and list in origins:
+        item = (typing.get_args(origins[list]) or (str,))[0]
+        items = [_unquote(s) for s in text[1:-1].split(",") if s.strip()]
+        return [_parse_text(f"{key}[{i}]", s, item) for i, s in enumerate(items)]
+    if text.endswith(closing) and text[0] == "{" and dict in origins:
+        pairs = [s.split("=", 1) for s in text[1:-1].split(",") if s.strip()]
+        if all(len(p) == 2 and p[0].strip() for p in pairs):
+            return {_unquote(k): _parse_text(f"{key}.{_unquote(k)}", v.strip(), typing.get_args(origins[dict])[1])
+                    for k, v in pairs}
+    forms = [f"a list as {key}=[a,b], {key}='[\"a\",\"b\"]' or {key}=a,b"] if list in origins else []
+    forms += [f"a table as {key}={{name=N,name=N}} or {key}=name=N,name=N"] if dict in origins else []
+    what = " or ".join(w for w, o in (("list", list), ("table", dict)) if o in origins)
+    raise ValueError(f"{key} = {text!r} is not a TOML {what}: write {' or '.join(forms)}")
 
 
 def _type_name(t: Any) -> str:
@@ -759,8 +905,11 @@ def _type_name(t: Any) -> str:
 
 
 def _parse_text(key: str, text: str, typ: Any) -> Any:
-    """Type a --set string by the field's annotation."""
+    """Type a --set string by the field's annotation; a list or table key takes the TOML
+    form too (``_parse_bracketed``). Raises ValueError naming the key and the value."""
     options = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+    if text[:1] in ("[", "{") and any(typing.get_origin(t) in (list, dict) for t in options):
+        return _parse_bracketed(key, text, options)
     for t in options:
         if t is bool:
             if text.lower() in ("true", "1", "yes", "on"):
@@ -773,11 +922,10 @@ def _parse_text(key: str, text: str, typ: Any) -> Any:
                 if all(len(p) == 2 for p in pairs):
                     return {k.strip(): _parse_text(f"{key}.{k.strip()}", v.strip(), typing.get_args(t)[1])
                             for k, v in pairs}
-        elif typing.get_origin(t) is list:
-            items = [s.strip() for s in text.strip("[]").split(",") if s.strip()]
-            if (typing.get_args(t) or (str,))[0] is float:
-                return [_parse_text(f"{key}[{i}]", s, float) for i, s in enumerate(items)]
-            return [s.strip() for s in text.split(",") if s.strip()]
+        elif typing.get_origin(t) is list:  # a,b (the bracketed forms above)
+            item = (typing.get_args(t) or (str,))[0]
+            items = [_unquote(s) for s in text.split(",") if s.strip()]
+            return [_parse_text(f"{key}[{i}]", s, item) for i, s in enumerate(items)]
         elif t in (int, float):
             try:
                 return t(text)
@@ -808,8 +956,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         hints = typing.get_type_hints(_SECTIONS[section])
         if _refused(section, key):
             raise ValueError(f"--set {item!r}: {_refused(section, key)}")
-        if key not in hints:
-            raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: {', '.join(sorted(hints))}")
+        if key not in {f.name for f in dataclasses.fields(_SECTIONS[section])}:
+            raise ValueError(f"--set {item!r}: unknown key {path}; allowed in [{section}]: "
+                             f"{', '.join(sorted(f.name for f in dataclasses.fields(_SECTIONS[section])))}")
         if not isinstance(d.setdefault(section, {}), dict):
             raise ValueError(f"config section [{section}] must be a table, got {d[section]!r}; "
                              f"write it as [{section}] with key = value lines")
@@ -839,6 +988,8 @@ def _read_config_file(path: str | Path) -> dict[str, Any]:
     non-UTF-8 file, and invalid TOML."""
     p = Path(path)
     what = f"--config {str(p)!r}"
+    if not str(path).strip():  # Path('') is '.', a directory: say what was given
+        raise ValueError("--config '' is empty; pass the path of a TOML file")
     if not p.exists():
         raise ValueError(f"{what}: no such file; pass the path of a TOML file")
     if p.is_dir():

@@ -44,13 +44,32 @@ def describe(e: OSError, path: str | os.PathLike | None = None, action: str = RE
     """
     where = Path(path) if path is not None else (Path(e.filename) if e.filename else None)
     what = _BY_ERRNO.get(e.errno or -1, e.strerror or type(e).__name__)
-    if where is not None and e.errno == errno.ENOENT:
-        if where.is_symlink():
-            what = f"a dangling symbolic link (it points at {os.readlink(where)!r}, which does not exist)"
-        elif action == WRITE and not where.parent.exists():
+    if where is not None and e.errno in (errno.ENOENT, errno.EEXIST) and _dangling(where):
+        what = _dangling(where)
+    elif where is not None and e.errno == errno.ENOENT:
+        if action == WRITE and not where.parent.exists():
             what = f"its parent directory {str(where.parent)!r} does not exist (create it first)"
     verb = "cannot write" if action == WRITE else "cannot read"
     return f"{verb} {str(where)!r}: {what}" if where is not None else f"{verb}: {what}"
+
+
+def _dangling(path: Path) -> str:
+    """'a dangling symbolic link (...)' when ``path`` is a link to nothing, else ''."""
+    if path.is_symlink() and not path.exists():
+        return f"a dangling symbolic link (it points at {os.readlink(path)!r}, which does not exist)"
+    return ""
+
+
+def not_a_directory(path: str | os.PathLike) -> str:
+    """Why ``path``, which mct would use as a directory (creating it if missing), cannot be
+    one: a dangling symbolic link (mkdir would say "already exists"), a file, or a device,
+    FIFO or socket; '' when it is a directory or nothing is there."""
+    p = Path(path)
+    if _dangling(p):
+        return _dangling(p)
+    if p.exists() and not p.is_dir():
+        return "a file, not a directory" if p.is_file() else "not a directory (a device, FIFO or socket)"
+    return ""
 
 
 def user_error(e: OSError, path: str | os.PathLike | None = None, action: str = READ) -> ValueError:

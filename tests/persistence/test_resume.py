@@ -118,6 +118,8 @@ def test_resume_of_a_finished_run_changes_nothing_and_can_extend_it(base, tmp_pa
     assert [r["step"] for r in _rows(run)] == list(range(8))
     assert [s for s, _ in checkpoints(run)] == [8]
     assert json.loads((step_dir(run, 8) / "trainer.json").read_text())["config"]["train"]["steps"] == 8
+    resumes = json.loads((run / "metadata.json").read_text())["resumes"]
+    assert resumes[-1]["changed"] == {"train.steps": [6, 8], "train.keep_checkpoints": [3, 1]}
 
 
 def test_no_usable_checkpoint_is_one_line_exit_2(base, tmp_path, capfd):
@@ -143,10 +145,16 @@ def test_resume_refuses_a_changed_corpus(base, tmp_path, capfd):
 
 
 def test_resume_refuses_changes_that_make_another_run(base, capfd):
-    for key in ("model.d_model=64", "seed=1", "precision.mode=bf16", "train.lr=0.1", "data.micro_batch_size=4"):
+    before = _tree(base)
+    for key in ("model.d_model=64", "seed=1", "precision.mode=bf16", "train.lr=0.1", "data.micro_batch_size=4",
+                "optimizer.eps=0.5", "optimizer.betas=[0.8, 0.9]", "optimizer.state_dtype=int8"):
         assert main(["train", "--resume", str(base), "--set", key]) == 2
         err = capfd.readouterr().err.strip()
-        assert "--resume cannot change" in err and "\n" not in err, key
+        name, value = key.split("=")
+        assert err.startswith(f"mct: error: --resume cannot change {name} from ") and "\n" not in err, err
+        assert "--run-dir" in err or "--init-from RUN_DIR --set optimizer.state_dtype=int8" in err, err
+    assert "from 'fp32' to 'int8'" in err and "resume with optimizer.state_dtype=fp32" in err  # both values, the fix
+    assert _tree(base) == before
     assert main(["train", "--resume", str(base), "--nproc", "4"]) == 2  # 1 micro-batch cannot split 4 ways
     assert "cannot split evenly" in capfd.readouterr().err
 
@@ -164,7 +172,7 @@ def test_a_run_dir_is_never_reused(base, tmp_path, capfd):
         assert "already holds a run" in err and "--resume" in err and "\n" not in err
     assert _tree(base) == before
     (tmp_path / "file").write_text("x")
-    for bad, why in ((tmp_path / "file", "existing file"), (tmp_path / "file" / "sub", "not writable")):
+    for bad, why in ((tmp_path / "file", "is a file, not a directory"), (tmp_path / "file" / "sub", "not writable")):
         assert main(["train", "--run-dir", str(bad), "--set", "train.steps=1"]) == 2
         err = capfd.readouterr().err.strip()
         assert why in err and "\n" not in err
@@ -186,6 +194,20 @@ def test_a_run_dir_in_use_is_refused_in_one_line_and_left_unchanged(base, tmp_pa
     finally:
         lock.release()
     assert _tree(run) == before and list((tmp_path / "new").iterdir()) == []
+
+
+def test_a_change_the_schema_allows_is_honoured_and_recorded(base, tmp_path):
+    """`mct train --resume` with a key a resume may change: the run continues with it, and
+    metadata.json's resume entry records the key with both values."""
+    run = _copy(base, tmp_path)
+    shutil.rmtree(step_dir(run, 6))  # as if stopped after the checkpoint of step 4
+    assert main(["train", "--resume", str(run), "--no-progress", "--set", "train.log_every=3",
+                 "--set", "checkpointing.policy=all"]) == 0
+    assert [r["step"] for r in _rows(run)] == [0, 1, 2, 3, 5]  # 4 is not a multiple of 3; the last step is logged
+    assert all(r["recompute_policy"] == "all" for r in _rows(run)[4:])
+    resume = json.loads((run / "metadata.json").read_text())["resumes"][-1]
+    assert resume["from_step"] == 4
+    assert resume["changed"] == {"train.log_every": [1, 3], "checkpointing.policy": ["none", "all"]}
 
 
 def test_resume_with_no_steps_left_says_so_exits_0_and_records_nothing(base, tmp_path, capfd):

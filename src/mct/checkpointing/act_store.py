@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from mct.errors import READ, WRITE, describe
+from mct.errors import READ, WRITE, describe, not_a_directory
 
 
 class ActivationStore:
@@ -45,6 +45,9 @@ class ActivationStore:
 
     def _open(self) -> None:
         root = self.root
+        if root and not_a_directory(root):
+            raise ValueError(f"checkpointing.offload = 'disk': offload.dir = {root!r} is {not_a_directory(root)}; "
+                             f"name a directory (mct creates a missing one)")
         try:
             if root and not os.path.isdir(root):
                 os.makedirs(root)

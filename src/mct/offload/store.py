@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mct.errors import not_a_directory
+
 _ALIGN = 4096
 
 
@@ -224,6 +226,10 @@ def _make_root(root: str) -> bool:
     another rank's store); raises ValueError naming the path when it cannot."""
     if os.path.isdir(root):
         return os.path.exists(os.path.join(root, _CREATED))
+    why = not_a_directory(root)
+    if why:
+        raise ValueError(f"offload.dir = {root!r} is {why}; name a directory (mct creates a missing one), or "
+                         f"leave it '' for the system temporary directory")
     path = os.path.abspath(root)
     missing = []
     while not os.path.exists(path):

@@ -14,26 +14,32 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mct.config import EngineConfig, apply_overrides
+from mct.config import EngineConfig, apply_overrides, config_value, resume_rules
 from mct.reporting.events import append_event, utc_now
 from mct.persistence.files import read_json, write_atomic, write_json
 from mct.persistence.manifest import read_manifest
 from mct.persistence.run_dir import checkpoints, newest_usable
 
-FIXED = ("seed", "model", "data", "precision", "train.lr", "train.warmup_steps", "train.weight_decay",
-         "train.grad_clip", "train.lr_schedule", "train.min_lr_ratio", "train.decay_fraction")
-"""Config keys (or whole sections) a resume may not change: they would make it another run."""
 
-
-def _changed(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        key = f"{prefix}{k}"
-        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
-            out += _changed(a[k], b[k], key + ".")
-        elif a.get(k) != b.get(k):
-            out.append(key)
-    return out
+def resume_changes(saved: dict[str, Any], new: dict[str, Any], refuse: bool = True) -> dict[str, list[Any]]:
+    """{key: [saved value, new value]} for every key of the schema (``resume_rules``) whose
+    value differs between the configs ``saved`` and ``new`` (dicts of the TOML shape, missing
+    keys at their defaults) and whose declaration allows the change. ``refuse``: raise
+    ValueError (one line) for the first change the schema forbids, naming the key, both
+    values, why and the fix; else leave such keys out (the resume's own settings: data.grad_accum
+    for the number of ranks, model.source for the run's copy of an hf: model)."""
+    old_cfg, new_cfg = EngineConfig.from_dict(saved), EngineConfig.from_dict(new)
+    changes: dict[str, list[Any]] = {}
+    for key, rule in resume_rules().items():
+        was, now = config_value(old_cfg, key), config_value(new_cfg, key)
+        if was == now:
+            continue
+        if not rule.allowed and refuse:
+            raise ValueError(f"--resume cannot change {key} from {was!r} to {now!r}: {rule.effect}; "
+                             f"{rule.fix.format(old=was, new=now)}")
+        if rule.allowed:
+            changes[key] = [was, now]
+    return changes
 
 
 def read_run_metadata(run_dir: str | Path) -> dict[str, Any]:
@@ -99,16 +105,12 @@ def recorded_world_size(run_dir: str | Path) -> int:
 def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) -> EngineConfig:
     """The config to continue ``run_dir`` with on ``world_size`` ranks: the run's own
     (from its newest checkpoint) with ``overrides`` applied. Raises ValueError (one
-    line) for an override of a FIXED key or a world size that cannot split the run's
-    global batch."""
+    line) for an override of a key whose ``OnResume`` declaration refuses it
+    (``resume_changes``), or a world size that cannot split the run's global batch."""
     state = run_trainer_state(run_dir)
     saved = state["config"]
     new = apply_overrides(saved, overrides)
-    for key in _changed(saved, new):
-        if any(key == f or key.startswith(f + ".") for f in FIXED):
-            raise ValueError(f"--resume cannot change {key} (it would make a different run); start a new run "
-                             f"with --run-dir, or change only train.steps, train.checkpoint_every, zero.*, "
-                             f"checkpointing.*, memory.* and logging/eval keys")
+    resume_changes(saved, new)
     global_micro = int(state["global_micro_batches"])
     if global_micro % world_size:
         options = [n for n in range(1, global_micro + 1) if global_micro % n == 0]
@@ -181,14 +183,16 @@ def rewind_metrics(run_dir: str | Path, step: int, files: list[Path] | None = No
 
 
 def record_resume(run_dir: str | Path, *, from_step: int, world_size: int, zero_stage: int,
-                  checkpoint: str, reason: str | None = None) -> None:
+                  checkpoint: str, reason: str | None = None, changed: dict[str, list[Any]] | None = None) -> None:
     """Append to metadata.json's ``resumes`` list (time, from_step, world_size,
-    zero_stage, and the checkpoint used) and a ``resume`` event to events.jsonl
-    (``reason``: e.g. the damaged checkpoints that were skipped)."""
+    zero_stage, the checkpoint used, and ``changed``: {key: [old, new]} of the config
+    keys the resume changed, from ``resume_changes``) and a ``resume`` event to
+    events.jsonl (``reason``: e.g. the damaged checkpoints that were skipped)."""
     path = Path(run_dir) / "metadata.json"
     meta = read_run_metadata(run_dir)
     meta.setdefault("resumes", []).append({"time": utc_now(), "from_step": from_step, "world_size": world_size,
-                                           "zero_stage": zero_stage, "checkpoint": checkpoint})
+                                           "zero_stage": zero_stage, "checkpoint": checkpoint,
+                                           "changed": changed or {}})
     write_json(path, meta)
     append_event(run_dir, step=from_step, kind="resume", action=f"restore {checkpoint}",
                  reason=reason or f"mct train --resume on {world_size} rank(s), zero.stage {zero_stage}")

@@ -154,6 +154,15 @@ def set_aside_newer(run_dir: str | Path, step: int, why: str | None = None) -> l
     return moved
 
 
+def _not_a_directory(what: str) -> str:
+    """Why a path that ``mct.outputs.kind`` calls ``what`` cannot be a run directory."""
+    if what.startswith("a symbolic link") and what.endswith("which does not exist)"):
+        return f"a dangling {what[2:]}"  # mkdir would say "File exists"
+    if what == "a regular file":
+        return "a file, not a directory (a regular file)"
+    return f"not a directory ({what})"
+
+
 def check_new_run_dir(run_dir: str | Path) -> None:
     """Raise ValueError (one line) unless ``run_dir`` may receive a new run: it must not
     hold a run already, must not be a file, FIFO or dangling link (``mct.outputs.kind``)
@@ -162,7 +171,7 @@ def check_new_run_dir(run_dir: str | Path) -> None:
     path = Path(run_dir)
     what = kind(path)
     if what is not None and not path.is_dir():  # a link to a directory is fine: the run writes into it
-        raise ValueError(f"--run-dir {str(path)!r} is an existing file ({what}), not a directory; pass a new directory")
+        raise ValueError(f"--run-dir {str(path)!r} is {_not_a_directory(what)}; pass a new directory")
     check_outside_runs(path, "--run-dir", example="new-run")
     if path.is_dir():
         held = [n for n in RUN_FILES if (path / n).exists()]

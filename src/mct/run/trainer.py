@@ -29,7 +29,7 @@ from mct.memory.tracker import MemoryBudgetExceeded
 from mct.persistence.checkpoint import load_engine_state, set_rng_state
 from mct.persistence.export import export_engine
 from mct.persistence.files import read_json
-from mct.persistence.resume import check_corpus, record_resume, rewind_metrics
+from mct.persistence.resume import check_corpus, record_resume, resume_changes, rewind_metrics
 from mct.persistence.run_checkpoint import RunCheckpointer, upgrade_trainer_state
 from mct.persistence.run_dir import check_new_run_dir, checkpoints, newest_usable, set_aside_newer
 from mct.planner.grid import resized_batch
@@ -348,7 +348,8 @@ class Trainer:
             set_aside_newer(self.run_dir, step)
             rewind_metrics(self.run_dir, step)
             record_resume(self.run_dir, from_step=step, world_size=ctx.world_size, zero_stage=self.engine.stage,
-                          checkpoint=path.name, reason=warning)
+                          checkpoint=path.name, reason=warning,
+                          changed=resume_changes(trainer["config"], self.cfg.to_dict(), refuse=False))
         self.engine.comm.barrier()  # no rank opens its metrics file before rank 0 has rewound it
 
     def _resumes_after_restart(self, restart: int) -> bool:

@@ -13,24 +13,32 @@ its arithmetic is spelled out.
 Built once per machine into ``kernels/`` of mct's cache directory (``$MCT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/mct``, ``~/.cache/mct``; the temporary
 directory when that is not writable), named by a hash of the source, the flags, the
-compiler's version and the CPU's flags (``-march=native``), written atomically (ranks may
-build at once). Where no compiler is found or the build fails, ``load()`` returns None and
-the optimizer runs its torch reference, which gives the same bytes (the flags keep every
-operation rounding once: ``-ffp-contract=off``, no fast-math).
+compiler's version and the CPU's flags (``-march=native``), written to a temporary name and
+renamed, its size and sha256 recorded beside it (``adamw-KEY.so.json``). Nothing cached is
+trusted unchecked: before a cached library is mapped, its size, sha256 and symbols are checked
+against that record (a truncated library would be a bus error, one without the symbols an
+AttributeError); a damaged one is rebuilt, with one warning line. Where no compiler is found
+or the build fails, ``load()`` returns None and the optimizer runs its torch reference, which
+gives the same bytes (the flags keep every operation rounding once: ``-ffp-contract=off``, no
+fast-math).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -135,34 +143,111 @@ def _key(cc: str, flags: tuple[str, ...]) -> str:
     return h.hexdigest()[:20]
 
 
+SYMBOLS = ("adamw_int8", "adamw_bf16")
+"""The functions of kernel.c a cached library must export."""
+
+
+def _record_of(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _digest(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _damage(path: Path) -> str | None:
+    """Why the cached library ``path`` must not be loaded (None: it may): its record
+    (``path.json``, written when it was built) missing or unreadable, its size or sha256
+    not the recorded ones (a truncated file would be a bus error once mapped), or a symbol
+    of ``SYMBOLS`` absent. Reads the file; never maps it."""
+    try:
+        record = json.loads(_record_of(path).read_text())
+        data = path.read_bytes()
+    except (OSError, ValueError) as e:
+        return f"no readable record of its size and sha256 ({type(e).__name__})"
+    if not isinstance(record, dict) or not isinstance(record.get("size"), int):
+        return "its record of size and sha256 is damaged"
+    if len(data) != record["size"]:
+        return f"{len(data)} bytes, {record['size']} when it was built"
+    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        return "its sha256 is not the one recorded when it was built"
+    missing = [name for name in SYMBOLS if name.encode() + b"\0" not in data]
+    return f"it has no symbol {missing[0]}" if missing else None
+
+
 def _build(cc: str, flags: tuple[str, ...], out: Path) -> bool:
+    """Compile kernel.c to a temporary name, record its size and sha256 beside ``out``
+    (``out.json``), then rename it to ``out``. False when the compiler fails."""
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
         done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, timeout=300)
         if done.returncode != 0:
             return False
+        record = _record_of(tmp)
+        record.write_text(json.dumps(_digest(tmp.read_bytes())))
+        os.replace(record, _record_of(out))
         os.replace(tmp, out)
         return True
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
         tmp.unlink(missing_ok=True)
+        _record_of(tmp).unlink(missing_ok=True)
+
+
+def _open(path: Path, t0: float) -> Kernels | None:
+    try:
+        return Kernels(path, time.perf_counter() - t0)
+    except (OSError, AttributeError):  # verified first: only a library changed since
+        return None
 
 
 def load(cache_dir: Path | None = None) -> Kernels | None:
     """The kernels, built first where this machine has none cached (``cache_dir``: where,
-    default as above); None where no C compiler is found or it cannot build them."""
+    default as above); None where no C compiler is found or it cannot build them. A cached
+    library is loaded only once ``_damage`` finds nothing wrong; a damaged one is rebuilt (or,
+    where that fails, the caller runs the torch reference) with one ``mct: warning:`` line on
+    stderr. Ranks of one machine take turns (a lock file beside the library), so one rebuilds
+    and says so, the others load what it built."""
     cc = compiler()
     if cc is None:
         return None
     cache = cache_dir or _cache_dir()
     t0 = time.perf_counter()
+    damaged: list[str] = []
     for flags in ((*FLAGS, "-march=native"), FLAGS):  # a compiler without -march=native: the generic target
         path = cache / f"adamw-{_key(cc, flags)}.so"
-        if path.exists() or _build(cc, flags, path):
-            built = time.perf_counter() - t0
-            try:
-                return Kernels(path, built)
-            except OSError:
-                return None
+        with _turn(path):
+            why = _damage(path) if path.exists() else None
+            if why:
+                damaged.append(f"{path}: {why}")
+            cached = path.exists() and not why
+            built = not cached and _build(cc, flags, path)
+            if cached or built:
+                kernels = _open(path, t0) if _damage(path) is None else None
+                if damaged:
+                    print(f"mct: warning: the compiled optimizer kernel {damaged[0]}; "
+                          + ("the optimizer runs its torch reference (the same bytes)" if kernels is None else
+                             "rebuilt it" if built and len(damaged) == 1 else f"loaded {path.name} instead"),
+                          file=sys.stderr)
+                return kernels
+    if damaged:
+        print(f"mct: warning: the compiled optimizer kernel {damaged[0]}; it could not be rebuilt, so the "
+              f"optimizer runs its torch reference (the same bytes)", file=sys.stderr)
     return None
+
+
+@contextlib.contextmanager
+def _turn(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path.lock`` (no lock where the file cannot be made)."""
+    try:
+        f = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
