@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mct.cli import main
-from mct.config import _SECTIONS, EngineConfig, resume_rules
+from mct.config import _SECTIONS, ByteSize, EngineConfig, Name, resume_rules
 from mct.run.trainer import train
 
 FREE_TEXT = {"data.path": "a path ('' = the stdlib sources)", "train.init_from": "a path ('' = none)",
@@ -49,6 +49,10 @@ def hostile(key: str) -> dict[str, str]:
         rows |= {"wrong type": "[1]", "out of range": "4"}
     elif t is str:
         rows |= {} if key in FREE_TEXT else {"out of range": "no-such-choice"}
+    elif isinstance(t, type) and issubclass(t, Name):  # precision.mode: converted at load
+        rows |= {"wrong type": "[fp32]", "out of range": "no-such-choice"}
+    elif options == (ByteSize, type(None)):  # memory.budget: a size, converted at load
+        rows |= {"wrong type": "[1]", "out of range": "-1", "not a size": "2 parsecs"}
     elif dict in origins:  # checkpointing.per_block
         rows |= {"wrong type": "[1, 2]", "out of range": "[all, most]", "malformed": "{all=1"}
     elif options == (list[float],):

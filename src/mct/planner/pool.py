@@ -14,7 +14,6 @@ context in this process. Otherwise, or with ``workers=1``, the jobs run here, in
 from __future__ import annotations
 
 import multiprocessing
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -22,6 +21,8 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence
 
 import torch
+
+from mct.machine.profile import usable_cores
 
 _JOB: Callable[[int], Any] | None = None  # set in the parent before forking; the workers inherit it
 MAX_PLAN_WORKERS = 8
@@ -31,14 +32,6 @@ MIN_PARALLEL_S = 2.0
 
 class WorkerDied(RuntimeError):
     """A worker process ended before its job did (killed, out of memory)."""
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def plan_workers(workers: int | None) -> int:

@@ -26,9 +26,10 @@ def solve_in_launcher(cfg: EngineConfig, world: int, task: Task, device: str) ->
     """Solve ``auto`` of ``cfg`` for ``world`` ranks (ValueError, one line, when nothing
     fits: before any worker starts) and return the environment that hands the answer to
     the workers ({} when nothing is 'auto')."""
-    resolved, choice = resolve_auto(cfg, world, task, device=device)
-    if choice is None:
+    if cfg.zero.stage != "auto" and cfg.checkpointing.policy != "auto":
         return {}
+    resolved, choice = resolve_auto(cfg, world, task, device=device)
+    assert choice is not None
     choice = {**choice, "solved_by": "launcher"}
     return {RESOLVED_ENV: json.dumps({"asked": cfg.to_dict(), "world": world, "device": device,
                                       "config": resolved.to_dict(), "plan": choice})}

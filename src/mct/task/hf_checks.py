@@ -25,7 +25,7 @@ OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "n_inner", "max_position_em
 POSITIVE = ("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps", "rope_theta")
 """Finite numbers > 0 when present (null: transformers' default)."""
 
-RATES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
 """Suffixes of dropout probabilities: numbers in [0, 1) when present (null: none)."""
 
 
@@ -64,7 +64,7 @@ def check_raw_config(raw: dict[str, Any], what: str) -> None:
             continue
         if key in POSITIVE and not (_is_real(value) and value > 0):
             raise _bad(what, key, value, "a finite number > 0")
-        if key.endswith(RATES) and not (_is_real(value) and 0 <= value < 1):
+        if key.endswith(DROPOUT_SUFFIXES) and not (_is_real(value) and 0 <= value < 1):
             raise _bad(what, key, value, "a probability in [0, 1)")
 
 
