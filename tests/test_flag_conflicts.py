@@ -1,12 +1,12 @@
 """Flags that contradict each other are one ``mct: error:`` line naming both (exit 2, before
-any work), or, where one is merely without effect, one warning line (``mct.conflicts``)."""
+any work), or, where one is merely without effect, one warning line (``mct.cli.conflicts``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from mct.cli import build_parser, main
-from mct.conflicts import SOLVE_IGNORES, check_conflicts, given
+from mct.cli.conflicts import SOLVE_IGNORES, check_conflicts, given
 
 SOLVE = ["plan", "--budget", "1GiB", "--solve"]
 

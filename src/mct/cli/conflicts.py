@@ -17,8 +17,8 @@ merely without effect is returned as a warning line. The decisions, per command:
 - ``sample``: ``--seed`` with ``--temperature 0`` is a warning (greedy decoding draws nothing).
 
 Those already refused elsewhere: ``--resume`` with ``--config``, ``--model``,
-``--init-from`` or another ``--run-dir`` (``mct.cli._train_config``); ``--allow`` without
-``--solve`` (``mct.cli._cmd_solve``). Imports nothing of mct.
+``--init-from`` or another ``--run-dir`` (``mct.cli.train._train_config``); ``--allow`` without
+``--solve`` (``mct.cli.plan._cmd_solve``). Imports nothing of mct.
 """
 
 from __future__ import annotations
