@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from mct.config import EngineConfig  # noqa: E402
 from mct.persistence.resume import resume_config  # noqa: E402
+from mct.run.recipe import train_config  # noqa: E402
 from mct.run.trainer import train  # noqa: E402
 from tests.task.test_task_hf import save_tiny  # noqa: E402
 
@@ -47,7 +48,8 @@ def _cfg(root: Path, kind: str = "gpt2", **train_keys) -> dict:
 def base(root) -> Path:
     run = root / "base"
     with _one_thread():  # as the CLI run it is compared with: bit-identity is per thread count
-        train(EngineConfig.from_dict(_cfg(root)), run, progress=False)
+        # the config `mct train` makes of these flags (its recipe: fine-tune, since init_from is set)
+        train(train_config(None, _flags(_cfg(root))[1::2]), run, progress=False)
     return run
 
 
