@@ -180,9 +180,11 @@ def _under_torchrun() -> bool:
 
 def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int = 1,
             rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
-    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run;
-    returns the workers' exit code (see mct.run.launch)."""
-    from mct.run.launch import launch, torchrun_command
+    """Run ``mct <argv>`` in ``nproc`` local workers (the launcher's own agent on one machine,
+    torch.distributed.run's on several); returns the workers' exit code (see mct.run.launch)."""
+    from mct.run.launch import launch, launch_local, torchrun_command
+    if nnodes == 1:
+        return launch_local(argv, nproc, max_restarts)
     cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     return launch(cmd, nproc)
@@ -276,17 +278,38 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         check_rdzv_endpoint(args.rdzv_endpoint)
     if args.run_dir is not None and not args.run_dir.strip():
         raise ValueError("--run-dir '' is empty; pass a directory, or leave --run-dir out for runs/<timestamp>")
-    from mct.persistence.resume import finished_step, recorded_local_ranks
+    from mct.persistence.resume import recorded_local_ranks
     recorded = args.nproc is None and args.resume and not _under_torchrun()
     if args.nproc is None:
         args.nproc = recorded_local_ranks(args.resume, args.nnodes) if recorded else 1
+    if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
+        from mct.run.apart import apart
+        # the checks import torch and the model library: in a forked child, so the launcher
+        # that waits for the workers stays lean (mct.run.apart)
+        worker_argv = apart(lambda: _launch_checks(args, argv, recorded))
+        if worker_argv is None:
+            return 0
+        return _launch(worker_argv, args.nproc, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    checked = _train_checks(args, recorded)
+    if checked is None:
+        return 0
+    cfg, run_dir, task = checked
+    from mct.run.worker import run_worker
+    return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, task=task)
+
+
+def _train_checks(args: argparse.Namespace, recorded: bool):
+    """(config, run dir or None, task) of a run once the checks before training passed; None
+    when a --resume has no steps left (its weights written if missing). Raises ValueError."""
+    from mct.persistence.resume import finished_step
     cfg, run_dir = _train_config(args)
     done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
     if done is not None:  # a resume with no steps left leaves the run as it is
         _finish_weights(Path(args.resume), done[1])
         _note(f"--resume {args.resume!r}: the run already completed {done[0]} steps (train.steps = "
               f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")
-        return 0
+        return None
     if recorded and args.nproc > 1:  # resuming on one rank is what a user expects without --nproc: no news
         _note(f"--resume without --nproc: continuing on the run's recorded {args.nproc} local ranks "
               f"(pass --nproc M to reshard)")
@@ -294,23 +317,29 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
     _check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
     _config_warnings(cfg, args.nproc)
-    if (args.nproc > 1 or args.nnodes > 1 or args.max_restarts) and not _under_torchrun():
-        from mct.planner import resolve_auto
-        from mct.planner.plan import planned_device
-        from mct.persistence.run_dir import check_new_run_dir
-        # an impossible budget fails here, in one line, before any launch
-        resolve_auto(cfg, args.nproc * args.nnodes, task, device=planned_device(cfg))
-        extra: list[str] = []
-        if not args.resume:
-            run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-            if args.nnodes == 1:  # several machines: global rank 0 checks, once, under torchrun
-                check_new_run_dir(run_dir)  # refused here, before any worker starts
-            extra = [] if args.run_dir else ["--run-dir", run_dir]
-        return _launch([*_strip_nproc(argv), *extra], args.nproc,
-                       max_restarts=args.max_restarts, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                       rdzv_id=args.rdzv_id)
-    from mct.run.worker import run_worker
-    return run_worker(cfg, run_dir, resume=bool(args.resume), progress=not args.no_progress, task=task)
+    return cfg, run_dir, task
+
+
+def _launch_checks(args: argparse.Namespace, argv: list[str], recorded: bool) -> list[str] | None:
+    """The launcher's checks (``_train_checks``, an impossible budget, a run dir that holds a
+    run): the workers' argv (``--run-dir`` added where defaulted), or None when there is
+    nothing to do. Raises ValueError before any worker starts."""
+    checked = _train_checks(args, recorded)
+    if checked is None:
+        return None
+    cfg, run_dir, task = checked
+    from mct.planner import resolve_auto
+    from mct.planner.plan import planned_device
+    from mct.persistence.run_dir import check_new_run_dir
+    # an impossible budget fails here, in one line, before any launch
+    resolve_auto(cfg, args.nproc * args.nnodes, task, device=planned_device(cfg))
+    extra: list[str] = []
+    if not args.resume:
+        run_dir = run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+        if args.nnodes == 1:  # several machines: global rank 0 checks, once, under torchrun
+            check_new_run_dir(run_dir)  # refused here, before any worker starts
+        extra = [] if args.run_dir else ["--run-dir", run_dir]
+    return [*_strip_nproc(argv), *extra]
 
 
 def _finish_weights(run_dir: Path, checkpoint: Path) -> None:
@@ -370,8 +399,9 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.nproc > 1 and not _under_torchrun():
+        from mct.run.apart import apart
         from mct.task import task_for
-        task_for(cfg)  # a bad model source fails here, in one line, before any launch
+        apart(lambda: task_for(cfg) and None)  # a bad model source fails here, in one line, before any launch
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PR_SET_PDEATHSIG = 1
 FORCE_KILL_AFTER_S = 55.0
@@ -182,18 +182,17 @@ _QUIET_TORCHRUN = ("import os, sys; log = sys.stderr = sys.stdout = open(sys.arg
 
 
 def launch(cmd: list[str], nproc: int) -> int:
-    """Run the torchrun command ``cmd`` (from ``torchrun_command``); forward SIGTERM and
-    SIGINT; return the workers' exit code, their one line printed once to stderr."""
+    """Run the torchrun command ``cmd`` (from ``torchrun_command``; several machines); forward
+    SIGTERM and SIGINT; return the workers' exit code, their one line printed once to stderr."""
     with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
         d = Path(tmp)
-        env = dict(os.environ, MCT_LAUNCH_DIR=tmp)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
         quiet = [cmd[0], "-c", _QUIET_TORCHRUN, str(d / "torchrun.log"), *cmd[3:]]
         sys.stdout.flush()
         sys.stderr.flush()
-        proc = subprocess.Popen(quiet, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        got = _forward_signals(proc, d)
+        proc = subprocess.Popen(quiet, env=launch_env(tmp, nproc), start_new_session=True,
+                                preexec_fn=die_with_parent)
+        got = _forward_signals(lambda sig: _signal_all(proc, d, sig))
         try:
             rc = _wait(proc, d, got)
         finally:
@@ -202,13 +201,42 @@ def launch(cmd: list[str], nproc: int) -> int:
         return _result(d, rc, got["signum"])
 
 
-def _forward_signals(proc: subprocess.Popen, d: Path) -> dict[str, Any]:
+def launch_local(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
+    """Run ``mct <argv>`` in ``nproc`` workers on this machine, started by the launcher's
+    own agent (``mct.run.agent``: no torchrun process, nothing heavy imported here);
+    forward SIGTERM and SIGINT; return the workers' exit code, their one line printed once."""
+    from mct.run.agent import LocalGroup, local_command
+    with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
+        d = Path(tmp)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        group = LocalGroup(local_command(argv), nproc, max_restarts, launch_env(tmp, nproc), d)
+        got = _forward_signals(group.signal)
+        try:
+            rc = group.run(got)
+        finally:
+            for sig, prev in got["previous"].items():
+                signal.signal(sig, prev)
+        return _result(d, rc, got["signum"])
+
+
+def launch_env(launch_dir: str, nproc: int) -> dict[str, str]:
+    """The workers' environment: this one, the launch dir, the launcher's pid (its resident
+    peak is part of the job's, ``mct.memory.process``), and one core's share of threads."""
+    env = dict(os.environ, MCT_LAUNCH_DIR=launch_dir, MCT_LAUNCHER_PID=str(os.getpid()))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def _forward_signals(send: Callable[[int], None]) -> dict[str, Any]:
+    """Install SIGTERM/SIGINT handlers that ``send`` the signal on; the first one received is
+    noted (``signum``, ``at``); ``previous`` holds the handlers to restore."""
     got: dict[str, Any] = {"signum": 0, "at": 0.0, "previous": {}}
 
     def handle(signum: int, frame: Any) -> None:
         if not got["signum"]:
             got["signum"], got["at"] = signum, time.monotonic()
-        _signal_all(proc, d, signum)
+        send(signum)
     for sig in (signal.SIGTERM, signal.SIGINT):
         got["previous"][sig] = signal.signal(sig, handle)
     return got
@@ -245,7 +273,7 @@ def _wait(proc: subprocess.Popen, d: Path, got: dict[str, Any]) -> int:
                 return proc.wait()
 
 
-def _read_exits(d: Path) -> list[dict[str, Any]]:
+def read_exits(d: Path) -> list[dict[str, Any]]:
     records = []
     for f in d.glob("exit.*"):
         try:
@@ -262,7 +290,7 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     died: torchrun's report is then the explanation, and a worker that died in native code
     adds its Python stack and a line naming it (``crash_report``), last. A run that
     completed after such a crash (torchrun restarted it) prints the report and one warning."""
-    records = _read_exits(d)
+    records = read_exits(d)
     final = [r for r in records if r["code"] in (2, 3)]
     if records and not final:
         last = max(r["restart"] for r in records)
@@ -286,9 +314,10 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
         return 0
     if signum:
         return 128 + signum
-    log = d / "torchrun.log"
-    if torchrun_rc != 0 and log.is_file():
-        sys.stderr.write(log.read_text(errors="replace"))
+    if torchrun_rc != 0:  # torchrun's report or the local agent's lines, then the crash
+        for log in (d / "torchrun.log", d / "agent.log"):
+            if log.is_file():
+                sys.stderr.write(log.read_text(errors="replace"))
         sys.stderr.write(crash)
     return torchrun_rc
 
