@@ -1,14 +1,17 @@
-"""``mct train --nproc N``: the launcher around torchrun, and the worker's side of it.
+"""``mct train --nproc N``: the launcher, and the worker's side of it.
 
-Launcher (``launch``): runs ``torch.distributed.run`` with the workers' command,
-forwards SIGTERM/SIGINT to torchrun and to every worker, and exits with the workers'
-exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143 signals), not
-torchrun's 1. Each worker leaves its exit code and its one-line message in a private
-directory (``MCT_LAUNCH_DIR``); the launcher prints that line once. torchrun's own
-Python output (its log, its failure report) goes to a log file that is shown only
-when no worker explains the failure; the workers inherit the launcher's stdout and
-stderr. torchrun dies with the launcher (``PR_SET_PDEATHSIG``), so even a SIGKILLed
-launcher leaves no training behind.
+Launcher (``launch_local`` on one machine, ``launch`` around torchrun on several): starts
+the workers (``mct.run.agent``; several machines: ``torch.distributed.run`` with the
+workers' command), forwards SIGTERM/SIGINT to every worker (and to torchrun), and exits
+with the workers' exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143
+signals), not torchrun's 1. The launcher imports nothing heavy: its checks run in a forked
+child (``mct.run.apart``), so it holds about 22 MiB while the workers train. Each worker
+leaves its exit code and its one-line message in a private directory
+(``MCT_LAUNCH_DIR``); the launcher prints that line once. The agent's lines (which worker
+failed how) and torchrun's own Python output (its log, its failure report, in a log
+file) are shown only when no worker explains the failure; the workers inherit the
+launcher's stdout and stderr. Workers and torchrun die with the launcher
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no training behind.
 
 Worker (``WorkerLink``): asks the kernel for SIGTERM when its parent dies (elsewhere
 than Linux: watches the parent pid), and records its pid and exit for the launcher.
