@@ -587,11 +587,15 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         for w in warnings:
             _warn(w)
         cal = dataclasses.replace(calibrate(device), source=cal.source)
+    from mct.memory.baseline import baseline_line, runtime_baseline
+    baseline, baseline_source = runtime_baseline(force=args.force)  # what a process holds before its tensors
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
-                          "profile": cal.profile.to_dict()}, indent=2))
+                          "profile": cal.profile.to_dict(),
+                          "runtime_baseline": {"bytes": baseline, "source": baseline_source}}, indent=2))
     else:
         print(calibration_table(cal))
+        print(baseline_line(baseline, baseline_source))
     return 0
 
 
