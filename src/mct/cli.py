@@ -401,7 +401,9 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc > 1 and not _under_torchrun():
         from mct.run.apart import apart
         from mct.task import task_for
-        apart(lambda: task_for(cfg) and None)  # a bad model source fails here, in one line, before any launch
+        def check_task() -> None:
+            task_for(cfg)  # a bad model source fails here, in one line, before any launch
+        apart(check_task)  # in a forked child: the launcher stays without torch (mct.run.apart)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():

@@ -52,6 +52,8 @@ def apart(fn: Callable[[], Any]) -> Any:
 def _child(fn: Callable[[], Any], fd: int) -> None:
     code = 0
     try:
+        from mct.run.launch import die_with_parent
+        die_with_parent()  # a launcher stopped while it checks leaves no check running
         try:
             answer: dict[str, Any] = {"result": fn()}
         except ValueError as e:

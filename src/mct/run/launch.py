@@ -22,7 +22,6 @@ its report with that stack and one line naming the rank, the signal and the fram
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import json
@@ -395,29 +394,3 @@ def _resolves(socket, host: str, port: int) -> bool:
         return bool(socket.getaddrinfo(host, port))
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def run_dir_lock(run_dir: str, ctx, new: bool):
-    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
-    is a ValueError on every rank, before anything is written). A new run's directory
-    is checked first, so the lock is never taken in a directory that holds a run."""
-    # the launcher process imports this module too and never needs torch: only a worker gets here
-    from mct.dist import broadcast_from_main
-    from mct.persistence.run_dir import RunLock, check_new_run_dir
-    lock, error = None, None
-    if ctx.is_main:
-        try:
-            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                check_new_run_dir(run_dir)
-            lock = RunLock(run_dir)
-        except ValueError as e:
-            error = str(e)
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ValueError(error)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
