@@ -291,7 +291,7 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     130/143 that we did not forward mean torchrun stopped the group because a worker
     died: torchrun's report is then the explanation, and a worker that died in native code
     adds its Python stack and a line naming it (``crash_report``), last. A run that
-    completed after such a crash (torchrun restarted it) prints the report and one warning."""
+    completed after such a crash (the group was restarted) prints the report and one warning."""
     records = read_exits(d)
     final = [r for r in records if r["code"] in (2, 3)]
     if records and not final:
@@ -309,9 +309,9 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
         sys.stderr.write(crash)
         return code
     if code == 0 and records and torchrun_rc == 0:
-        if crash:  # torchrun restarted the group (--max-restarts) and the run completed
+        if crash:  # the group was restarted (--max-restarts) and the run completed
             sys.stderr.write(crash)
-            print("mct: warning: the run completed after torchrun restarted its workers (--max-restarts); "
+            print("mct: warning: the run completed after its worker group was restarted (--max-restarts); "
                   "the crash above is what the restart recovered from", file=sys.stderr, flush=True)
         return 0
     if signum:
