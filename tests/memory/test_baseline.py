@@ -33,6 +33,7 @@ def test_the_key_names_python_torch_the_libraries_and_the_modules():
     assert key.endswith("modules json.decoder") and baseline_key().endswith("modules -")
 
 
+@pytest.mark.slow
 def test_a_real_baseline_holds_torch_and_more_and_a_missing_library_is_one_value_error():
     measured = measure_baseline()
     assert 150 * 2**20 < measured < 2 * 2**30

@@ -32,6 +32,7 @@ def test_job_resident_adds_the_launcher_and_an_agent_between_it_and_the_worker(m
     assert job_resident([100]) == {"workers": [100], "launcher": None, "agent": None, "total": 100}
 
 
+@pytest.mark.slow
 def test_a_gpt_training_process_never_imports_plotting_tensorboard_or_transformers(tmp_path, corpus_dir):
     """What training does not need is never loaded (docs/memory.md: matplotlib about 52 MiB,
     transformers' Llama about 156 MiB, tensorboard about 15 MiB beyond torch)."""
