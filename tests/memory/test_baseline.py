@@ -39,3 +39,17 @@ def test_a_real_baseline_holds_torch_and_more_and_a_missing_library_is_one_value
     assert 150 * 2**20 < measured < 2 * 2**30
     with pytest.raises(ValueError, match="'no_such_library_xyz.models' cannot be imported"):
         measure_baseline(("no_such_library_xyz.models",))
+
+
+def test_calibrate_warns_and_keeps_its_table_when_the_baseline_cannot_be_measured(tmp_path, monkeypatch, capsys):
+    from mct.cli import main
+
+    def fail(modules=()):
+        raise RuntimeError("the runtime baseline is read from /proc/self/status (Linux); none here")
+    monkeypatch.setattr(baseline, "measure_baseline", fail)
+    monkeypatch.setattr(baseline, "baseline_file", lambda: tmp_path / "baseline.json")
+    assert main(["calibrate"]) == 0
+    out, err = capsys.readouterr()
+    assert "runtime baseline:" not in out and out.strip()
+    assert err.strip() == ("mct: warning: runtime baseline not measured: the runtime baseline is read from "
+                           "/proc/self/status (Linux); none here")
