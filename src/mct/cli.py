@@ -2,7 +2,8 @@
 ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
-``--nproc N`` re-launches this command under torchrun with N local workers.
+``--nproc N`` re-launches this command in N local workers, with torchrun's environment
+(mct.run.launch; several machines: under torchrun).
 
 Every command imports what it runs inside its own function: torch and the engine take
 seconds to import, and ``mct --help``, a config error or the launcher must answer at once.
@@ -54,7 +55,7 @@ def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = Tr
         p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
                        "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
     if nproc:
-        p.add_argument("--nproc", type=int, default=1, help="local worker processes (launched with torchrun)")
+        p.add_argument("--nproc", type=int, default=1, help="local worker processes (torchrun's environment)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the configured GPT on the configured corpus", **kw)
     _common(t, nproc=False)
     t.add_argument("--nproc", type=int, default=None,
-                   help="local worker processes, launched with torchrun (default: 1); with --resume, the "
+                   help="local worker processes, with torchrun's environment (default: 1); with --resume, the "
                         "run's recorded number of local ranks unless given (another number reshards)")
     t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
                                      "(default: runs/<timestamp>)")
@@ -629,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():
-        link.setup()  # die with torchrun; tell the launcher this worker's pid
+        link.setup()  # die with the launcher (or torchrun); tell the launcher this worker's pid
     code, line = 0, ""
     try:
         from mct.conflicts import check_conflicts
