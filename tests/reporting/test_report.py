@@ -156,3 +156,32 @@ def test_summary_prints_page_faults_and_names_the_cache_only_where_it_would_help
     [line] = lines
     assert line.startswith(f"page faults   {faults:,} per step (median, this process; host_malloc {mode})")
     assert ('memory.host_malloc = "cache"' in line) is hint
+
+
+def test_summary_and_report_print_each_process_resident_peak_beside_the_tensor_peak(tmp_path, capsys):
+    job = {"workers": [300 * 2**20, 290 * 2**20], "launcher": 22 * 2**20, "agent": None,
+           "total": 612 * 2**20}
+    text = summary_table(TrainSummary(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None,
+                                      tokens_per_s=10.0, skipped_steps=0, peaks={"forward": {"total": 2048},
+                                                                                 "backward": {"total": 4096}},
+                                      resident=job)).splitlines()
+    expected = ["tensor peak   4.00 KiB (tensor bytes: tracked tensors, rank 0)",
+                "resident      rank 0 300.00 MiB, rank 1 290.00 MiB, launcher 22.00 MiB (resident (VmHWM): each "
+                "process's peak resident set)",
+                "job resident  612.00 MiB (resident (VmHWM): workers + launcher + agent on rank 0's machine)"]
+    assert [x for x in text if x.startswith(("tensor peak", "resident ", "job resident"))] == expected
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "peak_bytes": p}) + "\n"
+                                               for s, p in ((0, 1024), (1, 4096))))
+    (run / "metadata.json").write_text(json.dumps({"config": {}, "resident": job}))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if x.startswith(("tensor peak", "resident ", "job resident"))] == expected
+
+
+def test_a_single_process_run_has_no_job_total_line_and_an_unreadable_record_prints_none():
+    from mct.reporting.report import memory_lines
+    assert memory_lines(None, {"workers": [5 * 2**20], "launcher": None, "agent": None, "total": 5 * 2**20}) == [
+        "resident      rank 0 5.00 MiB (resident (VmHWM): each process's peak resident set)"]
+    assert memory_lines(None, {"workers": "x", "total": "y"}) == [] and memory_lines(None, None) == []

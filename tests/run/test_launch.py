@@ -148,7 +148,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_identical(config, clean, tm
                               "--run-dir", str(run), "--no-progress", env=_env(MCT_FAULT="abort@12:1")))
     assert rc == 0, err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[-1].startswith("mct: warning: the run completed after torchrun restarted its workers"), err
+    assert lines[-1].startswith("mct: warning: the run completed after its worker group was restarted"), err
     assert any(x.startswith("mct: worker rank 1 died in native code (Fatal Python error: Aborted) at File ")
                for x in lines), err
     assert (run / "model.safetensors").read_bytes() == clean
@@ -278,3 +278,41 @@ def test_a_finished_worker_leaves_with_its_code_flushed_and_its_atexit_handlers_
             "sys.stderr.write('err'); leave(7)")
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (7, "buffered\nhandler\n", "err")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+@pytest.mark.cli
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the launcher's /proc")
+def test_launcher_holds_no_torch_while_workers_train_and_the_summary_counts_the_job(config, tmp_path):
+    """The launcher waits for its workers without torch mapped and without a torchrun agent
+    between them; the summary and metadata.json give each process's VmHWM and the job's total."""
+    run = tmp_path / "run"
+    p = mct("train", "--config", str(config), "--nproc", "2", "--set", "train.steps=8", "--run-dir", str(run),
+            "--no-progress")
+    wait_for_rows(run, 2, p)
+    maps = Path(f"/proc/{p.pid}/maps").read_text()
+    commands = [Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(p.pid)]
+    rc, out, err = finish(p)
+    assert rc == 0, err
+    assert "libtorch" not in maps and "torch/_C" not in maps
+    assert len(commands) == 2 and all(b"-m\0mct\0train" in c for c in commands), commands
+    resident = json.loads((run / "metadata.json").read_text())["resident"]
+    assert len(resident["workers"]) == 2 and all(w > 50 * 2**20 for w in resident["workers"])
+    assert 0 < resident["launcher"] < 150 * 2**20 and resident["agent"] is None
+    assert resident["total"] == sum(resident["workers"]) + resident["launcher"]
+    lines = out.splitlines()
+    assert any(x.startswith("tensor peak ") and "(tensor bytes" in x for x in lines), out
+    assert any(x.startswith("resident      rank 0 ") and ", rank 1 " in x and ", launcher " in x
+               and "(resident (VmHWM)" in x for x in lines), out
+    assert any(x.startswith("job resident ") for x in lines), out

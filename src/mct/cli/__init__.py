@@ -2,7 +2,8 @@
 ``python -m mct``).
 
 User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
-``--nproc N`` re-launches this command under torchrun with N local workers.
+``--nproc N`` re-launches this command in N local workers, with torchrun's environment
+(mct.run.launch; several machines: under torchrun).
 
 This package parses and dispatches (``main``); each command lives in ``train``, ``plan``
 or ``commands`` and imports what it runs inside its own function: torch and the engine take
@@ -53,7 +54,7 @@ def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = Tr
         p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
                        "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
     if nproc:
-        p.add_argument("--nproc", type=int, default=1, help="local worker processes (launched with torchrun)")
+        p.add_argument("--nproc", type=int, default=1, help="local worker processes (torchrun's environment)")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mct", description="memory-constrained trainer for PyTorch",
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(a config file or --set wins; the run summary names the recipe): {recipes_help()}."})
     _common(t, nproc=False)
     t.add_argument("--nproc", type=int, default=None,
-                   help="local worker processes, launched with torchrun (default: 1); with --resume, the "
+                   help="local worker processes, with torchrun's environment (default: 1); with --resume, the "
                         "run's recorded number of local ranks unless given (another number reshards)")
     t.add_argument("--run-dir", help="a new directory for the run, one that holds no run yet "
                                      "(default: runs/<timestamp>)")
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from mct.run.launch import WorkerLink
     link = WorkerLink.from_env()
     if _under_torchrun():
-        link.setup()  # die with torchrun; tell the launcher this worker's pid
+        link.setup()  # die with the launcher (or torchrun); tell the launcher this worker's pid
     code, line = 0, ""
     try:
         from mct.cli.conflicts import check_conflicts
@@ -203,12 +204,3 @@ def main(argv: list[str] | None = None) -> int:
     if line and not link.active:
         print(line, file=sys.stderr)
     return code
-"""Command line: mct train | plan | verify | report | export | sample | prepare | calibrate (also
-``python -m mct``).
-
-User mistakes (config, data, launch) print one line ``mct: error: ...`` and exit 2.
-``--nproc N`` re-launches this command under torchrun with N local workers.
-
-Every command imports what it runs inside its own function: torch and the engine take
-seconds to import, and ``mct --help``, a config error or the launcher must answer at once.
-"""

@@ -44,8 +44,12 @@ def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     cfg = load_config(args.config, _model_flags(args), defaults=CLI_RECIPE)
     if args.nproc > 1 and not _under_torchrun():
+        from mct.run.apart import apart
         from mct.task import task_for
-        task_for(cfg)  # a bad model source fails here, in one line, before any launch
+
+        def check_task() -> None:
+            task_for(cfg)  # a bad model source fails here, in one line, before any launch
+        apart(check_task)  # in a forked child: the launcher stays without torch (mct.run.apart)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.nproc > 1 and not _under_torchrun():

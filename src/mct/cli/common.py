@@ -14,9 +14,11 @@ def _under_torchrun() -> bool:
 
 def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int = 1,
             rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
-    """Run ``mct <argv>`` in ``nproc`` local workers through torch.distributed.run;
-    returns the workers' exit code (see mct.run.launch)."""
-    from mct.run.launch import launch, torchrun_command
+    """Run ``mct <argv>`` in ``nproc`` local workers (the launcher's own agent on one machine,
+    torch.distributed.run's on several); returns the workers' exit code (see mct.run.launch)."""
+    from mct.run.launch import launch, launch_local, torchrun_command
+    if nnodes == 1:
+        return launch_local(argv, nproc, max_restarts)
     cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     return launch(cmd, nproc)

@@ -166,11 +166,20 @@ def cmd_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
             _warn(w)
         cal = dataclasses.replace(calibrate(device), source=cal.source)
         _warn_unmeasured_world(cal.profile, args.world_size)
+    from mct.memory.baseline import baseline_line, runtime_baseline
+    try:
+        baseline, baseline_source = runtime_baseline(force=args.force)  # what a process holds before its tensors
+    except RuntimeError as e:  # no /proc, or the probe failed: the profile still stands
+        _warn(f"runtime baseline not measured: {e}")
+        baseline, baseline_source = None, "not measured"
     if args.json:
         print(json.dumps({"key": cal.profile.key, "source": cal.source, "path": str(cal.path),
-                          "profile": cal.profile.to_dict()}, indent=2))
+                          "profile": cal.profile.to_dict(),
+                          "runtime_baseline": {"bytes": baseline, "source": baseline_source}}, indent=2))
     else:
         print(calibration_table(cal))
+        if baseline is not None:
+            print(baseline_line(baseline, baseline_source))
     return 0
 
 MAX_WORLD_SIZE = 2**24

@@ -169,6 +169,22 @@ def write_metadata(run_dir: str | Path, *, config: dict, world_size: int, backen
     return meta
 
 
+def record_metadata(run_dir: str | Path, key: str, value: Any) -> None:
+    """Set ``key`` of RUN_DIR/metadata.json to ``value`` (replaced whole, atomically). A run
+    dir without a readable metadata.json is left as it is."""
+    path = Path(run_dir) / "metadata.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(meta, dict):
+        return
+    meta[key] = value
+    tmp = path.with_name(".metadata.json.tmp")
+    tmp.write_text(dumps_row(meta, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def flatten_peaks(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
     """{'forward': {'total': 5, 'activations': 3}} -> {'peak_forward_total': 5, ...}"""
     return {f"peak_{phase}_{cat}": v for phase, cats in peaks.items() for cat, v in cats.items()}

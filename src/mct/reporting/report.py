@@ -136,6 +136,8 @@ def report_table(run: RunData) -> str:
         summary.append(f"checkpointing per block: {mixed}")
     lines.append("; ".join(summary))
     lines += solver_lines(run.meta)
+    peaks = [r["peak_bytes"] for r in run.rows if isinstance(r.get("peak_bytes"), int)]
+    lines += memory_lines(max(peaks, default=None), (run.meta or {}).get("resident"))
     timing = step_time_line(run.rows)
     if timing:
         lines.append(timing)
@@ -247,6 +249,8 @@ class TrainSummary:
     """The run's resolved ``memory.host_malloc`` (``mct.memory.host``)."""
     recipe: str = ""
     """The training recipe in force and its values (``mct.run.recipe.recipe_line``)."""
+    resident: dict[str, Any] | None = None
+    """Each process's peak resident set (``mct.memory.process.job_resident``)."""
 
 
 FAULTS_HINT_AT = 10_000
@@ -270,6 +274,8 @@ def summary_table(s: TrainSummary) -> str:
         lines.append(f"page faults   {s.page_faults:,} per step (median, this process; host_malloc {s.host_malloc})"
                      + (FAULTS_HINT if s.host_malloc == "default" and s.page_faults >= FAULTS_HINT_AT
                         and not host.user_tuned() else ""))
+    tensor_peak = max((v.get("total", 0) for v in s.peaks.values()), default=None)
+    lines += memory_lines(tensor_peak, s.resident)
     if s.peaks:
         cats = sorted({c for v in s.peaks.values() for c in v if c != "total"})
         lines.append("peak memory by phase (this rank, last logged step):")
@@ -297,4 +303,24 @@ def utilization_lines(u: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"MFU           - ({u['peak_note']})")
     lines.append(f"machine       {u['machine']}")
+    return lines
+
+
+def memory_lines(tensor_peak: int | None, resident: dict[str, Any] | None) -> list[str]:
+    """The tensor peak (rank 0's tracked tensor bytes) beside each process's peak resident set
+    (VmHWM: what a memory limit counts) and the job's total; [] when neither is known."""
+    lines = []
+    if tensor_peak:
+        lines.append(f"tensor peak   {format_bytes(tensor_peak)} (tensor bytes: tracked tensors, rank 0)")
+    if not isinstance(resident, dict):
+        return lines
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    workers = resident.get("workers") if isinstance(resident.get("workers"), list) else []
+    parts = [f"rank {r} {format_bytes(v)}" for r, v in enumerate(workers) if ok(v)]
+    parts += [f"{name} {format_bytes(resident[name])}" for name in ("launcher", "agent") if ok(resident.get(name))]
+    if parts:
+        lines.append(f"resident      {', '.join(parts)} (resident (VmHWM): each process's peak resident set)")
+    if ok(resident.get("total")) and len(parts) > 1:
+        lines.append(f"job resident  {format_bytes(resident['total'])} (resident (VmHWM): workers + launcher + agent "
+                     f"on rank 0's machine)")
     return lines

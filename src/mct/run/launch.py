@@ -1,14 +1,17 @@
-"""``mct train --nproc N``: the launcher around torchrun, and the worker's side of it.
+"""``mct train --nproc N``: the launcher, and the worker's side of it.
 
-Launcher (``launch``): runs ``torch.distributed.run`` with the workers' command,
-forwards SIGTERM/SIGINT to torchrun and to every worker, and exits with the workers'
-exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143 signals), not
-torchrun's 1. Each worker leaves its exit code and its one-line message in a private
-directory (``MCT_LAUNCH_DIR``); the launcher prints that line once. torchrun's own
-Python output (its log, its failure report) goes to a log file that is shown only
-when no worker explains the failure; the workers inherit the launcher's stdout and
-stderr. torchrun dies with the launcher (``PR_SET_PDEATHSIG``), so even a SIGKILLed
-launcher leaves no training behind.
+Launcher (``launch_local`` on one machine, ``launch`` around torchrun on several): starts
+the workers (``mct.run.agent``; several machines: ``torch.distributed.run`` with the
+workers' command), forwards SIGTERM/SIGINT to every worker (and to torchrun), and exits
+with the workers' exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143
+signals), not torchrun's 1. The launcher imports nothing heavy: its checks run in a forked
+child (``mct.run.apart``), so it holds about 22 MiB while the workers train. Each worker
+leaves its exit code and its one-line message in a private directory
+(``MCT_LAUNCH_DIR``); the launcher prints that line once. The agent's lines (which worker
+failed how) and torchrun's own Python output (its log, its failure report, in a log
+file) are shown only when no worker explains the failure; the workers inherit the
+launcher's stdout and stderr. Workers and torchrun die with the launcher
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no training behind.
 
 Worker (``WorkerLink``): asks the kernel for SIGTERM when its parent dies (elsewhere
 than Linux: watches the parent pid), and records its pid and exit for the launcher.
@@ -19,7 +22,6 @@ its report with that stack and one line naming the rank, the signal and the fram
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import json
@@ -34,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PR_SET_PDEATHSIG = 1
 FORCE_KILL_AFTER_S = 55.0
@@ -190,18 +192,17 @@ _QUIET_TORCHRUN = ("import os, sys; log = sys.stderr = sys.stdout = open(sys.arg
 
 
 def launch(cmd: list[str], nproc: int) -> int:
-    """Run the torchrun command ``cmd`` (from ``torchrun_command``); forward SIGTERM and
-    SIGINT; return the workers' exit code, their one line printed once to stderr."""
+    """Run the torchrun command ``cmd`` (from ``torchrun_command``; several machines); forward
+    SIGTERM and SIGINT; return the workers' exit code, their one line printed once to stderr."""
     with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
         d = Path(tmp)
-        env = dict(os.environ, MCT_LAUNCH_DIR=tmp)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
         quiet = [cmd[0], "-c", _QUIET_TORCHRUN, str(d / "torchrun.log"), *cmd[3:]]
         sys.stdout.flush()
         sys.stderr.flush()
-        proc = subprocess.Popen(quiet, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        got = _forward_signals(proc, d)
+        proc = subprocess.Popen(quiet, env=launch_env(tmp, nproc), start_new_session=True,
+                                preexec_fn=die_with_parent)
+        got = _forward_signals(lambda sig: _signal_all(proc, d, sig))
         try:
             rc = _wait(proc, d, got)
         finally:
@@ -210,13 +211,42 @@ def launch(cmd: list[str], nproc: int) -> int:
         return _result(d, rc, got["signum"])
 
 
-def _forward_signals(proc: subprocess.Popen, d: Path) -> dict[str, Any]:
+def launch_local(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
+    """Run ``mct <argv>`` in ``nproc`` workers on this machine, started by the launcher's
+    own agent (``mct.run.agent``: no torchrun process, nothing heavy imported here);
+    forward SIGTERM and SIGINT; return the workers' exit code, their one line printed once."""
+    from mct.run.agent import LocalGroup, local_command
+    with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
+        d = Path(tmp)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        group = LocalGroup(local_command(argv), nproc, max_restarts, launch_env(tmp, nproc), d)
+        got = _forward_signals(group.signal)
+        try:
+            rc = group.run(got)
+        finally:
+            for sig, prev in got["previous"].items():
+                signal.signal(sig, prev)
+        return _result(d, rc, got["signum"])
+
+
+def launch_env(launch_dir: str, nproc: int) -> dict[str, str]:
+    """The workers' environment: this one, the launch dir, the launcher's pid (its resident
+    peak is part of the job's, ``mct.memory.process``), and one core's share of threads."""
+    env = dict(os.environ, MCT_LAUNCH_DIR=launch_dir, MCT_LAUNCHER_PID=str(os.getpid()))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def _forward_signals(send: Callable[[int], None]) -> dict[str, Any]:
+    """Install SIGTERM/SIGINT handlers that ``send`` the signal on; the first one received is
+    noted (``signum``, ``at``); ``previous`` holds the handlers to restore."""
     got: dict[str, Any] = {"signum": 0, "at": 0.0, "previous": {}}
 
     def handle(signum: int, frame: Any) -> None:
         if not got["signum"]:
             got["signum"], got["at"] = signum, time.monotonic()
-        _signal_all(proc, d, signum)
+        send(signum)
     for sig in (signal.SIGTERM, signal.SIGINT):
         got["previous"][sig] = signal.signal(sig, handle)
     return got
@@ -253,7 +283,7 @@ def _wait(proc: subprocess.Popen, d: Path, got: dict[str, Any]) -> int:
                 return proc.wait()
 
 
-def _read_exits(d: Path) -> list[dict[str, Any]]:
+def read_exits(d: Path) -> list[dict[str, Any]]:
     records = []
     for f in d.glob("exit.*"):
         try:
@@ -269,8 +299,8 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
     130/143 that we did not forward mean torchrun stopped the group because a worker
     died: torchrun's report is then the explanation, and a worker that died in native code
     adds its Python stack and a line naming it (``crash_report``), last. A run that
-    completed after such a crash (torchrun restarted it) prints the report and one warning."""
-    records = _read_exits(d)
+    completed after such a crash (the group was restarted) prints the report and one warning."""
+    records = read_exits(d)
     final = [r for r in records if r["code"] in (2, 3)]
     if records and not final:
         last = max(r["restart"] for r in records)
@@ -291,16 +321,17 @@ def _result(d: Path, torchrun_rc: int, signum: int) -> int:
         sys.stderr.write(crash)
         return code
     if code == 0 and records and torchrun_rc == 0:
-        if crash:  # torchrun restarted the group (--max-restarts) and the run completed
+        if crash:  # the group was restarted (--max-restarts) and the run completed
             sys.stderr.write(crash)
-            print("mct: warning: the run completed after torchrun restarted its workers (--max-restarts); "
+            print("mct: warning: the run completed after its worker group was restarted (--max-restarts); "
                   "the crash above is what the restart recovered from", file=sys.stderr, flush=True)
         return 0
     if signum:
         return 128 + signum
-    log = d / "torchrun.log"
-    if torchrun_rc != 0 and log.is_file():
-        sys.stderr.write(log.read_text(errors="replace"))
+    if torchrun_rc != 0:  # torchrun's report or the local agent's lines, then the crash
+        for log in (d / "torchrun.log", d / "agent.log"):
+            if log.is_file():
+                sys.stderr.write(log.read_text(errors="replace"))
         sys.stderr.write(crash)
     return torchrun_rc
 
@@ -415,29 +446,3 @@ def _resolves(socket, host: str, port: int) -> bool:
         return bool(socket.getaddrinfo(host, port))
     except OSError:
         return False
-
-
-@contextlib.contextmanager
-def run_dir_lock(run_dir: str, ctx, new: bool):
-    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
-    is a ValueError on every rank, before anything is written). A new run's directory
-    is checked first, so the lock is never taken in a directory that holds a run."""
-    # the launcher process imports this module too and never needs torch: only a worker gets here
-    from mct.dist import broadcast_from_main
-    from mct.persistence.run_dir import RunLock, check_new_run_dir
-    lock, error = None, None
-    if ctx.is_main:
-        try:
-            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                check_new_run_dir(run_dir)
-            lock = RunLock(run_dir)
-        except ValueError as e:
-            error = str(e)
-    error = broadcast_from_main(error)
-    if error is not None:
-        raise ValueError(error)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()

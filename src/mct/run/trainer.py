@@ -25,6 +25,7 @@ from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
 from mct.machine.load import LoadWatch
 from mct.memory import host
+from mct.memory.process import job_resident, resident_peak
 from mct.memory.tracker import MemoryBudgetExceeded
 from mct.persistence.checkpoint import load_engine_state, set_rng_state
 from mct.persistence.export import export_engine
@@ -35,7 +36,7 @@ from mct.persistence.run_dir import check_new_run_dir, checkpoints, newest_usabl
 from mct.planner.grid import resized_batch
 from mct.precision import LossScaleFloorError
 from mct.reporting.events import append_event
-from mct.reporting.metrics import MetricsWriter, write_metadata
+from mct.reporting.metrics import MetricsWriter, record_metadata, write_metadata
 from mct.reporting.report import TrainSummary
 from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
@@ -238,7 +239,17 @@ class Trainer:
                             skipped_steps=c.skipped, peaks=self.log.peaks, run_dir=str(self.run_dir),
                             utilization=self.utilization.summary(self.log.median_step_time()),
                             page_faults=self.log.median_faults(),
-                            host_malloc=host.mode_of(self.cfg, self.ctx.device.type), recipe=recipe_line(self.cfg))
+                            host_malloc=host.mode_of(self.cfg, self.ctx.device.type), recipe=recipe_line(self.cfg),
+                            resident=self.resident_peaks())
+
+    def resident_peaks(self) -> dict[str, Any]:
+        """Each process's peak resident set (VmHWM) so far: every rank's, gathered
+        (collective), with the launcher's and an agent's on this machine
+        (``mct.memory.process.job_resident``); rank 0 records it as metadata.json's ``resident``."""
+        job = job_resident(self.engine.comm.all_gather_object(resident_peak()))
+        if self.ctx.is_main:
+            record_metadata(self.run_dir, "resident", job)
+        return job
 
     def run_step(self) -> float | None:
         """One turn of the loop at step ``counters.step``: the step, the ranks' agreed

@@ -4,6 +4,7 @@ way a run ends is an exit code and at most one line (the launcher prints it once
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 from mct.config import EngineConfig
 from mct.dist import broadcast_from_main, init_distributed, teardown
 from mct.memory.tracker import MemoryBudgetExceeded
-from mct.run.launch import WorkerLink, run_dir_lock
+from mct.run.launch import WorkerLink
 from mct.run.signals import Preempted, StopRequest
 from mct.reporting.report import summary_table
 from mct.run.rollback import TrainingStopped
@@ -148,3 +149,27 @@ def _discard_empty_run(run_dir: Path, existed: bool) -> None:
     if existed or (metrics.exists() and metrics.stat().st_size > 0):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str, ctx, new: bool):
+    """Rank 0 holds the run dir's lock for the duration (a second run or --resume on it
+    is a ValueError on every rank, before anything is written). A new run's directory
+    is checked first, so the lock is never taken in a directory that holds a run."""
+    from mct.persistence.run_dir import RunLock, check_new_run_dir
+    lock, error = None, None
+    if ctx.is_main:
+        try:
+            if new and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                check_new_run_dir(run_dir)
+            lock = RunLock(run_dir)
+        except ValueError as e:
+            error = str(e)
+    error = broadcast_from_main(error)
+    if error is not None:
+        raise ValueError(error)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
