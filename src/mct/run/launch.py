@@ -340,21 +340,37 @@ _REPORTED = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 """A failure in torchrun's report (its ChildFailedError block): the global rank, then its exit code."""
 
 
-def lost_worker_line(d: Path, records: list[dict[str, Any]]) -> str:
-    """One line for a worker that torchrun reports killed by a signal that it did not
-    handle and left no exit record (SIGKILL: ``kill -9``, the out-of-memory killer),
-    naming its rank, the checkpoint a resume starts from and the resume command. Empty
-    when torchrun's report names no such worker. The root cause comes first in the report;
-    a SIGTERM is torchrun's own stop of the survivors, so another signal is named first."""
-    log = d / "torchrun.log"
+_AGENT_KILLED = re.compile(r"worker rank (\d+) \(restart (\d+)\) was killed by (SIG[A-Z0-9]+)")
+"""A worker the local agent (``mct.run.agent``) saw killed by a signal: rank, restart, signal name."""
+
+
+def _killed_ranks(d: Path, last: int) -> list[tuple[int, int]]:
+    """(rank, signal) of the workers killed by a signal in the last attempt: from the local
+    agent's ``agent.log`` (one machine) or torchrun's report (several; the root cause first)."""
+    found: list[tuple[int, int]] = []
     try:
-        text = log.read_text(errors="replace")
+        for rank, restart, name in _AGENT_KILLED.findall((d / "agent.log").read_text(errors="replace")):
+            if int(restart) == last and hasattr(signal, name):
+                found.append((int(rank), int(getattr(signal, name))))
     except OSError:
-        return ""
+        pass
+    try:
+        text = (d / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return found
+    return found + [(int(r), -int(c)) for r, c in _REPORTED.findall(text[text.find("Root Cause"):] + text)
+                    if int(c) < 0]
+
+
+def lost_worker_line(d: Path, records: list[dict[str, Any]]) -> str:
+    """One line for a worker that the agent (or torchrun) reports killed by a signal that it
+    did not handle and left no exit record (SIGKILL: ``kill -9``, the out-of-memory killer),
+    naming its rank, the checkpoint a resume starts from and the resume command. Empty
+    when no such worker is reported. A SIGTERM is the agent's own stop of the survivors,
+    so another signal is named first."""
     last = max((r["restart"] for r in records), default=0)
     spoke = {r["rank"] for r in records if r["restart"] == last}
-    found = [(int(r), -int(c)) for r, c in _REPORTED.findall(text[text.find("Root Cause"):] + text)
-             if int(c) < 0 and int(r) not in spoke]
+    found = [(rank, sig) for rank, sig in _killed_ranks(d, last) if rank not in spoke]
     found.sort(key=lambda f: f[1] == signal.SIGTERM)  # stable: the root cause first among equals
     if not found:
         return ""
