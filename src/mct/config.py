@@ -147,12 +147,20 @@ class DataConfig:
     """Micro-batches per optimizer step (gradient accumulation)."""
     val_fraction: float = 0.1
     """Fraction of files held out for validation (split by file, never by window)."""
+    packing: str = "stream"
+    """How windows are cut from the documents (docs/data.md, "packing"): 'stream' (windows at any
+    offset of the concatenated tokens, attention across document boundaries; the default, so every
+    run recorded before this key resumes with the windows it trained on) or 'documents' (windows
+    of whole documents packed back to back, each token attending only within its document,
+    position ids restarting at each document, no target crossing a boundary)."""
 
     def __post_init__(self) -> None:
         _check_range("data.micro_batch_size", self.micro_batch_size, 1)
         _check_range("data.grad_accum", self.grad_accum, 1)
         if not 0.0 < self.val_fraction < 1.0:
             _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if self.packing not in ("stream", "documents"):
+            _fail("data.packing", self.packing, "must be 'stream' or 'documents'")
 
 
 @dataclass(kw_only=True)
