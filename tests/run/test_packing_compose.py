@@ -1,0 +1,75 @@
+"""Packed documents compose with the engine: ZeRO stage 3 trains as stage 0, the 'all'
+checkpointing policy as 'none' (the recompute sees the same mask), chunked loss as the
+whole loss, on the sampler's real packed windows (tiny GPT, dropout on, two steps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mct.data.sampler import build_data
+from mct.engine import Engine
+from mct.models.gpt import GPT, gpt_loss
+from mct.task.gpt import step_batches
+from mct.task.seeding import seeded
+from mct.task.tokens import loss_for
+from tests.helpers import one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """Twenty text files of 3..40 bytes: several documents in every 16-token window."""
+    d = tmp_path_factory.mktemp("docs")
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        (d / f"doc{i:02d}.txt").write_text("".join(chr(97 + int(c)) for c in rng.integers(0, 26, rng.integers(3, 40))))
+    return d
+
+
+def _cfg(corpus_dir: Path, **sections):
+    return tiny_config(model={"dropout": 0.1}, data={"path": str(corpus_dir), "packing": "documents",
+                                                      "micro_batch_size": 2}, **sections)
+
+
+def _train(corpus_dir: Path, chunk: int = 0, **sections) -> dict:
+    cfg = _cfg(corpus_dir, **sections)
+    _, sampler = build_data(cfg)
+    torch.manual_seed(cfg.seed)
+    engine = Engine(GPT(cfg.model), lambda g: torch.optim.SGD(g, lr=0.1), cfg)
+    loss_fn = seeded(loss_for(tiny_config(train={"loss_chunk_tokens": chunk}), gpt_loss))
+    losses = [engine.train_step(step_batches(sampler, cfg, s, 0), loss_fn).loss for s in range(STEPS)]
+    return {"losses": losses, "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_dir) -> dict:
+    return _train(corpus_dir)
+
+
+def test_the_windows_pack_several_documents(corpus_dir):
+    cfg = _cfg(corpus_dir)
+    _, sampler = build_data(cfg)
+    x, y, seg = sampler.batch(0, 0, 0)
+    assert seg.shape == x.shape == y.shape and int(seg.max()) >= 1
+
+
+@pytest.mark.parametrize("label,sections", [("stage3", {"zero": {"stage": 3}}),
+                                            ("policy_all", {"checkpointing": {"policy": "all"}}),
+                                            ("stage3_all", {"zero": {"stage": 3}, "checkpointing": {"policy": "all"}})])
+def test_packed_training_matches_stage0_without_checkpointing(corpus_dir, reference, label, sections):
+    got = _train(corpus_dir, **sections)
+    assert got["losses"] == reference["losses"], label
+    for name, t in reference["state"].items():
+        assert torch.equal(got["state"][name], t), f"{label}: {name} differs"
+
+
+def test_chunked_loss_ignores_the_same_boundary_targets(corpus_dir, reference):
+    got = _train(corpus_dir, chunk=7)
+    np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5)
+    for name, t in reference["state"].items():
+        torch.testing.assert_close(got["state"][name], t, rtol=1e-5, atol=1e-6)
