@@ -1,6 +1,6 @@
 """Packed documents compose with the engine: ZeRO stage 3 trains as stage 0, the 'all'
-checkpointing policy as 'none' (the recompute sees the same mask), chunked loss as the
-whole loss, on the sampler's real packed windows (tiny GPT, dropout on, two steps)."""
+checkpointing policy as 'none' (the recompute sees the same mask), also with the kept
+inputs offloaded to disk, chunked loss as the whole loss, on the sampler's real packed windows (tiny GPT, dropout on, two steps)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_the_windows_pack_several_documents(corpus_dir):
 
 @pytest.mark.parametrize("label,sections", [("stage3", {"zero": {"stage": 3}}),
                                             ("policy_all", {"checkpointing": {"policy": "all"}}),
-                                            ("stage3_all", {"zero": {"stage": 3}, "checkpointing": {"policy": "all"}})])
+                                            ("stage3_all", {"zero": {"stage": 3}, "checkpointing": {"policy": "all"}}),
+                                            ("all_to_disk", {"checkpointing": {"policy": "all", "offload": "disk"}})])
 def test_packed_training_matches_stage0_without_checkpointing(corpus_dir, reference, label, sections):
     got = _train(corpus_dir, **sections)
     assert got["losses"] == reference["losses"], label
