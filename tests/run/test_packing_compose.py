@@ -16,6 +16,7 @@ from mct.models.gpt import GPT, gpt_loss
 from mct.task.gpt import step_batches
 from mct.task.seeding import seeded
 from mct.task.tokens import loss_for
+from tests.distributed import run_distributed
 from tests.helpers import one_thread, tiny_config  # noqa: F401 (one_thread: autouse fixture)
 
 STEPS = 2
@@ -31,19 +32,23 @@ def corpus_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _cfg(corpus_dir: Path, **sections):
+def _cfg(corpus_dir: Path, data: dict | None = None, **sections):
     return tiny_config(model={"dropout": 0.1}, data={"path": str(corpus_dir), "packing": "documents",
-                                                      "micro_batch_size": 2}, **sections)
+                                                      "micro_batch_size": 2, **(data or {})}, **sections)
 
 
-def _train(corpus_dir: Path, chunk: int = 0, **sections) -> dict:
+def _train(corpus_dir: Path, chunk: int = 0, rank: int = 0, world: int = 1, **sections) -> dict:
     cfg = _cfg(corpus_dir, **sections)
-    _, sampler = build_data(cfg)
+    _, sampler = build_data(cfg, world)
     torch.manual_seed(cfg.seed)
     engine = Engine(GPT(cfg.model), lambda g: torch.optim.SGD(g, lr=0.1), cfg)
     loss_fn = seeded(loss_for(tiny_config(train={"loss_chunk_tokens": chunk}), gpt_loss))
-    losses = [engine.train_step(step_batches(sampler, cfg, s, 0), loss_fn).loss for s in range(STEPS)]
+    losses = [engine.train_step(step_batches(sampler, cfg, s, rank), loss_fn).loss for s in range(STEPS)]
     return {"losses": losses, "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}
+
+
+def _rank_stage3(rank: int, world: int, corpus_dir: Path) -> dict:
+    return _train(corpus_dir, rank=rank, world=world, zero={"stage": 3}, data={"micro_batch_size": 1})
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,16 @@ def test_packed_training_matches_stage0_without_checkpointing(corpus_dir, refere
     assert got["losses"] == reference["losses"], label
     for name, t in reference["state"].items():
         assert torch.equal(got["state"][name], t), f"{label}: {name} differs"
+
+
+def test_two_ranks_on_stage3_train_the_global_batch_of_one_rank_on_stage0(corpus_dir):
+    """The same 2 windows a step: two ranks of one window (ZeRO-3, gloo) against one rank
+    of two (stage 0). The mean over ranks is the mean over the two windows' losses."""
+    one = _train(corpus_dir, data={"micro_batch_size": 1, "grad_accum": 2})
+    two = run_distributed(_rank_stage3, 2, corpus_dir)
+    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-6)
+    for name, t in one["state"].items():
+        torch.testing.assert_close(two[0]["state"][name], t, rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_loss_ignores_the_same_boundary_targets(corpus_dir, reference):
