@@ -120,3 +120,26 @@ def test_explicit_attention_with_the_document_mask_matches_sdpa():
     mask = block_causal_mask(torch.tensor([[0, 0, 0, 1, 1, 2]]))
     torch.testing.assert_close(explicit_attention(q, k, v, 0.0, mask),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_loss_of_a_packed_transformers_llama_equals_its_whole_loss():
+    pytest.importorskip("transformers")
+    from mct.task.tokens import chunked_token_loss
+    batch = _window()
+    model = _hf("llama")
+    torch.testing.assert_close(chunked_token_loss(5)(model, batch), causal_lm_loss(model, batch), rtol=1e-5, atol=0)
+
+
+def test_a_model_that_cannot_take_documents_is_one_line_naming_the_fix():
+    from mct.task.tokens import token_loss
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.emb(x)
+    with pytest.raises(ValueError, match="data.packing = 'documents' needs a model .* set data.packing = 'stream'"):
+        token_loss(Plain(), _window())
+    assert torch.isfinite(token_loss(Plain(), _window()[:2]))  # the same model trains stream windows
