@@ -1,6 +1,7 @@
 """Packed documents compose with the engine: ZeRO stage 3 trains as stage 0, the 'all'
 checkpointing policy as 'none' (the recompute sees the same mask), also with the kept
-inputs offloaded to disk, chunked loss as the whole loss, on the sampler's real packed windows (tiny GPT, dropout on, two steps)."""
+inputs offloaded to disk, two ranks as one, chunked loss as the whole loss, on the
+sampler's real packed windows (tiny GPT, dropout on, two steps)."""
 
 from __future__ import annotations
 
