@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mct.config import EngineConfig
-from mct.persistence.resume import resume_config
+from mct.persistence.resume import recorded_packing, resume_config
 from mct.persistence.run_dir import step_dir
 from mct.reporting.report import load_run, report_table
 from mct.run.trainer import train
@@ -82,3 +82,6 @@ def test_a_run_recorded_without_the_packing_key_resumes_as_stream(runs, tmp_path
     del state["config"]["data"]["packing"]  # as every run written before the key existed
     trainer.write_text(json.dumps(state))
     assert resume_config(run, [], 1).data.packing == "stream"
+    assert recorded_packing(state["config"])["data"]["packing"] == "stream"  # whatever the default
+    assert "packing" not in state["config"]["data"]  # not mutated
+    assert recorded_packing({**state["config"], "data": {"packing": "documents"}})["data"]["packing"] == "documents"
