@@ -93,3 +93,15 @@ def test_an_unknown_packing_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match=r"data.packing = 'whole' is not allowed: must be 'stream' or 'documents'"):
         EngineConfig.from_dict({"data": {"packing": "whole"}})
     assert EngineConfig.from_dict({}).data.packing == "stream"
+
+
+def test_a_corpus_too_small_for_packed_windows_says_they_start_on_a_grid(tmp_path):
+    d = tmp_path / "small"
+    d.mkdir()
+    for i in range(8):
+        (d / f"f{i}.txt").write_text("abcdefgh" * 4)  # 32 bytes: 256 in all
+    cfg = EngineConfig.from_dict({"model": {"seq_len": T}, "seed": 1,
+                                  "data": {"path": str(d), "micro_batch_size": 20, "packing": "documents"}})
+    with pytest.raises(ValueError, match=f"data.packing = 'documents' starts windows every {T} tokens"):
+        build_data(cfg)
+    build_data(EngineConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "packing": "stream"}}))

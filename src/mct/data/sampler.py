@@ -52,9 +52,11 @@ class BatchSampler:
         self.windows_per_step = world_size * grad_accum * micro_batch_size
         n_train, n_val = self._positions(corpus.train), self._positions(corpus.val)
         if n_train < self.windows_per_step:
+            grid = (f" (data.packing = 'documents' starts windows every {seq_len} tokens; 'stream' at every token)"
+                    if packing == "documents" else "")
             raise ValueError(
                 f"the train split has {corpus.train.size} tokens: {max(n_train, 0)} windows of "
-                f"model.seq_len + 1 = {seq_len + 1}, but one step needs {self.windows_per_step} distinct "
+                f"model.seq_len + 1 = {seq_len + 1}{grid}, but one step needs {self.windows_per_step} distinct "
                 "windows (world_size x data.grad_accum x data.micro_batch_size); use a larger corpus "
                 "or smaller batches")
         if n_val < 1:
