@@ -1,6 +1,6 @@
 """Packed documents are exact: a window of several documents gives each document the
-loss, gradients and logits it gets alone (the built-in GPT, a transformers Llama and
-GPT-2, fp32), and no document's logits depend on another's tokens."""
+loss, gradients and logits it gets alone (the built-in GPT, a transformers Llama with SDPA
+and eager attention, GPT-2, fp32), and no document's logits depend on another's tokens."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _gpt() -> GPT:
     return GPT(tiny_config(model={"vocab_size": 64, "seq_len": T, "dropout": 0.0}).model)
 
 
-def _hf(kind: str) -> torch.nn.Module:
+def _hf(kind: str, attention: str = "sdpa") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
     from transformers.utils import logging
     logging.set_verbosity_error()
@@ -43,7 +43,7 @@ def _hf(kind: str) -> torch.nn.Module:
         config = GPT2Config(vocab_size=64, n_positions=T, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention).eval()
 
 
 def _summed(loss_fn, model, batch) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
 
 
 MODELS = [("gpt", _gpt, gpt_loss), ("llama", lambda: _hf("llama"), causal_lm_loss),
-          ("gpt2", lambda: _hf("gpt2"), causal_lm_loss)]
+          ("llama_eager", lambda: _hf("llama", "eager"), causal_lm_loss), ("gpt2", lambda: _hf("gpt2"), causal_lm_loss)]
 
 
 @pytest.mark.parametrize("name,make,loss_fn", MODELS, ids=[m[0] for m in MODELS])
