@@ -1,7 +1,7 @@
-"""Packed documents compose with the engine: ZeRO stage 3 trains as stage 0, the 'all'
-checkpointing policy as 'none' (the recompute sees the same mask), also with the kept
-inputs offloaded to disk, two ranks as one, chunked loss as the whole loss, on the
-sampler's real packed windows (tiny GPT, dropout on, two steps)."""
+"""Packed documents compose with the engine: ZeRO stages 2 and 3 train as stage 0, the
+'all', 'selective' and 'sqrt' checkpointing policies as 'none' (the recompute sees the same
+mask), also with the kept inputs offloaded to disk, two ranks as one, chunked loss as the
+whole loss, on the sampler's real packed windows (tiny GPT, dropout on, two steps)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,10 @@ def _train(corpus_dir: Path, chunk: int = 0, rank: int = 0, world: int = 1, **se
 
 
 def _rank_stage3(rank: int, world: int, corpus_dir: Path) -> dict:
-    return _train(corpus_dir, rank=rank, world=world, zero={"stage": 3}, data={"micro_batch_size": 1})
+    """One rank's result, tensors as numpy arrays: they cross the process boundary by value
+    (a shared-memory tensor would outlive its process)."""
+    out = _train(corpus_dir, rank=rank, world=world, zero={"stage": 3}, data={"micro_batch_size": 1})
+    return {"losses": out["losses"], "state": {k: v.numpy() for k, v in out["state"].items()}}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,9 @@ def test_the_windows_pack_several_documents(corpus_dir):
 @pytest.mark.parametrize("label,sections", [("stage3", {"zero": {"stage": 3}}),
                                             ("policy_all", {"checkpointing": {"policy": "all"}}),
                                             ("stage3_all", {"zero": {"stage": 3}, "checkpointing": {"policy": "all"}}),
-                                            ("all_to_disk", {"checkpointing": {"policy": "all", "offload": "disk"}})])
+                                            ("all_to_disk", {"checkpointing": {"policy": "all", "offload": "disk"}}),
+                                            ("selective", {"checkpointing": {"policy": "selective"}}),
+                                            ("stage2_sqrt", {"zero": {"stage": 2}, "checkpointing": {"policy": "sqrt"}})])
 def test_packed_training_matches_stage0_without_checkpointing(corpus_dir, reference, label, sections):
     got = _train(corpus_dir, **sections)
     assert got["losses"] == reference["losses"], label
@@ -82,7 +87,7 @@ def test_two_ranks_on_stage3_train_the_global_batch_of_one_rank_on_stage0(corpus
     two = run_distributed(_rank_stage3, 2, corpus_dir)
     np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-6)
     for name, t in one["state"].items():
-        torch.testing.assert_close(two[0]["state"][name], t, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(two[0]["state"][name]), t, rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_loss_ignores_the_same_boundary_targets(corpus_dir, reference):
