@@ -89,6 +89,12 @@ class DataConfig:
     """Micro-batches per optimizer step (gradient accumulation)."""
     val_fraction: float = 0.1
     """Fraction of files held out for validation (split by file, never by window)."""
+    packing: str = "stream"
+    """How windows are cut from the documents (docs/data.md, "packing"): 'stream' (windows at any
+    offset of the concatenated tokens, attention across document boundaries; the default, so every
+    run recorded before this key resumes with the windows it trained on) or 'documents' (windows
+    of whole documents packed back to back, each token attending only within its document,
+    position ids restarting at each document, no target crossing a boundary)."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "path": fixed("the samples and their order belong to the run"),
@@ -96,6 +102,7 @@ class DataConfig:
         "grad_accum": fixed("a resume sets it from the run's global batch and the number of ranks",
                             "change --nproc instead (it must divide the run's micro-batches per step)"),
         "val_fraction": fixed("the train/validation split belongs to the run"),
+        "packing": fixed("the windows a run trains on (and what each token attends to) belong to the run"),
     }
 
     def __post_init__(self) -> None:
@@ -103,6 +110,8 @@ class DataConfig:
         _check_range("data.grad_accum", self.grad_accum, 1)
         if not 0.0 < self.val_fraction < 1.0:
             _fail("data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        if self.packing not in ("stream", "documents"):
+            _fail("data.packing", self.packing, "must be 'stream' or 'documents'")
 
 
 @dataclass(kw_only=True)

@@ -83,7 +83,9 @@ class Corpus:
     meta.json and the split). ``min_vocab_size``: largest token id + 1 (prepared: the
     tokenizer's vocab size). ``dataset``: a prepared dataset's meta.json (its input
     list cut to a count), and ``tokenizer_path`` its tokenizer.json (None for other
-    sources)."""
+    sources). ``train_bounds`` / ``val_bounds``: where each document of a split starts
+    in its concatenated tokens, int64 [documents + 1] (the last = the split's size); None
+    (a Corpus built by hand) reads as one document (``bounds``)."""
 
     train: np.ndarray | DocumentSpans
     val: np.ndarray | DocumentSpans
@@ -94,6 +96,17 @@ class Corpus:
     min_vocab_size: int
     dataset: dict[str, Any] | None = None
     tokenizer_path: str | None = None
+    train_bounds: np.ndarray | None = None
+    val_bounds: np.ndarray | None = None
+
+    def bounds(self, split: str) -> np.ndarray:
+        """Document start offsets of ``split`` ('train' or 'val') in its tokens, int64
+        [documents + 1]: a prepared dataset's spans, else the recorded bounds, else one
+        document."""
+        tokens, recorded = (self.train, self.train_bounds) if split == "train" else (self.val, self.val_bounds)
+        if isinstance(tokens, DocumentSpans):
+            return tokens.cum
+        return recorded if recorded is not None else np.array([0, tokens.size], dtype=np.int64)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if any token id is >= ``vocab_size``."""
@@ -314,6 +327,11 @@ def _concat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
 
 
+def _bounds(parts: list[np.ndarray]) -> np.ndarray:
+    """Start offsets of concatenated ``parts`` plus the total, int64 [len(parts) + 1]."""
+    return np.concatenate([[0], np.cumsum([p.size for p in parts], dtype=np.int64)]).astype(np.int64)
+
+
 def _fingerprint(docs: list[tuple[str, np.ndarray]], is_val: list[bool], dtype: np.dtype) -> str:
     h = hashlib.sha256(str(dtype).encode())
     for (name, toks), v in zip(docs, is_val):
@@ -364,11 +382,13 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
         docs = _chunk(*docs[0], doc_bytes)
     dtype = np.dtype(np.uint16 if docs[0][1].dtype.itemsize == 2 else np.uint8)
     is_val = _assign([n for n, _ in docs], seed, val_fraction)
-    train = _concat([t for (_, t), v in zip(docs, is_val) if not v], dtype)
-    val = _concat([t for (_, t), v in zip(docs, is_val) if v], dtype)
+    train_parts = [t for (_, t), v in zip(docs, is_val) if not v]
+    val_parts = [t for (_, t), v in zip(docs, is_val) if v]
+    train, val = _concat(train_parts, dtype), _concat(val_parts, dtype)
     max_id = max(int(train.max()) if train.size else 0, int(val.max()) if val.size else 0)
     return _check_split_sizes(Corpus(train=train, val=val,
                                      train_files=[n for (n, _), v in zip(docs, is_val) if not v],
                                      val_files=[n for (n, _), v in zip(docs, is_val) if v],
                                      fingerprint=_fingerprint(docs, is_val, dtype), source=source,
-                                     min_vocab_size=max_id + 1), seq_len)
+                                     min_vocab_size=max_id + 1, train_bounds=_bounds(train_parts),
+                                     val_bounds=_bounds(val_parts)), seq_len)

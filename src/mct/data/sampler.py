@@ -12,6 +12,7 @@ import torch
 from mct.config import check_int
 from mct.data.corpus import Corpus, load_corpus
 from mct.data.model_data import model_corpus
+from mct.data.packing import pack, window_documents, window_stats
 
 if TYPE_CHECKING:
     from mct.config import EngineConfig
@@ -28,12 +29,20 @@ class BatchSampler:
     run resumes at any step, and no two ranks or micro-batches share a window in a step.
     Validation batch i draws from ``corpus.val`` on its own seed stream (seed, i), the same
     on every world size.
+
+    ``packing``: 'stream' windows start at any token; 'documents' windows start on a grid
+    of ``seq_len`` tokens and their batches carry the document ids (``mct.data.packing``):
+    (input_ids, targets, segments).
     """
 
     def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, grad_accum: int,
-                 world_size: int, seed: int) -> None:
-        """Raises ValueError for non-positive sizes or a train split too small for one
-        step's distinct windows."""
+                 world_size: int, seed: int, packing: str = "stream") -> None:
+        """Raises ValueError for non-positive sizes, an unknown packing or a train split
+        too small for one step's distinct windows."""
+        if packing not in ("stream", "documents"):
+            raise ValueError(f"data.packing = {packing!r} is not allowed: must be 'stream' or 'documents'")
+        self.packing = packing
+        self.stride = seq_len if packing == "documents" else 1
         check_int("model.seq_len", seq_len, 1)
         check_int("data.micro_batch_size", micro_batch_size, 1)
         check_int("data.grad_accum", grad_accum, 1)
@@ -44,9 +53,11 @@ class BatchSampler:
         self.windows_per_step = world_size * grad_accum * micro_batch_size
         n_train, n_val = self._positions(corpus.train), self._positions(corpus.val)
         if n_train < self.windows_per_step:
+            grid = (f" (data.packing = 'documents' starts windows every {seq_len} tokens; 'stream' at every token)"
+                    if packing == "documents" else "")
             raise ValueError(
                 f"the train split has {corpus.train.size} tokens: {max(n_train, 0)} windows of "
-                f"model.seq_len + 1 = {seq_len + 1}, but one step needs {self.windows_per_step} distinct "
+                f"model.seq_len + 1 = {seq_len + 1}{grid}, but one step needs {self.windows_per_step} distinct "
                 "windows (world_size x data.grad_accum x data.micro_batch_size); use a larger corpus "
                 "or smaller batches")
         if n_val < 1:
@@ -54,14 +65,15 @@ class BatchSampler:
                              f"model.seq_len + 1 = {seq_len + 1}; reduce model.seq_len or use more data")
 
     def _positions(self, tokens: np.ndarray) -> int:
-        return tokens.size - self.seq_len  # valid start offsets: window is seq_len + 1 long
+        """Window starts: every ``stride``-th offset whose window (seq_len + 1 tokens) fits."""
+        return (tokens.size - self.seq_len - 1) // self.stride + 1
 
     def step_offsets(self, step: int) -> np.ndarray:
         """All window offsets of ``step``, shape [world_size, grad_accum, micro_batch_size]."""
         check_int("step", step, 0)
         rng = np.random.default_rng([self._seed_key, _TRAIN_STREAM, step])
         flat = rng.choice(self._positions(self.corpus.train), size=self.windows_per_step,
-                          replace=False)
+                          replace=False) * self.stride
         return flat.reshape(self.world_size, self.grad_accum, self.micro_batch_size)
 
     def val_offsets(self, i: int) -> np.ndarray:
@@ -71,36 +83,45 @@ class BatchSampler:
         check_int("validation batch index", i, 0)
         rng = np.random.default_rng([self._seed_key, _VAL_STREAM, i])
         n, k = self._positions(self.corpus.val), self.micro_batch_size
-        return rng.choice(n, size=k, replace=k > n)
+        return rng.choice(n, size=k, replace=k > n) * self.stride
 
-    def _windows(self, tokens: np.ndarray, offsets: np.ndarray,
-                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, split: str, offsets: np.ndarray, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        tokens = self.corpus.train if split == "train" else self.corpus.val
         idx = offsets[:, None] + np.arange(self.seq_len + 1)
+        if self.packing == "documents":
+            docs = window_documents(self.corpus.bounds(split), offsets, self.seq_len)
+            return tuple(t.to(device) for t in pack(tokens[idx], docs))
         chunk = torch.from_numpy(tokens[idx].astype(np.int64))
         x, y = chunk[:, :-1], chunk[:, 1:]
         return x.contiguous().to(device), y.contiguous().to(device)
 
+    def step_stats(self, step: int) -> dict[str, Any]:
+        """What the global batch of ``step`` holds (``mct.data.packing.window_stats``):
+        real and padding tokens, counted targets, documents per window."""
+        return window_stats(self.corpus.bounds("train"), self.step_offsets(step), self.seq_len)
+
     def batch(self, step: int, micro: int, rank: int,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, targets), int64 [B, T] each, targets = inputs shifted by one."""
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """(input_ids, targets), int64 [B, T] each, targets = inputs shifted by one;
+        packed documents: (input_ids, targets, segments) (``mct.data.packing``)."""
         check_int("micro", micro, 0, self.grad_accum)
         check_int("rank", rank, 0, self.world_size)
-        return self._windows(self.corpus.train, self.step_offsets(step)[rank, micro], device)
+        return self._windows("train", self.step_offsets(step)[rank, micro], device)
 
     def micro_batches(self, step: int, rank: int,
-                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, ...]]:
         """The ``grad_accum`` micro-batches of ``rank`` at ``step``, in order."""
         check_int("rank", rank, 0, self.world_size)
         offsets = self.step_offsets(step)[rank]
-        return [self._windows(self.corpus.train, o, device) for o in offsets]
+        return [self._windows("train", o, device) for o in offsets]
 
     def val_batch(self, i: int, rank: int = 0,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Validation batch ``i``: fixed for a seed, from the val split only, the same on
         every rank and world size (``rank`` is checked, not used: the Validator spreads
         batches over ranks)."""
         check_int("rank", rank, 0, self.world_size)
-        return self._windows(self.corpus.val, self.val_offsets(i), device)
+        return self._windows("val", self.val_offsets(i), device)
 
 def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSampler]:
     """Corpus and sampler from a config (an ``hf:`` model's data in its own tokens:
@@ -115,7 +136,8 @@ def build_data(cfg: EngineConfig, world_size: int = 1) -> tuple[Corpus, BatchSam
     if cfg.model.source == "gpt":
         corpus.check_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.data.micro_batch_size,
-                           grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed)
+                           grad_accum=cfg.data.grad_accum, world_size=world_size, seed=cfg.seed,
+                           packing=cfg.data.packing)
     return corpus, sampler
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mct.config import ModelConfig
+from mct.models.documents import block_causal_mask, document_positions
 from mct.precision.cpu_matmul import cpu_has_native_low_precision
 
 
@@ -48,15 +49,18 @@ def attention_impl(choice: str, device_type: str, dtype: torch.dtype) -> str:
     return "explicit" if device_type == "cpu" and low and cpu_has_native_low_precision(dtype) else "sdpa"
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention as two matmuls in the input dtype around an fp32 softmax.
-    q, k, v: [B, H, T, D] -> [B, H, T, D] in q's dtype. Matches SDPA up to rounding."""
+    q, k, v: [B, H, T, D] -> [B, H, T, D] in q's dtype. Matches SDPA up to rounding.
+    ``mask``: bool [B, 1, T, T], True where attention is allowed (packed documents:
+    ``block_causal_mask``); None = causal."""
     T = q.size(-2)
     scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+    hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1) if mask is None else ~mask
     with torch.autocast(q.device.type, enabled=False):  # softmax statistics in fp32
         wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        probs = torch.softmax(wide.masked_fill(causal, float("-inf")), dim=-1).to(v.dtype)
+        probs = torch.softmax(wide.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
     return probs @ v
@@ -72,15 +76,18 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C] -> [B, T, C]; ``mask`` bool [B, 1, T, T] (packed documents) or None (causal)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         if attention_impl(self.attention, q.device.type, q.dtype) == "explicit":
-            y = explicit_attention(q, k, v, p)
-        else:
+            y = explicit_attention(q, k, v, p, mask)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:  # one fused call with the bool block-causal mask (docs/data.md, "packing": measured choice)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -106,8 +113,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -135,20 +142,26 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """idx: int64 [B, T] -> logits [B, T, vocab] in the compute dtype: the output head
-        applied last to ``hidden_states(idx)`` (chunked cross-entropy replaces the head)."""
-        return self.lm_head(self.hidden_states(idx))
+        applied last to ``hidden_states(idx, segments)`` (chunked cross-entropy replaces the head)."""
+        return self.lm_head(self.hidden_states(idx, segments))
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: int64 [B, T] -> the final normed hidden states [B, T, d_model]."""
+    def hidden_states(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: int64 [B, T] -> the final normed hidden states [B, T, d_model].
+        ``segments`` int64 [B, T] (packed documents, ``mct.models.documents``): positions
+        restart at each document and attention stays inside it; one mask, built here,
+        goes to every block (a recomputed block is called with the same tensor)."""
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len = {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
+        if segments is None:
+            pos, mask = torch.arange(T, device=idx.device), None
+        else:
+            pos, mask = document_positions(segments), block_causal_mask(segments)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.ln_f(x)
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -156,10 +169,11 @@ class GPT(nn.Module):
         return self.lm_head
 
 
-def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean cross-entropy over all tokens of (input_ids, targets), computed in fp32."""
-    x, y = batch
-    logits = model(x)
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean cross-entropy, in fp32, over the targets of (input_ids, targets) or, packed,
+    (input_ids, targets, segments) that are not -100 (a target across a document boundary)."""
+    x, y = batch[:2]
+    logits = model(x) if len(batch) == 2 else model(x, batch[2])
     with torch.autocast(logits.device.type, enabled=False):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 

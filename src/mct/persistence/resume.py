@@ -102,13 +102,23 @@ def recorded_world_size(run_dir: str | Path) -> int:
     return world
 
 
+def recorded_packing(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config with ``data.packing`` spelled out: a run recorded before the key
+    existed cut stream windows, and resumes with them whatever the default is now (a new
+    dict; ``config`` is not mutated)."""
+    data = config.get("data")
+    if not isinstance(data, dict) or "packing" in data:
+        return config
+    return {**config, "data": {**data, "packing": "stream"}}
+
+
 def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) -> EngineConfig:
     """The config to continue ``run_dir`` with on ``world_size`` ranks: the run's own
     (from its newest checkpoint) with ``overrides`` applied. Raises ValueError (one
     line) for an override of a key whose ``OnResume`` declaration refuses it
     (``resume_changes``), or a world size that cannot split the run's global batch."""
     state = run_trainer_state(run_dir)
-    saved = state["config"]
+    saved = recorded_packing(state["config"])
     new = apply_overrides(saved, overrides)
     resume_changes(saved, new)
     global_micro = int(state["global_micro_batches"])

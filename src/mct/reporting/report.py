@@ -105,6 +105,23 @@ def _cell(v: Any, fmt: str, width: int) -> str:
     return f"{v:>{width}{fmt}}"
 
 
+def _packing_line(rows: list[dict[str, Any]]) -> str | None:
+    """'packing: documents, ...' from rows that carry ``docs_per_window`` (data.packing =
+    'documents'): mean documents per window, real vs padding tokens and the share of
+    targets that count (not across a boundary); None for other runs."""
+    packed = [r for r in rows if all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                                      for k in ("docs_per_window", "real_tokens", "padding_tokens", "target_tokens"))]
+    if not packed:
+        return None
+    real = sum(r["real_tokens"] for r in packed)
+    pad = sum(r["padding_tokens"] for r in packed)
+    counted = sum(r["target_tokens"] for r in packed)
+    docs = sum(r["docs_per_window"] for r in packed) / len(packed)
+    return (f"packing: documents, {docs:.2f} documents per window; tokens per logged step {real / len(packed):,.0f} "
+            f"real, {pad / len(packed):,.0f} padding; targets counted {100 * counted / max(real, 1):.1f}% "
+            f"(none across a document boundary)")
+
+
 def report_table(run: RunData) -> str:
     """Per logged step: loss, val loss, tokens/s, peak, the measured and the predicted
     seconds of the step and their ratio; then a summary of skips, rollbacks, resumes and
@@ -135,6 +152,9 @@ def report_table(run: RunData) -> str:
     if mixed:  # each block's own recompute choice: the run's memory and speed follow from it
         summary.append(f"checkpointing per block: {mixed}")
     lines.append("; ".join(summary))
+    packed = _packing_line(run.rows)
+    if packed:
+        lines.append(packed)
     lines += solver_lines(run.meta)
     peaks = [r["peak_bytes"] for r in run.rows if isinstance(r.get("peak_bytes"), int)]
     lines += memory_lines(max(peaks, default=None), (run.meta or {}).get("resident"))

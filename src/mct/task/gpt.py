@@ -58,5 +58,5 @@ def step_batches(sampler: BatchSampler, cfg: EngineConfig, step: int, rank: int,
     """Rank ``rank``'s micro-batches of ``step`` with their dropout seeds, keyed by the
     global micro-batch index (the same on any world size for the same global batch)."""
     ga = cfg.data.grad_accum
-    return [(x, y, micro_seed(cfg.seed, step, rank * ga + m))
-            for m, (x, y) in enumerate(sampler.micro_batches(step, rank, device))]
+    return [(*mb, micro_seed(cfg.seed, step, rank * ga + m))
+            for m, mb in enumerate(sampler.micro_batches(step, rank, device))]

@@ -31,10 +31,12 @@ def micro_seed(seed: int, step: int, index: int) -> int:
 
 
 def seeded(loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
-    """``loss_fn`` over ``(input_ids, targets, seed)``: seeds the dropout stream first, so a
-    recomputed region, a replayed step and the reference draw the same dropout."""
+    """``loss_fn`` over ``(input_ids, targets, seed)`` (packed documents: ``(input_ids,
+    targets, segments, seed)``): seeds the dropout stream first, so a recomputed region, a
+    replayed step and the reference draw the same dropout; ``loss_fn`` gets the batch
+    without the seed."""
     def loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
-        x, y, seed = batch
+        *data, seed = batch
         torch.manual_seed(seed)
-        return loss_fn(model, (x, y))
+        return loss_fn(model, tuple(data))
     return loss
