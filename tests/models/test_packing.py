@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mct.data.packing import IGNORE_INDEX, pack
+from mct.data.packing import IGNORE_INDEX, pack_window
 from mct.models.documents import block_causal_mask, document_positions
 from mct.models.gpt import GPT, gpt_loss
 from mct.task.tokens import causal_lm_loss
@@ -24,7 +24,7 @@ def _window(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = np.random.default_rng(seed)
     docs = np.repeat(np.arange(len(LENGTHS)), LENGTHS)[: T + 1]
     chunk = g.integers(0, 64, size=T + 1)
-    return pack(chunk[None], docs[None])
+    return pack_window(chunk[None], docs[None])
 
 
 def _gpt() -> GPT:

@@ -16,9 +16,10 @@ def _launch(argv: list[str], nproc: int, *, max_restarts: int = 0, nnodes: int =
             rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> int:
     """Run ``mct <argv>`` in ``nproc`` local workers (the launcher's own agent on one machine,
     torch.distributed.run's on several); returns the workers' exit code (see mct.run.launch)."""
-    from mct.run.launch import launch, launch_local, torchrun_command
     if nnodes == 1:
+        from mct.run.agent import launch_local
         return launch_local(argv, nproc, max_restarts)
+    from mct.run.launch import launch, torchrun_command
     cmd = torchrun_command(argv, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes,
                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     return launch(cmd, nproc)

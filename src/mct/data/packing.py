@@ -34,7 +34,7 @@ def window_documents(bounds: np.ndarray, offsets: np.ndarray, seq_len: int) -> n
     return np.searchsorted(bounds, idx, side="right") - 1
 
 
-def pack(chunk: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_window(chunk: np.ndarray, docs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``chunk`` and their documents ``docs``, both [B, T + 1] -> (input_ids,
     targets, segments), int64 [B, T] each: targets across a boundary are IGNORE_INDEX,
     segments count documents from 0 at each window's start. Pure."""

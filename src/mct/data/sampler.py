@@ -12,7 +12,7 @@ import torch
 from mct.config import check_int
 from mct.data.corpus import Corpus, load_corpus
 from mct.data.model_data import model_corpus
-from mct.data.packing import pack, window_documents, window_stats
+from mct.data.packing import pack_window, window_documents, window_stats
 
 if TYPE_CHECKING:
     from mct.config import EngineConfig
@@ -90,7 +90,7 @@ class BatchSampler:
         idx = offsets[:, None] + np.arange(self.seq_len + 1)
         if self.packing == "documents":
             docs = window_documents(self.corpus.bounds(split), offsets, self.seq_len)
-            return tuple(t.to(device) for t in pack(tokens[idx], docs))
+            return tuple(t.to(device) for t in pack_window(tokens[idx], docs))
         chunk = torch.from_numpy(tokens[idx].astype(np.int64))
         x, y = chunk[:, :-1], chunk[:, 1:]
         return x.contiguous().to(device), y.contiguous().to(device)

@@ -21,11 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from mct.run.launch import FINAL, FORCE_KILL_AFTER_S, die_with_parent, read_exits
+from mct.run.launch import (FINAL, FORCE_KILL_AFTER_S, _forward_signals, _result, die_with_parent, launch_env,
+                            read_exits)
 
 STOP_GRACE_S = 30.0
 """How long failed group's survivors have to exit after SIGTERM (torchrun's default)."""
@@ -123,3 +125,21 @@ class LocalGroup:
 def local_command(argv: list[str]) -> list[str]:
     """The command each worker runs: ``python -m mct <argv>``."""
     return [sys.executable, "-m", "mct", *argv]
+
+
+def launch_local(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
+    """Run ``mct <argv>`` in ``nproc`` workers on this machine, started by the launcher's
+    own agent (``mct.run.agent``: no torchrun process, nothing heavy imported here);
+    forward SIGTERM and SIGINT; return the workers' exit code, their one line printed once."""
+    with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
+        d = Path(tmp)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        group = LocalGroup(local_command(argv), nproc, max_restarts, launch_env(tmp, nproc), d)
+        got = _forward_signals(group.signal)
+        try:
+            rc = group.run(got)
+        finally:
+            for sig, prev in got["previous"].items():
+                signal.signal(sig, prev)
+        return _result(d, rc, got["signum"])

@@ -1,6 +1,6 @@
 """``mct train --nproc N``: the launcher, and the worker's side of it.
 
-Launcher (``launch_local`` on one machine, ``launch`` around torchrun on several): starts
+Launcher (``mct.run.agent.launch_local`` on one machine, ``launch`` around torchrun on several): starts
 the workers (``mct.run.agent``; several machines: ``torch.distributed.run`` with the
 workers' command), forwards SIGTERM/SIGINT to every worker (and to torchrun), and exits
 with the workers' exit code (0 done, 2 user error, 3 stopped by a feedback loop, 130/143
@@ -205,25 +205,6 @@ def launch(cmd: list[str], nproc: int) -> int:
         got = _forward_signals(lambda sig: _signal_all(proc, d, sig))
         try:
             rc = _wait(proc, d, got)
-        finally:
-            for sig, prev in got["previous"].items():
-                signal.signal(sig, prev)
-        return _result(d, rc, got["signum"])
-
-
-def launch_local(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
-    """Run ``mct <argv>`` in ``nproc`` workers on this machine, started by the launcher's
-    own agent (``mct.run.agent``: no torchrun process, nothing heavy imported here);
-    forward SIGTERM and SIGINT; return the workers' exit code, their one line printed once."""
-    from mct.run.agent import LocalGroup, local_command
-    with tempfile.TemporaryDirectory(prefix="mct-launch-") as tmp:
-        d = Path(tmp)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        group = LocalGroup(local_command(argv), nproc, max_restarts, launch_env(tmp, nproc), d)
-        got = _forward_signals(group.signal)
-        try:
-            rc = group.run(got)
         finally:
             for sig, prev in got["previous"].items():
                 signal.signal(sig, prev)
