@@ -201,3 +201,17 @@ class FakeWatch:
 
     def load(self) -> Load:
         return Load(self.now, 2, 1.0, 5.0)
+
+
+def checkpointed_run(root: Any) -> tuple[Any, Engine, EngineConfig]:
+    """``root/run`` shaped as a run around a real one-step checkpoint of the tiny GPT
+    (``checkpoints/step_00000001``); returns (run dir, its engine, its config). The caller
+    writes the run's other files (metadata.json, metrics rows) as its test needs."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = GPT(cfg.model)
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    engine.train_step(batches(0, 0), gpt_loss)
+    run = root / "run"
+    engine.save(str(run / "checkpoints" / "step_00000001"))
+    return run, engine, cfg

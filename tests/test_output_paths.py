@@ -14,13 +14,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import torch
 
 from mct.cli import main
-from mct.engine import Engine
-from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.outputs import check_dir_output, install_dir, kind, replace_file, write_file
-from tests.helpers import adamw, batches, tiny_config
+from tests.helpers import checkpointed_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLAN = ["plan", "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2", "--set",
@@ -31,14 +28,7 @@ PLAN = ["plan", "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A run directory: a real one-step checkpoint, metadata.json, three metrics rows."""
-    root = tmp_path_factory.mktemp("outputs")
-    torch.manual_seed(0)
-    cfg = tiny_config()
-    model = GPT(cfg.model)
-    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
-    engine.train_step(batches(0, 0), gpt_loss)
-    run = root / "run"
-    engine.save(str(run / "checkpoints" / "step_00000001"))
+    run, _, cfg = checkpointed_run(tmp_path_factory.mktemp("outputs"))
     (run / "metadata.json").write_text(json.dumps({"config": cfg.to_dict(), "world_size": 1}) + "\n")
     rows = [{"step": s, "loss": 5.0 - s, "tokens_per_s": 100.0, "peak_bytes": 2**20} for s in range(3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

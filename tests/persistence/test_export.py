@@ -19,7 +19,7 @@ from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
 from mct.persistence.export import export_engine
 from mct.persistence.safetensors_out import SafetensorsWriter
-from tests.helpers import adamw, batches, tiny_config
+from tests.helpers import adamw, batches, checkpointed_run, tiny_config
 
 
 def test_streamed_writer_is_byte_identical_to_save_file(tmp_path):
@@ -65,13 +65,7 @@ def test_engine_export_equals_the_full_state_dict_byte_for_byte(tmp_path, offloa
 def run(tmp_path_factory) -> Path:
     """A directory shaped as a run (metadata.json, checkpoints/step_N) around a real checkpoint."""
     root = tmp_path_factory.mktemp("export")
-    torch.manual_seed(0)
-    cfg = tiny_config()
-    model = GPT(cfg.model)
-    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
-    engine.train_step(batches(0, 0), gpt_loss)
-    run = root / "run"
-    engine.save(str(run / "checkpoints" / "step_00000001"))
+    run, engine, _ = checkpointed_run(root)
     (run / "metadata.json").write_text("{}\n")
     save_file(engine.full_state_dict(), str(root / "want.safetensors"))
     return run
