@@ -140,7 +140,7 @@ def test_calibrate_says_which_world_size_it_did_not_measure(capsys):
     collectives were measured at fewer ranks and the 1000-rank ones are scaled."""
     from types import SimpleNamespace
 
-    from mct.cli import _warn_unmeasured_world
+    from mct.cli.plan import _warn_unmeasured_world
     from mct.planner.steptime import measured_world
     profile = SimpleNamespace(device="cpu")
     here = measured_world(profile, 1000)

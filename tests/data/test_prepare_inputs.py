@@ -221,7 +221,7 @@ def _cmdline_has(p: Path, text: str) -> bool:
 
 def test_workers_and_train_vocab_are_bounded_with_the_limit_in_the_message(tmp_path):
     (tmp_path / "a.txt").write_text("text")
-    with pytest.raises(ValueError, match=rf"--workers must be an integer in \[1, {pipeline.MAX_WORKERS}\]"):
+    with pytest.raises(ValueError, match=rf"--workers must be an integer in \[1, {pipeline.MAX_ENCODE_WORKERS}\]"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), workers=100000, progress=False)
     with pytest.raises(ValueError, match=r"VOCAB must be in \[257, 1048576\]"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), tokenizer="train:4294967296", progress=False)

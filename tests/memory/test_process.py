@@ -13,10 +13,11 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 
 def test_resident_peak_is_at_least_the_current_resident_set_and_grows_with_touched_memory():
-    before = resident_peak()
+    before, rss = resident_peak(), status_bytes("VmRSS")
     block = bytearray(64 * 2**20)  # zero-filled: every page touched
     after = resident_peak()
-    assert status_bytes("VmRSS") <= after and after >= before + 32 * 2**20
+    # the peak holds what is resident now, the block included (an earlier, higher peak may hide the growth)
+    assert status_bytes("VmRSS") <= after and after >= max(before, rss + 32 * 2**20)
     del block
     assert resident_peak(2**31) is None and status_bytes("NoSuchField") is None
 

@@ -19,7 +19,7 @@ OTHER: dict[str, object] = {
     "seed": 7,
     "model.n_layer": 2, "model.n_head": 8, "model.d_model": 64, "model.seq_len": 64, "model.vocab_size": 512,
     "model.dropout": 0.1, "model.attention": "sdpa", "model.source": "hf:./llama",
-    "data.path": "corpus2", "data.micro_batch_size": 4, "data.grad_accum": 2, "data.val_fraction": 0.2,
+    "data.path": "corpus2", "data.micro_batch_size": 4, "data.grad_accum": 2, "data.val_fraction": 0.2, "data.packing": "documents",
     "train.steps": 400, "train.lr": 1e-3, "train.warmup_steps": 5, "train.lr_schedule": "wsd",
     "train.min_lr_ratio": 0.0, "train.decay_fraction": 0.5, "train.weight_decay": 0.0, "train.grad_clip": 0.5,
     "train.eval_every": 5, "train.eval_batches": 2, "train.log_every": 2, "train.checkpoint_every": 5,

@@ -80,6 +80,7 @@ def test_packed_training_matches_stage0_without_checkpointing(corpus_dir, refere
         assert torch.equal(got["state"][name], t), f"{label}: {name} differs"
 
 
+@pytest.mark.multirank
 def test_two_ranks_on_stage3_train_the_global_batch_of_one_rank_on_stage0(corpus_dir):
     """The same 2 windows a step: two ranks of one window (ZeRO-3, gloo) against one rank
     of two (stage 0). The mean over ranks is the mean over the two windows' losses."""
