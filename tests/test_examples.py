@@ -8,6 +8,7 @@ stops loading or training fails here; a new example is picked up without a new t
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,13 @@ def test_every_example_trains_two_steps_through_mct_train(path, tmp_path, corpus
         if key in toml and toml[key] != "auto":
             section, name = key.split(".")
             assert recorded[section][name] == toml[key], (path.name, key)
+
+
+def test_the_readme_is_a_front_door_whose_links_and_examples_exist():
+    root = EXAMPLES.parent
+    text = (root / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    named = set(re.findall(r"\]\(([^)#\s]+)\)", text)) | set(re.findall(r"(?<![\w/])((?:docs|examples)/[\w./-]+)", text))
+    assert {"docs/performance.md", "CONTRIBUTING.md", "examples/finetune_hf.toml"} <= named
+    assert [p for p in sorted(named) if not (root / p).exists()] == []
+    assert {f"examples/{p.name}" for p in FILES} <= named  # every example is on the front door
