@@ -1,6 +1,6 @@
 """Run metrics and metadata.
 
-``RUN_DIR/metrics.jsonl``: one JSON object a line (keys in the README); rank 0 writes
+``RUN_DIR/metrics.jsonl``: one JSON object a line (keys in docs/metrics.md); rank 0 writes
 it, every other rank writes ``metrics.rank{r}.jsonl`` so per-rank memory can be read.
 ``RUN_DIR/metadata.json``: seed, resolved config, versions, world size, backend,
 device, start time, git commit, corpus fingerprint. Optional TensorBoard events.

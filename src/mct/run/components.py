@@ -68,7 +68,7 @@ class Validator:
 
 
 class StepLog:
-    """The metrics row of a step (keys in the README): written every
+    """The metrics row of a step (keys in docs/metrics.md): written every
     ``train.log_every`` steps, after the last one and whenever validation ran; its
     memory peaks are those of that step, counted by the tracker in full (the steps in
     between run uncounted: nothing reads their peaks). Warns

@@ -76,7 +76,7 @@ class Utilization:
                    predicted_step_s), cal.warning
 
     def row(self, step_time_s: float) -> dict[str, Any]:
-        """The metrics row's keys for a step of ``step_time_s`` seconds (README). A step
+        """The metrics row's keys for a step of ``step_time_s`` seconds (docs/metrics.md). A step
         whose model FLOP/s exceed the profile's peak (a profile measured while the machine
         was busy) gets no MFU but ``mfu_over_peak`` (the warning line, ``over_peak``)."""
         achieved = self.flops.model / step_time_s if step_time_s > 0 and self.flops.model else None
