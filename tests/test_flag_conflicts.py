@@ -24,6 +24,8 @@ CONFLICTS: list[tuple[str, list[str], tuple[str, str]]] = [
      ("--model", "model.source")),
     ("init-from-and-set-init-from", ["verify", "--init-from", "a.safetensors", "--set", "train.init_from=b"],
      ("--init-from", "train.init_from")),
+    ("plan-init-from-and-set-init-from", ["plan", "--init-from", "a", "--set", "train.init_from=b"],
+     ("--init-from", "train.init_from")),  # plan takes train's --init-from, so a journey's flags carry over
     ("plan-model-and-set-model-source", ["plan", "--set", "model.source=hf:x", "--model", "gpt"],
      ("--model", "model.source")),
     ("rdzv-endpoint-one-node", ["train", "--rdzv-endpoint", "localhost:29400"], ("--rdzv-endpoint", "--nnodes 1")),
