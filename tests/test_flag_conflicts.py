@@ -74,6 +74,13 @@ def test_a_seed_with_greedy_sampling_is_a_warning_line(capsys):
     assert len(lines) == 2 and lines[1].startswith("mct: error: ")  # then the command's own error
 
 
+def test_plan_refuses_trains_nproc_in_one_line_naming_world_size(capsys):
+    assert main(["plan", "--nproc", "2", "--budget", "1GiB"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["mct: error: mct plan has no --nproc: it plans 2 data-parallel ranks with --world-size 2 "
+                     "(--nproc is mct train's); pass --world-size 2"]
+
+
 def test_given_reads_flags_as_argparse_does():
     assert given(["plan", "--polic", "none"], "--policies") and given(["plan", "--policies=none"], "--policies")
     assert not given(["plan", "--plot", "p.png"], "--policies")
