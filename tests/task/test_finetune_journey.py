@@ -107,6 +107,7 @@ def test_every_command_exits_0_and_the_kill_names_the_resume_command(journey):
     assert f"the last good checkpoint is {Path('killed', 'checkpoints', f'step_{KILL_AT - 2:08d}')}; " in lines[-1]
     assert lines[-1].endswith("continue with: mct train --resume killed"), err
     assert "zero.stage" in journey.steps["plan"][1] and "recommended" in journey.steps["plan"][1]
+    assert "\nauto          zero.stage=" in journey.steps["clean"][1]  # what auto chose, in the summary
     assert journey.steps["sample"][1].strip()
 
 
