@@ -24,6 +24,8 @@ CONFLICTS: list[tuple[str, list[str], tuple[str, str]]] = [
      ("--model", "model.source")),
     ("init-from-and-set-init-from", ["verify", "--init-from", "a.safetensors", "--set", "train.init_from=b"],
      ("--init-from", "train.init_from")),
+    ("plan-init-from-and-set-init-from", ["plan", "--init-from", "a", "--set", "train.init_from=b"],
+     ("--init-from", "train.init_from")),  # plan takes train's --init-from, so a journey's flags carry over
     ("plan-model-and-set-model-source", ["plan", "--set", "model.source=hf:x", "--model", "gpt"],
      ("--model", "model.source")),
     ("rdzv-endpoint-one-node", ["train", "--rdzv-endpoint", "localhost:29400"], ("--rdzv-endpoint", "--nnodes 1")),
@@ -70,6 +72,13 @@ def test_a_seed_with_greedy_sampling_is_a_warning_line(capsys):
     assert lines[0] == ("mct: warning: --seed 3 has no effect with --temperature 0 (greedy decoding draws no "
                         "random numbers)")
     assert len(lines) == 2 and lines[1].startswith("mct: error: ")  # then the command's own error
+
+
+def test_plan_refuses_trains_nproc_in_one_line_naming_world_size(capsys):
+    assert main(["plan", "--nproc", "2", "--budget", "1GiB"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["mct: error: mct plan has no --nproc: it plans 2 data-parallel ranks with --world-size 2 "
+                     "(--nproc is mct train's); pass --world-size 2"]
 
 
 def test_given_reads_flags_as_argparse_does():

@@ -180,6 +180,22 @@ def test_summary_and_report_print_each_process_resident_peak_beside_the_tensor_p
     assert [x for x in out if x.startswith(("tensor peak", "resident ", "job resident"))] == expected
 
 
+def test_summary_names_what_auto_resolved_to_second_and_nothing_without_auto():
+    from mct.reporting.report import solver_pick
+    choice = {"zero.stage": 2, "checkpointing.policy": "selective", "checkpointing.offload": "none",
+              "train.loss_chunk_tokens": 0, "offload": "optimizer=cpu", "data.micro_batch_size": 4,
+              "data.grad_accum": 1, "predicted_peak_bytes": 10, "solver": {"why": "fastest"}}
+    pick = solver_pick(choice)
+    assert pick == ("zero.stage=2 checkpointing.policy=selective offload=optimizer=cpu data.micro_batch_size=4 "
+                    "data.grad_accum=1")
+    base = dict(steps=2, final_loss=1.0, final_val_loss=None, first_val_loss=None, tokens_per_s=10.0,
+                skipped_steps=0, run_dir="r", recipe="fine-tune")
+    text = summary_table(TrainSummary(**base, auto=pick)).splitlines()
+    assert text[2] == f"auto          {pick} (solved for memory.budget at the start; mct report RUN_DIR says why)"
+    assert solver_pick(None) == "" and not any(x.startswith("auto") for x in summary_table(TrainSummary(**base))
+                                               .splitlines())
+
+
 def test_a_single_process_run_has_no_job_total_line_and_an_unreadable_record_prints_none():
     from mct.reporting.report import memory_lines
     assert memory_lines(None, {"workers": [5 * 2**20], "launcher": None, "agent": None, "total": 5 * 2**20}) == [

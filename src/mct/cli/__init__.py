@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=10, help="steps to compare")
     pl = sub.add_parser("plan", help="predict per-rank peak memory of every configuration; pick one for a budget",
                         **kw)
-    _common(pl, nproc=False, init_from=False)
+    _common(pl, nproc=False)
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    pl.add_argument("--nproc", type=int, default=None, help=argparse.SUPPRESS)  # train's; refused in one clear line
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.add_argument("--wide", action="store_true", help="the full table: every category's bytes at each peak "

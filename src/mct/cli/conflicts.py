@@ -6,7 +6,9 @@ line ``mct: error: ...``, exit 2) naming both flags and the fix; a pair where on
 merely without effect is returned as a warning line. The decisions, per command:
 
 - ``plan --solve`` honours ``--stages``, one ``--precisions`` value and ``--workers``
-  (docs/planner.md); every other grid flag, and several precisions, is an error.
+  (docs/planner.md); every other grid flag, and several precisions, is an error. ``plan
+  --nproc N`` (train's flag, copied with a run's command line) is an error naming
+  ``--world-size N``.
 - ``train`` / ``verify`` / ``plan``: ``--model`` and ``--set model.source=...`` (and
   ``--init-from`` and ``--set train.init_from=...``) with different values is an error.
 - ``train``: ``--rdzv-endpoint`` or ``--rdzv-id`` without ``--nnodes`` > 1 is an error (one
@@ -71,6 +73,9 @@ def _same_key(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    if args.nproc is not None:  # mct train's flag, copied with the rest of a run's command line
+        raise ValueError(f"mct plan has no --nproc: it plans {args.nproc} data-parallel ranks with --world-size "
+                         f"{args.nproc} (--nproc is mct train's); pass --world-size {args.nproc}")
     if not args.solve:
         return []
     for flag, instead in SOLVE_IGNORES.items():

@@ -200,6 +200,17 @@ def profile_line(meta: dict[str, Any] | None) -> str:
     return f"machine profile: {measured_line(profile)}"
 
 
+def solver_pick(plan: dict[str, Any] | None) -> str:
+    """The keys ``auto`` set in a run's choice record (metadata.json's ``plan``), as
+    ``zero.stage=0 checkpointing.policy=none ...`` (ready for ``--set``), those left off
+    omitted; '' for None (nothing was ``auto``)."""
+    keys = ("zero.stage", "checkpointing.policy", "checkpointing.offload", "train.loss_chunk_tokens",
+            "checkpointing.mlp_tile_tokens", "offload", "data.micro_batch_size", "data.grad_accum")
+    off = {"checkpointing.offload": "none", "train.loss_chunk_tokens": 0, "checkpointing.mlp_tile_tokens": 0}
+    plan = plan or {}
+    return " ".join(f"{k}={plan[k]}" for k in keys if plan.get(k) not in (None, "", [], {}, off.get(k, "")))
+
+
 def solver_lines(meta: dict[str, Any] | None) -> list[str]:
     """What the solver recorded for a run whose config used ``auto`` (metadata.json's
     ``plan.solver``): the pick as the keys it set, the frontier's size and dry runs, and
@@ -208,10 +219,7 @@ def solver_lines(meta: dict[str, Any] | None) -> list[str]:
     solver = plan.get("solver") if isinstance(plan, dict) else None
     if not isinstance(solver, dict):
         return []
-    keys = ("zero.stage", "checkpointing.policy", "checkpointing.offload", "train.loss_chunk_tokens",
-            "checkpointing.mlp_tile_tokens", "offload", "data.micro_batch_size", "data.grad_accum")
-    off = {"checkpointing.offload": "none", "train.loss_chunk_tokens": 0, "checkpointing.mlp_tile_tokens": 0}
-    pick = " ".join(f"{k}={plan[k]}" for k in keys if plan.get(k) not in (None, "", [], {}, off.get(k, "")))
+    pick = solver_pick(plan)
     frontier = solver.get("frontier")
     size = len(frontier) if isinstance(frontier, list) else "?"
     return [f"solver pick: {pick or '?'} (frontier {size} row(s), {solver.get('dry_runs', '?')} dry runs)",
@@ -271,6 +279,8 @@ class TrainSummary:
     """The training recipe in force and its values (``mct.run.recipe.recipe_line``)."""
     resident: dict[str, Any] | None = None
     """Each process's peak resident set (``mct.memory.process.job_resident``)."""
+    auto: str = ""
+    """What ``auto`` resolved to (``solver_pick`` of the run's choice record); '' when nothing was ``auto``."""
 
 
 FAULTS_HINT_AT = 10_000
@@ -283,6 +293,7 @@ FAULTS_HINT = "; memory.host_malloc = \"cache\" keeps freed memory mapped (faste
 def summary_table(s: TrainSummary) -> str:
     """Human-readable end-of-run summary."""
     lines = [f"run dir       {s.run_dir}", *([f"recipe        {s.recipe}"] if s.recipe else []),
+             *([f"auto          {s.auto} (solved for memory.budget at the start; mct report RUN_DIR says why)"] if s.auto else []),
              f"steps         {s.steps} ({s.skipped_steps} skipped)",
              f"train loss    {s.final_loss:.4f}"]
     if s.final_val_loss is not None:

@@ -37,7 +37,7 @@ from mct.planner.grid import resized_batch
 from mct.precision import LossScaleFloorError
 from mct.reporting.events import append_event
 from mct.reporting.metrics import MetricsWriter, record_metadata, write_metadata
-from mct.reporting.report import TrainSummary
+from mct.reporting.report import TrainSummary, solver_pick
 from mct.run.budget_loop import BudgetLoop
 from mct.run.components import LoopCounters, Progress, StepLog, Validator, worst_verdict
 from mct.run.faults import FaultPlan
@@ -240,7 +240,7 @@ class Trainer:
                             utilization=self.utilization.summary(self.log.median_step_time()),
                             page_faults=self.log.median_faults(),
                             host_malloc=host.mode_of(self.cfg, self.ctx.device.type), recipe=recipe_line(self.cfg),
-                            resident=self.resident_peaks())
+                            resident=self.resident_peaks(), auto=solver_pick(self.choice))
 
     def resident_peaks(self) -> dict[str, Any]:
         """Each process's peak resident set (VmHWM) so far: every rank's, gathered
