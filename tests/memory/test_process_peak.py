@@ -4,13 +4,22 @@ baseline + the tensor peak + the allocator's overhead, beside (never instead of)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import mct
+from mct.config import CLI_RECIPE, load_config
+from mct.memory.baseline import measure_baseline
 from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, ProcessModel
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
+from mct.planner import make_plan
+from mct.planner.grid import Grid
+from mct.task import task_for
 from mct.task.spec import Task
 from tests.helpers import batches, gpt_loss, tiny_config
 
@@ -65,3 +74,25 @@ def test_a_hugging_face_directory_is_counted_with_its_modeling_module(tmp_path):
     assert library_modules(Task(None, None, None, hf_dir=str(tmp_path))) == (
         "transformers.models.llama.modeling_llama",)
     assert library_modules(Task(None, None, None)) == ()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_tiny_runs_measured_vmhwm_is_near_its_predicted_process_peak(tmp_path, corpus_dir):
+    """`mct train` of a small GPT, 3 steps, in a fresh interpreter: its VmHWM (metadata.json
+    `resident`) within 30% of the plan row's process peak with this machine's real baseline
+    (benchmarks/process_peak.py measures the error per configuration: docs/memory.md)."""
+    sets = [f"data.path={corpus_dir}", "model.n_layer=2", "model.d_model=96", "model.n_head=3", "model.seq_len=64",
+            "data.micro_batch_size=2", "zero.stage=0", "checkpointing.policy=none", "precision.mode=fp32"]
+    cmd = [sys.executable, "-m", "mct", "train", "--run-dir", str(tmp_path / "run"), "--no-progress",
+           *(x for s in [*sets, "train.steps=3", "train.eval_every=0", "train.checkpoint_every=0"] for x in ("--set", s))]
+    src = Path(__file__).resolve().parents[2] / "src"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(src)))
+    assert out.returncode == 0, out.stderr
+    measured = json.loads((tmp_path / "run" / "metadata.json").read_text())["resident"]["workers"][0]
+    cfg = load_config(None, sets, defaults=CLI_RECIPE)
+    row = make_plan(task_for(cfg), cfg, 1, None, Grid(stages=(0,), policies=("none",), precisions=("fp32",)),
+                    advise=False, measure=False).rows[0]
+    real = ProcessModel(measure_baseline(), "cpu", cfg.memory.host_malloc)
+    predicted = real.predict(row.peak, row.breakdown, offload=False).total
+    assert 0.7 * measured <= predicted <= 1.3 * measured, (predicted / MiB, measured / MiB)
