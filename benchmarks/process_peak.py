@@ -62,7 +62,9 @@ def predicted(sets: list[str], ranks: int, model: str) -> dict[str, Any]:
     """The plan row of the configuration ``sets`` names: its tensor peak, process peak and terms."""
     from mct.config import CLI_RECIPE, load_config
     from mct.planner import make_plan
+    from mct.memory.process_peak import transient_bytes
     from mct.planner.grid import Grid
+    from mct.planner.plan import predict
     from mct.planner.resident import process_model
     from mct.task import task_for
     cfg = load_config(None, [f"model.source={model}", *sets], defaults=CLI_RECIPE)
@@ -72,7 +74,7 @@ def predicted(sets: list[str], ranks: int, model: str) -> dict[str, Any]:
     r = make_plan(task, cfg, ranks, None, grid, advise=False, measure=False).rows[0]
     return {"tensor_peak": r.peak, "process_peak": r.process_peak, "baseline": r.runtime_baseline,
             "overhead": r.allocator_overhead, "counts": r.process_counts,
-            "transient": r.breakdown["activations"] + r.breakdown["other"]}
+            "transient": transient_bytes(predict(task, cfg, ranks).phases)}
 
 
 def measured(sets: list[str], ranks: int, model: str, steps: int, run_dir: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, ProcessM
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
 from mct.planner import make_plan
+from mct.planner.plan import predict
 from mct.planner.grid import Grid
 from mct.task import task_for
 from mct.task.spec import Task
@@ -25,6 +26,7 @@ from tests.helpers import batches, gpt_loss, tiny_config
 
 MiB = 2**20
 BREAKDOWN = {"params": 3 * MiB, "grads": 3 * MiB, "optimizer": 6 * MiB, "activations": 60 * MiB, "other": 4 * MiB}
+PHASES = {"forward": {**BREAKDOWN, "other": 0}, "backward": BREAKDOWN, "optimizer": {"params": 3 * MiB, "other": MiB}}
 OLD_KEYS = {"stage", "policy", "per_block", "precision", "offload", "act_offload", "loss_chunk_tokens",
             "mlp_tile_tokens", "world", "peak", "phase", "breakdown", "phases", "first_step_peak", "init_peak",
             "offloaded", "fits", "cost", "step_s", "time", "tokens_per_s"}
@@ -33,16 +35,16 @@ OLD_KEYS = {"stage", "policy", "per_block", "precision", "offload", "act_offload
 def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode():
     peak = sum(BREAKDOWN.values())
     for mode in ("default", "lean", "frugal", "cache"):
-        p = ProcessModel(300 * MiB, "cpu", mode).predict(peak, BREAKDOWN, offload=False)
-        assert p.allocator_overhead == STEP_FIXED + round(RETAINED[mode] * 64 * MiB)  # activations + other
+        p = ProcessModel(300 * MiB, "cpu", mode).predict(peak, PHASES, offload=False)
+        assert p.allocator_overhead == STEP_FIXED + round(RETAINED[mode] * 64 * MiB)  # backward's activations + other
         assert p.total == 300 * MiB + peak + p.allocator_overhead and f"host_malloc {mode}" in p.counts
     auto = ProcessModel(300 * MiB, "cpu", "auto")  # 'auto' is lean where offload is on, on the CPU
-    assert "host_malloc lean" in auto.predict(peak, BREAKDOWN, offload=True).counts
-    assert "host_malloc default" in auto.predict(peak, BREAKDOWN, offload=False).counts
+    assert "host_malloc lean" in auto.predict(peak, PHASES, offload=True).counts
+    assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
 
 
 def test_cuda_process_peak_is_the_context_plus_reserved_and_says_it_is_unmeasured():
-    p = ProcessModel(300 * MiB, "cuda", "default").predict(100 * MiB, BREAKDOWN, offload=False)
+    p = ProcessModel(300 * MiB, "cuda", "default").predict(100 * MiB, PHASES, offload=False)
     assert p.baseline == CUDA_CONTEXT and p.total > CUDA_CONTEXT + 100 * MiB and "not measured" in p.counts
 
 
@@ -94,5 +96,5 @@ def test_a_tiny_runs_measured_vmhwm_is_near_its_predicted_process_peak(tmp_path,
     row = make_plan(task_for(cfg), cfg, 1, None, Grid(stages=(0,), policies=("none",), precisions=("fp32",)),
                     advise=False, measure=False).rows[0]
     real = ProcessModel(measure_baseline(), "cpu", cfg.memory.host_malloc)
-    predicted = real.predict(row.peak, row.breakdown, offload=False).total
+    predicted = real.predict(row.peak, predict(task_for(cfg), cfg, 1).phases, offload=False).total
     assert 0.7 * measured <= predicted <= 1.3 * measured, (predicted / MiB, measured / MiB)

@@ -9,8 +9,8 @@ for the model's library) and the allocator's overhead models glibc malloc under 
 
     allocator_overhead = STEP_FIXED + RETAINED[mode] x transient
 
-``transient`` is the tensor bytes a step allocates and frees again (the peak's activations
-and 'other' temporaries: what the allocator recycles every step). The parameters, gradients
+``transient`` is the tensor bytes a step allocates and frees again (activations and 'other'
+temporaries at the phase where they are largest: what the allocator recycles every step). The parameters, gradients
 and optimizer state live across steps and cost the allocator nothing beyond page rounding.
 ``STEP_FIXED`` is what a training process adds beside its tensors whatever the mode (the FLOP
 count's imports, the model's and the autograd graph's Python objects, the worker threads'
@@ -82,11 +82,11 @@ class ProcessModel:
     device: str = "cpu"
     host_malloc: str = "default"
 
-    def predict(self, tensor_peak: int, breakdown: Mapping[str, int], *, offload: bool) -> ProcessPeak:
-        """The process peak of a configuration whose steady-state ``tensor_peak`` holds
-        ``breakdown`` (bytes per category) and whose state is offloaded or not (``offload``:
-        'auto' resolves to 'lean' then). Pure arithmetic; never fails."""
-        transient = sum(int(breakdown.get(k, 0)) for k in TRANSIENT)
+    def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool) -> ProcessPeak:
+        """The process peak of a configuration with steady-state ``tensor_peak`` and per-phase
+        bytes by category (``phases``: phase -> {category: bytes}, the dry run's), its state
+        offloaded or not (``offload``: 'auto' resolves to 'lean' then). Pure arithmetic; never fails."""
+        transient = transient_bytes(phases)
         if self.device == "cuda":
             overhead = CUDA_SEGMENT + round(CUDA_RETAINED * transient)
             return ProcessPeak(CUDA_CONTEXT, tensor_peak, overhead,
@@ -94,3 +94,8 @@ class ProcessModel:
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
         overhead = STEP_FIXED + round(RETAINED.get(mode, RETAINED["default"]) * transient)
         return ProcessPeak(self.baseline, tensor_peak, overhead, f"resident (VmHWM), host_malloc {mode}")
+
+
+def transient_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:
+    """The most bytes of ``TRANSIENT`` categories live at any phase's peak (0 for no phases)."""
+    return max((sum(int(ph.get(k, 0)) for k in TRANSIENT) for ph in phases.values()), default=0)

@@ -141,7 +141,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = process.predict(run.peak, breakdown, offload=c.offload.kind != "none") if process else None
+    proc = process.predict(run.peak, run.phases, offload=c.offload.kind != "none") if process else None
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
         precision=c.precision, offload=c.offload, act_offload=c.act_offload, loss_chunk_tokens=c.loss_chunk or 0,
