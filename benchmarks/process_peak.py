@@ -80,7 +80,7 @@ def predicted(sets: list[str], ranks: int, model: str) -> dict[str, Any]:
 def measured(sets: list[str], ranks: int, model: str, steps: int, run_dir: Path) -> dict[str, Any]:
     """``mct train`` of the configuration for ``steps`` steps: each worker's VmHWM and rank 0's tensor peak."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "mct", "train", "--run-dir", str(run_dir), "--model", model,
+    cmd = [sys.executable, "-m", "mct", "train", "--run-dir", str(run_dir), "--no-progress", "--model", model,
            *(x for s in [*sets, *COMMON, f"train.steps={steps}"] for x in ("--set", s))]
     if ranks > 1:
         cmd += ["--nproc", str(ranks)]

@@ -49,9 +49,8 @@ from mct.planner.grid import (PLANNED_POLICIES, PRECISIONS, STAGES, Grid, batch_
 from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, seconds_of
 from mct.planner.pool import run_jobs
 from mct.planner.overhead import machine_rates
-from mct.planner.resident import process_model
+from mct.planner.resident import ProcessModel, process_model
 from mct.planner.steptime import Rates, step_time, tokens_per_step
-from mct.memory.process_peak import ProcessModel
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
 
