@@ -60,7 +60,7 @@ def worker(spec_path: str) -> None:
             stages.append((label, *_status()))
             return out
         setattr(owner, name, measured)
-    for owner, name, label in ((T, "task_for", "task (model source)"), (T, "resolve_auto", "planner resolution"),
+    for owner, name, label in ((T, "task_for", "task (model source)"), (T, "resolve_once", "planner resolution"),
                                (T, "build_data", "data pipeline"),
                                (T.Trainer, "build_engine", "engine: model, flat units, optimizer"),
                                (T.Trainer, "_utilization", "FLOP count on fake tensors (dry run)"),

@@ -21,6 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 from mct.machine import MachineProfile, cpu_identity, usable_cores
+from mct.memory.baseline import baseline_key
 from tests.helpers import SEEDED_EXTRA, SEEDED_RATES
 
 
@@ -33,12 +34,19 @@ def corpus_dir(tmp_path_factory) -> Path:
     return d
 
 
+SEEDED_BASELINE = 300 * 2**20
+"""The runtime baseline the test cache holds (made up, near this machine's): plans give process
+peaks without a measurement."""
+SEEDED_BASELINE_MODULES = ((), ("transformers.models.llama.modeling_llama",), ("transformers.models.gpt2.modeling_gpt2",))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
     """Machine profiles (MFU's peak) live in a temporary cache for the whole test run
     (subprocesses inherit ``MCT_CACHE_DIR``), seeded with ``SEEDED_RATES`` for this
     machine: no test writes the user's cache, and none waits for a measurement unless it
-    asks for one (tests/machine). It is pinned: a run whose steps disagree with these made-up
+    asks for one (tests/machine); the runtime baseline is seeded too (``SEEDED_BASELINE``).
+    It is pinned: a run whose steps disagree with these made-up
     rates says so but never marks it suspect, so no later test re-measures the machine."""
     d = tmp_path_factory.mktemp("mct-cache")
     ident, cores = cpu_identity(), usable_cores()
@@ -48,6 +56,7 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
                        matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9,
                        extra=dict(SEEDED_EXTRA), pinned=True)
     (d / "machine.json").write_text(json.dumps({"version": 1, "profiles": {p.key: p.to_dict()}}))
+    (d / "baseline.json").write_text(json.dumps({baseline_key(m): SEEDED_BASELINE for m in SEEDED_BASELINE_MODULES}))
     before = os.environ.get("MCT_CACHE_DIR")
     os.environ["MCT_CACHE_DIR"] = str(d)
     yield d

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from mct.config import EngineConfig, PrecisionMode
 from mct.memory.tracker import CATEGORIES
 from mct.planner.choice import OffloadChoice, PlanRow
@@ -35,6 +37,25 @@ def test_brief_plan_answers_first_and_fits_100_columns():
     assert all(len(x) <= BRIEF_WIDTH for x in table), max(table, key=len)
     assert "every row: act none, loss_chunk off, mlp_tile off" in text  # said once, not a column each
     assert "optimizer+params=disk" in text and any(x.lstrip().startswith("3*") for x in table)
+
+
+def test_brief_plan_shows_the_process_peak_beside_the_tensor_peak_and_says_what_each_counts():
+    rows = [dataclasses.replace(r, process_peak=r.peak + 400 * 2**20, runtime_baseline=300 * 2**20,
+                                allocator_overhead=100 * 2**20, process_counts="resident (VmHWM), host_malloc default")
+            for r in _plan().rows]
+    plan = Plan(rows, 2**30, 2, 1, PrecisionMode.bf16, rows[-1], "recommended: ...")
+    lines = format_plan_brief(plan, EngineConfig.from_dict({})).splitlines()
+    head = next(x for x in lines if x.startswith("stage"))
+    assert head.split().index("process") == head.split().index("peak") + 1
+    first = lines[lines.index(head) + 1].split()
+    assert first[head.split().index("process") + 1] == "2.39"  # 2 GiB tensor peak + 400 MiB, in GiB
+    assert any(x.startswith("peak: ") and "tensor bytes" in x for x in lines)
+    assert any(x.startswith("process: ") and "resident (VmHWM)" in x for x in lines)
+    assert all(len(x) <= BRIEF_WIDTH for x in lines[lines.index(head):])
+    wide = format_plan(plan).splitlines()
+    assert {"process", "baseline", "allocator"} <= set(wide[1].split()) and "300.00 MiB" in wide[2]
+    unknown = format_plan_brief(_plan(), EngineConfig.from_dict({}))  # no baseline: a dash, not a guess
+    assert "process" in unknown and "process: each" not in unknown
 
 
 def test_wide_plan_keeps_every_category():

@@ -91,13 +91,9 @@ def runtime_baseline(modules: tuple[str, ...] = (), *, force: bool = False,
     Raises as ``measure_baseline``."""
     path = path or baseline_file()
     key = baseline_key(tuple(modules))
-    try:
-        entries = json.loads(path.read_text())
-        entries = entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        entries = {}
+    entries = _entries(path)
     cached = entries.get(key)
-    if not force and isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
+    if not force and _valid(cached):
         return cached, "cache"
     value = measure_baseline(tuple(modules))
     entries[key] = value
@@ -109,6 +105,25 @@ def runtime_baseline(modules: tuple[str, ...] = (), *, force: bool = False,
     except OSError:
         pass  # measured again next time
     return value, "measured"
+
+
+def cached_baseline(modules: tuple[str, ...] = (), *, path: Path | None = None) -> int | None:
+    """The cached runtime baseline for ``modules`` in bytes, or None when none is cached
+    (nothing is measured: what a training rank may call)."""
+    cached = _entries(path or baseline_file()).get(baseline_key(tuple(modules)))
+    return cached if _valid(cached) else None
+
+
+def _entries(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _valid(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def baseline_line(nbytes: int, source: str) -> str:

@@ -162,7 +162,8 @@ class PlanRow(Mapping):
     (``offloaded``), whether it ``fits`` the budget, its relative ``cost``, and with a time
     model ``step_s`` (predicted seconds per step), ``time`` (its terms) and ``tokens_per_s``.
     A solver's rows also carry ``micro_batch_size``, ``grad_accum``, ``n_params`` and
-    ``reshard_root_after_forward`` (None in a grid plan's)."""
+    ``reshard_root_after_forward`` (None in a grid plan's). Beside ``peak`` (tensor bytes),
+    ``process_peak`` predicts what the kernel counts (resident set; on CUDA, device memory)."""
 
     stage: int
     policy: str
@@ -189,6 +190,13 @@ class PlanRow(Mapping):
     grad_accum: int | None = None
     n_params: int | None = None
     reshard_root_after_forward: bool | None = None
+    process_peak: int | None = None
+    """The process's predicted peak (``mct.memory.process_peak``): ``runtime_baseline`` +
+    ``peak`` + ``allocator_overhead``, counted as ``process_counts`` says; None where no runtime
+    baseline is known (none cached and the plan measures nothing)."""
+    runtime_baseline: int | None = None
+    allocator_overhead: int | None = None
+    process_counts: str | None = None
 
     @property
     def need(self) -> int:

@@ -49,6 +49,7 @@ from mct.planner.grid import (PLANNED_POLICIES, PRECISIONS, STAGES, Grid, batch_
 from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, seconds_of
 from mct.planner.pool import run_jobs
 from mct.planner.overhead import machine_rates
+from mct.planner.resident import ProcessModel, process_model
 from mct.planner.steptime import Rates, step_time, tokens_per_step
 from mct.task.build import builds_on_meta
 from mct.task.spec import Task, with_loss_chunk
@@ -127,27 +128,32 @@ def dry_run_cost(work: PlanInput, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomputed: float | None = None,
-        rates: Rates | None = None, tokens: int = 0) -> PlanRow:
+        rates: Rates | None = None, tokens: int = 0, process: ProcessModel | None = None) -> PlanRow:
     """The plan row of ``choice`` (every field set: none left to the config) from its dry
     run: its peaks, whether the steady-state peak fits ``budget`` (None: fits), its relative
     cost (``recomputed``: a 'per_block' row's recomputed fraction, ``recomputed_fraction``),
     and with ``rates`` (``mct.planner.steptime``) the predicted seconds per step, their
-    terms and the tokens per second (``tokens`` per step over it)."""
+    terms and the tokens per second (``tokens`` per step over it); with ``process`` the
+    process peak beside the tensor peak (``mct.memory.process_peak``)."""
     c = choice
     assert c.precision is not None and c.offload is not None and c.act_offload is not None
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
+    breakdown = {k: at.get(k, 0) for k in CATEGORIES}
+    proc = process.predict(run.peak, run.phases, offload=c.offload.kind != "none") if process else None
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
         precision=c.precision, offload=c.offload, act_offload=c.act_offload, loss_chunk_tokens=c.loss_chunk or 0,
         mlp_tile_tokens=c.mlp_tile or 0, world=world, peak=run.peak, phase=run.phase,
-        breakdown={k: at.get(k, 0) for k in CATEGORIES}, phases={k: v["total"] for k, v in run.phases.items()},
+        breakdown=breakdown, phases={k: v["total"] for k, v in run.phases.items()},
         first_step_peak=run.first_step_peak, init_peak=run.init_peak, offloaded=dict(run.offloaded),
         fits=budget is None or run.peak <= budget,
         cost=step_cost(c.stage, c.policy, world, c.offload, c.act_offload, c.loss_chunk or 0,
                        recomputed if c.policy == "per_block" else None),
         step_s=timed.total if timed else None, time=timed.to_dict() if timed else None,
-        tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None)
+        tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None,
+        process_peak=proc.total if proc else None, runtime_baseline=proc.baseline if proc else None,
+        allocator_overhead=proc.allocator_overhead if proc else None, process_counts=proc.counts if proc else None)
 
 
 @dataclass
@@ -164,12 +170,15 @@ class Plan:
     advice: str
     time_notes: list[str] = dataclasses.field(default_factory=list)
     """What the rows' step times could not count (a rate not measured here), one line each."""
+    process_note: str = ""
+    """Why the rows carry no process peak ('' when they do)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
                 "precision": self.precision, "advice": self.advice,
                 "recommended": self.recommended.to_dict() if self.recommended is not None else None,
-                "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes}
+                "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
+                "process_note": self.process_note}
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -238,8 +247,9 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     configs = [apply(cfg, c) for c in choices]
     runs = run_jobs(lambda i: predict(works[choices[i].loss_chunk], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
-    rows = [row(run, c, world, budget, recomputed=mixed.get("recomputed"), rates=rates, tokens=tokens)
-            for run, c in zip(runs, choices)]
+    process, why = process_model(task_of(work), cfg, device, measure=measure)
+    rows = [row(run, c, world, budget, recomputed=mixed.get("recomputed"), rates=rates, tokens=tokens,
+                process=process) for run, c in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -248,7 +258,7 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
     fitting = sorted((r for r in mine if r.fits), key=lambda r: (r.seconds, r.mlp_tile_tokens > 0, r.peak, r.stage))
     best = fitting[0] if fitting and budget is not None else None
-    plan = Plan(rows, budget, world, n_params, mode, best, "", notes)
+    plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why)
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan

@@ -47,6 +47,7 @@ from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
 from mct.planner.grid import map_task, prepare_work, resized_batch, task_of
 from mct.planner.pool import run_jobs
+from mct.planner.resident import process_model
 from mct.planner.overhead import machine_rates
 from mct.planner.steptime import tokens_per_step
 from mct.task.spec import with_loss_chunk
@@ -141,7 +142,9 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
     if not measure and int(os.environ.get("RANK", "0")) == 0:  # every rank of a run resolves `auto`; one says it
         for warning in warnings:
             say_line(f"warning: {warning}")
-    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)}
+    process, _ = process_model(task_of(work), cfg, device, measure=measure)
+    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world),
+            "process": process}
 
 
 class Evaluator:

@@ -14,7 +14,7 @@ def format_plan(plan: Plan) -> str:
     predicted seconds per step and tokens per second),
     the recommended row marked '*', then the advice line."""
     cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first",
-            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s"]
+            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s", "process", "baseline", "allocator"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
@@ -26,15 +26,33 @@ def format_plan(plan: Plan) -> str:
                       format_bytes(r.first_step_peak), format_bytes(r.init_peak),
                       format_bytes(r.offloaded["cpu"]), format_bytes(r.offloaded["disk"]),
                       "yes" if r.fits else "no", f"{r.cost:.2f}", seconds_text(r.step_s),
-                      f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"])
+                      f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
+                      *(_bytes_or_dash(v) for v in (r.process_peak, r.runtime_baseline, r.allocator_overhead))])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
     lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
              f"{format_bytes(plan.budget) if plan.budget else 'none'}",
              "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines += [f"step time: {note}" for note in plan.time_notes]
+    lines += _legend(plan)
     lines.append(plan.advice)
     return "\n".join(lines)
+
+
+def _bytes_or_dash(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _legend(plan: Plan) -> list[str]:
+    """What the peak and process columns count, in a line each (and why there is no process peak)."""
+    counts = sorted({r.process_counts for r in plan.rows if r.process_counts})
+    lines = ["peak: the steady-state step's, in tensor bytes (what memory.budget fits)"]
+    if counts:
+        lines += [f"process: each rank's predicted peak, {c}" for c in counts]
+        lines.append("  = runtime baseline + peak + allocator overhead (docs/memory.md)")
+    elif plan.process_note:
+        lines.append(f"process: {plan.process_note}")
+    return lines
 
 
 def seconds_text(s: float | None) -> str:
@@ -74,22 +92,21 @@ def format_plan_brief(plan: Plan, cfg: EngineConfig) -> str:
               if plan.rows and len({f(x) for x in plan.rows}) == 1}
     if shared:
         lines.append("every row: " + ", ".join(f"{k} {v}" for k, v in shared.items()))
-    cols = ["stage", "recompute", "prec", *(k for k in optional if k not in shared), "peak", "fits", "s/step",
-            "tokens/s"]
+    cols = ["stage", "recompute", "prec", *(k for k in optional if k not in shared), "peak", "process", "fits",
+            "s/step", "tokens/s"]
     table = []
     for x in plan.rows:
         policy = (policy_label(CheckpointingConfig(policy="per_block", per_block=x.per_block))
                   if x.per_block else x.policy)
         table.append([f"{x.stage}{'*' if x is r else ''}", policy, str(x.precision),
                       *(f(x) for k, f in optional.items() if k not in shared), format_bytes(x.peak),
-                      "yes" if x.fits else "no", seconds_text(x.step_s),
+                      _bytes_or_dash(x.process_peak), "yes" if x.fits else "no", seconds_text(x.step_s),
                       f"{x.tokens_per_s:,.0f}" if x.tokens_per_s else "-"])
     widths = [max([len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
     lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines += [f"step time: {note}" for note in plan.time_notes]
-    lines += ["peak: the steady-state step's, in tensor bytes; * recommended",
-              "--wide: each category's bytes, the first-step and init peaks"]
+    lines += [*_legend(plan), "* recommended; --wide: each category's bytes, the first-step and init peaks, the process terms"]
     return "\n".join(lines)
 
 

@@ -1,0 +1,100 @@
+"""``mct.memory.process_peak`` and the plan rows that carry it: the process peak is the runtime
+baseline + the tensor peak + the allocator's overhead, beside (never instead of) the tensor peak."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mct
+from mct.config import CLI_RECIPE, load_config
+from mct.memory.baseline import measure_baseline
+from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, ProcessModel
+from mct.models.gpt import GPT
+from tests.conftest import SEEDED_BASELINE
+from mct.planner import make_plan
+from mct.planner.plan import predict
+from mct.planner.grid import Grid
+from mct.task import task_for
+from mct.task.spec import Task
+from tests.helpers import batches, gpt_loss, tiny_config
+
+MiB = 2**20
+BREAKDOWN = {"params": 3 * MiB, "grads": 3 * MiB, "optimizer": 6 * MiB, "activations": 60 * MiB, "other": 4 * MiB}
+PHASES = {"forward": {**BREAKDOWN, "other": 0}, "backward": BREAKDOWN, "optimizer": {"params": 3 * MiB, "other": MiB}}
+OLD_KEYS = {"stage", "policy", "per_block", "precision", "offload", "act_offload", "loss_chunk_tokens",
+            "mlp_tile_tokens", "world", "peak", "phase", "breakdown", "phases", "first_step_peak", "init_peak",
+            "offloaded", "fits", "cost", "step_s", "time", "tokens_per_s"}
+
+
+def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode():
+    peak = sum(BREAKDOWN.values())
+    for mode in ("default", "lean", "frugal", "cache"):
+        p = ProcessModel(300 * MiB, "cpu", mode).predict(peak, PHASES, offload=False)
+        assert p.allocator_overhead == STEP_FIXED + round(RETAINED[mode] * 64 * MiB)  # backward's activations + other
+        assert p.total == 300 * MiB + peak + p.allocator_overhead and f"host_malloc {mode}" in p.counts
+    auto = ProcessModel(300 * MiB, "cpu", "auto")  # 'auto' is lean where offload is on, on the CPU
+    assert "host_malloc lean" in auto.predict(peak, PHASES, offload=True).counts
+    assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
+
+
+def test_cuda_process_peak_is_the_context_plus_reserved_and_says_it_is_unmeasured():
+    p = ProcessModel(300 * MiB, "cuda", "default").predict(100 * MiB, PHASES, offload=False)
+    assert p.baseline == CUDA_CONTEXT and p.total > CUDA_CONTEXT + 100 * MiB and "not measured" in p.counts
+
+
+def test_every_plan_row_carries_the_process_peak_as_baseline_plus_peak_plus_overhead():
+    cfg = tiny_config(data={"micro_batch_size": 2})
+    plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=2)[0], cfg, world_size=2,
+                    stages=(0, 3), policies=("none", "all"), precisions=("fp32",))
+    for row in plan.rows:
+        assert row.runtime_baseline == SEEDED_BASELINE  # the test cache's: nothing measured
+        assert row.process_peak == row.runtime_baseline + row.peak + row.allocator_overhead
+        assert row.allocator_overhead >= STEP_FIXED and "VmHWM" in row.process_counts
+    data = json.loads(json.dumps(plan.to_dict()))["rows"]
+    assert all(OLD_KEYS <= set(r) and r["peak"] == sum(r["breakdown"].values()) for r in data)  # peak: tensor bytes
+    assert all(r["process_peak"] > r["peak"] for r in data)
+
+
+def test_a_plan_without_a_cached_baseline_that_may_not_measure_has_no_process_peak(tmp_path, monkeypatch):
+    from mct.planner.resident import process_model
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path))
+    cfg = tiny_config()
+    task = Task(lambda: GPT(cfg.model), gpt_loss, None)
+    model, why = process_model(task, cfg, "cpu", measure=False)
+    assert model is None and "mct calibrate" in why
+
+
+def test_a_hugging_face_directory_is_counted_with_its_modeling_module(tmp_path):
+    from mct.planner.resident import library_modules
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert library_modules(Task(None, None, None, hf_dir=str(tmp_path))) == (
+        "transformers.models.llama.modeling_llama",)
+    assert library_modules(Task(None, None, None)) == ()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_tiny_runs_measured_vmhwm_is_near_its_predicted_process_peak(tmp_path, corpus_dir):
+    """`mct train` of a small GPT, 3 steps, in a fresh interpreter: its VmHWM (metadata.json
+    `resident`) within 30% of the plan row's process peak with this machine's real baseline
+    (benchmarks/process_peak.py measures the error per configuration: docs/memory.md)."""
+    sets = [f"data.path={corpus_dir}", "model.n_layer=2", "model.d_model=96", "model.n_head=3", "model.seq_len=64",
+            "data.micro_batch_size=2", "zero.stage=0", "checkpointing.policy=none", "precision.mode=fp32"]
+    cmd = [sys.executable, "-m", "mct", "train", "--run-dir", str(tmp_path / "run"), "--no-progress",
+           *(x for s in [*sets, "train.steps=3", "train.eval_every=0", "train.checkpoint_every=0"] for x in ("--set", s))]
+    src = Path(__file__).resolve().parents[2] / "src"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(src)))
+    assert out.returncode == 0, out.stderr
+    measured = json.loads((tmp_path / "run" / "metadata.json").read_text())["resident"]["workers"][0]
+    cfg = load_config(None, sets, defaults=CLI_RECIPE)
+    row = make_plan(task_for(cfg), cfg, 1, None, Grid(stages=(0,), policies=("none",), precisions=("fp32",)),
+                    advise=False, measure=False).rows[0]
+    real = ProcessModel(measure_baseline(), "cpu", cfg.memory.host_malloc)
+    predicted = real.predict(row.peak, predict(task_for(cfg), cfg, 1).phases, offload=False).total
+    assert 0.7 * measured <= predicted <= 1.3 * measured, (predicted / MiB, measured / MiB)
