@@ -79,6 +79,7 @@ def test_a_hugging_face_directory_is_counted_with_its_modeling_module(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cli
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 def test_a_tiny_runs_measured_vmhwm_is_near_its_predicted_process_peak(tmp_path, corpus_dir):
     """`mct train` of a small GPT, 3 steps, in a fresh interpreter: its VmHWM (metadata.json
