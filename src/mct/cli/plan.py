@@ -34,6 +34,9 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mct.persistence.run_dir import check_outside_runs
     from mct.reporting.plots import check_plot_path
     cfg = _plan_config(args)
+    if cfg.train.init_from:  # the weights a fine-tune starts from: refused here as `mct train` would
+        from mct.persistence.init_from import open_source
+        open_source(cfg.train.init_from)
     if args.plot:
         check_plot_path(args.plot, args.force, check_outside_runs)  # before minutes of planning
     _check_world_size(args.world_size)

@@ -263,7 +263,8 @@ def calibration_table(cal: Calibration) -> str:
     """What ``mct calibrate`` prints: the machine, where the profile came from, the
     matmul rates per dtype and the copy bandwidth."""
     p = cal.profile
-    kept = f"not cached ({_not_a_directory(cal.path)})" if _not_a_directory(cal.path) else f"cached in {cal.path}"
+    problem = _not_a_directory(cal.path)
+    kept = f"not cached ({problem})" if problem else f"cached in {cal.path}"
     where = (f"measured now in {p.seconds:.1f} s, {kept} ({measured_line(p)})"
              if cal.source == "measured" else f"cached in {cal.path} ({measured_line(p)}; --force measures again)")
     lines = [f"machine  {p.name} ({' '.join(p.flags) or '-'}), torch {p.torch_version}", f"profile  {where}"]

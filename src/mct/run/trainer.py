@@ -316,12 +316,12 @@ class Trainer:
         c.opt_step += updated
         c.step = step + 1
         record = self.log.record(step, out, lr, t_data, step_time, rollbacks=self.rollback.total)
-        if self.cfg.data.packing == "documents":  # what the step's global batch held (docs/data.md)
-            record.update(self.sampler.step_stats(self.data.position(step)))
         if self.validator.should_validate(step, last):
             c.validated(self.validator.run(self.engine, self.ctx.rank, self.ctx.world_size))
             record["val_loss"] = c.last_val
         if self.log.should_log(step, last, "val_loss" in record):
+            if self.cfg.data.packing == "documents":  # what the step's global batch held (docs/data.md)
+                record.update(self.sampler.step_stats(self.data.position(step)))
             self.log.complete(record, out, {"skipped_steps": c.skipped,
                                             "consecutive_skips": self.detector.consecutive_skips})
             self.writer.log(record)
