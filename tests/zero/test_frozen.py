@@ -234,3 +234,27 @@ def test_a_decoding_codec_stores_its_parts_and_gathers_decoded_values():
     assert frozen.stored_bytes() == unit.layout.padded_numel * 2 + 8
     got = {n: t.clone() for n, t in frozen.items()}  # views valid until the next unit: copied
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _init_from(rank: int, world: int, source: str) -> dict:
+    from mct.persistence.init_from import load_pretrained
+    cfg = tiny_config(zero={"stage": 3}, memory={"track": False})
+    torch.manual_seed(1)  # other values than the file's
+    model = frozen_gpt()
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    load_pretrained(engine, source)
+    loaded = _values(engine.full_state_dict())
+    engine.train_step(batches(0, rank), gpt_loss)  # the loaded frozen shards are what the step gathers
+    return {"loaded": loaded, "after": _values(engine.full_state_dict())}
+
+
+@pytest.mark.multirank
+def test_init_from_fills_each_ranks_frozen_shards_from_the_file(tmp_path):
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    want = {n: p.detach().clone() for n, p in frozen_gpt().named_parameters()}
+    save_file(want, tmp_path / "w.safetensors")
+    got = run_distributed(_init_from, 2, str(tmp_path / "w.safetensors"))[0]
+    assert got["loaded"].keys() == want.keys()
+    assert all(np.array_equal(got["loaded"][n], want[n].numpy()) for n in want)
+    assert all(np.array_equal(got["after"][n], want[n].numpy()) for n in _frozen_names(frozen_gpt()))
