@@ -137,6 +137,8 @@ class FrozenModel:
                 unit.release()
                 tracker.refresh(unit.working)
                 self.units.append(unit)
+        # whole on every rank: their bytes count as the frozen base too (the dry run counts them)
+        tracker.register_all([p for _, p in self.loose], "frozen")
         self.units_by_block = {u.name.split("/")[0]: [u] for u in self.units}
         self._tracker = tracker
 
