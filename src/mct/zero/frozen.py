@@ -114,10 +114,13 @@ class FrozenModel:
     every rank (stage 0, parameter offload: ``loose``)."""
 
     def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
-                 comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker) -> None:
+                 comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker,
+                 materialize: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
-        in the order to pack. Registers the stored shards and working buffers with
-        ``tracker`` under 'frozen'."""
+        in the order to pack. ``materialize(params)``: a model built on meta gets each
+        unit's values just before it is packed (so no rank holds the whole frozen base),
+        loose ones up front; they are cast to ``dtype``. Registers the stored shards and
+        working buffers with ``tracker`` under 'frozen'."""
         self.comm = comm
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.units: list[FrozenUnit] = []
@@ -128,6 +131,8 @@ class FrozenModel:
                 mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname]
                 if not mine:
                     continue
+                if materialize is not None:
+                    materialize([p for _, p in mine])
                 layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], comm.world,
                                       align=align, shard_align=codec.align)
                 unit = FrozenUnit(f"{uname}/frozen", mine, layout, shard_rank=comm.rank, dtype=dtype,
@@ -137,6 +142,11 @@ class FrozenModel:
                 unit.release()
                 tracker.refresh(unit.working)
                 self.units.append(unit)
+        if materialize is not None and self.loose:
+            materialize([p for _, p in self.loose])
+            with torch.no_grad():
+                for _, p in self.loose:
+                    p.data = p.data.to(dtype)
         # whole on every rank: their bytes count as the frozen base too (the dry run counts them)
         tracker.register_all([p for _, p in self.loose], "frozen")
         self.units_by_block = {u.name.split("/")[0]: [u] for u in self.units}
