@@ -148,3 +148,20 @@ def test_the_solver_plans_adapter_runs_and_keeps_them():
     cfg = lora_config("", zero={"stage": "auto"}, memory={"budget": "64MiB"})
     resolved, choice = resolve_auto(cfg, 1, task_for(cfg))
     assert resolved.adapter == cfg.adapter and resolved.zero.stage in (0, 1, 2, 3) and choice is not None
+
+
+def test_a_diverged_lora_run_rolls_back_and_replays_to_the_clean_runs_bytes(corpus, tmp_path, monkeypatch):
+    """corrupt@5 multiplies every master (the adapters) by 1e3 after step 5's update: the loss
+    spike rolls back to the step-4 snapshot and the replay ends on the clean run's bytes."""
+    from mct.reporting.events import read_events
+    from mct.run.trainer import train
+    cfg = lora_config(corpus, train={"steps": 8, "eval_every": 0, "log_every": 1, "snapshot_every": 2,
+                                     "warmup_steps": 2, "lr": 1e-2})
+    train(cfg, tmp_path / "clean", progress=False)
+    monkeypatch.setenv("MCT_FAULT", "corrupt@5")
+    train(cfg, tmp_path / "faulty", progress=False)
+    monkeypatch.delenv("MCT_FAULT")
+    events = read_events(tmp_path / "faulty")
+    assert [(e["kind"], e["action"]) for e in events] == [("rollback", "replay: restore step 4")], events
+    assert (tmp_path / "faulty" / "model.safetensors").read_bytes() == \
+        (tmp_path / "clean" / "model.safetensors").read_bytes()
