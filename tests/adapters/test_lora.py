@@ -211,3 +211,14 @@ def test_the_summary_line_counts_adapters_against_every_parameter():
     line = adapter_summary(model, LORA)
     trainable = sum(p.numel() for p in adapter_parameters(model).values())
     assert line.startswith("lora rank 4, alpha 8 on 8 layers: ") and f"{trainable:,} trainable of " in line
+
+
+def test_an_engine_told_to_train_adapters_refuses_a_model_without_them():
+    from mct.engine import Engine
+    cfg = EngineConfig.from_dict({"model": TINY_MODEL, "adapter": {"kind": "lora"}})
+    with pytest.raises(ValueError, match=r"the model has no adapters: call mct.adapters.apply_adapters") as e:
+        Engine(_gpt(), config=cfg)
+    assert "\n" not in str(e.value)
+    model = _gpt()
+    apply_adapters(model, cfg.adapter)
+    assert Engine(model, config=cfg).optimizer is not None  # the Python API's way

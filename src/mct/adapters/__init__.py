@@ -4,7 +4,7 @@ children, ``lora_A`` and ``lora_B`` (docs/adapters.md). ``targets`` picks the la
 ``lora`` injects and reads them back."""
 
 from mct.adapters.lora import (ADAPTER_NAMES, adapter_parameters, adapter_summary, apply_adapters,  # noqa: F401
-                               is_adapter_name)
+                               check_adapted, is_adapter_name)
 from mct.adapters.targets import find_targets, linear_shape  # noqa: F401
 
-__all__ = ["ADAPTER_NAMES", "adapter_parameters", "adapter_summary", "apply_adapters", "find_targets", "is_adapter_name", "linear_shape"]
+__all__ = ["ADAPTER_NAMES", "adapter_parameters", "adapter_summary", "apply_adapters", "check_adapted", "find_targets", "is_adapter_name", "linear_shape"]
