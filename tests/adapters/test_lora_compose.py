@@ -34,6 +34,8 @@ COMPOSED = {  # name -> sections over lora_config; fp32 unless the state dtype s
     "int8 state": {"optimizer": {"state_dtype": "int8"}, "zero": {"stage": 1}},
     "state offload": {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "params": "cpu"}},
     "adapter dropout": {"adapter": {"dropout": 0.1}, "checkpointing": {"policy": "all"}},
+    "replay verify, dropout, stage 3": {"adapter": {"dropout": 0.1}, "zero": {"stage": 3},
+                                        "checkpointing": {"policy": "selective", "verify": True}},
 }
 
 
