@@ -222,3 +222,9 @@ def test_an_engine_told_to_train_adapters_refuses_a_model_without_them():
     model = _gpt()
     apply_adapters(model, cfg.adapter)
     assert Engine(model, config=cfg).optimizer is not None  # the Python API's way
+
+
+def test_a_model_without_blocks_needs_patterns_and_is_told_which():
+    with pytest.raises(ValueError, match=r"has no nn.ModuleList of blocks: name the layers, e.g. adapter.targets = "
+                                         r"\[\"\*0\", \"\*2\"\]"):
+        apply_adapters(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)), LORA)
