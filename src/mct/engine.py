@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from mct import optim
+from mct.adapters import check_adapted
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, agree
@@ -75,6 +76,7 @@ class Engine:
         Raises ValueError for configs it cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
         cfg.check_resolved()
+        check_adapted(model, cfg.adapter)
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         # the host allocator first: construction frees parameter-sized temporaries
@@ -155,7 +157,8 @@ class Engine:
         optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
-        self.tracker.register_all(model.buffers(), "params")
+        # buffers and frozen parameters (an adapter run's base): whole on every rank, counted as the planner does
+        self.tracker.register_all([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)], "params")
         self.steps_done, self._phase_name = 0, "idle"
         self.reserve = (step_reserve(optimizer, hyper, self.sharded.group_of_unit, self.residency.step_masters(),
                                      self.sharded.units, self.precision.param_dtype) if enforce else None)

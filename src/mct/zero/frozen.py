@@ -96,12 +96,15 @@ class FrozenUnit:
 
     def load_shard(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
         """Replace this rank's stored shard by new values: ``read(i, a, b)`` gives elements
-        [a, b) of parameter ``i`` (any float dtype; cast to the working dtype). The unit is
-        left released (its next gather reads the new shard). Not collective."""
+        [a, b) of parameter ``i`` (any float dtype; cast to the working dtype), or None to
+        keep that parameter's values. The unit is left released (its next gather reads the
+        new shard). Not collective."""
         lo, hi = self.layout.shard_range(self.shard_rank)
-        part = torch.zeros(hi - lo, dtype=self.dtype, device=self.working.device)
+        part = self.codec.decode(self.stored, hi - lo, self.dtype).to(self.working.device, copy=True)
         for i, a, b, at in self.layout.param_pieces(self.shard_rank):
-            part[at:at + b - a].copy_(read(i, a, b))
+            values = read(i, a, b)
+            if values is not None:
+                part[at:at + b - a].copy_(values)
         self.release()
         self.stored = self.codec.encode(part)
 
@@ -169,14 +172,17 @@ class FrozenModel:
 
     def load(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Set every frozen parameter from ``read(name, a, b)`` (elements [a, b) of the
-        named parameter): this rank's shard of each unit, the whole of a loose one."""
+        named parameter, or None: that parameter keeps its values): this rank's shard of
+        each unit, the whole of a loose one."""
         with torch.no_grad():
             for u in self.units:
                 u.load_shard(lambda i, a, b, u=u: read(u.names[i], a, b))
                 self._tracker.register_all(u.stored.values(), "frozen")
                 self._tracker.refresh(u.working)
             for name, p in self.loose:
-                p.copy_(read(name, 0, p.numel()).view(p.shape))
+                values = read(name, 0, p.numel())
+                if values is not None:
+                    p.copy_(values.view(p.shape))
 
     def stored_bytes(self) -> int:
         """Bytes of frozen parameters this rank keeps between uses (shards, or whole)."""
