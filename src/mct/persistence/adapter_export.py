@@ -102,21 +102,52 @@ def adapter_tensors(checkpoint: Path, spec: RunAdapter) -> dict[str, torch.Tenso
     return out
 
 
-def merged_deltas(tensors: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """``{P.weight: B A * scale}`` (fp32) for each adapted module P of ``tensors``."""
-    return {m + ".weight": (tensors[m + LORA_B] @ tensors[m + LORA_A]) * scale
-            for m in sorted({module_of(n) for n in tensors})}
+def stored_in_out(checkpoint: Path, modules: list[str]) -> set[str]:
+    """Which of the adapted ``modules`` store their weight as [in, out] (transformers'
+    ``Conv1D``, GPT-2's projections; peft's ``fan_in_fan_out``) rather than nn.Linear's
+    [out, in]: read off the run's base model, built on the meta device from its recorded
+    config (no values, nothing allocated). Raises ValueError (one line) when the run's
+    model source can no longer be built."""
+    from mct.adapters import linear_shape
+    from mct.config import EngineConfig
+    from mct.task import task_for
+    run_dir = checkpoint.parent.parent
+    config = dict(read_json(run_dir / "metadata.json")["config"])
+    config["adapter"] = {"kind": "none"}  # the base alone: its layers' types are what matters
+    if (run_dir / "hf" / "config.json").is_file():  # the run keeps its own copy of the architecture
+        config["model"] = {**config["model"], "source": f"hf:{run_dir / 'hf'}"}
+    with torch.device("meta"):
+        model = task_for(EngineConfig.from_dict(config)).model_fn()
+    found = dict(model.named_modules())
+    missing = [m for m in modules if m not in found or linear_shape(found[m]) is None]
+    if missing:
+        raise ValueError(f"{checkpoint}: the adapted layer {missing[0]} is no linear layer of the run's model "
+                         f"({config['model'].get('source', 'gpt')}); the checkpoint is not that run's")
+    return {m for m in modules if not isinstance(found[m], torch.nn.Linear)}
 
 
-def peft_config(spec: RunAdapter, modules: list[str]) -> dict:
+def merged_deltas(tensors: dict[str, torch.Tensor], scale: float, in_out: set[str]) -> dict[str, torch.Tensor]:
+    """``{P.weight: B A * scale}`` (fp32) for each adapted module P of ``tensors``, transposed
+    for the modules of ``in_out`` (weights stored [in, out])."""
+    out = {}
+    for m in sorted({module_of(n) for n in tensors}):
+        delta = (tensors[m + LORA_B] @ tensors[m + LORA_A]) * scale
+        out[m + ".weight"] = delta.T.contiguous() if m in in_out else delta
+    return out
+
+
+def peft_config(spec: RunAdapter, modules: list[str], in_out: set[str]) -> dict:
     """peft's ``adapter_config.json`` (a ``LoraConfig``) for ``modules`` (the adapted
-    module paths, listed exactly: peft matches a list entry by the whole path)."""
+    module paths, listed exactly: peft matches a list entry by the whole path); ``in_out``:
+    those storing [in, out] weights (all or none, as peft's one ``fan_in_fan_out``)."""
+    if in_out and set(modules) - in_out:
+        raise ValueError(f"--format peft: the run adapted both nn.Linear and Conv1D layers ({sorted(in_out)[0]}), "
+                         f"which one peft config (fan_in_fan_out) cannot describe; export with --merge instead")
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM" if spec.base_dir is not None else None,
             "base_model_name_or_path": spec.base_dir, "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none",
-            "fan_in_fan_out": False,  # mct adapts nn.Linear (weight [out, in]); never a GPT-2 Conv1D
-            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
-            "inference_mode": True}
+            "fan_in_fan_out": bool(in_out), "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
 
 
 def write_peft(checkpoint: Path, out: Path, spec: RunAdapter) -> None:
@@ -133,7 +164,8 @@ def write_peft(checkpoint: Path, out: Path, spec: RunAdapter) -> None:
         writer.abort()
         raise
     writer.commit()
-    config = peft_config(spec, sorted({module_of(n) for n in names}))
+    modules = sorted({module_of(n) for n in names})
+    config = peft_config(spec, modules, stored_in_out(checkpoint, modules))
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -169,4 +201,5 @@ def deltas_for(checkpoint: Path, names: list[str], merge: bool, flag: str) -> di
     if not any(is_adapter(n) for n in names):
         raise ValueError(f"{flag}: {checkpoint} holds no LoRA tensors (*{LORA_A}) though its run trained adapters; "
                          f"the checkpoint is not that run's")
-    return merged_deltas(adapter_tensors(checkpoint, spec), spec.scale)
+    tensors = adapter_tensors(checkpoint, spec)
+    return merged_deltas(tensors, spec.scale, stored_in_out(checkpoint, sorted({module_of(n) for n in tensors})))
