@@ -12,7 +12,9 @@ another rank), an mct checkpoint one unit's flat master at a time. The values go
 a copy of the rank's own state (``Engine.state_dict()``), which ``Engine.load_state_dict``
 validates and loads (resident or offloaded); no rank ever holds the whole model.
 Strict: a missing or unexpected name or a wrong shape is one ValueError naming the
-first few, raised identically on every rank before anything changes.
+first few, raised identically on every rank before anything changes. A model with
+adapters reads its adapters and its base as ``mct.persistence.adapter_source`` says (a peft
+directory continues its adapters; a base alone leaves them at their initial values).
 """
 
 from __future__ import annotations
@@ -159,12 +161,13 @@ def open_source(path: str | Path) -> _SafetensorsSource | _CheckpointSource:
 
 
 def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
-                what: str) -> dict[str, str]:
+                what: str, keep: set[str] = frozenset()) -> dict[str, str]:
     """Match the source's names to the model's parameters: returns {parameter name (as
     named_parameters) -> source name}. A tied parameter may come under any of its names
-    (once); buffers the source also holds are ignored. Raises ValueError naming the
-    first few missing or unexpected names, or wrong shapes. ``model_shapes``: each
-    parameter's shape (stage 3 frees the module's own tensors between gathers)."""
+    (once); buffers the source also holds are ignored; parameters in ``keep`` may be
+    absent (they keep their values). Raises ValueError naming the first few missing or
+    unexpected names, or wrong shapes. ``model_shapes``: each parameter's shape (stage 3
+    frees the module's own tensors between gathers)."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -174,7 +177,8 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     for name, p in model.named_parameters():
         found = [a for a in aliases[id(p)] if a in shapes]
         if not found:
-            missing.append(name)
+            if name not in keep:
+                missing.append(name)
             continue
         source_of[name] = found[0]
         if tuple(shapes[found[0]]) != tuple(model_shapes[name]):
@@ -188,18 +192,34 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     return source_of
 
 
+def _source_for(engine: Any, path: str | Path) -> tuple[Any, set[str]]:
+    """The source ``load_pretrained`` reads for ``engine``'s model, and the parameter names
+    it may leave as they are (``adapter_source``, for a model with adapters)."""
+    from mct.persistence.adapter_source import adapter_init_source, is_peft_dir
+    from mct.persistence.adapter_export import is_adapter
+    names = [n for n, _ in engine.model.named_parameters()]
+    peft = is_peft_dir(Path(path))
+    if not any(is_adapter(n) for n in names):
+        if peft:
+            raise ValueError(f"--init-from {str(path)!r} is a peft adapter: set adapter.kind = 'lora' (with the "
+                             f"adapter's rank, alpha and targets) to continue it")
+        return open_source(path), set()
+    cfg = engine.config
+    return adapter_init_source(path, None if peft else open_source(path), names, cfg.adapter, cfg.model.source)
+
+
 def load_pretrained(engine: Any, path: str | Path) -> None:
     """Load the weights at ``path`` into ``engine``'s master shards (and working
     parameters), reading only this rank's ranges. Optimizer state and counters are
     left as they are (a fresh engine: none). Collective at stages 1/2 (as
     ``Engine.load_state_dict``): every rank calls it. Raises ValueError, the engine
     untouched, for a bad source or names/shapes that do not match the model."""
-    source = open_source(path)
+    source, keep = _source_for(engine, path)
     state = engine.state_dict()  # under offload: copies of the masters (filled in place below)
     in_units = {name: tuple(shape) for unit in state["units"] for name, shape, _ in unit["params"]}
     frozen = [(n, p) for n, p in engine.model.named_parameters() if n not in in_units]
     source_of = check_names(engine.model, {**in_units, **{n: tuple(p.shape) for n, p in frozen}}, source.shapes,
-                            repr(str(path)))
+                            repr(str(path)), keep)
     tensors = dict(state["tensors"])
     for unit in state["units"]:
         key = f"{unit['name']}/master"
@@ -208,8 +228,11 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
         hi = lo + piece.numel()
         # Offloaded masters come as copies: fill them. Resident ones are the live state, which
         # must not change before load_state_dict has validated everything: fill a new tensor.
-        new = piece if engine.config.offload.enabled else torch.zeros(piece.shape, dtype=torch.float32)
+        # Parameters the source does not hold (``keep``) keep their values.
+        new = piece if engine.config.offload.enabled else piece.detach().clone()
         for name, shape, offset in unit["params"]:
+            if name not in source_of:
+                continue
             a, b = max(lo, offset), min(hi, offset + math.prod(shape))
             if a < b:
                 new[a - lo:b - lo] = source.read(source_of[name], a - offset, b - offset)
@@ -217,4 +240,5 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
     engine.load_state_dict({**state, "tensors": tensors})
     with torch.no_grad():
         for name, p in frozen:  # not sharded: every rank holds the whole (frozen) tensor
-            p.copy_(source.read(source_of[name], 0, p.numel()).view(p.shape))
+            if name in source_of:
+                p.copy_(source.read(source_of[name], 0, p.numel()).view(p.shape))
