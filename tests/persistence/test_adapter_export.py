@@ -24,6 +24,7 @@ from mct.adapters import apply_adapters  # noqa: E402
 from mct.cli import main  # noqa: E402
 from mct.config import AdapterConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
+from mct.task import task_for  # noqa: E402
 from tests.helpers import adamw, checkpointed_run, tiny_config  # noqa: E402
 from tests.task.test_task_hf import save_tiny  # noqa: E402
 
@@ -151,3 +152,28 @@ def test_run_without_adapters_asking_for_adapters_is_one_line(tmp_path, capsys, 
     assert "\n" not in err and err.startswith("mct: error: ")
     assert "adapter" in err
     assert not any(p.name[0] in "pmh" for p in tmp_path.iterdir() if p.name != "run")
+
+
+@pytest.mark.slow
+def test_trained_lora_run_exports_to_peft_with_the_runs_logits(tmp_path):
+    """The whole path: a LoRA run of `mct train`'s loop (stage 3, 3 steps) from a tiny Llama's
+    weights, exported, loaded by peft: the logits of the run's final model.safetensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from mct.run.recipe import train_config
+    from mct.run.trainer import train
+    base = save_tiny("llama", tmp_path / "llama")
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    sets = {"model.source": f"hf:{base}", "train.init_from": str(base), "data.path": str(tmp_path / "corpus.txt"),
+            "model.seq_len": 16, "data.micro_batch_size": 2, "train.steps": 3, "train.eval_every": 3,
+            "train.eval_batches": 1, "train.lr": 1e-2, "zero.stage": 3, "adapter.kind": "lora", "adapter.rank": RANK}
+    cfg = train_config(None, [f"{k}={v}" for k, v in sets.items()])
+    train(cfg, tmp_path / "run", progress=False)
+    model = task_for(cfg).model_fn().eval()
+    model.load_state_dict(load_file(str(tmp_path / "run" / "model.safetensors")))
+    with torch.no_grad():
+        want = model(input_ids=_tokens(999)).logits
+    assert main(["export", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    assert _max_diff(plain, want) > 1e-3  # the adapters trained away from the base
+    assert _max_diff(peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval(), want) < 1e-5
