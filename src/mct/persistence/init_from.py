@@ -228,17 +228,14 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
         hi = lo + piece.numel()
         # Offloaded masters come as copies: fill them. Resident ones are the live state, which
         # must not change before load_state_dict has validated everything: fill a new tensor.
-        # Parameters the source does not hold (``keep``) keep their values.
-        new = piece if engine.config.offload.enabled else piece.detach().clone()
+        # Parameters the source lacks (new adapters) keep their values.
+        new = piece if engine.config.offload.enabled else piece.detach().to("cpu", torch.float32, copy=True)
         for name, shape, offset in unit["params"]:
-            if name not in source_of:
-                continue
             a, b = max(lo, offset), min(hi, offset + math.prod(shape))
-            if a < b:
+            if a < b and name in source_of:
                 new[a - lo:b - lo] = source.read(source_of[name], a - offset, b - offset)
         tensors[key] = new.to(piece.device)
     engine.load_state_dict({**state, "tensors": tensors})
     with torch.no_grad():
-        for name, p in frozen:  # not sharded: every rank holds the whole (frozen) tensor
-            if name in source_of:
-                p.copy_(source.read(source_of[name], 0, p.numel()).view(p.shape))
+        for name, p in ((n, p) for n, p in frozen if n in source_of):  # not sharded: whole on every rank
+            p.copy_(source.read(source_of[name], 0, p.numel()).view(p.shape))
