@@ -107,9 +107,13 @@ def _recorded_adapter(path: Path, peft_config: dict[str, Any] | None) -> tuple[i
     """(rank, alpha) the source's adapters were trained with, when it says."""
     if peft_config is not None:
         return int(peft_config.get("r", 0)), float(peft_config.get("lora_alpha", 0.0))
-    run_dir = path if (path / "metadata.json").is_file() else path.parent.parent
+    # a run dir, its checkpoints/step_N, or its model.safetensors
+    meta = next((d / "metadata.json" for d in (path, path.parent.parent, path.parent)
+                 if (d / "metadata.json").is_file()), None)
+    if meta is None:
+        return None
     try:
-        section = (read_json(run_dir / "metadata.json").get("config") or {}).get("adapter") or {}
+        section = (read_json(meta).get("config") or {}).get("adapter") or {}
     except (ValueError, AttributeError):
         return None
     return (int(section["rank"]), float(section["alpha"])) if "rank" in section and "alpha" in section else None
