@@ -52,7 +52,8 @@ def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = Tr
                    "define loss_fn, example_batch, optimizer, param_groups; docs/planner.md) (default: gpt)")
     if init_from:
         p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
-                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
+                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint; with "
+                       "adapter.kind = lora also a peft adapter directory (continues its adapters)")
     if nproc:
         p.add_argument("--nproc", type=int, default=1, help="local worker processes (torchrun's environment)")
 
