@@ -22,7 +22,7 @@ peft = pytest.importorskip("peft")
 
 from mct.adapters import apply_adapters  # noqa: E402
 from mct.cli import main  # noqa: E402
-from mct.config import AdapterConfig  # noqa: E402
+from mct.config import AdapterConfig, EngineConfig  # noqa: E402
 from mct.engine import Engine  # noqa: E402
 from mct.task import task_for  # noqa: E402
 from tests.helpers import adamw, checkpointed_run, tiny_config  # noqa: E402
@@ -177,3 +177,46 @@ def test_trained_lora_run_exports_to_peft_with_the_runs_logits(tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     assert _max_diff(plain, want) > 1e-3  # the adapters trained away from the base
     assert _max_diff(peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval(), want) < 1e-5
+
+
+def test_builtin_gpt_adapter_run_merges_into_the_gpts_names_and_loads_in_peft(tmp_path):
+    """The built-in GPT (model.source = 'gpt'): `--merge --out FILE.safetensors` loads strictly
+    into a plain GPT, and the peft export over that GPT base, each with the run's logits."""
+    from safetensors.torch import load_file
+    from mct.models.gpt import GPT, gpt_loss
+    from tests.helpers import TINY_MODEL, batches
+    config = {"model": dict(TINY_MODEL), "adapter": {"kind": "lora", "rank": RANK, "alpha": ALPHA}}
+    cfg = EngineConfig.from_dict(config)
+    torch.manual_seed(0)
+    base = GPT(cfg.model)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    model = task_for(cfg).model_fn()
+    model.load_state_dict(base_state, strict=False)
+    engine = Engine(model, adamw, cfg)
+    for step in range(2):
+        engine.train_step(batches(step, 0), gpt_loss)
+    run = tmp_path / "run"
+    engine.save(str(run / "checkpoints" / "step_00000002"))
+    (run / "metadata.json").write_text(json.dumps({"config": config, "world_size": 1}))
+    trained = task_for(cfg).model_fn().eval()
+    _load_tied(trained, engine.full_state_dict())
+    engine.close()
+    x = batches(9, 0)[0][0]
+    with torch.no_grad():
+        want = trained(x)
+    assert main(["export", str(run), "--merge", "--out", str(tmp_path / "merged.safetensors")]) == 0
+    merged = GPT(cfg.model).eval()
+    _load_tied(merged, load_file(str(tmp_path / "merged.safetensors")))  # the base's names only
+    assert main(["export", str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    plain = GPT(cfg.model).eval()
+    plain.load_state_dict(base_state)
+    loaded = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        for got in (merged(x), loaded(x)):
+            assert (got - want).abs().max() < 1e-5
+
+
+def _load_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` (named_parameters: the GPT's tied head once, as its embedding)."""
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
