@@ -4,8 +4,8 @@ fine-tuned on held-out files; the fine-tune corpus's validation loss before and 
 Runs ``python -m mct train`` (the real recipe: schedule, clipping, evaluation) into temporary
 run dirs and reads ``metrics.jsonl``: (1) pretraining on the default corpus (the Python
 standard library's sources); (2) the pretrained model's validation loss on the held-out
-corpus (this project's docs/*.md, never seen in pretraining: one step at lr 0, so the
-adapters stay at B = 0 and the model is the base); (3) per adapter kind, ``--init-from``
+corpus (this project's docs/*.md, never seen in pretraining: one step at lr 1e-12, the
+smallest mct accepts being > 0, so B moves by ~1e-12 and the model is the base); (3) per adapter kind, ``--init-from``
 the pretrained run with ``adapter.kind = K`` on the held-out corpus. Targets: the LoRA
 fine-tune lowers the held-out validation loss; QLoRA's within 2% of LoRA's after the same
 steps. The model is the default GPT's architecture at a smaller width (``--set`` any key to
@@ -75,7 +75,7 @@ def main() -> None:
                      "wall_s": pre["wall_s"]})
         tune = [*shape, f"data.path={held_out}", f"train.init_from={root / 'pre'}", f"adapter.rank={args.rank}",
                 "train.warmup_steps=10", "train.eval_every=25"]
-        base = train(root / "base", [*tune, "adapter.kind=lora", "train.steps=1", "train.lr=0"])
+        base = train(root / "base", [*tune, "adapter.kind=lora", "train.steps=1", "train.lr=1e-12"])
         before = base["val"][0][1]
         rows.append({"run": "pretrained on held-out docs", "steps": 0, "val_loss": before, "wall_s": base["wall_s"]})
         for kind in args.kinds.split(","):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mct.adapters import is_adapter_name as is_adapter
 from mct.errors import WRITE, user_error
 from mct.outputs import check_dir_output, install_dir, temporary
 from mct.persistence.export import pick_checkpoint
@@ -34,14 +35,9 @@ PEFT_WRITES = (PEFT_WEIGHTS, PEFT_CONFIG)
 """What a peft export directory holds: what ``--force`` may replace."""
 
 
-def is_adapter(name: str) -> bool:
-    """Is ``name`` (as named_parameters) a LoRA tensor?"""
-    return name.endswith(LORA_A) or name.endswith(LORA_B)
-
-
 def module_of(name: str) -> str:
     """The adapted module's path of a LoRA tensor name (``P.lora_A.weight`` -> ``P``)."""
-    assert is_adapter(name), name
+    assert name.endswith((LORA_A, LORA_B)), name
     return name[:-len(LORA_A)]
 
 

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from mct.config import AdapterConfig
-from mct.persistence.adapter_export import LORA_A, PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, is_adapter, module_of
+from mct.adapters import is_adapter_name as is_adapter
+from mct.persistence.adapter_export import LORA_A, PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, module_of
 from mct.persistence.files import read_json
 
 

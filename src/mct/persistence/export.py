@@ -16,6 +16,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from mct.adapters import is_adapter_name
 from mct.dist import agree
 from mct.outputs import check_file_output
 from mct.persistence.lazy import LazyModule
@@ -128,7 +129,7 @@ def export(source: str | Path, out: str | Path, *, force: bool = False, merge: b
     (``adapter_export.deltas_for``). Returns (checkpoint used, warning or None). Raises
     ValueError (one line) for a bad source or target (see ``check_target``), ``merge`` of
     a run without adapters, or a failed write (path and bytes)."""
-    from mct.persistence.adapter_export import deltas_for
+    from mct.persistence.adapter_export import deltas_for  # it reads checkpoints through this module
     out = Path(out)
     check_target(out, force=True)  # what no --force allows, before reading the source
     path, warning = pick_checkpoint(source)
@@ -143,11 +144,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, deltas: dict[str,
     once complete; no target checks: ``export`` makes them for a user's ``--out``). One
     unit in memory at a time. ``deltas``: merged adapters, added to their weights, the
     LoRA tensors left out. Raises ValueError (one line) when the write fails."""
-    from mct.persistence.adapter_export import is_adapter
     checkpoint = Path(checkpoint)
     specs = _checkpoint_specs(checkpoint)
     if deltas is not None:
-        specs = {n: s for n, s in specs.items() if not is_adapter(n)}
+        specs = {n: s for n, s in specs.items() if not is_adapter_name(n)}
     writer = SafetensorsWriter(out, specs)
     try:
         for name, t in _checkpoint_items(checkpoint):

@@ -34,7 +34,8 @@ from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN
 from mct.outputs import check_dir_output, install_dir, temporary
-from mct.persistence.adapter_export import deltas_for, is_adapter
+from mct.adapters import is_adapter_name as is_adapter
+from mct.persistence.adapter_export import deltas_for
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.run_dir import check_outside_runs
 from mct.persistence.files import fsync_dir, read_json

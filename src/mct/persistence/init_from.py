@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from mct.adapters import is_adapter_name
+from mct.persistence.adapter_source import adapter_init_source, is_peft_dir
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.persistence.export import pick_checkpoint
@@ -195,11 +197,9 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
 def _source_for(engine: Any, path: str | Path) -> tuple[Any, set[str]]:
     """The source ``load_pretrained`` reads for ``engine``'s model, and the parameter names
     it may leave as they are (``adapter_source``, for a model with adapters)."""
-    from mct.persistence.adapter_source import adapter_init_source, is_peft_dir
-    from mct.persistence.adapter_export import is_adapter
     names = [n for n, _ in engine.model.named_parameters()]
     peft = is_peft_dir(Path(path))
-    if not any(is_adapter(n) for n in names):
+    if not any(is_adapter_name(n) for n in names):
         if peft:
             raise ValueError(f"--init-from {str(path)!r} is a peft adapter: set adapter.kind = 'lora' (with the "
                              f"adapter's rank, alpha and targets) to continue it")
