@@ -13,7 +13,10 @@ change it: ``--set model.n_layer=4 --set model.d_model=128 --set model.seq_len=1
 default GPT, about 10x slower per step).
 
     PYTHONPATH=src:. python benchmarks/adapters_quality.py [--pretrain-steps 300] [--steps 100]
-        [--kinds lora,qlora] [--set section.key=value ...]
+        [--kinds lora,qlora] [--set section.key=value ...] [--work DIR]
+
+``--work DIR`` keeps the runs there, and a pretraining run already in ``DIR/pre`` (of the
+same ``--set`` shape) is reused rather than trained again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,9 +50,13 @@ def train(run_dir: Path, sets: list[str]) -> dict:
     if proc.returncode != 0:
         print(proc.stderr[-2000:], file=sys.stderr)
         raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return {"val": read_val(run_dir), "wall_s": time.perf_counter() - t0}
+
+
+def read_val(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, validation loss) of each evaluation a run logged."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    return {"val": val, "wall_s": time.perf_counter() - t0}
+    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
 
 
 def main() -> None:
@@ -61,16 +69,23 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3, help="the adapters' learning rate")
     ap.add_argument("--set", action="append", default=[], dest="extra")
     ap.add_argument("--out", default="adapters_quality")
+    ap.add_argument("--work", help="keep the runs here; reuse DIR/pre when it is a finished run")
     args = ap.parse_args()
     shape = SMALL + args.extra
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(args.work or tmp)
+        for kind in ("base", *args.kinds.split(",")):
+            shutil.rmtree(root / kind, ignore_errors=True)
         held_out = root / "held_out"  # the docs' text files only (docs/img holds images)
-        held_out.mkdir()
+        held_out.mkdir(parents=True, exist_ok=True)
         for f in sorted((REPO / "docs").glob("*.md")):
             (held_out / f.name).write_bytes(f.read_bytes())
-        pre = train(root / "pre", [*shape, f"train.steps={args.pretrain_steps}"])
+        if (root / "pre" / "model.safetensors").is_file():
+            pre = {"val": read_val(root / "pre"), "wall_s": None}
+        else:
+            shutil.rmtree(root / "pre", ignore_errors=True)
+            pre = train(root / "pre", [*shape, f"train.steps={args.pretrain_steps}"])
         rows.append({"run": "pretrain (stdlib)", "steps": args.pretrain_steps, "val_loss": pre["val"][-1][1],
                      "wall_s": pre["wall_s"]})
         tune = [*shape, f"data.path={held_out}", f"train.init_from={root / 'pre'}", f"adapter.rank={args.rank}",
