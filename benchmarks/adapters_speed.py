@@ -7,7 +7,9 @@ batches, AdamW with the same hyperparameters, fp32, no clipping. Steps are inter
 robin (``benchmarks.common.interleave``), a barrier before each, so load on the shared machine
 hits both alike; the step time is the slower rank's. The losses of the two are printed side
 by side: the same training, so they agree to float rounding. Target: mct no slower than 0.9x
-of peft + FSDP2 (its step time at most 1/0.9 of theirs).
+of peft + FSDP2 (its step time at most 1/0.9 of theirs). ``mct`` runs as ``mct train`` does
+(``memory.track = true``: the tracker counts every tensor); ``mct_untracked`` sets
+``memory.track = false``, the engine's own cost without the accounting.
 
     PYTHONPATH=src:. python benchmarks/adapters_speed.py [--steps 20] [--layers 4] [--hidden 256]
 """
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import cpu_line, format_table, interleave, summarize, write_json  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
+VARIANTS = ("mct", "mct_untracked", "peft_fsdp2")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR, SEED = 8, 16.0, 1e-3, 0
 
@@ -60,14 +63,14 @@ def adamw(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=LR, weight_decay=0.0)
 
 
-def build_mct(shape: dict):
+def build_mct(shape: dict, track: bool = True):
     from mct.adapters import apply_adapters
     from mct.config import AdapterConfig, EngineConfig
     from mct.engine import Engine
     model = llama(shape)
     apply_adapters(model, AdapterConfig(kind="lora", rank=RANK, alpha=ALPHA, targets=[f"*{t}" for t in TARGETS]))
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    engine = Engine(model, adamw, EngineConfig.from_dict({"zero": {"stage": 3}}))
+    engine = Engine(model, adamw, EngineConfig.from_dict({"zero": {"stage": 3}, "memory": {"track": track}}))
     return engine, adapters
 
 
@@ -91,11 +94,20 @@ def build_peft(shape: dict, adapters: dict):
 
 def _rank(rank: int, world: int, shape: dict, steps: int) -> dict:
     engine, adapters = build_mct(shape)
+    untracked, _ = build_mct(shape, track=False)
     model, opt = build_peft(shape, adapters)
-    losses: dict[str, list[float]] = {"mct": [], "peft_fsdp2": []}
+    losses: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    phases: dict[str, list[float]] = {}
 
     def mct_step(i: int) -> None:
-        losses["mct"].append(engine.train_step(batch(i, rank, shape), loss_fn).loss)
+        out = engine.train_step(batch(i, rank, shape), loss_fn)
+        losses["mct"].append(out.loss)
+        for k, v in out.metrics.items():
+            if k.startswith("time_") and isinstance(v, float):
+                phases.setdefault(k, []).append(v)
+
+    def untracked_step(i: int) -> None:
+        losses["mct_untracked"].append(untracked.train_step(batch(i, rank, shape), loss_fn).loss)
 
     def peft_step(i: int) -> None:
         loss = loss_fn(model, batch(i, rank, shape))
@@ -105,9 +117,12 @@ def _rank(rank: int, world: int, shape: dict, steps: int) -> dict:
         t = loss.detach().clone()
         dist.all_reduce(t)  # the mean over ranks, as the engine reports it
         losses["peft_fsdp2"].append(t.item() / world)
-    times = interleave({"mct": mct_step, "peft_fsdp2": peft_step}, steps, warmup=2, before_each=dist.barrier)
+    times = interleave({"mct": mct_step, "mct_untracked": untracked_step, "peft_fsdp2": peft_step}, steps,
+                       warmup=2, before_each=dist.barrier)
     engine.close()
-    return {"times": times, "losses": losses}
+    untracked.close()
+    return {"times": times, "losses": losses, "phases_ms": {k: 1e3 * statistics.median(v[2:]) for k, v in
+                                                             phases.items()}}
 
 
 def main() -> None:
@@ -122,21 +137,26 @@ def main() -> None:
     shape = {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "batch": args.batch, "vocab": 1024}
     results = run_distributed(_rank, 2, shape, args.steps, timeout=1800.0)
     rows = []
-    for kind in ("mct", "peft_fsdp2"):
+    for kind in VARIANTS:
         per_step = [max(ts) for ts in zip(*(r["times"][kind] for r in results))]  # the slower rank
         t = summarize(per_step)
         rows.append({"variant": kind, "step_ms": 1e3 * t["median"], "iqr_ms": 1e3 * t["iqr"],
                      "tokens_per_s": 2 * args.batch * args.seq / t["median"],
                      "final_loss": results[0]["losses"][kind][-1]})
-    mct, ref = rows
+    mct, untracked, ref = rows
     ratio = ref["step_ms"] / mct["step_ms"]  # > 1: mct faster
+    ratio_untracked = ref["step_ms"] / untracked["step_ms"]
     gap = max(abs(a - b) for a, b in zip(results[0]["losses"]["mct"], results[0]["losses"]["peft_fsdp2"]))
     print(f"Llama {args.layers} x {args.hidden}, seq {args.seq}, batch {args.batch} per rank, 2 gloo ranks x 1 "
           f"thread, LoRA rank {RANK} on {', '.join(TARGETS)}, fp32, {args.steps} steps; CPU: {cpu_line()}")
     print(format_table(rows, [("variant", "variant"), ("step_ms", "step ms (median)"), ("iqr_ms", "IQR ms"),
                               ("tokens_per_s", "tokens/s"), ("final_loss", "final loss")]))
-    print(f"mct speed / peft+FSDP2 speed = {ratio:.3f} (target >= 0.9); largest loss gap over the run {gap:.2e}")
-    payload = {"shape": shape, "steps": args.steps, "rows": rows, "speed_ratio": ratio, "loss_gap": gap,
+    print(f"mct speed / peft+FSDP2 speed = {ratio:.3f} (target >= 0.9; untracked {ratio_untracked:.3f}); largest "
+          f"loss gap over the run {gap:.2e}")
+    print("mct phases (rank 0, median ms): " + ", ".join(f"{k[5:-2]} {v:.0f}" for k, v in
+                                                         results[0]["phases_ms"].items()))
+    payload = {"shape": shape, "steps": args.steps, "rows": rows, "speed_ratio": ratio,
+               "speed_ratio_untracked": ratio_untracked, "loss_gap": gap, "phases_ms_rank0": results[0]["phases_ms"],
                "losses_rank0": results[0]["losses"], "step_medians_ms": {k: 1e3 * statistics.median(v) for k, v in
                                                                         results[0]["times"].items()}}
     print(f"wrote {write_json(args.out, payload)}")
