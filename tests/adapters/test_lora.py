@@ -201,3 +201,13 @@ def test_hf_default_targets_are_attention_and_mlp_projections(tmp_path, kind, ex
 def test_adapter_keys_without_adapters_are_refused():
     with pytest.raises(ValueError, match=r"adapter.rank = 4 .* adapter.kind = 'none' trains without them"):
         EngineConfig.from_dict({"adapter": {"rank": 4}})
+
+
+def test_the_summary_line_counts_adapters_against_every_parameter():
+    from mct.adapters import adapter_summary
+    model = _gpt()
+    assert adapter_summary(model, AdapterConfig()) == ""
+    apply_adapters(model, LORA)
+    line = adapter_summary(model, LORA)
+    trainable = sum(p.numel() for p in adapter_parameters(model).values())
+    assert line.startswith("lora rank 4, alpha 8 on 8 layers: ") and f"{trainable:,} trainable of " in line

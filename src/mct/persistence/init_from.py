@@ -166,10 +166,12 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
                 what: str, keep: set[str] = frozenset()) -> dict[str, str]:
     """Match the source's names to the model's parameters: returns {parameter name (as
     named_parameters) -> source name}. A tied parameter may come under any of its names
-    (once); buffers the source also holds are ignored; parameters in ``keep`` may be
-    absent (they keep their values). Raises ValueError naming the first few missing or
-    unexpected names, or wrong shapes. ``model_shapes``: each parameter's shape (stage 3
-    frees the module's own tensors between gathers)."""
+    (once); buffers the source also holds are ignored; adapter parameters (``lora_A``,
+    ``lora_B``) the source lacks keep their own values (a base model's weights under new
+    adapters), as do parameters in ``keep``; both are left out of the result. Raises
+    ValueError naming the first few missing or unexpected names, or wrong shapes.
+    ``model_shapes``: each parameter's shape (stage 3 frees the module's own tensors
+    between gathers)."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -179,7 +181,7 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     for name, p in model.named_parameters():
         found = [a for a in aliases[id(p)] if a in shapes]
         if not found:
-            if name not in keep:
+            if name not in keep and not is_adapter_name(name):
                 missing.append(name)
             continue
         source_of[name] = found[0]
