@@ -410,6 +410,13 @@ RUN_CASES: list[tuple[str, list[str], str]] = [
      "no such directory or .safetensors file"),
     # review of the task / export / sample area
     ("sample-tokenizer-not-utf8", ["sample", "{badtok_run}"], "is not a readable tokenizer (not UTF-8 text"),
+    # adapters out (issue 54): the run trained every weight
+    ("export-peft-of-a-full-run", ["export", "{run}", "--format", "peft", "--out", "{root}/adapter"],
+     "--format peft needs a run that trained adapters"),
+    ("export-merge-of-a-full-run", ["export", "{run}", "--format", "hf", "--merge", "--out", "{root}/merged"],
+     "--merge needs a run that trained adapters"),
+    ("export-peft-with-dtype", ["export", "{run}", "--format", "peft", "--dtype", "bf16", "--out", "{root}/adapter"],
+     "do not apply to --format peft"),
 ]
 
 

@@ -52,7 +52,8 @@ def _common(p: argparse.ArgumentParser, nproc: bool = True, init_from: bool = Tr
                    "define loss_fn, example_batch, optimizer, param_groups; docs/planner.md) (default: gpt)")
     if init_from:
         p.add_argument("--init-from", metavar="PATH", help="start from these weights (= --set train.init_from=PATH): "
-                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint")
+                       "a Hugging Face model directory, a .safetensors file, or an mct run dir or checkpoint; with "
+                       "adapter.kind = lora also a peft adapter directory (continues its adapters)")
     if nproc:
         p.add_argument("--nproc", type=int, default=1, help="local worker processes (torchrun's environment)")
 
@@ -130,13 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                        **kw)
     e.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR", help="a run directory or one of its checkpoints")
     e.add_argument("--out", required=True, help="the .safetensors file to write (a new file, or a regular file "
-                                                "with --force; never a run's own files); --format hf: a new or "
-                                                "empty directory")
+                                                "with --force; never a run's own files); --format hf|peft: a new "
+                                                "or empty directory")
     e.add_argument("--force", action="store_true", help="replace --out if it is an existing regular file (--format "
                    "hf: an earlier export, a directory holding only an export's files)")
-    e.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    e.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                    help="safetensors: one fp32 file, names as named_parameters; hf: a Hugging Face model directory "
-                        "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model")
+                        "(config.json, tokenizer files, sharded safetensors) of a run of an hf: model; peft: an "
+                        "adapter run's LoRA tensors (adapter_model.safetensors, adapter_config.json) as peft loads them")
+    e.add_argument("--merge", action="store_true", help="an adapter run's base with the adapters merged in "
+                   "(W + B A * alpha/rank), the LoRA tensors left out (--format safetensors or hf)")
     e.add_argument("--dtype", default="fp32", help="--format hf: the weights' dtype, fp32 or bf16")
     e.add_argument("--max-shard-size", default="2GB", help="--format hf: the largest safetensors file; more "
                    "weights are split into shards listed by model.safetensors.index.json")

@@ -15,16 +15,23 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
     if args.resume:
         raise ValueError("mct export has no --resume: each export reads the run's newest complete checkpoint "
                          "whole, into a new --out; `mct train --resume RUN_DIR` continues training")
-    if args.format == "hf":
+    if args.format == "peft":
+        if args.merge or args.dtype != "fp32" or args.max_shard_size != "2GB":
+            raise ValueError("--merge, --dtype and --max-shard-size do not apply to --format peft (the adapters, "
+                             "fp32); merged weights: --format hf --merge or --out FILE.safetensors --merge")
+        from mct.persistence.adapter_export import export_peft
+        path, warning = export_peft(args.source, args.out, force=args.force)
+    elif args.format == "hf":
         from mct.persistence.hf_export import export_hf
         path, warning = export_hf(args.source, args.out, args.dtype,
-                                  parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force)
+                                  parse_bytes(args.max_shard_size, "--max-shard-size"), force=args.force,
+                                  merge=args.merge)
     else:
         if args.dtype != "fp32" or args.max_shard_size != "2GB":
             raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
                              "one file")
         from mct.persistence.export import export
-        path, warning = export(args.source, args.out, force=args.force)
+        path, warning = export(args.source, args.out, force=args.force, merge=args.merge)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} from {path}")

@@ -11,6 +11,10 @@ unit layouts), then each tensor's bytes as they are read from the DCP files, one
 chunk (the piece of a unit one rank wrote) at a time, converted 16 MiB at a time. Peak
 memory is the largest stored chunk plus 16 MiB, never the model.
 Everything goes to a temporary directory beside ``--out``, renamed when complete.
+
+A run that trained adapters is exported merged (``--merge``, ``mct.persistence.adapter_export``):
+each adapted weight is read whole (one weight, in fp32), ``B A * alpha/rank`` is added, and
+the LoRA tensors are left out, so the directory is the base architecture transformers loads.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN
 from mct.outputs import check_dir_output, install_dir, temporary
+from mct.persistence.adapter_export import deltas_for
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.run_dir import check_outside_runs
 from mct.persistence.files import fsync_dir, read_json
@@ -178,6 +183,18 @@ def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype)
         del piece  # no view keeps this chunk alive while the next one is read
 
 
+def _merged_pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype,
+                   deltas: dict[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``_pieces``, with ``deltas[name]`` (fp32, the entry's shape) added to the entry when
+    it has one: that entry comes whole, summed in fp32, then converted to ``dtype``."""
+    delta = deltas.get(entry[0])
+    if delta is None:
+        yield from _pieces(checkpoint, entry, chunks, dtype)
+        return
+    whole = torch.cat([p.reshape(-1) for p in _pieces(checkpoint, entry, chunks, torch.float32)])
+    yield (whole.view(delta.shape) + delta).to(dtype).reshape(-1)
+
+
 def _plan_files(entries: list, element: int, max_bytes: int) -> list[list[int]]:
     """Entry indices per file, in order, each file at most ``max_bytes`` (a larger
     tensor gets a file of its own)."""
@@ -214,24 +231,28 @@ def _write_safetensors(path: Path, entries: list[tuple], dtype: torch.dtype,
     return writer.nbytes - writer.base
 
 
-def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int) -> str | None:
+def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int,
+             deltas: dict[str, torch.Tensor] | None = None) -> str | None:
     """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``,
-    with the tokenizer the run trained with (``copy_hf_assets``). Returns its warning."""
+    with the tokenizer the run trained with (``copy_hf_assets``). ``deltas``: merged
+    adapters (``adapter_export.deltas_for``): added to their weights, LoRA tensors left
+    out. Returns its warning."""
     torch_dtype, config_dtype = EXPORT_DTYPES[dtype]
     element = torch_dtype.itemsize
     entries = _entries(checkpoint)
     adapters = [name for name, *_ in entries if is_adapter_name(name)]
-    if adapters:  # transformers would load the base and drop them without a word
+    if adapters and deltas is None:  # transformers would load the base and drop them without a word
         raise ValueError(f"{checkpoint}: the run trained LoRA adapters ({adapters[0]}, ...), which a Hugging Face "
-                         f"model directory has no place for; export base and adapters by name with "
-                         f"--out FILE.safetensors")
+                         f"model directory has no place for: add --merge (base + B A merged), export the "
+                         f"adapters with --format peft, or base and adapters by name with --out FILE.safetensors")
+    entries = [e for e in entries if deltas is None or not is_adapter_name(e[0])]
     files = _plan_files(entries, element, max_shard_bytes)
     chunks = _Chunks(checkpoint / "engine")
     weight_map, total = {}, 0
     for k, indices in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
         total += _write_safetensors(out / fname, [entries[i] for i in indices], torch_dtype,
-                                    lambda e: _pieces(checkpoint, e, chunks, torch_dtype))
+                                    lambda e: _merged_pieces(checkpoint, e, chunks, torch_dtype, deltas or {}))
         weight_map.update({entries[i][0]: fname for i in indices})
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -246,21 +267,29 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
 
 
 def export_hf(source: str | Path, out: str | Path, dtype: str = "fp32",
-              max_shard_bytes: int = 2 * 10**9, force: bool = False) -> tuple[Path, str | None]:
-    """``mct export SOURCE --format hf --out DIR``: the HF directory of the newest usable
-    checkpoint of a run (or of a checkpoint directory). ``out`` must not exist, be an
-    empty directory or (``force``) an earlier HF export (``check_hf_out``); it appears
-    complete or not at all (``mct.outputs.install_dir``). Returns (checkpoint used,
-    warning or None). Raises ValueError (one line) for a bad source, target or dtype."""
+              max_shard_bytes: int = 2 * 10**9, force: bool = False, merge: bool = False) -> tuple[Path, str | None]:
+    """``mct export SOURCE --format hf --out DIR [--merge]``: the HF directory of the newest
+    usable checkpoint of a run (or of a checkpoint directory); ``merge``: of an adapter
+    run, the base with the adapters merged in. ``out`` must not exist, be an empty
+    directory or (``force``) an earlier HF export (``check_hf_out``); it appears complete
+    or not at all (``mct.outputs.install_dir``). Returns (checkpoint used, warning or
+    None). Raises ValueError (one line) for a bad source, target or dtype, an adapter run
+    without ``merge`` or ``merge`` of a run without adapters."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not allowed: choose {' or '.join(EXPORT_DTYPES)}")
     out = check_hf_out(out, force)
     path, warning = pick_checkpoint(source)
     assets = _assets_of(path)
+    names = [e[0] for e in _entries(path)]
+    if not merge and any(is_adapter_name(n) for n in names):
+        raise ValueError(f"--format hf: the run of {path} trained LoRA adapters, which transformers does not "
+                         f"load into the base: add --merge (the base with the adapters merged in) or export "
+                         f"the adapters with --format peft")
+    deltas = deltas_for(path, names, merge, "--merge")
     tmp = temporary(out)
     try:
         tmp.mkdir()
-        note = write_hf(path, tmp, assets, dtype, max_shard_bytes)
+        note = write_hf(path, tmp, assets, dtype, max_shard_bytes, deltas)
         warning = "; ".join(w for w in (warning, note) if w) or None
         install_dir(tmp, out, force=force)
     except OSError as e:  # reads of the checkpoint are named by _Chunks: what is left is writing
@@ -285,15 +314,18 @@ def check_hf_out(out: str | Path, force: bool) -> Path:
 def write_run_hf(run_dir: str | Path, dtype: str = "fp32", max_shard_bytes: int = 2 * 10**9) -> Path:
     """``RUN_DIR/hf/``: the HF directory of the run's newest checkpoint, next to the
     config and tokenizer files kept there since the run started (rank 0, at the end of
-    a run of an ``hf:`` model). Written beside it and swapped in. Returns its path."""
+    a run of an ``hf:`` model; an adapter run's merged, as ``--merge``). Written beside
+    it and swapped in. Returns its path."""
     run_dir = Path(run_dir)
     path, _ = pick_checkpoint(run_dir)
+    names = [e[0] for e in _entries(path)]
+    deltas = deltas_for(path, names, any(is_adapter_name(n) for n in names), "RUN_DIR/hf")
     dest = run_dir / "hf"
     tmp = run_dir / f".hf.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_hf(path, tmp, _assets_of(path), dtype, max_shard_bytes)
+        write_hf(path, tmp, _assets_of(path), dtype, max_shard_bytes, deltas)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     finally:

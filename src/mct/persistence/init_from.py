@@ -12,7 +12,9 @@ another rank), an mct checkpoint one unit's flat master at a time. The values go
 a copy of the rank's own state (``Engine.state_dict()``), which ``Engine.load_state_dict``
 validates and loads (resident or offloaded); no rank ever holds the whole model.
 Strict: a missing or unexpected name or a wrong shape is one ValueError naming the
-first few, raised identically on every rank before anything changes.
+first few, raised identically on every rank before anything changes. A model with
+adapters reads its adapters and its base as ``mct.persistence.adapter_source`` says (a peft
+directory continues its adapters; a base alone leaves them at their initial values).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from mct.adapters import is_adapter_name
+from mct.persistence.adapter_source import adapter_init_source, is_peft_dir
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.persistence.export import pick_checkpoint
@@ -160,14 +163,15 @@ def open_source(path: str | Path) -> _SafetensorsSource | _CheckpointSource:
 
 
 def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
-                what: str) -> dict[str, str]:
+                what: str, keep: set[str] = frozenset()) -> dict[str, str]:
     """Match the source's names to the model's parameters: returns {parameter name (as
     named_parameters) -> source name}. A tied parameter may come under any of its names
     (once); buffers the source also holds are ignored; adapter parameters (``lora_A``,
     ``lora_B``) the source lacks keep their own values (a base model's weights under new
-    adapters) and are left out of the result. Raises ValueError naming the
-    first few missing or unexpected names, or wrong shapes. ``model_shapes``: each
-    parameter's shape (stage 3 frees the module's own tensors between gathers)."""
+    adapters), as do parameters in ``keep``; both are left out of the result. Raises
+    ValueError naming the first few missing or unexpected names, or wrong shapes.
+    ``model_shapes``: each parameter's shape (stage 3 frees the module's own tensors
+    between gathers)."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -177,7 +181,7 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     for name, p in model.named_parameters():
         found = [a for a in aliases[id(p)] if a in shapes]
         if not found:
-            if not is_adapter_name(name):
+            if name not in keep and not is_adapter_name(name):
                 missing.append(name)
             continue
         source_of[name] = found[0]
@@ -192,18 +196,32 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     return source_of
 
 
+def _source_for(engine: Any, path: str | Path) -> tuple[Any, set[str]]:
+    """The source ``load_pretrained`` reads for ``engine``'s model, and the parameter names
+    it may leave as they are (``adapter_source``, for a model with adapters)."""
+    names = [n for n, _ in engine.model.named_parameters()]
+    peft = is_peft_dir(Path(path))
+    if not any(is_adapter_name(n) for n in names):
+        if peft:
+            raise ValueError(f"--init-from {str(path)!r} is a peft adapter: set adapter.kind = 'lora' (with the "
+                             f"adapter's rank, alpha and targets) to continue it")
+        return open_source(path), set()
+    cfg = engine.config
+    return adapter_init_source(path, None if peft else open_source(path), names, cfg.adapter, cfg.model.source)
+
+
 def load_pretrained(engine: Any, path: str | Path) -> None:
     """Load the weights at ``path`` into ``engine``'s master shards (and working
     parameters), reading only this rank's ranges. Optimizer state and counters are
     left as they are (a fresh engine: none). Collective at stages 1/2 (as
     ``Engine.load_state_dict``): every rank calls it. Raises ValueError, the engine
     untouched, for a bad source or names/shapes that do not match the model."""
-    source = open_source(path)
+    source, keep = _source_for(engine, path)
     state = engine.state_dict()  # under offload: copies of the masters (filled in place below)
     in_units = {name: tuple(shape) for unit in state["units"] for name, shape, _ in unit["params"]}
     frozen = [(n, p) for n, p in engine.model.named_parameters() if n not in in_units]
     source_of = check_names(engine.model, {**in_units, **{n: tuple(p.shape) for n, p in frozen}}, source.shapes,
-                            repr(str(path)))
+                            repr(str(path)), keep)
     tensors = dict(state["tensors"])
     for unit in state["units"]:
         key = f"{unit['name']}/master"
