@@ -169,15 +169,17 @@ def test_a_diverged_lora_run_rolls_back_and_replays_to_the_clean_runs_bytes(corp
         (tmp_path / "clean" / "model.safetensors").read_bytes()
 
 
-def test_an_hf_adapter_run_writes_no_hf_weights_that_would_drop_its_adapters(hf_dirs, corpus, tmp_path):
-    """transformers would load RUN_DIR/hf/ as the base model, silently without the adapters:
-    the run keeps only its config and tokenizer there, and `--format hf` is refused in one line."""
+def test_an_hf_adapter_run_writes_merged_hf_weights_and_refuses_an_unmerged_export(hf_dirs, corpus, tmp_path):
+    """transformers would load an unmerged RUN_DIR/hf/ as the base model, silently without the
+    adapters: the run writes the base with B A merged in, and `--format hf` without --merge
+    is refused in one line."""
+    from safetensors.torch import load_file
     from mct.persistence.hf_export import export_hf
     from mct.run.trainer import train
     cfg = hf_lora(hf_dirs, "llama", corpus, train={"steps": 2, "eval_every": 0, "init_from": hf_dirs["llama"]})
     train(cfg, tmp_path / "run", progress=False)
-    assert (tmp_path / "run" / "hf" / "config.json").is_file()
-    assert not list((tmp_path / "run" / "hf").glob("*.safetensors"))
-    with pytest.raises(ValueError, match=r"the run trained LoRA adapters .* --out FILE.safetensors") as e:
+    names = [n for f in (tmp_path / "run" / "hf").glob("*.safetensors") for n in load_file(f)]
+    assert names and not any("lora_" in n for n in names), names
+    with pytest.raises(ValueError, match=r"trained LoRA adapters.* add --merge") as e:
         export_hf(tmp_path / "run", tmp_path / "out")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -210,7 +210,7 @@ class Trainer:
         try:
             summary = self._loop()
             export_engine(self.engine, self.run_dir / "model.safetensors")
-            if self.task.hf_dir and self.ctx.is_main and not self.cfg.adapter.enabled:  # adapters: no HF form
+            if self.task.hf_dir and self.ctx.is_main:  # an adapter run's merged (as --merge)
                 write_run_hf(self.run_dir)
         finally:
             self.writer.close()
