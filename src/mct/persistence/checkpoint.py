@@ -91,7 +91,7 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
     sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
     for name, t in engine.frozen.items():  # not in the engine's state (never changes), but export needs it
-        tensors[FROZEN + name] = t.clone() if engine.frozen.units else t  # sharded: gathered a unit at a time
+        tensors[FROZEN + name] = t  # sharded: gathered a unit at a time, copies (FrozenModel.items)
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}

@@ -157,14 +157,16 @@ class FrozenModel:
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor in the working dtype) of every frozen parameter, a unit gathered at
-        a time: a view valid until the next unit's first item (copy it to keep it). Units
+        a time: a unit's parameters as copies, a loose one as itself (copy it to keep it). Units
         gathered before are left gathered. Collective when sharded: every rank must iterate
         to the end."""
         for u in self.units:
             was = u.gathered
             u.gather(self.comm)
             for name, p in zip(u.names, u.params):
-                yield name, p.detach()
+                # a copy: a consumer's .numpy() of a view would pin the working storage (torch
+                # then refuses to resize it, and the unit could never be released again)
+                yield name, p.detach().clone()
             if not was:
                 u.release()
         for name, p in self.loose:
