@@ -1,0 +1,80 @@
+"""Which tokens of a window each rank of a context group holds, and what each may attend to.
+Pure functions of shapes and document ids; no collectives.
+
+A window of T tokens is cut into 2N chunks of T / 2N tokens (N = ``parallel.context``); rank
+r holds chunks r and 2N-1-r. Under a causal mask a query's work grows with its position, so
+an early chunk paired with a late one gives every rank the same attention work (the causal
+load balance of Megatron's and torchtitan's context parallelism). The *gathered order* is the
+order a gather over the group lays tokens out in: rank 0's tokens, then rank 1's, ...; keys
+and values reach attention in that order and the mask is built for it, so nothing is permuted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mct.models.documents import document_positions
+
+
+def rank_indices(window: int, degree: int, rank: int) -> torch.Tensor:
+    """Global positions (int64 [window // degree]) of the tokens rank ``rank`` holds:
+    chunks ``rank`` and ``2 * degree - 1 - rank`` of ``2 * degree``. Asserts the window
+    splits evenly (the config checks model.seq_len)."""
+    assert window % (2 * degree) == 0 and 0 <= rank < degree, (window, degree, rank)
+    c = window // (2 * degree)
+    first, second = rank * c, (2 * degree - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def gathered_order(window: int, degree: int) -> torch.Tensor:
+    """Global positions (int64 [window]) of the tokens in gathered order (rank by rank)."""
+    return torch.cat([rank_indices(window, degree, r) for r in range(degree)])
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """One micro-batch's split as one rank sees it: what attention and the model's
+    positions read while that micro-batch's forward and backward (recompute) run."""
+
+    index: torch.Tensor
+    """int64 [t]: global positions of this rank's tokens (t = T / degree)."""
+    order: torch.Tensor
+    """int64 [T]: global positions of the window's tokens in gathered order."""
+    positions: torch.Tensor
+    """int64 [B, t]: the position ids of this rank's tokens (packed: offsets in their documents)."""
+    segments: torch.Tensor | None
+    """int64 [B, T]: the window's document ids in global order (packed), or None (one sequence)."""
+
+    def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """bool [B or 1, 1, len(queries), len(keys)]: True where the query at global
+        position ``queries[i]`` may attend the key at ``keys[j]`` (not later, and in the
+        same document when packed): SDPA's ``attn_mask``. Every query sees itself."""
+        allowed = (keys[None, :] <= queries[:, None]).to(self.index.device)[None, None]
+        if self.segments is None:
+            return allowed
+        same = self.segments[:, queries, None] == self.segments[:, None, keys]
+        return allowed & same[:, None]
+
+
+def shard_batch(batch: tuple[torch.Tensor, ...], degree: int, rank: int
+                ) -> tuple[tuple[torch.Tensor, ...], ContextShard]:
+    """A token batch (input_ids, targets[, segments]), int64 [B, T] each, -> (this rank's
+    columns of each tensor, its ``ContextShard``). Raises ValueError for another batch
+    shape or a window that does not split into 2 x degree chunks."""
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or any(
+            not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != batch[0].shape for t in batch):
+        raise ValueError("parallel.context > 1 splits token batches: (input_ids, targets[, segments]), int64 "
+                         "[B, T] each; give the engine such batches or set parallel.context = 1")
+    B, T = batch[0].shape
+    if T % (2 * degree):
+        raise ValueError(f"a window of {T} tokens does not split into 2 x parallel.context = {2 * degree} chunks: "
+                         f"use a multiple of {2 * degree} tokens (model.seq_len)")
+    device = batch[0].device
+    index, order = rank_indices(T, degree, rank).to(device), gathered_order(T, degree).to(device)
+    segments = batch[2] if len(batch) == 3 else None
+    whole = (document_positions(segments) if segments is not None
+             else torch.arange(T, device=device).expand(B, T))
+    shard = ContextShard(index=index, order=order, positions=whole[:, index], segments=segments)
+    return tuple(t[:, index] for t in batch), shard
