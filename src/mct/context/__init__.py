@@ -16,7 +16,17 @@ from mct.context.layout import ContextShard, gathered_order, rank_indices, shard
 from mct.context.parallel import ContextParallel, NoContext
 
 __all__ = ["ContextComm", "ContextParallel", "ContextShard", "NoContext", "SimulatedContextComm",
-           "context_parallel", "gathered_order", "rank_indices", "shard_batch"]
+           "context_parallel", "data_parallel", "gathered_order", "rank_indices", "shard_batch"]
+
+
+def data_parallel(rank: int, world: int, degree: int) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel world) of ``rank`` when groups of ``degree``
+    consecutive ranks share one window: (rank // degree, world // degree). Raises
+    ValueError when the degree does not divide the world."""
+    if world % degree:
+        raise ValueError(f"parallel.context = {degree} must divide the number of ranks ({world}): "
+                         f"run a multiple of {degree} ranks (--nproc) or change parallel.context")
+    return rank // degree, world // degree
 
 
 def context_parallel(cfg: ParallelConfig, model: nn.Module, *, rank: int, world: int,
@@ -24,11 +34,9 @@ def context_parallel(cfg: ParallelConfig, model: nn.Module, *, rank: int, world:
     """``NoContext`` at ``parallel.context = 1``; else this rank's ``ContextParallel``, its
     groups created (collective) and installed into ``model`` (mutated). Raises ValueError
     when the degree does not divide ``world`` or the model cannot be routed."""
+    data_parallel(rank, world, cfg.context)  # the degree divides the world
     if cfg.context == 1:
         return NoContext()
-    if world % cfg.context:
-        raise ValueError(f"parallel.context = {cfg.context} must divide the number of ranks ({world}): "
-                         f"run a multiple of {cfg.context} ranks (--nproc) or change parallel.context")
     cp = ContextParallel(context_comm(cfg.context, rank, world, simulated), cfg.context_attention)
     install(model, cp)
     return cp

@@ -58,23 +58,25 @@ class ContextShard:
         return allowed & same[:, None]
 
 
-def shard_batch(batch: tuple[torch.Tensor, ...], degree: int, rank: int
-                ) -> tuple[tuple[torch.Tensor, ...], ContextShard]:
-    """A token batch (input_ids, targets[, segments]), int64 [B, T] each, -> (this rank's
-    columns of each tensor, its ``ContextShard``). Raises ValueError for another batch
+def shard_batch(batch: tuple, degree: int, rank: int) -> tuple[tuple, ContextShard]:
+    """A token batch (input_ids, targets[, segments][, anything else, e.g. a dropout seed]),
+    the first ones int64 [B, T], -> (the batch with this rank's columns of every [B, T]
+    tensor, the rest as it is; its ``ContextShard``). Raises ValueError for another batch
     shape or a window that does not split into 2 x degree chunks."""
-    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3) or any(
-            not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != batch[0].shape for t in batch):
+    if (not isinstance(batch, (tuple, list)) or len(batch) < 2
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in batch[:2])
+            or batch[0].shape != batch[1].shape):
         raise ValueError("parallel.context > 1 splits token batches: (input_ids, targets[, segments]), int64 "
                          "[B, T] each; give the engine such batches or set parallel.context = 1")
     B, T = batch[0].shape
     if T % (2 * degree):
         raise ValueError(f"a window of {T} tokens does not split into 2 x parallel.context = {2 * degree} chunks: "
                          f"use a multiple of {2 * degree} tokens (model.seq_len)")
+    windowed = [isinstance(t, torch.Tensor) and t.shape == (B, T) for t in batch]
     device = batch[0].device
     index, order = rank_indices(T, degree, rank).to(device), gathered_order(T, degree).to(device)
-    segments = batch[2] if len(batch) == 3 else None
+    segments = batch[2] if len(batch) > 2 and windowed[2] else None
     whole = (document_positions(segments) if segments is not None
              else torch.arange(T, device=device).expand(B, T))
     shard = ContextShard(index=index, order=order, positions=whole[:, index], segments=segments)
-    return tuple(t[:, index] for t in batch), shard
+    return tuple(t[:, index] if w else t for t, w in zip(batch, windowed)), shard
