@@ -93,3 +93,26 @@ def test_context_parallel_matches_degree_one_fp32(degree):
     worst = run_distributed(_worst_differences, degree, timeout=300)[0]
     for case, (loss_diff, grad_diff) in worst.items():
         assert loss_diff < 1e-6 and grad_diff < 1e-6, (case, loss_diff, grad_diff)
+
+
+def _measured_and_predicted(rank: int, world: int) -> dict:
+    """The second step's tracked peak of this rank, and (rank 0) the planner's prediction."""
+    from mct.planner import predict_peak
+    out = {}
+    for model_name, stage in (("gpt", 0), ("llama", 3)):
+        cfg = config(world, stage, "auto", "none", model_name)
+        torch.manual_seed(0)
+        model_fn = (lambda: GPT(cfg.model)) if model_name == "gpt" else tiny_llama
+        engine = Engine(model_fn(), lambda groups: torch.optim.SGD(groups, lr=LR), cfg)
+        peaks = [engine.train_step(window(s, True), token_loss).metrics["peak_bytes"] for s in range(2)]
+        predicted = (predict_peak(model_fn, token_loss, window(0, True), cfg, world_size=world,
+                                  optimizer=lambda groups: torch.optim.SGD(groups, lr=LR)) if rank == 0 else None)
+        out[model_name] = (peaks[-1], predicted)
+    return out
+
+
+@pytest.mark.multirank
+def test_planner_predicts_the_context_parallel_peak():
+    measured = run_distributed(_measured_and_predicted, 2, timeout=300)[0]
+    for name, (peak, predicted) in measured.items():
+        assert abs(predicted - peak) <= 0.02 * peak, (name, peak, predicted)
