@@ -11,7 +11,7 @@ and values reach attention in that order and the mask is built for it, so nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,20 @@ class ContextShard:
     """int64 [B, t]: the position ids of this rank's tokens (packed: offsets in their documents)."""
     segments: torch.Tensor | None
     """int64 [B, T]: the window's document ids in global order (packed), or None (one sequence)."""
+    masks: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """The masks built so far, by kind: built by the first layer, shared by every layer."""
+
+    def gather_mask(self) -> torch.Tensor:
+        """``mask(index, order)``: this rank's queries over the gathered keys (built once)."""
+        if "gather" not in self.masks:
+            self.masks["gather"] = self.mask(self.index, self.order)
+        return self.masks["gather"]
+
+    def heads_mask(self) -> torch.Tensor:
+        """``mask(order, order)``: the window's queries over its keys, both in gathered order (built once)."""
+        if "heads" not in self.masks:
+            self.masks["heads"] = self.mask(self.order, self.order)
+        return self.masks["heads"]
 
     def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """bool [B or 1, 1, len(queries), len(keys)]: True where the query at global
