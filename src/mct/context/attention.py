@@ -28,7 +28,7 @@ def gather_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k:
                      *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """This rank's queries over the gathered keys and values (see the module docstring)."""
     k, v = (_repeat_heads(comm.all_gather(t, dim=2), q.shape[1]) for t in (k, v))
-    mask = shard.gather_mask()
+    mask = shard.gather_mask(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
@@ -39,7 +39,7 @@ def all_to_all_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor
     assert heads_divide(q.shape[1], k.shape[1], comm.degree), (q.shape, k.shape, comm.degree)
     q, k, v = (_to_heads(comm, t) for t in (q, k, v))
     k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
-    mask = shard.heads_mask()
+    mask = shard.heads_mask(q.dtype)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     return _to_tokens(comm, y)
 

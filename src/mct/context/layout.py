@@ -46,20 +46,21 @@ class ContextShard:
     """int64 [B, t]: the position ids of this rank's tokens (packed: offsets in their documents)."""
     segments: torch.Tensor | None
     """int64 [B, T]: the window's document ids in global order (packed), or None (one sequence)."""
-    masks: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    """The masks built so far, by kind: built by the first layer, shared by every layer."""
+    masks: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """The masks built so far, by kind and dtype: built by the first layer, shared by every layer."""
 
-    def gather_mask(self) -> torch.Tensor:
-        """``mask(index, order)``: this rank's queries over the gathered keys (built once)."""
-        if "gather" not in self.masks:
-            self.masks["gather"] = self.mask(self.index, self.order)
-        return self.masks["gather"]
+    def gather_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``additive(mask(index, order))``: this rank's queries over the gathered keys (built once)."""
+        if ("gather", dtype) not in self.masks:
+            self.masks["gather", dtype] = additive(self.mask(self.index, self.order), dtype)
+        return self.masks["gather", dtype]
 
-    def heads_mask(self) -> torch.Tensor:
-        """``mask(order, order)``: the window's queries over its keys, both in gathered order (built once)."""
-        if "heads" not in self.masks:
-            self.masks["heads"] = self.mask(self.order, self.order)
-        return self.masks["heads"]
+    def heads_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``additive(mask(order, order))``: the window's queries over its keys, both in gathered
+        order (built once)."""
+        if ("heads", dtype) not in self.masks:
+            self.masks["heads", dtype] = additive(self.mask(self.order, self.order), dtype)
+        return self.masks["heads", dtype]
 
     def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """bool [B or 1, 1, len(queries), len(keys)]: True where the query at global
@@ -70,6 +71,14 @@ class ContextShard:
             return allowed
         same = self.segments[:, queries, None] == self.segments[:, None, keys]
         return allowed & same[:, None]
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask -> SDPA's additive form in ``dtype`` (0 where allowed, -inf elsewhere).
+    SDPA converts a bool mask to this on every call and keeps the copy for backward: one
+    conversion per layer; built here once, every layer shares it (measured: 256 MiB a layer
+    at 8192 tokens, docs/parallel.md)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def shard_batch(batch: tuple, degree: int, rank: int) -> tuple[tuple, ContextShard]:

@@ -10,6 +10,9 @@ already summed each rank's gradient contributions across its group, so the avera
 the mean over context groups of each window's gradient: what degree 1 computes, each
 data-parallel rank holding one group's windows. The engine's reported loss (the mean
 over ranks) is likewise the mean over groups of the windows' losses.
+
+Dropout: each rank draws the masks of its own tokens (the trainer's micro-batch seed plus
+the rank in the group), so a run with dropout is a correct run but not degree 1's draws.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ class ContextParallel:
         """This rank's share of the window loss of ``batch`` (input_ids, targets[, segments])
         (see the module docstring); sets ``shard``. Raises ValueError for another batch shape."""
         local, self.shard = shard_batch(batch, self.degree, self.comm.rank)
+        # the trainer's dropout seed (a trailing int): offset by the rank in the group, so its
+        # ranks draw independent masks for their tokens rather than one pattern twice
+        local = tuple(v + self.comm.rank if type(v) is int else v for v in local)
         loss = loss_fn(model, local)
         mine = (local[1] != IGNORE_INDEX).sum()
         counted = (batch[1] != IGNORE_INDEX).sum()
