@@ -63,7 +63,7 @@ class ContextParallel:
             raise ValueError(f"parallel.context_attention = 'all_to_all' splits heads over the context group, but "
                              f"{heads} heads ({kv_heads} key/value heads) do not divide parallel.context = "
                              f"{self.degree}: set parallel.context_attention = 'all_gather' or 'auto'")
-        impl = all_to_all_attention if self.attention != "all_gather" and divides else gather_attention
+        impl = all_to_all_attention if self.attention == "all_to_all" else gather_attention
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                    dropout_p: float = 0.0) -> torch.Tensor:
