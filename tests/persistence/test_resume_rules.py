@@ -42,6 +42,7 @@ OTHER: dict[str, object] = {
     "offload.buffers": 3,
     "optimizer.name": None,  # one choice ('adamw'): no other value to change it to
     "optimizer.betas": [0.8, 0.9], "optimizer.eps": 1e-6, "optimizer.state_dtype": "int8",
+    "parallel.context": 2, "parallel.context_attention": "all_to_all",
 }
 """Another valid value of every key of the schema (a key added without one fails the walk)."""
 
