@@ -63,3 +63,4 @@ def test_config_refuses_a_window_that_does_not_split_and_a_world_the_degree_does
     with pytest.raises(ValueError, match=r"parallel.context = 2 must divide the number of ranks \(3\)"):
         data_parallel(0, 3, 2)
     assert data_parallel(5, 6, 2) == (2, 3)
+    assert EngineConfig.from_dict({"model": {"seq_len": 13}}).parallel.context == 1  # degree 1: any window

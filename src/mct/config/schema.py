@@ -53,7 +53,7 @@ class EngineConfig:
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
                   f"on every rank: set zero.stage = 3 or offload.params = 'none'")
-        if self.model.seq_len % (2 * self.parallel.context):
+        if self.parallel.context > 1 and self.model.seq_len % (2 * self.parallel.context):
             _fail("model.seq_len", self.model.seq_len,
                   f"must be a multiple of 2 x parallel.context = {2 * self.parallel.context} (each rank holds two "
                   f"of the window's 2 x context chunks): change model.seq_len or parallel.context")
