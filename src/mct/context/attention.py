@@ -1,10 +1,10 @@
 """Attention across a context group: each rank holds queries, keys and values of its
 tokens (``layout``) and gets the exact attention output of its queries over the window.
 
-- ``gather_attention``: every rank gathers all keys and values (in gathered order) and
-  attends its queries to them under the mask its shard builds. Any mask, any head count;
-  holds the window's keys and values ([B, Hkv, T, D] twice) during attention. What Llama 3
-  used for document masks.
+- ``gather_attention``: every rank gathers all keys and values, puts them in global order,
+  and attends each of its two chunks to the keys before its end under the mask its shard
+  builds. Any mask, any head count; holds the window's keys and values ([B, Hkv, T, D]
+  twice) during attention. What Llama 3 used for document masks.
 - ``all_to_all_attention`` (Ulysses): one all-to-all turns q, k, v from "my tokens, all
   heads" into "all tokens, my H / N heads", each rank attends the whole window for its
   heads, and one more all-to-all turns the output back. Needs the head count and the
@@ -12,7 +12,7 @@ tokens (``layout``) and gets the exact attention output of its queries over the 
   instead of the gather's whole-window keys and values.
 
 Both take q [B, H, t, D] and k, v [B, Hkv, t, D] (Hkv divides H: grouped-query attention)
-and return [B, H, t, D]; SDPA computes (its math/efficient kernels with a bool mask).
+and return [B, H, t, D]; SDPA computes, with the additive mask each shard builds once.
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ from mct.context.layout import ContextShard
 
 def gather_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """This rank's queries over the gathered keys and values (see the module docstring)."""
-    k, v = (_repeat_heads(comm.all_gather(t, dim=2), q.shape[1]) for t in (k, v))
-    mask = shard.gather_mask(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    """This rank's queries over the gathered keys and values (see the module docstring): the
+    keys put in global order, each of the rank's two chunks attends only the causal prefix
+    of keys up to its last token (at degree N, (2N + 1) / 4N of the window's rows x keys)."""
+    to_global = torch.argsort(shard.order)
+    k, v = (_repeat_heads(comm.all_gather(t, dim=2)[:, :, to_global], q.shape[1]) for t in (k, v))
+    out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], dropout_p=dropout_p,
+                                          attn_mask=shard.chunk_mask(h, q.dtype), scale=scale)
+           for h, (rows, end) in enumerate(shard.chunks())]
+    return torch.cat(out, dim=2)
 
 
 def all_to_all_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k: torch.Tensor,

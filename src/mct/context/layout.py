@@ -46,14 +46,26 @@ class ContextShard:
     """int64 [B, t]: the position ids of this rank's tokens (packed: offsets in their documents)."""
     segments: torch.Tensor | None
     """int64 [B, T]: the window's document ids in global order (packed), or None (one sequence)."""
-    masks: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    rank: int = 0
+    """This rank's place in its context group (it holds chunks ``rank`` and ``2N - 1 - rank``)."""
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """The masks built so far, by kind and dtype: built by the first layer, shared by every layer."""
 
-    def gather_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """``additive(mask(index, order))``: this rank's queries over the gathered keys (built once)."""
-        if ("gather", dtype) not in self.masks:
-            self.masks["gather", dtype] = additive(self.mask(self.index, self.order), dtype)
-        return self.masks["gather", dtype]
+    def chunks(self) -> list[tuple[slice, int]]:
+        """This rank's two chunks: (their rows of the local tokens, the end of the causal
+        prefix of keys they may attend: the global position after their last token). From
+        the sizes alone (no tensor values: the planner's fake tensors have none)."""
+        c, n, r = self.index.shape[0] // 2, self.order.shape[0] // self.index.shape[0], self.rank
+        return [(slice(0, c), (r + 1) * c), (slice(c, 2 * c), (2 * n - r) * c)]
+
+    def chunk_mask(self, h: int, dtype: torch.dtype) -> torch.Tensor:
+        """``additive(mask(...))`` of chunk ``h``'s queries over the keys of global positions
+        0 .. its prefix end (built once)."""
+        if ("chunk", h, dtype) not in self.masks:
+            rows, end = self.chunks()[h]
+            keys = torch.arange(end, device=self.index.device)
+            self.masks["chunk", h, dtype] = additive(self.mask(self.index[rows], keys), dtype)
+        return self.masks["chunk", h, dtype]
 
     def heads_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """``additive(mask(order, order))``: the window's queries over its keys, both in gathered
@@ -101,5 +113,5 @@ def shard_batch(batch: tuple, degree: int, rank: int) -> tuple[tuple, ContextSha
     segments = batch[2] if len(batch) > 2 and windowed[2] else None
     whole = (document_positions(segments) if segments is not None
              else torch.arange(T, device=device).expand(B, T))
-    shard = ContextShard(index=index, order=order, positions=whole[:, index], segments=segments)
+    shard = ContextShard(index=index, order=order, positions=whole[:, index], segments=segments, rank=rank)
     return tuple(t[:, index] if w else t for t, w in zip(batch, windowed)), shard
