@@ -232,8 +232,8 @@ class ParallelConfig:
     """How attention crosses the context group: 'all_to_all' (Ulysses: heads and key/value heads
     split over the group, each rank attends the whole window for its heads), 'all_gather' (each rank
     gathers every key and value; any mask, any head count) or 'auto' = 'all_gather': on this CPU it
-    held 0.58x all_to_all's activation peak at the same step time (its mask covers this rank's rows
-    of the window, all_to_all's the whole window for its heads; docs/parallel.md)."""
+    held 0.47x all_to_all's activation peak in 0.65x its step time (it attends and masks this rank's
+    rows over their causal prefix, all_to_all the whole window for its heads; docs/parallel.md)."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "context": fixed("the run's global batch counts one window per context group",
