@@ -26,6 +26,7 @@ from mct import optim
 from mct.adapters import check_adapted
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
+from mct.context import context_parallel
 from mct.dist import DistContext, agree
 from mct.memory.budget import apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion, step_reserve
 from mct.memory import host
@@ -96,8 +97,11 @@ class Engine:
         self.model = place_model(model, self.device, init_program)
         optimizer = optimizer or optim.make_adamw(cfg.optimizer, lr=cfg.train.lr, seed=cfg.seed)
 
-        # 1. checkpointing (a model transformation; parameter names do not change), no KV cache
+        # 0. context parallelism: this rank's group and the model's attention routed through it
         disable_kv_cache(model)
+        self.context = context_parallel(cfg.parallel, model, rank=self.ctx.rank, world=self.ctx.world_size,
+                                        simulated=self.ctx.backend == "simulated")
+        # 1. checkpointing (a model transformation; parameter names do not change)
         self.recompute = apply_checkpointing(
             model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
             device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
@@ -233,7 +237,7 @@ class Engine:
             self._phase_name = "forward"
             with self.tracker.phase(Phase.FORWARD, "activations"), self._phase(Phase.FORWARD), kernels:
                 with self.precision.autocast(self.device.type):
-                    loss = loss_fn(self.model, mb)
+                    loss = self.context.loss(loss_fn, self.model, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
             loss_sum += loss.detach().double()
@@ -306,7 +310,7 @@ class Engine:
             with torch.random.fork_rng(devices=devices), self.tracker.phase(Phase.EVAL, "activations"):
                 with (self._phase(Phase.EVAL), self.precision.kernels(self.device.type),
                       self.precision.autocast(self.device.type)):
-                    loss = loss_fn(self.model, self._to_device(batch)).detach().double().reshape(1)
+                    loss = self.context.loss(loss_fn, self.model, self._to_device(batch)).detach().double().reshape(1)
                 if self.stage3 is not None:
                     self.stage3.end_step()
         finally:

@@ -44,6 +44,7 @@ OTHER: dict[str, object] = {
     "optimizer.betas": [0.8, 0.9], "optimizer.eps": 1e-6, "optimizer.state_dtype": "int8",
     "adapter.kind": "lora", "adapter.rank": 4, "adapter.alpha": 8.0, "adapter.dropout": 0.1,
     "adapter.targets": ["*q_proj"], "adapter.base_dtype": "nf4",  # the others: on a saved adapter run (_saved)
+    "parallel.context": 2, "parallel.context_attention": "all_to_all",
 }
 """Another valid value of every key of the schema (a key added without one fails the walk)."""
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from mct.config.run import DataConfig, ModelConfig, TrainConfig
+from mct.config.run import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from mct.config.techniques import (MAX_SEED, AdapterConfig, CheckpointingConfig, DistributedConfig, MemoryConfig, OffloadConfig,
                                    OptimizerConfig, PrecisionConfig, ZeroConfig)
 from mct.config.values import ByteSize, Name, OnResume, _check_range, _fail, fixed
@@ -23,6 +23,7 @@ _SECTIONS: dict[str, type] = {
     "precision": PrecisionConfig, "checkpointing": CheckpointingConfig,
     "zero": ZeroConfig, "memory": MemoryConfig, "distributed": DistributedConfig,
     "offload": OffloadConfig, "optimizer": OptimizerConfig, "adapter": AdapterConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -41,6 +42,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "seed": fixed("it seeds the run's data order and dropout")}
@@ -52,6 +54,10 @@ class EngineConfig:
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
                   f"on every rank: set zero.stage = 3 or offload.params = 'none'")
+        if self.parallel.context > 1 and self.model.seq_len % (2 * self.parallel.context):
+            _fail("model.seq_len", self.model.seq_len,
+                  f"must be a multiple of 2 x parallel.context = {2 * self.parallel.context} (each rank holds two "
+                  f"of the window's 2 x context chunks): change model.seq_len or parallel.context")
 
     def check_resolved(self) -> None:
         """ValueError when zero.stage or checkpointing.policy is still 'auto' (an engine needs them chosen)."""

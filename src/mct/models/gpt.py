@@ -75,14 +75,20 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # context parallelism (mct.context.install): attend(q, k, v, *, dropout_p) runs this
+        # rank's queries across its context group instead of the attention below
+        self.context_attention = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, C] -> [B, T, C]; ``mask`` bool [B, 1, T, T] (packed documents) or None (causal)."""
+        """x [B, T, C] -> [B, T, C]; ``mask`` bool [B, 1, T, T] (packed documents) or None
+        (causal, or the context attention's own mask)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        if attention_impl(self.attention, q.device.type, q.dtype) == "explicit":
+        if self.context_attention is not None:
+            y = self.context_attention(q, k, v, dropout_p=p)
+        elif attention_impl(self.attention, q.device.type, q.dtype) == "explicit":
             y = explicit_attention(q, k, v, p, mask)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -142,20 +148,27 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """idx: int64 [B, T] -> logits [B, T, vocab] in the compute dtype: the output head
-        applied last to ``hidden_states(idx, segments)`` (chunked cross-entropy replaces the head)."""
-        return self.lm_head(self.hidden_states(idx, segments))
+        applied last to ``hidden_states(idx, segments, positions=positions)`` (chunked
+        cross-entropy replaces the head)."""
+        return self.lm_head(self.hidden_states(idx, segments, positions=positions))
 
-    def hidden_states(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, segments: torch.Tensor | None = None, *,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
         """idx: int64 [B, T] -> the final normed hidden states [B, T, d_model].
         ``segments`` int64 [B, T] (packed documents, ``mct.models.documents``): positions
         restart at each document and attention stays inside it; one mask, built here,
-        goes to every block (a recomputed block is called with the same tensor)."""
+        goes to every block (a recomputed block is called with the same tensor).
+        ``positions`` int64 [B, T] (context parallelism: this rank's tokens of a longer
+        window, ``mct.context``): their position ids; the installed context attention masks."""
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len = {self.cfg.seq_len}")
-        if segments is None:
+        if positions is not None:
+            pos, mask = positions, None
+        elif segments is None:
             pos, mask = torch.arange(T, device=idx.device), None
         else:
             pos, mask = document_positions(segments), block_causal_mask(segments)

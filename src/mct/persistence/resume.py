@@ -122,11 +122,12 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
     new = apply_overrides(saved, overrides)
     resume_changes(saved, new)
     global_micro = int(state["global_micro_batches"])
-    if global_micro % world_size:
-        options = [n for n in range(1, global_micro + 1) if global_micro % n == 0]
+    context = int(new.get("parallel", {}).get("context", 1))  # ranks that share one window
+    if global_micro % (world_size // context) or world_size % context:
+        options = [n * context for n in range(1, global_micro + 1) if global_micro % n == 0]
         raise ValueError(f"the run's global batch is {global_micro} micro-batches per step, which {world_size} "
-                         f"ranks cannot split evenly; use --nproc in {options}")
-    new["data"] = {**new["data"], "grad_accum": global_micro // world_size}
+                         f"ranks (parallel.context = {context}) cannot split evenly; use --nproc in {options}")
+    new["data"] = {**new["data"], "grad_accum": global_micro // (world_size // context)}
     kept = Path(run_dir) / "hf"
     if str(new["model"].get("source", "")).startswith("hf:") and (kept / "config.json").is_file():
         # the architecture the run has trained since it started, not the source directory (since

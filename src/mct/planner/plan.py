@@ -235,7 +235,8 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     if rates is None:
         rates, notes = machine_rates(world, device, measure=measure)
     notes = [*notes, *(rates.notes if rates else ["no machine profile cached: no step times (mct calibrate)"])]
-    tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world)
+    # one window per context group (parallel.context ranks share it)
+    tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world // cfg.parallel.context)
     work = prepare_work(work, cfg, extrapolate)
     works = {c: map_task(work, with_loss_chunk, c) for c in chunks}
     mixed = _per_block_of(work, cfg) if "per_block" in grid.policies else {}

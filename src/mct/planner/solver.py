@@ -143,7 +143,7 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
         for warning in warnings:
             say_line(f"warning: {warning}")
     process, _ = process_model(task_of(work), cfg, device, measure=measure)
-    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world),
+    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world // cfg.parallel.context),
             "process": process}
 
 

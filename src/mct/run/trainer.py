@@ -21,6 +21,7 @@ from typing import Any
 from mct.adapters import adapter_summary
 from mct.config import EngineConfig
 from mct.data import build_data, copy_tokenizer
+from mct.context import data_parallel
 from mct.data.sampler import DataPosition
 from mct.dist import DistContext, agree, broadcast_from_main, error_of
 from mct.engine import Engine
@@ -89,7 +90,9 @@ class Trainer:
         self.task = with_loss_chunk(self.task, self.cfg.train.loss_chunk_tokens)  # auto may choose chunking
         if self.cfg.data.micro_batch_size != cfg.data.micro_batch_size:  # and the micro-batch (memory.solver_allow)
             self.task = replace(self.task, batch=resized_batch(self.task.batch, self.cfg.data.micro_batch_size))
-        self.corpus, self.sampler = build_data(self.cfg, ctx.world_size)
+        # context groups share their windows: the data is split over world / parallel.context ranks
+        self.data_rank, self.data_world = data_parallel(ctx.rank, ctx.world_size, self.cfg.parallel.context)
+        self.corpus, self.sampler = build_data(self.cfg, self.data_world)
         check_tokens(self.task, self.corpus)
         if resume:
             agree(error_of(check_corpus, self.run_dir, self.corpus.fingerprint) if ctx.is_main else None)
@@ -108,7 +111,7 @@ class Trainer:
         self.validator = Validator(tcfg, self.sampler, self.task.loss_fn)
         predicted = self.choice["predicted_peak_bytes"] if self.choice else None
         self.utilization = self._utilization()
-        self.log = StepLog(self.cfg, ctx.world_size, ctx.rank, predicted, self.utilization)
+        self.log = StepLog(self.cfg, self.data_world, ctx.rank, predicted, self.utilization)
         self.budget = BudgetLoop.maybe(cfg, self.choice, ctx.world_size, self.task)
         self.faults = FaultPlan.from_env()
         if resume:
@@ -143,7 +146,7 @@ class Trainer:
     def header(self) -> dict[str, Any]:
         """The run's fixed facts a checkpoint records beside the components."""
         return {"config": self.cfg.to_dict(), "world_size": self.ctx.world_size,
-                "global_micro_batches": self.cfg.data.grad_accum * self.ctx.world_size}
+                "global_micro_batches": self.cfg.data.grad_accum * self.data_world}
 
     # ---- building ----
     def build_engine(self, cfg: EngineConfig) -> Engine:
@@ -287,7 +290,7 @@ class Trainer:
         lr = self.schedule.lr(self.counters.opt_step)
         for g in self.engine.optimizer.param_groups:
             g["lr"] = lr
-        batches = step_batches(self.sampler, self.cfg, self.data.position(step), rank)
+        batches = step_batches(self.sampler, self.cfg, self.data.position(step), self.data_rank)
         t_data = time.perf_counter() - t0
         last = step == self.cfg.train.steps - 1
         logged = self.log.should_log(step, last, self.validator.should_validate(step, last))
@@ -320,7 +323,7 @@ class Trainer:
         c.step = step + 1
         record = self.log.record(step, out, lr, t_data, step_time, rollbacks=self.rollback.total)
         if self.validator.should_validate(step, last):
-            c.validated(self.validator.run(self.engine, self.ctx.rank, self.ctx.world_size))
+            c.validated(self.validator.run(self.engine, self.data_rank, self.data_world))
             record["val_loss"] = c.last_val
         if self.log.should_log(step, last, "val_loss" in record):
             if self.cfg.data.packing == "documents":  # what the step's global batch held (docs/data.md)

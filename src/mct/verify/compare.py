@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mct.context import data_parallel
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
@@ -157,7 +158,9 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     micro-batches. Returns the report on rank 0, None elsewhere."""
     ctx = ctx or DistContext.current()
     task = task_for(cfg)
-    corpus, sampler = build_data(cfg, ctx.world_size)
+    # context groups share a window: the reference (degree 1) steps on world / parallel.context ranks' batches
+    data_rank, data_world = data_parallel(ctx.rank, ctx.world_size, cfg.parallel.context)
+    corpus, sampler = build_data(cfg, data_world)
     check_tokens(task, corpus)
     model, _ = build_model(task, cfg, on_meta=False)
     optimizer = task.optimizer or make_optimizer(cfg)
@@ -189,11 +192,11 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
         lr = lr_at(opt_step, cfg.train)
         for g in engine.optimizer.param_groups:
             g["lr"] = lr
-        out = engine.train_step(step_batches(sampler, cfg, step, ctx.rank, ctx.device), loss_fn)
+        out = engine.train_step(step_batches(sampler, cfg, step, data_rank, ctx.device), loss_fn)
         if ref is not None:
             for g in ref.optimizer.param_groups:
                 g["lr"] = lr
-            per_rank = [step_batches(sampler, cfg, step, r) for r in range(ctx.world_size)]
+            per_rank = [step_batches(sampler, cfg, step, r) for r in range(data_world)]
             if out.skipped:  # no update on either side: the reference skips the step too
                 report.rows.append((step, out.loss, float("nan"), 0.0, True))
                 report.grad_norms.append((out.grad_norm, float("nan")))

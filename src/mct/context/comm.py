@@ -1,0 +1,98 @@
+"""The context group's collectives: the only module of ``mct.context`` that calls
+torch.distributed. Each is an autograd function whose backward is the adjoint collective,
+so gradients are exact: an all-gather's backward reduce-scatters (sums) the gradients of
+the gathered copies into their owner; an all-to-all's backward is the same all-to-all.
+gloo (CPU) and nccl (CUDA) both run ``all_gather_single``, ``reduce_scatter_single`` and
+``all_to_all_single`` (checked on gloo with torch 2.13).
+
+``SimulatedContextComm`` has the same methods on fake tensors (the planner's dry run):
+outputs of the real shapes and dtypes, no data moved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older torch has only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Gather(torch.autograd.Function):
+    """[t, ...] on each rank -> [degree * t, ...], rank by rank; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, degree: int) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((degree * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        degree = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // degree, *grad.shape[1:]))
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """[degree, ...]: block j goes to rank j, block i of the output came from rank i; its own adjoint."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)  # after contiguous(): empty_like keeps a strided input's strides
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+class ContextComm:
+    """The collectives of one context group (``degree`` ranks, this one ``rank`` in it)."""
+
+    def __init__(self, group: Any, degree: int, rank: int) -> None:
+        self.group, self.degree, self.rank = group, degree, rank
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``x`` of every rank concatenated along ``dim`` in rank order. Differentiable."""
+        return _Gather.apply(x.movedim(dim, 0), self.group, self.degree).movedim(0, dim)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [degree, ...]: block j to rank j; returns the blocks received, by source rank. Differentiable."""
+        return _AllToAll.apply(x, self.group)
+
+
+class SimulatedContextComm(ContextComm):
+    """Rank 0 of a group that does not exist: the outputs' shapes, dtypes and lifetimes of
+    the real collectives (fake tensors in the planner's dry run), no data exchanged."""
+
+    def __init__(self, degree: int) -> None:
+        super().__init__(None, degree, 0)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.degree, dim=dim)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+def context_comm(degree: int, rank: int, world: int, simulated: bool) -> ContextComm:
+    """This rank's context group: ranks ``[g * degree, (g + 1) * degree)`` share one window.
+    Creates every group (collective: every rank calls it, in the same order); simulated:
+    no group. Asserts ``degree`` divides ``world`` (the caller raises the user's error)."""
+    assert world % degree == 0, (world, degree)
+    if simulated:
+        return SimulatedContextComm(degree)
+    group, _ = dist.new_subgroups(group_size=degree)
+    return ContextComm(group, degree, rank % degree)
