@@ -118,3 +118,32 @@ def test_planner_predicts_the_context_parallel_peak():
     measured = run_distributed(_measured_and_predicted, 2, timeout=300)[0]
     for name, (peak, predicted) in measured.items():
         assert abs(predicted - peak) <= 0.02 * peak, (name, peak, predicted)
+
+
+def _ignored_middle(rank: int, world: int) -> tuple:
+    """Degree 2, a window whose middle half (rank 1's chunks 1 and 2) has no counted target:
+    rank 1's share is 0, not nan; losses and gradients still those of degree 1."""
+    from mct.context.parallel import IGNORE_INDEX
+    x, y = window(0, False)
+    y = y.clone()
+    y[:, T // 4:3 * T // 4] = IGNORE_INDEX
+    cfg = config(world, 0, "all_gather", "none", "gpt")
+
+    def run(c, ctx=None):
+        torch.manual_seed(0)
+        engine = Engine(GPT(c.model), lambda groups: torch.optim.SGD(groups, lr=LR), c, ctx=ctx)
+        before = engine.full_state_dict()
+        loss = engine.train_step((x, y), token_loss).loss
+        after = engine.full_state_dict()
+        return loss, {k: (before[k] - after[k]) / LR for k in before}
+    loss, grads = run(cfg)
+    if rank:
+        return None
+    ref_loss, ref_grads = run(config(1, 0, "auto", "none", "gpt"), DistContext())
+    return loss, ref_loss, max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads)
+
+
+@pytest.mark.multirank
+def test_a_rank_without_counted_targets_adds_nothing_rather_than_nan():
+    loss, ref_loss, grad_diff = run_distributed(_ignored_middle, 2, timeout=300)[0]
+    assert abs(loss - ref_loss) < 1e-6 and grad_diff < 1e-6, (loss, ref_loss, grad_diff)

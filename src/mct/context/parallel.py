@@ -82,4 +82,7 @@ class ContextParallel:
         loss = loss_fn(model, local)
         mine = (local[1] != IGNORE_INDEX).sum()
         counted = (batch[1] != IGNORE_INDEX).sum()
-        return loss * (self.degree * mine.to(loss.dtype) / counted.to(loss.dtype))
+        share = loss * (self.degree * mine.to(loss.dtype) / counted.to(loss.dtype))
+        # a rank none of whose tokens is counted (a window's end all padding or ignored): the
+        # mean over nothing is nan; its share is 0, its graph kept (the collectives in backward)
+        return torch.where(mine > 0, share, torch.zeros_like(share))
