@@ -265,7 +265,7 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     runs = run_jobs(lambda i: predict(works[choices[i].loss_chunk], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
     process, why = process_model(task_of(work), cfg, device, measure=measure)
-    counts = budget_counts(cfg, budget, process, why)
+    counts = budget_counts(cfg, process, why) if budget is not None else "tensors"
     rows = [row(run, c, world, budget, recomputed=mixed.get("recomputed"), rates=rates, tokens=tokens,
                 process=process, counts=counts) for run, c in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
@@ -282,11 +282,10 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     return plan
 
 
-def budget_counts(cfg: EngineConfig, budget: int | None, process: ProcessModel | None, why: str) -> str:
-    """What a budget is compared with: ``memory.budget_counts`` ('tensors' when there is no
-    budget). Raises ValueError when it counts the process and no process model is known
-    (``why``: the reason), naming both ways out."""
-    if budget is None or not cfg.memory.counts_process:
+def budget_counts(cfg: EngineConfig, process: ProcessModel | None, why: str) -> str:
+    """What a budget is compared with: ``memory.budget_counts``. Raises ValueError when it
+    counts the process and no process model is known (``why``: the reason), naming both ways out."""
+    if not cfg.memory.counts_process:
         return "tensors"
     if process is None:
         raise ValueError(f"memory.budget counts the process's peak (memory.budget_counts = 'process') and this "

@@ -148,7 +148,7 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
             say_line(f"warning: {warning}")
     # a budget counting the process cannot be solved without its baseline: measured where missing
     process, why = process_model(task_of(work), cfg, device, measure=measure or cfg.memory.counts_process)
-    counts = budget_counts(cfg, budget=0, process=process, why=why)  # a solve always has a budget
+    counts = budget_counts(cfg, process, why)  # a solve always has a budget
     return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world),
             "process": process, "counts": counts}
 
