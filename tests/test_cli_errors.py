@@ -95,10 +95,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("enforce-without-budget", [*TRAIN, "--set", "memory.enforce=true"], "needs memory.budget"),
     ("enforce-untracked", [*TRAIN, "--set", "memory.budget=1GiB", "--set", "memory.enforce=true",
                            "--set", "memory.track=false"], "memory.track = False"),
-    ("budget-1KiB-enforced", [*TRAIN, "--set", "memory.budget=1KiB", "--set", "memory.enforce=true"],
-     "memory budget exceeded"),
-    ("budget-300KiB-enforced", [*TRAIN, "--set", "memory.budget=300KiB", "--set", "memory.enforce=true"],
-     "memory budget exceeded in phase 'forward'"),
+    ("budget-1KiB-enforced", [*TRAIN, "--set", "memory.budget=1KiB", "--set", "memory.enforce=true",
+                              "--set", "memory.budget_counts=tensors"], "memory budget exceeded"),
+    ("budget-300KiB-enforced", [*TRAIN, "--set", "memory.budget=300KiB", "--set", "memory.enforce=true",
+                                "--set", "memory.budget_counts=tensors"], "memory budget exceeded in phase 'forward'"),
+    ("budget-below-any-process", [*TRAIN, "--set", "memory.budget=100MiB", "--set", "memory.enforce=true"],
+     "is below what any configuration's process needs on this machine"),
+    ("budget-counts-unknown", [*TRAIN, "--set", "memory.budget_counts=bytes"], "memory.budget_counts = 'bytes'"),
     ("model-larger-than-host-memory", [*TRAIN, "--set", "model.n_layer=2", "--set", "model.d_model=65536",
                                        "--set", "model.n_head=8"], "more than this machine's"),
     ("backend-unknown", [*TRAIN, "--set", "distributed.backend=mpi"], "distributed.backend = 'mpi'"),
@@ -476,8 +479,8 @@ def test_bad_use_of_a_run_is_one_line_exit_2_and_writes_nothing(case, hf_probe, 
 
 @pytest.mark.cli
 @pytest.mark.parametrize("argv,fragment", [
-    (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true", *TINY],
-     "memory budget exceeded"),
+    (["-m", "mct", "train", "--set", "memory.budget=1KiB", "--set", "memory.enforce=true",
+      "--set", "memory.budget_counts=tensors", *TINY], "memory budget exceeded"),
     (["-m", "mct", "train", "--nproc", "x"], "invalid int value"),
     (["-m", "mct", "train", "--set", "train.lr=nan"], "train.lr = nan"),
 ], ids=["budget-enforced", "argparse", "non-finite"])

@@ -37,7 +37,7 @@ def test_counted_steps_between_uncounted_ones_report_the_peaks_of_always_counted
 
 
 def test_track_memory_false_is_ignored_under_an_enforced_budget():
-    cfg = tiny_config(memory={"budget": "1GiB", "enforce": True})
+    cfg = tiny_config(memory={"budget": "1GiB", "enforce": True, "budget_counts": "tensors"})
     torch.manual_seed(0)
     engine = Engine(GPT(cfg.model), adamw, cfg)
     out = engine.train_step(batches(0, 0), gpt_loss, track_memory=False)

@@ -31,6 +31,7 @@ from mct.dist import DistContext, agree
 from mct.memory.budget import apply_cuda_budget, cuda_oom_as_budget_error, default_suggestion, step_reserve
 from mct.memory import host
 from mct.memory.tracker import MemoryBudgetExceeded, MemoryTracker, Phase
+from mct.memory.watch import ResidentWatch
 from mct.task.init_program import InitProgram, place_model
 from mct.offload.residency import Residency, residency_for
 from mct.offload.snapshot import EngineSnapshot
@@ -85,10 +86,12 @@ class Engine:
         self._trim = self.ctx.backend != "simulated" and host.for_building(self._host_malloc)  # then for_training
         self._trim_steps = self._trim and host.trims_steps(self._host_malloc)
         enforce = cfg.memory.budget if cfg.memory.enforce else None
+        # a budget counting the process is watched on the resident set (CUDA: reserved + context) too
+        watch = ResidentWatch(enforce, self.device) if enforce and cfg.memory.counts_process else None
         self.tracker = tracker or MemoryTracker(self.device, enabled=cfg.memory.track, budget_bytes=enforce,
-                                                suggestion=default_suggestion(cfg) if enforce else None)
+                                                suggestion=default_suggestion(cfg) if enforce else None, watch=watch)
         if enforce and self.device.type == "cuda":
-            apply_cuda_budget(self.device, enforce)
+            apply_cuda_budget(self.device, enforce, context=watch.cuda_context if watch else 0)
         self.precision = PrecisionPolicy.from_config(cfg.precision)
         self.scaler = LossScaler.from_config(cfg.precision)
         self.comm = Comm(self.ctx, bucket_bytes=int(cfg.zero.bucket_mb * 2**20),

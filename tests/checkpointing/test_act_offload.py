@@ -282,7 +282,7 @@ def test_auto_chooses_activation_offload_when_only_it_fits(capsys):
     budget = (rows["none"]["peak"] + rows["disk"]["peak"]) // 2
     assert rows["disk"]["peak"] < budget < rows["none"]["peak"]
     cfg = EngineConfig.from_dict({**base.to_dict(), "zero": {"stage": 0}, "checkpointing": {"policy": "auto"},
-                                  "memory": {"budget": str(budget)}})
+                                  "memory": {"budget": str(budget), "budget_counts": "tensors"}})
     resolved, choice = resolve_auto(cfg, 1, work)
     assert resolved.checkpointing.offload == "disk" and choice["checkpointing.offload"] == "disk"
     assert choice["predicted_peak_bytes"] <= budget

@@ -208,7 +208,8 @@ def test_mct_verify_passes_with_tiled_mlps(tmp_path, mode, stage):
 def test_plan_has_mlp_tile_rows_and_auto_chooses_tiling_when_nothing_fits_without():
     from mct.planner import Grid, make_plan, resolve_auto
     from mct.task import gpt_task
-    cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "seq_len": 64, "n_layer": 3}, "data": {"micro_batch_size": 4}})
+    cfg = EngineConfig.from_dict({"model": {**TINY_MODEL, "seq_len": 64, "n_layer": 3}, "data": {"micro_batch_size": 4},
+                                  "memory": {"budget_counts": "tensors"}})  # the budgets below: tensor bytes
     grid = Grid((0,), ("none",), ("fp32",), mlp_tiles=(0, 8))
     off, on = make_plan(gpt_task(cfg), cfg, 1, None, grid).rows
     assert (off["mlp_tile_tokens"], on["mlp_tile_tokens"]) == (0, 8) and on["peak"] < off["peak"]
@@ -220,7 +221,8 @@ def test_plan_has_mlp_tile_rows_and_auto_chooses_tiling_when_nothing_fits_withou
     rows = make_plan(gpt_task(cfg), cfg, 1, None, stages).rows
     budget = min(r["peak"] for r in rows if r["mlp_tile_tokens"])
     assert budget < min(r["peak"] for r in rows if not r["mlp_tile_tokens"])
-    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget)}})
+    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget),
+                                                                                    "budget_counts": "tensors"}})
     resolved, choice = resolve_auto(auto, 1, gpt_task(auto))
     assert resolved.checkpointing.mlp_tile_tokens == choice["checkpointing.mlp_tile_tokens"] == AUTO_MLP_TILE
     assert choice["predicted_peak_bytes"] <= budget

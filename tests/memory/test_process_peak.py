@@ -61,6 +61,40 @@ def test_every_plan_row_carries_the_process_peak_as_baseline_plus_peak_plus_over
     assert all(r["process_peak"] > r["peak"] for r in data)
 
 
+def test_a_budget_counting_the_process_fits_the_process_peak_and_one_counting_tensors_the_peak():
+    """The same budget, between the rows' tensor peaks and far below any process peak: counted as
+    the process nothing fits (the advice names the process peak); counted as tensor bytes some rows do."""
+    x = batches(0, 0, 1, B=2)[0]
+    grid = dict(world_size=2, stages=(0, 3), policies=("none", "all"), precisions=("fp32",))
+    cfg = tiny_config(data={"micro_batch_size": 2})
+    rows = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, **grid).rows
+    budget = sorted(r.peak for r in rows)[1]
+    process = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, budget=budget, **grid)
+    assert process.budget_counts == "process" and process.to_dict()["budget_counts"] == "process"
+    assert all(r.budget_counts == "process" and r.fits == (r.process_peak <= budget) for r in process.rows)
+    assert process.recommended is None and "(process peak: the resident set)" in process.advice
+    tensors_cfg = tiny_config(data={"micro_batch_size": 2}, memory={"budget_counts": "tensors"})
+    tensors = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, tensors_cfg, budget=budget, **grid)
+    assert [r.fits for r in tensors.rows] == [r.peak <= budget for r in rows] and tensors.recommended is not None
+    roomy = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, budget=max(r.process_peak for r in rows), **grid)
+    assert all(r.fits for r in roomy.rows) and "predicted process peak" in roomy.advice
+
+
+def test_the_solver_needs_the_process_terms_where_the_budget_counts_the_process():
+    from mct.planner import resolve_auto
+    from mct.planner.choice import need_of
+    from mct.task import gpt_task
+    cfg = tiny_config(data={"micro_batch_size": 2}, zero={"stage": "auto"}, memory={"budget": "400MiB"})
+    resolved, choice = resolve_auto(cfg, 1, gpt_task(cfg))
+    assert choice["budget_counts"] == "process" and choice["predicted_process_peak_bytes"] <= 400 * MiB
+    assert choice["predicted_process_peak_bytes"] > SEEDED_BASELINE + choice["predicted_peak_bytes"]
+    row = {"peak": 10, "first_step_peak": 30, "init_peak": 20, "runtime_baseline": 100, "allocator_overhead": 5}
+    assert need_of(row) == 30 and need_of({**row, "budget_counts": "process"}) == 135
+    with pytest.raises(ValueError, match="nothing fits 310.00 MiB .*process peak"):
+        resolve_auto(tiny_config(data={"micro_batch_size": 2}, zero={"stage": "auto"}, memory={"budget": "310MiB"}),
+                     1, gpt_task(cfg))
+
+
 def test_a_plan_without_a_cached_baseline_that_may_not_measure_has_no_process_peak(tmp_path, monkeypatch):
     from mct.planner.resident import process_model
     monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path))

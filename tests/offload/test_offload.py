@@ -488,7 +488,8 @@ def test_auto_plans_offload_only_when_nothing_fits_without_it(monkeypatch):
     assert rows[(3, "none")]["offloaded"] == {"cpu": 0, "disk": 0}
 
     def auto(budget: int, device: str = "cpu"):
-        cfg = EngineConfig.from_dict({**base.to_dict(), "memory": {"budget": f"{budget}B"}})
+        cfg = EngineConfig.from_dict({**base.to_dict(), "memory": {"budget": f"{budget}B",
+                                                                     "budget_counts": "tensors"}})
         return resolve_auto(cfg, 2, work, device=device)
     cfg, choice = auto(no_offload)
     assert choice["offload"] == "none" and cfg.offload.optimizer == "none"

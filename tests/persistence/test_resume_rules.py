@@ -35,7 +35,7 @@ OTHER: dict[str, object] = {
     "checkpointing.per_block": {"all": 1},  # with policy 'per_block' (implied when only per_block is set)
     "zero.stage": 2, "zero.bucket_mb": 5.0, "zero.prefetch": False, "zero.persistent_numel": 100,
     "zero.reshard_root_after_forward": False, "zero.units": ["Block"],
-    "memory.budget": "2GiB", "memory.enforce": True, "memory.track": False, "memory.host_malloc": "lean",
+    "memory.budget": "2GiB", "memory.budget_counts": "tensors", "memory.enforce": True, "memory.track": False, "memory.host_malloc": "lean",
     "memory.huge_pages": False, "memory.solver_allow": ["offload"],
     "distributed.backend": "gloo", "distributed.timeout_s": 60.0, "distributed.shared_memory": False,
     "offload.optimizer": "disk", "offload.params": "cpu", "offload.dir": "scratch", "offload.chunk_mb": 1.0,

@@ -160,7 +160,7 @@ def test_deepspeed_memory_rst_zero2_and_zero3_worked_examples_within_1_percent()
 
 
 def test_plan_is_plain_data_with_a_recommendation():
-    cfg = tiny_config(data={"micro_batch_size": B})
+    cfg = tiny_config(data={"micro_batch_size": B}, memory={"budget_counts": "tensors"})  # the budget: tensor bytes
     x = batches(0, 0, 1, B=B)[0]
     full = mct.plan(lambda: GPT(cfg.model), gpt_loss, x, cfg, world_size=2, stages=(0, 3), policies=("none", "all"),
                     precisions=("fp32",))
@@ -234,7 +234,7 @@ def test_auto_picks_a_fitting_configuration_and_trains_under_enforce(tmp_path):
                            param_groups=work.param_groups).peak
     budget = int(default_peak * 0.8)  # the default run does not fit
     cfg = EngineConfig.from_dict({**base, "zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"},
-                                  "memory": {"budget": str(budget), "enforce": True}})
+                                  "memory": {"budget": str(budget), "enforce": True, "budget_counts": "tensors"}})
     summary = train(cfg, tmp_path / "run", progress=False)
     assert summary.steps == 3
     meta = json.loads((tmp_path / "run" / "metadata.json").read_text())
@@ -251,7 +251,7 @@ def test_impossible_budget_fails_in_one_line_with_exit_2(capsys):
     tiny = [f"model.{k}={v}" for k, v in TINY_MODEL.items()]
     args = [a for kv in tiny for a in ("--set", kv)] + ["--set", "data.micro_batch_size=4"]
     assert main(["train", *args, "--set", "zero.stage=auto", "--set", "checkpointing.policy=all",
-                 "--set", "memory.budget=20KB"]) == 2
+                 "--set", "memory.budget=20KB", "--set", "memory.budget_counts=tensors"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("mct: error: nothing fits") and "misses by" in err
 
@@ -267,7 +267,7 @@ def test_budget_exceeded_in_the_optimizer_step_modifies_nothing():
     budget = (max(peaks["forward"]["total"], peaks["backward"]["total"]) + peaks["optimizer"]["total"]) // 2
     assert peaks["optimizer"]["total"] > budget
     cfg = tiny_config(checkpointing={"policy": "all"}, data={"micro_batch_size": 4},
-                      memory={"budget": str(budget), "enforce": True})
+                      memory={"budget": str(budget), "enforce": True, "budget_counts": "tensors"})
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))

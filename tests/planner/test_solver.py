@@ -41,7 +41,7 @@ def each_config_dry_run_once(monkeypatch, dry_runs):
 
 def config(**sections) -> EngineConfig:
     d = {"model": dict(MODEL), "data": {"micro_batch_size": 4}, "zero": {"stage": 0},
-         "checkpointing": {"policy": "auto"}}
+         "checkpointing": {"policy": "auto"}, "memory": {"budget_counts": "tensors"}}  # budgets here: tensor bytes
     for k, v in sections.items():
         d[k] = {**d.get(k, {}), **v}
     return EngineConfig.from_dict(d)
@@ -139,7 +139,8 @@ def test_budget_fallback_leaves_a_per_block_pick_for_a_more_frugal_uniform_polic
     cfg = config()
     rows = uniform_rows(cfg)
     budget = (need(rows["none"]) + need(rows["all"])) // 2
-    auto = EngineConfig.from_dict({**cfg.to_dict(), "memory": {"budget": str(budget), "enforce": True}})
+    auto = EngineConfig.from_dict({**cfg.to_dict(), "memory": {"budget": str(budget), "enforce": True,
+                                                                "budget_counts": "tensors"}})
     work = gpt_task(auto)
     resolved, choice = resolve_auto(auto, 1, work)
     assert resolved.checkpointing.policy == "per_block" and choice["checkpointing.per_block"]
@@ -155,7 +156,8 @@ def test_mct_plan_solve_prints_the_frontier_pick_and_why_and_json_carries_them(c
     rows = uniform_rows(config())
     budget = (need(rows["none"]) + need(rows["all"])) // 2
     base = ["plan", *(a for k, v in MODEL.items() for a in ("--set", f"model.{k}={v}")), "--set",
-            "data.micro_batch_size=4", "--stages", "0", "--precisions", "fp32", "--workers", "1"]
+            "data.micro_batch_size=4", "--stages", "0", "--precisions", "fp32", "--workers", "1",
+            "--set", "memory.budget_counts=tensors"]
     argv = [*base, "--budget", str(budget), "--solve"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -183,7 +185,8 @@ def test_auto_trains_the_solvers_pick_and_records_it(tmp_path, corpus_dir, monke
     small = uniform_rows(config(data={"micro_batch_size": 2}, model={"vocab_size": 256}))
     budget = (need(small["none"]) + need(rows["none"])) // 2
     run = EngineConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "path": str(corpus_dir)},
-                                  "memory": {"budget": str(budget), "solver_allow": ["micro_batch"]},
+                                  "memory": {"budget": str(budget), "solver_allow": ["micro_batch"],
+                                             "budget_counts": "tensors"},
                                   "train": {"steps": 2, "warmup_steps": 1, "eval_every": 0, "log_every": 1}})
     train(run, tmp_path / "run", progress=False)
     meta = json.loads((tmp_path / "run" / "metadata.json").read_text())

@@ -23,7 +23,7 @@ def config(corpus_dir: Path, policy: str, budget: str) -> EngineConfig:
     return EngineConfig.from_dict({
         "seed": 5, "model": {"n_layer": 4, "n_head": 2, "d_model": 32, "seq_len": 64, "dropout": 0.1},
         "data": {"path": str(corpus_dir), "micro_batch_size": 8}, "checkpointing": {"policy": policy},
-        "memory": {"budget": budget, "enforce": True},
+        "memory": {"budget": budget, "enforce": True, "budget_counts": "tensors"},  # budgets: tensor bytes
         "train": {"steps": 3, "warmup_steps": 1, "eval_every": 0, "log_every": 1}})
 
 

@@ -223,7 +223,7 @@ def test_a_worker_dying_in_native_code_is_named_last_with_its_python_stack(confi
     ("train.max_consecutive_skips=1", "nan@3-40", 3, "mct: training stopped: "),
 ])
 def test_launcher_prints_the_workers_one_line_once(config, tmp_path, setting, fault, code, start):
-    extra = ["--set", "memory.enforce=true"] if "budget" in setting else []
+    extra = ["--set", "memory.enforce=true", "--set", "memory.budget_counts=tensors"] if "budget" in setting else []
     rc, out, err = finish(mct("train", "--config", str(config), "--nproc", "2", "--set", setting, *extra,
                               "--run-dir", str(tmp_path / "run"), "--no-progress",
                               env=_env(MCT_FAULT=fault) if fault else None))

@@ -16,7 +16,7 @@ from mct.run.resolve import RESOLVED_ENV, resolve_once, solve_in_launcher
 from mct.task import task_for
 from tests.run.test_trainer import _env, _toml, tiny
 
-AUTO = {"zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"}, "memory": {"budget": "64MiB"}}
+AUTO = {"zero": {"stage": "auto"}, "checkpointing": {"policy": "auto"}, "memory": {"budget": "64MiB", "budget_counts": "tensors"}}
 
 
 def _auto_config(corpus_dir) -> EngineConfig:

@@ -232,7 +232,8 @@ def test_plan_has_loss_chunking_rows_and_auto_chooses_it_when_nothing_fits_witho
     assert (off["loss_chunk_tokens"], on["loss_chunk_tokens"]) == (0, 32)
     assert off["peak"] - on["peak"] >= 1.5 * 4 * 64 * 4096 * 4 and on["cost"] > off["cost"]
     budget = (off["peak"] + on["peak"]) // 2
-    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget)}})
+    auto = EngineConfig.from_dict({**cfg.to_dict(), "zero": {"stage": "auto"}, "memory": {"budget": str(budget),
+                                                                                    "budget_counts": "tensors"}})
     resolved, choice = resolve_auto(auto, 1, gpt_task(auto))
     assert resolved.train.loss_chunk_tokens > 0 and choice["train.loss_chunk_tokens"] > 0
     assert choice["predicted_peak_bytes"] <= budget

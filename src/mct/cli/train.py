@@ -96,6 +96,9 @@ def _train_checks(args: argparse.Namespace, recorded: bool) -> tuple[Any, str | 
     task = task_for(cfg)  # a bad model source fails here, in one line, before any launch
     from mct.task.meta import check_host_memory
     check_host_memory(cfg, args.nproc if not _under_torchrun() else 1, task)
+    from mct.planner.plan import planned_device
+    from mct.planner.resident import check_process_floor
+    check_process_floor(task, cfg, planned_device(cfg))  # a budget no process can meet: one line, now
     _config_warnings(cfg, args.nproc, args.resume)
     return cfg, run_dir, task
 

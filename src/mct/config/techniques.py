@@ -165,6 +165,8 @@ class ZeroConfig:
         _check_range("zero.persistent_numel", self.persistent_numel, 0)
 
 
+BUDGET_COUNTS = ("process", "tensors")
+"""What ``memory.budget`` is compared with (``MemoryConfig.budget_counts``)."""
 HOST_MALLOC = ("auto", "default", "lean", "frugal", "cache")
 """``memory.host_malloc``'s modes (``mct.memory.host``)."""
 SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload")
@@ -175,9 +177,16 @@ SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload")
 class MemoryConfig:
     budget: ByteSize | None = None
     """Per-rank memory budget, written as a size ('2GiB', '512MB') or a byte count; bytes
-    (an int) once loaded: converted here, once; '' or absent = none."""
+    (an int) once loaded: converted here, once; '' or absent = none. What it counts:
+    ``budget_counts``."""
+    budget_counts: str = "process"
+    """What ``budget`` is compared with: 'process' (default: each process's peak as the kernel
+    counts it, the resident set on CPU, the CUDA context + the caching allocator's reserved bytes
+    on CUDA; the plan's ``process_peak``) or 'tensors' (live tensor bytes only, the plan's
+    ``peak``: the meaning ``memory.budget`` had before)."""
     enforce: bool = False
-    """Raise MemoryBudgetExceeded as soon as live bytes pass the budget."""
+    """Raise MemoryBudgetExceeded as soon as live tensor bytes pass the budget, and, when the
+    budget counts the process, as soon as the resident set (CUDA: reserved bytes + context) does."""
     track: bool = True
     """Count live tensor bytes by category and stage (CPU: exact; CUDA: torch.cuda stats)."""
     host_malloc: str = "auto"
@@ -205,13 +214,16 @@ class MemoryConfig:
     when nothing fits without it, as ``auto`` always did."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
-        ("budget", "enforce", "track", "host_malloc", "huge_pages", "solver_allow"),
+        ("budget", "budget_counts", "enforce", "track", "host_malloc", "huge_pages", "solver_allow"),
         may("memory is budgeted, counted and allocated as the new value says from the resumed step on"))
 
     def __post_init__(self) -> None:
         if self.host_malloc not in HOST_MALLOC:
             *rest, last = map(repr, HOST_MALLOC)
             _fail("memory.host_malloc", self.host_malloc, f"choose {', '.join(rest)} or {last}")
+        if self.budget_counts not in BUDGET_COUNTS:
+            _fail("memory.budget_counts", self.budget_counts,
+                  "choose 'process' (the process's resident peak) or 'tensors' (live tensor bytes)")
         bad = [v for v in self.solver_allow if v not in SOLVER_LEVERS]
         if bad:
             _fail("memory.solver_allow", self.solver_allow,
@@ -227,6 +239,11 @@ class MemoryConfig:
     def budget_bytes(self) -> int | None:
         """``budget`` (bytes already): the name older callers read."""
         return self.budget
+
+    @property
+    def counts_process(self) -> bool:
+        """Does ``budget`` count the process (not only its tensors)?"""
+        return self.budget_counts == "process"
 
 
 @dataclass(kw_only=True)

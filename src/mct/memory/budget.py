@@ -70,8 +70,14 @@ class StepReserve:
         self.observed = max(self.observed, peak - start - self.publish)
 
 
-def apply_cuda_budget(device: torch.device, budget: int) -> None:
-    """Cap this process's CUDA caching allocator at ``budget`` bytes of the device."""
+def apply_cuda_budget(device: torch.device, budget: int, context: int = 0) -> None:
+    """Cap this process's CUDA caching allocator at ``budget`` bytes of the device, less
+    ``context`` (the CUDA context's bytes, where the budget counts the process). Raises
+    ValueError when the budget exceeds the device or leaves the allocator nothing."""
+    if budget <= context:
+        raise ValueError(f"memory.budget = {format_bytes(budget)} is not more than the CUDA context alone "
+                         f"(about {format_bytes(context)}): raise it, or set memory.budget_counts=tensors")
+    budget -= context
     total = torch.cuda.get_device_properties(device).total_memory
     if budget > total:
         raise ValueError(f"memory.budget = {format_bytes(budget)} is more than the device has "

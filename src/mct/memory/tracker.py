@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from mct.config import Name
+from mct.memory.watch import STRIDE as _WATCH_MARGIN, ResidentWatch
 
 class Phase(Name):
     """Where a step is: what ``MemoryTracker.phase`` records peaks under (metric keys
@@ -79,15 +80,23 @@ class MemoryBudgetExceeded(RuntimeError):
     ``suggestion`` (what to change; '' when none was given).
     """
 
-    def __init__(self, phase: str, live: dict[str, int], budget: int, suggestion: str = "") -> None:
+    def __init__(self, phase: str, live: dict[str, int], budget: int, suggestion: str = "",
+                 resident: int | None = None, figure: str = "") -> None:
         self.phase, self.live, self.budget, self.suggestion = phase, dict(live), budget, suggestion
+        self.resident, self.figure = resident, figure
         parts = ", ".join(f"{c} {format_bytes(live.get(c, 0))}" for c in CATEGORIES)
-        msg = (f"memory budget exceeded in phase '{phase}': live {format_bytes(live['total'])} "
-               f"> budget {format_bytes(budget)} ({budget} bytes); by category: {parts}")
+        if resident is None:
+            msg = (f"memory budget exceeded in phase '{phase}': live {format_bytes(live['total'])} "
+                   f"> budget {format_bytes(budget)} ({budget} bytes); by category: {parts}")
+        else:  # the process's figure (mct.memory.watch): the budget counts the process
+            msg = (f"memory budget exceeded in phase '{phase}': {figure or 'the process'} {format_bytes(resident)} "
+                   f"is within {format_bytes(_WATCH_MARGIN)} of budget {format_bytes(budget)} ({budget} bytes; "
+                   f"memory.budget counts the process, memory.budget_counts = 'process'); live tensors "
+                   f"{format_bytes(live['total'])}, by category: {parts}")
         super().__init__(msg + (f". Suggestion: {suggestion}" if suggestion else ""))
 
     def __reduce__(self):  # multi-rank tests send exceptions between processes
-        return (type(self), (self.phase, self.live, self.budget, self.suggestion))
+        return (type(self), (self.phase, self.live, self.budget, self.suggestion, self.resident, self.figure))
 
 
 class _Record:
@@ -156,12 +165,14 @@ class MemoryTracker:
     ``suggestion``: called when the budget is exceeded; its text joins the message.
     ``count_fake``: also count meta storages (FakeTensors of ``FakeTensorMode``): the
     planner measures a step on fake tensors this way, allocating nothing.
+    ``watch``: the process's figure against the budget too (``mct.memory.watch``: read every
+    stride of new storage, at each phase's start and with ``require_headroom``).
     Raises ValueError on an unsupported device or a non-positive budget.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, enabled: bool = True,
                  budget_bytes: int | None = None, suggestion: Callable[[], str] | None = None,
-                 count_fake: bool = False) -> None:
+                 count_fake: bool = False, watch: ResidentWatch | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"MemoryTracker device must be 'cpu' or 'cuda', got {str(self.device)!r}; "
@@ -172,6 +183,7 @@ class MemoryTracker:
         self.budget_bytes = budget_bytes
         self.suggestion = suggestion
         self.count_fake = count_fake
+        self.watch = watch if enabled else None
         self._cuda = self.device.type == "cuda"
         self._records: dict[int, _Record] = {}   # id(storage) -> record; ids stay valid while alive
         self._bytes = dict.fromkeys(CATEGORIES, 0)
@@ -266,6 +278,7 @@ class MemoryTracker:
         snap = self._snapshot()
         if snap["total"] + nbytes > self.budget_bytes:
             self._check_budget({**snap, "total": snap["total"] + nbytes})
+        self._check_resident(extra=nbytes, force=True)
 
     @property
     def counting(self) -> bool:
@@ -312,6 +325,7 @@ class MemoryTracker:
             self._fold_cuda_peak()  # reset below would lose the enclosing phases' peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self._phase_stack.append(name)
+        self._check_resident(force=True)
         self._raise_peak(name, self._snapshot())
         # The new phase's peak starts at today's live bytes, likely below the global
         # peak: lower the watermark, or growth inside this phase would go unrecorded.
@@ -321,6 +335,7 @@ class MemoryTracker:
                 yield
             if self._cuda:  # no per-allocation hook on CUDA: judge the phase by its peak
                 self._check_budget(self._fold_cuda_peak())
+                self._check_resident(force=True)
         finally:
             if self._cuda:
                 self._fold_cuda_peak()
@@ -443,6 +458,8 @@ class MemoryTracker:
         self._bytes[category] += n
         self._total += n
         self._after_growth()
+        if self.watch is not None:
+            self._check_resident(n)
 
     def _set_nbytes(self, rec: _Record, n: int) -> None:
         delta = n - rec.nbytes
@@ -488,6 +505,18 @@ class MemoryTracker:
         phase = self._phase_stack[-1] if self._phase_stack else "(no phase)"
         hint = self.suggestion() if self.suggestion is not None else ""
         raise MemoryBudgetExceeded(phase, snap, self.budget_bytes, hint)
+
+    def _check_resident(self, nbytes: int = 0, extra: int = 0, *, force: bool = False) -> None:
+        """Raise MemoryBudgetExceeded when the watch finds the process's figure (plus ``extra``)
+        within its margin of the budget (``mct.memory.watch``); no-op without a watch."""
+        if self.watch is None:
+            return
+        figure = self.watch.check(nbytes, extra, force=force)
+        if figure is not None:
+            phase = self._phase_stack[-1] if self._phase_stack else "(no phase)"
+            hint = self.suggestion() if self.suggestion is not None else ""
+            raise MemoryBudgetExceeded(phase, self._snapshot(), self.watch.budget, hint, figure,
+                                       self.watch.figure_name)
 
     def _snapshot(self, allocated: int | None = None) -> dict[str, int]:
         """Bytes by category plus 'total'. CUDA: unregistered allocated bytes are activations."""

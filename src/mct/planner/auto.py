@@ -21,7 +21,7 @@ from typing import Any
 from mct.config import SOLVER_LEVERS, EngineConfig
 from mct.memory.tracker import format_bytes
 from mct.planner.grid import batch_size, prepare_work, task_of
-from mct.planner.choice import OffloadChoice, PlanRow
+from mct.planner.choice import OffloadChoice, PlanRow, counts_text
 from mct.planner.plan import (AUTO_LOSS_CHUNK, AUTO_MLP_TILE, STAGES, Plan, _advice, _chunk_setting, for_device,
                               _offload_settings, _policy_settings, _tiling_may_fit, auto_act_offload, auto_offloads)
 from mct.planner.solver import (Solution, Space, configure_row, recompute_label, solve,
@@ -115,7 +115,8 @@ def _more(before: Solution, after: Solution) -> Solution:
 
 def nothing_fits(sol: Solution, work: Any, cfg: EngineConfig) -> str:
     """The planner's one-line 'nothing fits' advice for a solution without a pick."""
-    plan = Plan(sol.rows, sol.budget, sol.world, sol.n_params, sol.precision, None, "")
+    plan = Plan(sol.rows, sol.budget, sol.world, sol.n_params, sol.precision, None, "",
+                budget_counts=sol.budget_counts, process=sol.process)
     return _advice(plan, work, cfg)
 
 
@@ -157,7 +158,9 @@ def choice_record(best: PlanRow, sol: Solution, auto: list[str], budget: int, wo
             "data.micro_batch_size": best.micro_batch_size, "data.grad_accum": best.grad_accum,
             "zero.reshard_root_after_forward": best.reshard_root_after_forward,
             "predicted_offloaded_bytes": best.offloaded,
-            "budget_bytes": budget, "predicted_peak_bytes": best.peak, "predicted_peak_phase": best.phase,
+            "budget_bytes": budget, "budget_counts": sol.budget_counts,
+            "predicted_process_peak_bytes": best.process_peak, "predicted_peak_bytes": best.peak,
+            "predicted_peak_phase": best.phase,
             "predicted_breakdown": best.breakdown, "predicted_phases": best.phases,
             "predicted_first_step_peak_bytes": best.first_step_peak,
             "predicted_init_peak_bytes": best.init_peak, "cost": best.cost,
@@ -188,10 +191,13 @@ def format_solution(sol: Solution) -> str:
               str(r.loss_chunk_tokens or "off"), r.offload.label, f"{r.micro_batch_size} x {r.grad_accum}",
               "yes" if r.fits else "no"] for r in sol.frontier]
     widths = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(head)]
+    process = sol.budget_counts == "process"
     lines = [f"model: {sol.n_params:,} parameters, {sol.n_blocks} blocks; {sol.world} rank(s); budget per rank: "
-             f"{format_bytes(sol.budget)}; {sol.precision}; {len(sol.rows)} configurations dry-run",
-             "frontier (need = the largest of the steady, first-step and init peaks; no other configuration "
-             "dry-run needs less and is faster):",
+             f"{format_bytes(sol.budget)} ({counts_text(sol.budget_counts)}); {sol.precision}; "
+             f"{len(sol.rows)} configurations dry-run",
+             "frontier (need = the largest of the steady, first-step and init peaks"
+             + (" + the runtime baseline and allocator overhead: the process peak" if process else "")
+             + "; no other configuration dry-run needs less and is faster):",
              "  ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(t, widths)) for t in table]
     if sol.pick is not None:

@@ -138,8 +138,23 @@ def _copy(spec: dict[str, int] | list[str]) -> dict[str, int] | list[str]:
 
 def need_of(row: Mapping[str, Any]) -> int:
     """The bytes a row (a ``PlanRow``, or its ``to_dict``) needs of a budget: the largest of
-    its steady-state, first-step and init peaks."""
-    return max(row["peak"], row["first_step_peak"], row["init_peak"])
+    its steady-state, first-step and init tensor peaks; where the row's budget counts the
+    process (``budget_counts``), that plus its runtime baseline and allocator overhead."""
+    tensors = max(row["peak"], row["first_step_peak"], row["init_peak"])
+    if row.get("budget_counts") != "process":
+        return tensors
+    return tensors + row["runtime_baseline"] + row["allocator_overhead"]
+
+
+def figure_of(row: Mapping[str, Any]) -> int:
+    """The steady-state figure a row's budget is compared with: ``process_peak`` where the
+    budget counts the process (``budget_counts``), else the tensor ``peak``."""
+    return row["process_peak"] if row.get("budget_counts") == "process" else row["peak"]
+
+
+def counts_text(counts: str) -> str:
+    """What a budget counting ``counts`` ('process' | 'tensors') is compared with, in words."""
+    return "process peak, resident set" if counts == "process" else "tensor bytes"
 
 
 def seconds_of(row: Mapping[str, Any]) -> float:
@@ -163,7 +178,8 @@ class PlanRow(Mapping):
     model ``step_s`` (predicted seconds per step), ``time`` (its terms) and ``tokens_per_s``.
     A solver's rows also carry ``micro_batch_size``, ``grad_accum``, ``n_params`` and
     ``reshard_root_after_forward`` (None in a grid plan's). Beside ``peak`` (tensor bytes),
-    ``process_peak`` predicts what the kernel counts (resident set; on CUDA, device memory)."""
+    ``process_peak`` predicts what the kernel counts (resident set; on CUDA, device memory);
+    ``budget_counts`` says which of the two the budget is compared with."""
 
     stage: int
     policy: str
@@ -197,6 +213,10 @@ class PlanRow(Mapping):
     runtime_baseline: int | None = None
     allocator_overhead: int | None = None
     process_counts: str | None = None
+    budget_counts: str = "tensors"
+    """What ``fits`` and ``need`` compare with the budget (``memory.budget_counts``): 'process'
+    (``process_peak``; the need adds the process terms to the largest tensor peak) or 'tensors'
+    (``peak``)."""
 
     @property
     def need(self) -> int:

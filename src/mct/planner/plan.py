@@ -46,7 +46,7 @@ from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
 from mct.planner.grid import (PLANNED_POLICIES, PRECISIONS, STAGES, Grid, batch_size, micro_batches, prepare_work,  # noqa: F401
                               map_task, smaller_batch, task_of)
-from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, seconds_of
+from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, figure_of, seconds_of
 from mct.planner.pool import run_jobs
 from mct.planner.overhead import machine_rates
 from mct.planner.resident import ProcessModel, process_model
@@ -128,14 +128,18 @@ def dry_run_cost(work: PlanInput, cfg: EngineConfig) -> float:
 
 
 def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomputed: float | None = None,
-        rates: Rates | None = None, tokens: int = 0, process: ProcessModel | None = None) -> PlanRow:
+        rates: Rates | None = None, tokens: int = 0, process: ProcessModel | None = None,
+        counts: str = "tensors") -> PlanRow:
     """The plan row of ``choice`` (every field set: none left to the config) from its dry
     run: its peaks, whether the steady-state peak fits ``budget`` (None: fits), its relative
     cost (``recomputed``: a 'per_block' row's recomputed fraction, ``recomputed_fraction``),
     and with ``rates`` (``mct.planner.steptime``) the predicted seconds per step, their
     terms and the tokens per second (``tokens`` per step over it); with ``process`` the
-    process peak beside the tensor peak (``mct.memory.process_peak``)."""
+    process peak beside the tensor peak (``mct.memory.process_peak``). ``counts``: what
+    ``budget`` is compared with ('process': the process peak, then ``process`` is required;
+    'tensors': the tensor peak)."""
     c = choice
+    assert counts == "tensors" or process is not None, "a budget counting the process needs a process model"
     assert c.precision is not None and c.offload is not None and c.act_offload is not None
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
@@ -147,13 +151,14 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
         mlp_tile_tokens=c.mlp_tile or 0, world=world, peak=run.peak, phase=run.phase,
         breakdown=breakdown, phases={k: v["total"] for k, v in run.phases.items()},
         first_step_peak=run.first_step_peak, init_peak=run.init_peak, offloaded=dict(run.offloaded),
-        fits=budget is None or run.peak <= budget,
+        fits=budget is None or (proc.total if counts == "process" and proc else run.peak) <= budget,
         cost=step_cost(c.stage, c.policy, world, c.offload, c.act_offload, c.loss_chunk or 0,
                        recomputed if c.policy == "per_block" else None),
         step_s=timed.total if timed else None, time=timed.to_dict() if timed else None,
         tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None,
         process_peak=proc.total if proc else None, runtime_baseline=proc.baseline if proc else None,
-        allocator_overhead=proc.allocator_overhead if proc else None, process_counts=proc.counts if proc else None)
+        allocator_overhead=proc.allocator_overhead if proc else None, process_counts=proc.counts if proc else None,
+        budget_counts=counts)
 
 
 @dataclass
@@ -172,13 +177,25 @@ class Plan:
     """What the rows' step times could not count (a rate not measured here), one line each."""
     process_note: str = ""
     """Why the rows carry no process peak ('' when they do)."""
+    budget_counts: str = "tensors"
+    """What the budget is compared with: 'process' (each row's ``process_peak``) or 'tensors'
+    (its ``peak``), as ``memory.budget_counts`` says."""
+    process: ProcessModel | None = None
+    """The process model the rows used (None: none known); not serialized."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "world": self.world, "n_params": self.n_params,
-                "precision": self.precision, "advice": self.advice,
+        return {"budget": self.budget, "budget_counts": self.budget_counts, "world": self.world,
+                "n_params": self.n_params, "precision": self.precision, "advice": self.advice,
                 "recommended": self.recommended.to_dict() if self.recommended is not None else None,
                 "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
                 "process_note": self.process_note}
+
+    def figure(self, run: DryRun, offload: bool) -> int:
+        """The figure this plan's budget compares for a dry run (its process or tensor peak)."""
+        if self.budget_counts != "process":
+            return run.peak
+        assert self.process is not None
+        return self.process.predict(run.peak, run.phases, offload=offload).total
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -249,8 +266,9 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     runs = run_jobs(lambda i: predict(works[choices[i].loss_chunk], configs[i], world), len(configs), workers=workers,
                     cost=[dry_run_cost(work, c) for c in configs])
     process, why = process_model(task_of(work), cfg, device, measure=measure)
+    counts = budget_counts(cfg, process, why) if budget is not None else "tensors"
     rows = [row(run, c, world, budget, recomputed=mixed.get("recomputed"), rates=rates, tokens=tokens,
-                process=process) for run, c in zip(runs, choices)]
+                process=process, counts=counts) for run, c in zip(runs, choices)]
     n_params = runs[-1].n_params if runs else 0
     # the config's precision; a grid of one other precision (`--precisions bf16`) is asked for that one
     mode = precisions[0] if len(precisions) == 1 and cfg.precision.mode not in precisions else cfg.precision.mode
@@ -259,10 +277,22 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
     fitting = sorted((r for r in mine if r.fits), key=lambda r: (r.seconds, r.mlp_tile_tokens > 0, r.peak, r.stage))
     best = fitting[0] if fitting and budget is not None else None
-    plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why)
+    plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why, counts, process)
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan
+
+
+def budget_counts(cfg: EngineConfig, process: ProcessModel | None, why: str) -> str:
+    """What a budget is compared with: ``memory.budget_counts``. Raises ValueError when it
+    counts the process and no process model is known (``why``: the reason), naming both ways out."""
+    if not cfg.memory.counts_process:
+        return "tensors"
+    if process is None:
+        raise ValueError(f"memory.budget counts the process's peak (memory.budget_counts = 'process') and this "
+                         f"plan cannot predict it: {why.removeprefix('no process peak: ')}; run `mct calibrate`, "
+                         f"or set memory.budget_counts=tensors to budget tensor bytes only")
+    return "process"
 
 
 def offload_choice(offload: OffloadChoice | str) -> OffloadChoice:
@@ -301,17 +331,19 @@ def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig) -> str:
         r = plan.recommended
         off = _offload_settings(r) + ("" if r.act_offload == "none" else f" checkpointing.offload={r.act_offload}")
         off += _chunk_setting(r)
+        what = "peak" if plan.budget_counts != "process" else "process peak"
         return (f"recommended: zero.stage={r.stage} {_policy_settings(r)} "
-                f"precision.mode={r.precision}{off} (predicted peak {format_bytes(r.peak)} per rank of "
+                f"precision.mode={r.precision}{off} (predicted {what} {format_bytes(figure_of(r))} per rank of "
                 f"{format_bytes(plan.budget)}, cost {r.cost:.2f})")
     mine = [r for r in plan.rows if r.precision == plan.precision]
     if not mine:
         return (f"no configuration in precision {plan.precision} (precision.mode) was planned: add it to the "
                 f"precisions planned (--precisions) or set precision.mode to one of them")
-    low = min(mine, key=lambda r: r.peak)
+    low = min(mine, key=figure_of)
+    counted = "" if plan.budget_counts != "process" else " (process peak: the resident set)"
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
            f"zero.stage={low.stage} {_policy_settings(low)}{_offload_settings(low)}{_chunk_setting(low)}, needs "
-           f"{format_bytes(low.peak)} (misses by {format_bytes(low.peak - plan.budget)})")
+           f"{format_bytes(figure_of(low))}{counted} (misses by {format_bytes(figure_of(low) - plan.budget)})")
     return msg + _what_would_fit(plan, work, cfg, low)
 
 
@@ -328,7 +360,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
         if B is None or b >= B:
             continue
         smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
-        if predict(smaller, base, plan.world).peak <= budget:
+        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none") <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
     stage3 = apply(cfg, dataclasses.replace(low.choice, stage=3))
@@ -337,7 +369,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     found = None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if predict(work, stage3, worlds[mid]).peak <= budget:
+        if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none") <= budget:
             found, hi = worlds[mid], mid - 1
         else:
             lo = mid + 1

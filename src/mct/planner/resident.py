@@ -10,6 +10,7 @@ from pathlib import Path
 from mct.config import EngineConfig
 from mct.memory.baseline import cached_baseline, runtime_baseline
 from mct.memory.process_peak import ProcessModel
+from mct.memory.tracker import format_bytes
 from mct.task.spec import Task
 
 
@@ -43,3 +44,26 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
     if baseline is None:
         return None, "no process peak: no runtime baseline cached (mct calibrate)"
     return ProcessModel(baseline, device, cfg.memory.host_malloc), ""
+
+
+def check_process_floor(task: Task, cfg: EngineConfig, device: str) -> None:
+    """Refuse a budget that no configuration can meet: where ``memory.budget`` counts the
+    process and is enforced or planned for (``auto``), it must exceed what a training process of
+    ``task`` holds before its first tensor (the runtime baseline, measured now if not cached,
+    plus the allocator's fixed overhead; on CUDA the context). Raises ValueError (one line: the
+    budget, the floor and its terms, the two ways out); a no-op where no baseline can be known."""
+    mem = cfg.memory
+    auto = cfg.zero.stage == "auto" or cfg.checkpointing.policy == "auto"
+    if mem.budget is None or not mem.counts_process or not (mem.enforce or auto):
+        return
+    process, _ = process_model(task, cfg, device)
+    if process is None:
+        return
+    floor = process.predict(0, {}, offload=cfg.offload.enabled)
+    if mem.budget <= floor.total:
+        raise ValueError(
+            f"memory.budget = {format_bytes(mem.budget)} is below what any configuration's process needs on this "
+            f"machine: {format_bytes(floor.total)} before its first tensor (runtime baseline "
+            f"{format_bytes(floor.baseline)} + allocator {format_bytes(floor.allocator_overhead)}; {floor.counts}); "
+            f"raise memory.budget above it (`mct plan --budget SIZE` shows each configuration's process peak), or set "
+            f"memory.budget_counts=tensors to budget tensor bytes only")

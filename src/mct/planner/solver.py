@@ -41,13 +41,13 @@ from mct.config import EngineConfig, PrecisionMode
 from mct.machine.cache import say_line
 from mct.memory.tracker import format_bytes
 from mct.planner.choice import Choice, OffloadChoice, PlanRow, apply, need_of
-from mct.planner.plan import _per_block_of, dry_run_cost, offload_choice, predicted_seconds
+from mct.planner.plan import _per_block_of, budget_counts, dry_run_cost, offload_choice, predicted_seconds
 from mct.planner.plan import row as plan_row
 from mct.planner.depth import Prepared
 from mct.planner.dry_run import meta_model
 from mct.planner.grid import map_task, prepare_work, resized_batch, task_of
 from mct.planner.pool import run_jobs
-from mct.planner.resident import process_model
+from mct.planner.resident import ProcessModel, process_model
 from mct.planner.overhead import machine_rates
 from mct.planner.steptime import tokens_per_step
 from mct.task.spec import with_loss_chunk
@@ -110,9 +110,13 @@ class Solution:
     pick: PlanRow | None = None
     why: str = ""
     frontier: list[PlanRow] = field(default_factory=list)
+    budget_counts: str = "tensors"
+    """What the budget is compared with ('process' | 'tensors'; each row's ``need``)."""
+    process: ProcessModel | None = None
+    """The process model the rows used (None: none known); not serialized."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "world": self.world, "n_params": self.n_params, "precision": self.precision,
+        return {"budget": self.budget, "budget_counts": self.budget_counts, "world": self.world, "n_params": self.n_params, "precision": self.precision,
                 "n_blocks": self.n_blocks, "pick": self.pick.to_dict() if self.pick is not None else None,
                 "why": self.why, "frontier": [r.to_dict() for r in self.frontier],
                 "rows": [r.to_dict() for r in self.rows]}
@@ -142,9 +146,12 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
     if not measure and int(os.environ.get("RANK", "0")) == 0:  # every rank of a run resolves `auto`; one says it
         for warning in warnings:
             say_line(f"warning: {warning}")
-    process, _ = process_model(task_of(work), cfg, device, measure=measure)
-    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world // cfg.parallel.context),
-            "process": process}
+    # a budget counting the process cannot be solved without its baseline: measured where missing
+    process, why = process_model(task_of(work), cfg, device, measure=measure or cfg.memory.counts_process)
+    counts = budget_counts(cfg, process, why)  # a solve always has a budget
+    return {"rates": rates, "tokens": tokens_per_step(task_of(work).batch, cfg.data.grad_accum,
+                                       world // cfg.parallel.context),
+            "process": process, "counts": counts}
 
 
 class Evaluator:
@@ -358,7 +365,8 @@ def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *
     ev = Evaluator(work, cfg, world, budget, workers, row_kw)
     policy = ("all" if ev.n else "none") if space.search_policy else cfg.checkpointing.policy
     first = ev.rows([frugal(space, policy)])[0]
-    sol = Solution([], budget, world, first.n_params, cfg.precision.mode, ev.n)
+    sol = Solution([], budget, world, first.n_params, cfg.precision.mode, ev.n,
+                   budget_counts=ev.row_kw.get("counts", "tensors"), process=ev.row_kw.get("process"))
     if not first.fits:
         sol.rows = list(ev.done.values())
         return sol

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mct.checkpointing import policy_label
 from mct.config import CheckpointingConfig, EngineConfig
 from mct.memory.tracker import CATEGORIES, format_bytes
+from mct.planner.choice import counts_text
 from mct.planner.plan import Plan
 
 
@@ -29,8 +30,7 @@ def format_plan(plan: Plan) -> str:
                       f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
                       *(_bytes_or_dash(v) for v in (r.process_peak, r.runtime_baseline, r.allocator_overhead))])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
-    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: "
-             f"{format_bytes(plan.budget) if plan.budget else 'none'}",
+    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {_budget_text(plan)}",
              "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines += [f"step time: {note}" for note in plan.time_notes]
@@ -43,10 +43,20 @@ def _bytes_or_dash(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def _budget_text(plan: Plan) -> str:
+    """The budget and the figure it is compared with: '2.00 GiB (process peak, resident set)'."""
+    return f"{format_bytes(plan.budget)} ({counts_text(plan.budget_counts)})" if plan.budget else "none"
+
+
 def _legend(plan: Plan) -> list[str]:
-    """What the peak and process columns count, in a line each (and why there is no process peak)."""
+    """What the peak and process columns count, and which of them the budget (and ``fits``)
+    is compared with, in a line each (and why there is no process peak)."""
     counts = sorted({r.process_counts for r in plan.rows if r.process_counts})
-    lines = ["peak: the steady-state step's, in tensor bytes (what memory.budget fits)"]
+    fits = "process" if plan.budget_counts == "process" else "peak"
+    lines = ["peak: the steady-state step's, in tensor bytes",
+             f"fits: the {fits} column <= the budget (memory.budget_counts = "
+             f"{'process' if fits == 'process' else 'tensors'})" if plan.budget else
+             "fits: no budget given (memory.budget counts the process peak unless memory.budget_counts = tensors)"]
     if counts:
         lines += [f"process: each rank's predicted peak, {c}" for c in counts]
         lines.append("  = runtime baseline + peak + allocator overhead (docs/memory.md)")
@@ -69,8 +79,7 @@ def plan_header(plan: Plan, cfg: EngineConfig) -> str:
     tokens of one step, and the budget it was asked about."""
     d, seq = cfg.data, cfg.model.seq_len
     tokens = seq * d.micro_batch_size * d.grad_accum * plan.world
-    budget = format_bytes(plan.budget) if plan.budget else "none"
-    return (f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {budget} (tensor bytes)\n"
+    return (f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {_budget_text(plan)}\n"
             f"step: window {seq} tokens x micro-batch {d.micro_batch_size} x accumulation {d.grad_accum} x "
             f"{plan.world} rank(s) = {tokens:,} tokens")
 
