@@ -38,8 +38,10 @@ from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
+from mct.zero.frozen import FrozenModel
+from mct.zero.frozen_codec import IdentityCodec
 from mct.zero.shm import SETUP_FAILED, share_masters
-from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks
+from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks, assign_units
 from mct.zero.state_io import shard_start
 from mct.zero.stage3 import Stage3Lifecycle
 
@@ -122,10 +124,18 @@ class Engine:
                                                     lambda params: init_program.materialize(params, self.device),
                                                     self._unit_built),
                                     partial_grads=lambda: self.recompute.more_tiles)
-        self.stage3 = (Stage3Lifecycle(units, self.sharded.units_by_block, self.comm, self.tracker,
-                                       cfg.zero.prefetch, root=model,
+        # frozen parameters: sharded at stages 1-3 (kept whole under parameter offload, which
+        # streams trainable units only), gathered per unit by the same lifecycle as stage 3's
+        self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
+                                  shard=self.stage >= 1 and cfg.offload.params == "none", comm=self.comm,
+                                  dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
+                                  device=self.device, tracker=self.tracker)
+        lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
+                         *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in units)]}
+        lifecycle = {b: us for b, us in lifecycle.items() if us}
+        self.stage3 = (Stage3Lifecycle(units, lifecycle, self.comm, self.tracker, cfg.zero.prefetch, root=model,
                                        reshard_root=cfg.zero.reshard_root_after_forward)
-                       if self.stage == 3 else None)
+                       if lifecycle or self.stage == 3 else None)
         # one host, stage 3: a step's gathers read the peers' masters (or their casts) from shared memory
         self.shared, why = share_masters(self.sharded.units, self.comm, enabled=cfg.distributed.shared_memory,
                                          resident=self.offload is None)
@@ -226,6 +236,8 @@ class Engine:
             with self.tracker.phase(Phase.BACKWARD, "other"), self._phase(Phase.BACKWARD), kernels:
                 self.sharded.begin_backward()
                 self.scaler.scale_loss(loss.float() / len(micro)).backward()
+                if self.stage3 is not None:
+                    self.stage3.after_backward()
                 self.sharded.end_backward(last_micro=i == len(micro) - 1)
             times["forward"] += t1 - t0
             times["backward"] += time.perf_counter() - t1
@@ -271,7 +283,7 @@ class Engine:
                              "peak_bytes": self.tracker.peak_total() if counted else None,
                              "peaks": self.tracker.peaks() if counted else {},
                              "live": self.tracker.live(), **self.scaler.metrics(), **self.recompute.metrics()}
-        zero3 = {} if self.stage3 is None else {"zero3_gathers": self.stage3.gathers}
+        zero3 = {"zero3_gathers": self.stage3.gathers} if self.stage == 3 else {}
         return {**m, **zero3, **self.residency.step_metrics()}
 
     def _to_device(self, batch: Any) -> Any:

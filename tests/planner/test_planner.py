@@ -171,7 +171,8 @@ def test_plan_is_plain_data_with_a_recommendation():
     fitting = [r for r in plan.rows if r["peak"] <= budget]
     assert plan.recommended in fitting and plan.recommended["step_s"] == min(r["step_s"] for r in fitting)
     row = json.loads(json.dumps(plan.to_dict()))["rows"][0]  # plain data all the way down
-    assert set(row["breakdown"]) == {"params", "master", "grads", "optimizer", "activations", "offload", "other"}
+    assert set(row["breakdown"]) == {"params", "master", "grads", "optimizer", "frozen", "activations", "offload",
+                                     "other"}
     assert row["offload"] == "none" and row["offloaded"] == {"cpu": 0, "disk": 0}
     assert row["peak"] == sum(row["breakdown"].values()) and row["phase"] in row["phases"]
 

@@ -51,8 +51,9 @@ class Phase(Name):
     IDLE = "idle"
 
 
-CATEGORIES = ("params", "master", "grads", "optimizer", "activations", "offload", "other")
-"""``offload``: the reusable buffers through which offloaded state streams (resident).
+CATEGORIES = ("params", "master", "grads", "optimizer", "frozen", "activations", "offload", "other")
+"""``frozen``: frozen parameters' stored shards and their gathered units (``mct.zero.frozen``).
+``offload``: the reusable buffers through which offloaded state streams (resident).
 Bytes parked in host memory or on disk are not live here: see ``offloaded()``."""
 
 # What an op's return does to memory, from its schema's alias annotation.

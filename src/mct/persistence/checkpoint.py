@@ -39,10 +39,13 @@ shards = LazyModule("mct.persistence.shards")  # DCP takes a second to import: l
 class Checkpointable(Protocol):
     """What a checkpoint needs of an engine (``mct.Engine`` is one): its state as
     ``state_dict()`` pieces (``streamed_state_dict()``: read one at a time as they are
-    written), their loader, its ``layout()``, the communicator and the step counter."""
+    written), their loader, its ``layout()``, the communicator, the step counter and its
+    frozen parameters."""
 
     comm: Any
     steps_done: int
+    frozen: Any
+    """``mct.zero.frozen.FrozenModel``: the frozen parameters (``items()``: collective)."""
 
     def layout(self) -> dict[str, Any]: ...
 
@@ -87,9 +90,8 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
                                                    dict[str, Callable[[], torch.Tensor]]]:
     sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
-    for name, p in engine.model.named_parameters():
-        if not p.requires_grad:  # not in the engine's state (never changes), but export needs it
-            tensors[FROZEN + name] = p.detach()
+    for name, t in engine.frozen.items():  # not in the engine's state (never changes), but export needs it
+        tensors[FROZEN + name] = t.clone() if engine.frozen.units else t  # sharded: gathered a unit at a time
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}

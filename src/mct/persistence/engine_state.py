@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from mct.config import EngineConfig
     from mct.offload.residency import Residency
     from mct.zero.comm import Comm
+    from mct.zero.frozen import FrozenModel
     from mct.zero.sharded import ShardedModel
 
 STATE_FORMAT = "mct.engine/1"
@@ -35,6 +36,7 @@ class StateOwner(Protocol):
     model: nn.Module
     comm: Comm
     sharded: ShardedModel
+    frozen: FrozenModel
     optimizer: torch.optim.Optimizer
     residency: Residency
     scaler: LossScaler
@@ -116,8 +118,8 @@ def full_state_dict(e: StateOwner) -> dict[str, torch.Tensor]:
     Collective under ZeRO: every rank must call it."""
     with e.residency.masters_resident(write_back=False):
         trainable = e.sharded.full_state()
-    return {n: (trainable[n] if n in trainable else p.detach().float().clone())
-            for n, p in e.model.named_parameters()}
+    frozen = {n: t.float().clone() for n, t in e.frozen.items()}
+    return {n: (trainable[n] if n in trainable else frozen[n]) for n, _ in e.model.named_parameters()}
 
 
 def full_state_items(e: StateOwner) -> Iterator[tuple[str, torch.Tensor]]:
@@ -134,9 +136,8 @@ def full_state_items(e: StateOwner) -> Iterator[tuple[str, torch.Tensor]]:
             seen.add(name)
             yield name, full[off:off + math.prod(shape)].view(shape)
         del full
-    for n, p in e.model.named_parameters():
-        if n not in seen:
-            yield n, p.detach().float()
+    for n, t in e.frozen.items():  # frozen parameters, a unit gathered at a time
+        yield n, t.float()
 
 
 def parameter_shapes(e: StateOwner) -> dict[str, tuple[int, ...]]:
@@ -158,6 +159,8 @@ def held_state_bytes(e: StateOwner) -> dict[str, int]:
     only from backward to the end of the optimizer step (``tracker.live()``
     between steps shows no gradients there); see ``ShardedModel.bytes_by_category``."""
     out = e.sharded.bytes_by_category()
+    if e.frozen.units:  # sharded frozen parameters (stages 1-3): their stored shards
+        out["frozen"] = e.frozen.stored_bytes()
     out["optimizer"] = sum(v.numel() * v.element_size() for s in e.optimizer.state.values()
                            for v in s.values() if isinstance(v, torch.Tensor))
     return e.residency.model_state_bytes(out)

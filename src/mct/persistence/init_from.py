@@ -215,6 +215,5 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
                 new[a - lo:b - lo] = source.read(source_of[name], a - offset, b - offset)
         tensors[key] = new.to(piece.device)
     engine.load_state_dict({**state, "tensors": tensors})
-    with torch.no_grad():
-        for name, p in frozen:  # not sharded: every rank holds the whole (frozen) tensor
-            p.copy_(source.read(source_of[name], 0, p.numel()).view(p.shape))
+    # frozen parameters: this rank's shard of each frozen unit (stages 1-3), or the whole tensor
+    engine.frozen.load(lambda name, a, b: source.read(source_of[name], a, b))

@@ -17,6 +17,14 @@ model's outputs, and freed once its gradients are reduced. So at stage 3 paramet
 hold data only inside the model's forward and backward. ``reshard_root=False``
 (``zero.reshard_root_after_forward = false``, FSDP2's root): the root stays gathered
 from the forward into the backward, one all-gather fewer, its bytes held during the loss.
+
+Frozen units (``mct.zero.frozen``, stages 1-3; at stages 1/2 the only units here) follow
+the same gathers; having no gradient to reduce, a block's frozen unit is freed in backward
+once the gradient of every input of every forward call of the block that needs one has
+been computed (tensor hooks on those inputs, registered in forward: the block's backward is
+done). A block whose output needs a gradient but none of whose inputs does (its trainable
+adapters after a frozen embedding; the root) keeps its frozen unit until the backward ends
+(``after_backward``).
 """
 
 from __future__ import annotations
@@ -28,17 +36,27 @@ from torch.utils._pytree import tree_flatten
 from mct.memory.tracker import Phase
 from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
+from mct.zero.frozen import FrozenUnit
 
 
 class Stage3Lifecycle:
-    def __init__(self, blocks: list[tuple[str, nn.Module]], units_by_block: dict[str, list[FlatParamUnit]],
+    def __init__(self, blocks: list[tuple[str, nn.Module]],
+                 units_by_block: dict[str, list[FlatParamUnit | FrozenUnit]],
                  comm: Comm, tracker, prefetch: bool, root: nn.Module | None = None,
                  reshard_root: bool = True) -> None:
+        """``units_by_block``: block name (or 'root') -> its units, trainable (stage 3)
+        and frozen (stages 1-3). Every unit is released here."""
         self.comm, self.tracker, self.prefetch, self.reshard_root = comm, tracker, prefetch, reshard_root
         self.order = [name for name, _ in blocks if name in units_by_block]
         self.units = units_by_block
+        self.frozen = {name: [u for u in us if isinstance(u, FrozenUnit)] for name, us in units_by_block.items()}
         self.phase = Phase.IDLE
         self.gathers = 0
+        # per block, this backward: forward calls whose input gradients are awaited, and
+        # blocks whose frozen unit waits for the backward's end (no input needs a gradient)
+        self._awaiting: dict[str, int] = {}
+        self._sticky: set[str] = set()
+        self._hooked_inputs: dict[str, int] = {}
         hooked = [(name, block) for name, block in blocks if name in units_by_block]
         if root is not None and "root" in units_by_block:
             hooked.append(("root", root))
@@ -58,8 +76,8 @@ class Stage3Lifecycle:
             u.gather(self.comm, async_op=async_op)
             self.tracker.refresh(u.working)
 
-    def release(self, name: str) -> None:
-        for u in self.units.get(name, []):
+    def release(self, name: str, frozen_only: bool = False) -> None:
+        for u in (self.frozen if frozen_only else self.units).get(name, []):
             u.release()
             self.tracker.refresh(u.working)
 
@@ -80,7 +98,28 @@ class Stage3Lifecycle:
             self.gather(name)
             if self.phase == Phase.FORWARD:
                 self._prefetch(name, +1)
+                if self.frozen.get(name) and torch.is_grad_enabled():
+                    self._hook_inputs(name, (args, kwargs))
         return hook
+
+    def _hook_inputs(self, name: str, inputs) -> None:
+        """Free ``name``'s frozen units in backward once every input of this call that
+        needs a gradient has got it (and every other hooked call of the block too)."""
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._hooked_inputs[name] = len(tensors)
+        if not tensors:
+            return
+        self._awaiting[name] = self._awaiting.get(name, 0) + 1
+        left = [len(tensors)]
+
+        def hook(grad):
+            left[0] -= 1
+            if left[0] == 0:
+                self._awaiting[name] -= 1
+                if self._awaiting[name] == 0 and name not in self._sticky:
+                    self.release(name, frozen_only=True)
+        for t in tensors:
+            t.register_hook(hook)
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
@@ -91,6 +130,8 @@ class Stage3Lifecycle:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
                     t.register_hook(self._pre_backward(name))
+                if tensors and self.frozen.get(name) and not self._hooked_inputs.get(name, 0):
+                    self._sticky.add(name)  # a backward no input hook can see the end of
         return hook
 
     def _pre_backward(self, name: str):
@@ -108,8 +149,16 @@ class Stage3Lifecycle:
         if phase != Phase.BACKWARD:
             self.gather("root")
 
+    def after_backward(self) -> None:
+        """After a backward: free every frozen unit still gathered (a block no input hook
+        released, one whose backward never ran)."""
+        for name in ["root", *self.order]:
+            self.release(name, frozen_only=True)
+        self._awaiting, self._sticky, self._hooked_inputs = {}, set(), {}
+
     def end_step(self) -> None:
         """After the step: every non-persistent unit's storage is freed."""
         self.phase = Phase.IDLE
         for name in ["root", *self.order]:
             self.release(name)
+        self._awaiting, self._sticky, self._hooked_inputs = {}, set(), {}

@@ -1,0 +1,172 @@
+"""Frozen parameters (``requires_grad=False``) as sharded flat units, ZeRO stages 1-3.
+
+A ``FrozenUnit`` packs one unit's frozen parameters (the same unit assignment as the
+trainable ones, ``assign_units``: a block, or 'root' for parameters outside every block
+and tied/shared ones) into a flat buffer laid out as a trainable unit's (padded to the
+world size), keeps only this rank's shard, encoded by a ``FrozenCodec``
+(``mct.zero.frozen_codec``), and frees the working buffer. The parameters stay views of
+it: the stage-3 lifecycle (``mct.zero.stage3``) all-gathers the stored shards and decodes
+the unit before the block's forward, again before its backward (recompute included), and
+frees it after each. No gradient, no fp32 master, no optimizer state.
+
+Buffers (S = shard_numel, P = world * S):
+  working  [P] param dtype: the parameters' storage while gathered; empty otherwise.
+  stored   {part: 1-D}: ``codec.encode`` of this rank's slice [r * S, (r + 1) * S).
+Both count under the memory tracker's 'frozen' category.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from mct.zero.comm import Comm, Pending
+from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
+from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
+
+
+class FrozenUnit:
+    """One unit's frozen parameters, sharded (see the module docstring)."""
+
+    persistent = False  # the lifecycle frees it between uses, whatever the stage
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
+                 shard_rank: int, dtype: torch.dtype, codec: FrozenCodec, device: torch.device) -> None:
+        """Packs ``params`` (each becomes a view of the working buffer, its own storage
+        dropped) and encodes this rank's slice; the unit is left gathered."""
+        self.name, self.layout, self.codec, self.dtype = name, layout, codec, dtype
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.shard_rank = shard_rank
+        self.working = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(self.params, layout.offsets, layout.numels()):
+                self.working[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.working[off:off + n].view(p.shape)
+            lo, hi = layout.shard_range(shard_rank)
+            self.stored = codec.encode(self.working[lo:hi])
+        # the identity codec's stored shard is the working buffer's row: gathered in place
+        self.direct = isinstance(codec, IdentityCodec) and self.stored["data"].dtype == dtype
+        self.numel_bytes = self.working.untyped_storage().nbytes()
+        self.gathered = True
+        self.pending_gather: Pending | None = None
+
+    def gather(self, comm: Comm, async_op: bool = False) -> None:
+        """All-gather every rank's stored shard and decode the unit into the working buffer.
+        Only the identity codec's gather runs asynchronously (``async_op``; the caller must
+        ``wait_gather`` before use); a decoding codec gathers and decodes at once."""
+        if self.gathered or self.pending_gather is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        self.working.untyped_storage().resize_(self.numel_bytes)
+        # tensors saved for backward are views of this storage: not an in-place change to autograd
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.working):
+            if self.direct:
+                self.pending_gather = comm.all_gather(self.stored["data"], self.working, async_op=True) or None
+            else:
+                world = self.layout.world
+                full = {k: torch.empty(world * v.numel(), dtype=v.dtype, device=v.device)
+                        for k, v in self.stored.items()}
+                for k, v in self.stored.items():
+                    comm.all_gather(v, full[k])
+                self.working.copy_(self.codec.decode(full, self.layout.padded_numel, self.dtype))
+        if not async_op:
+            self.wait_gather()
+        elif self.pending_gather is None:
+            self.gathered = True
+
+    def wait_gather(self) -> None:
+        if self.pending_gather is not None:
+            with torch.autograd._unsafe_preserve_version_counter(self.working):
+                self.pending_gather.wait()
+            self.pending_gather = None
+        if self.working.untyped_storage().nbytes() == self.numel_bytes:
+            self.gathered = True
+
+    def release(self) -> None:
+        """Free the working buffer's storage; the parameter views stay, with no data."""
+        self.wait_gather()
+        if self.gathered:
+            self.working.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def load_shard(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Replace this rank's stored shard by new values: ``read(i, a, b)`` gives elements
+        [a, b) of parameter ``i`` (any float dtype; cast to the working dtype). The unit is
+        left released (its next gather reads the new shard). Not collective."""
+        lo, hi = self.layout.shard_range(self.shard_rank)
+        part = torch.zeros(hi - lo, dtype=self.dtype, device=self.working.device)
+        for i, a, b, at in self.layout.param_pieces(self.shard_rank):
+            part[at:at + b - a].copy_(read(i, a, b))
+        self.release()
+        self.stored = self.codec.encode(part)
+
+    def stored_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored.values())
+
+
+class FrozenModel:
+    """A model's frozen parameters: ``units`` (sharded, ``shard=True``) or left whole on
+    every rank (stage 0, parameter offload: ``loose``)."""
+
+    def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
+                 comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker) -> None:
+        """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
+        in the order to pack. Registers the stored shards and working buffers with
+        ``tracker`` under 'frozen'."""
+        self.comm = comm
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        self.units: list[FrozenUnit] = []
+        self.loose = [] if shard else frozen
+        if shard:
+            align = math.lcm(ALIGN_ELEMENTS, codec.align)
+            for uname in order:
+                mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname]
+                if not mine:
+                    continue
+                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], comm.world,
+                                      align=align, shard_align=codec.align)
+                unit = FrozenUnit(f"{uname}/frozen", mine, layout, shard_rank=comm.rank, dtype=dtype,
+                                  codec=codec, device=device)
+                tracker.register_all(unit.stored.values(), "frozen")
+                tracker.register(unit.working, "frozen")
+                unit.release()
+                tracker.refresh(unit.working)
+                self.units.append(unit)
+        self.units_by_block = {u.name.split("/")[0]: [u] for u in self.units}
+        self._tracker = tracker
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor in the working dtype) of every frozen parameter, a unit gathered at
+        a time: a view valid until the next unit's first item (copy it to keep it). Units
+        gathered before are left gathered. Collective when sharded: every rank must iterate
+        to the end."""
+        for u in self.units:
+            was = u.gathered
+            u.gather(self.comm)
+            for name, p in zip(u.names, u.params):
+                yield name, p.detach()
+            if not was:
+                u.release()
+        for name, p in self.loose:
+            yield name, p.detach()
+
+    def load(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Set every frozen parameter from ``read(name, a, b)`` (elements [a, b) of the
+        named parameter): this rank's shard of each unit, the whole of a loose one."""
+        with torch.no_grad():
+            for u in self.units:
+                u.load_shard(lambda i, a, b, u=u: read(u.names[i], a, b))
+                self._tracker.register_all(u.stored.values(), "frozen")
+                self._tracker.refresh(u.working)
+            for name, p in self.loose:
+                p.copy_(read(name, 0, p.numel()).view(p.shape))
+
+    def stored_bytes(self) -> int:
+        """Bytes of frozen parameters this rank keeps between uses (shards, or whole)."""
+        return (sum(u.stored_nbytes() for u in self.units)
+                + sum(p.numel() * p.element_size() for _, p in self.loose))

@@ -1,0 +1,236 @@
+"""Frozen parameters sharded at ZeRO stages 1-3 (mct.zero.frozen): the built-in GPT with its
+embeddings (tied to the head), position embeddings and first block frozen.
+
+Metrics: parity with the fp32 reference within 1e-6 (SGD with momentum, linear in the
+gradient, so a wrong scale shows; the reference summing in the stage's order: AdamW's
+rounding noise on the attention key bias, docs/stages.md "reduce", would hide nothing
+else) at stages 0-3 on 1-3 gloo ranks, frozen values bit-identical after training;
+the tracker's 'frozen' bytes (the stored shards: base/N, and the gathered units on top);
+the planner's dry run equal to the run's tracker peak; checkpoints resumed exactly and
+resharded from 2 ranks to 3.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import mct
+from mct.engine import Engine
+from mct.models.gpt import GPT, gpt_loss, optimizer_groups
+from mct.zero.frozen import FrozenModel
+from mct.zero.frozen_codec import IdentityCodec
+from tests.distributed import run_distributed
+from tests.helpers import (adamw, batches, engine_run, max_rel_diff, reference_run, sgd_momentum, shared_work,
+                           tiny_config)
+
+STEPS = 3
+N_MICRO = 2
+FROZEN = ("wte.weight", "wpe.weight")  # and every parameter of blocks.0
+
+
+def frozen_gpt() -> nn.Module:
+    """The tiny GPT with its (tied) token embedding, position embedding and block 0 frozen."""
+    model = GPT(tiny_config().model)
+    model.wte.weight.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+def _frozen_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def _parity(rank: int, world: int) -> dict:
+    cfg0 = tiny_config(train={"grad_clip": 1.0}, memory={"track": False})
+    refs = shared_work(rank, world, {order: (lambda order=order: reference_run(
+        cfg0, world, STEPS, sgd_momentum, N_MICRO, frozen_gpt, order=order)[1]) for order in ("rank", "micro")})
+    torch.manual_seed(cfg0.seed)
+    init = {n: p.detach().clone() for n, p in frozen_gpt().named_parameters() if not p.requires_grad}
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for policy in ("none", "all") if stage else ("none",):
+            cfg = tiny_config(train={"grad_clip": 1.0}, zero={"stage": stage}, checkpointing={"policy": policy},
+                              memory={"track": False})
+            _, state, engine, _ = engine_run(cfg, rank, STEPS, sgd_momentum, N_MICRO, frozen_gpt)
+            unchanged = all(torch.equal(state[n], t) for n, t in init.items())
+            # between steps a sharded frozen parameter holds no data
+            freed = all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters() if not p.requires_grad)
+            if refs is not None:
+                out[(stage, policy)] = (max_rel_diff(state, refs["micro" if stage >= 2 else "rank"]), unchanged, freed)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_frozen_gpt_trains_like_the_reference_at_every_stage_and_its_frozen_bytes_never_change(world):
+    got = _parity(0, 1) if world == 1 else run_distributed(_parity, world)[0]
+    assert set(got) == {(0, "none"), *((s, p) for s in (1, 2, 3) for p in ("none", "all"))}
+    for (stage, policy), ((diff, name), unchanged, freed) in got.items():
+        assert diff <= 1e-6, (world, stage, policy, diff, name)
+        assert unchanged, (world, stage, policy)
+        assert freed == (stage >= 1), (world, stage, policy)
+
+
+def _held(rank: int, world: int) -> dict:
+    """Stage 3, no prefetch: the tracker's 'frozen' bytes between steps and inside block 0."""
+    cfg = tiny_config(zero={"stage": 3, "prefetch": False})
+    torch.manual_seed(0)
+    model = frozen_gpt()
+    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    inside: list[int] = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: inside.append(engine.tracker.live()["frozen"]))
+    engine.train_step(batches(0, rank), gpt_loss)
+    units = {u.name: u.layout.padded_numel * 4 for u in engine.frozen.units}
+    n_frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    return {"base": base, "n_frozen": n_frozen, "between": engine.tracker.live()["frozen"], "inside": inside, "units": units,
+            "reported": engine.model_state_bytes()["frozen"]}
+
+
+@pytest.mark.multirank
+def test_frozen_base_at_stage3_holds_base_over_n_per_rank_plus_the_gathered_units():
+    held = {1: _held(0, 1), **{w: run_distributed(_held, w)[0] for w in (2, 3)}}
+    for world, h in held.items():
+        assert set(h["units"]) == {"root/frozen", "blocks.0/frozen"}
+        padded = sum(h["units"].values())
+        assert h["between"] == h["reported"] == padded // world, (world, h)
+        # padding: each parameter starts on 16 elements, the unit is padded to the world size
+        assert 0 <= padded - h["base"] < 4 * (16 * h["n_frozen"] + 2 * world), (world, padded, h["base"])
+        # inside block 0's forward: the shards, the root unit (tied embedding, gathered for the
+        # whole forward) and block 0's unit; block 0 runs once (its input needs no gradient)
+        assert h["inside"] == [h["between"] + h["units"]["root/frozen"] + h["units"]["blocks.0/frozen"]], (world, h)
+    assert held[1]["between"] > held[2]["between"] > held[3]["between"]
+
+
+def _run_peaks(rank: int, world: int, stages: tuple[int, ...]) -> dict[int, int]:
+    out = {}
+    for stage in stages:
+        cfg = tiny_config(zero={"stage": stage}, checkpointing={"policy": "all"}, precision={"mode": "bf16"})
+        torch.manual_seed(0)
+        model = frozen_gpt()
+        engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+        peaks = [engine.train_step(batches(s, rank, 1, B=3), gpt_loss).metrics for s in range(2)]
+        out[stage] = (peaks[1]["peak_bytes"], peaks[1]["peaks"])
+    return out
+
+
+@pytest.mark.multirank
+def test_planned_peak_equals_the_run_tracker_peak_with_frozen_units_on_2_ranks():
+    stages = (1, 2, 3)
+    measured = run_distributed(_run_peaks, 2, stages)[0]
+    for stage in stages:
+        cfg = tiny_config(zero={"stage": stage}, checkpointing={"policy": "all"}, precision={"mode": "bf16"})
+        pred = mct.predict_peak(frozen_gpt, gpt_loss, batches(0, 0, 1, B=3)[0], cfg, world_size=2, optimizer=adamw,
+                                param_groups=lambda m: optimizer_groups(m, 0.1))
+        peak, by_phase = measured[stage]
+        assert any(p.get("frozen", 0) > 0 for p in by_phase.values()), stage
+        assert pred == peak, (stage, pred, peak)
+
+
+def _values(state: dict[str, torch.Tensor]) -> dict:
+    return {k: v.numpy().copy() for k, v in state.items()}  # sent by value between processes
+
+
+def _save_resume(rank: int, world: int, path: str, phase: str) -> dict:
+    cfg = tiny_config(zero={"stage": 3}, checkpointing={"policy": "all"}, memory={"track": False})
+    torch.manual_seed(cfg.seed)
+    model = frozen_gpt()
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    out = {}
+    if phase == "save":
+        for s in range(2):
+            engine.train_step(batches(s, rank), gpt_loss)
+        engine.save(path)
+        out["saved"] = _values(engine.full_state_dict())
+        engine.train_step(batches(2, rank), gpt_loss)
+        out["continued"] = _values(engine.full_state_dict())
+    else:
+        engine.load(path)
+        out["loaded"] = _values(engine.full_state_dict())
+        engine.train_step(batches(2, rank), gpt_loss)
+        out["continued"] = _values(engine.full_state_dict())
+    return out
+
+
+@pytest.mark.multirank
+def test_checkpoint_with_frozen_units_resumes_exactly_and_reshards_from_2_to_3_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save_resume, 2, path, "save")[0]
+    resumed = run_distributed(_save_resume, 2, path, "load")[0]
+    resharded = run_distributed(_save_resume, 3, path, "load")[0]
+    for got in (resumed["loaded"], resharded["loaded"]):
+        assert got.keys() == saved["saved"].keys()
+        assert all(np.array_equal(got[k], saved["saved"][k]) for k in got)
+    assert all(np.array_equal(resumed["continued"][k], saved["continued"][k]) for k in saved["continued"])
+    # the frozen parameters: rank-independent whole tensors, not per-element shards
+    info = json.loads((tmp_path / "ckpt" / "engine.json").read_text())
+    frozen_keys = {k for k in info["tensors"] if k.startswith("frozen/")}
+    model = frozen_gpt()
+    assert frozen_keys == {"frozen/" + n for n in _frozen_names(model)}
+    assert all(not info["tensors"][k]["per_element"] for k in frozen_keys)
+    from mct.persistence import shards
+    for key in frozen_keys:  # their values: the saved ones, gathered from the shards
+        t = torch.empty(info["tensors"][key]["shape"])
+        shards.load_full(tmp_path / "ckpt" / "engine", {key: t})
+        assert np.array_equal(t.numpy(), saved["saved"][key.removeprefix("frozen/")]), key
+
+
+def test_frozen_units_follow_the_trainable_unit_assignment_with_tied_weights_in_the_root():
+    torch.manual_seed(0)
+    model = frozen_gpt()
+    from mct.checkpointing import find_blocks
+    from mct.dist import DistContext
+    from mct.memory.tracker import MemoryTracker
+    from mct.zero.comm import Comm
+    from mct.zero.sharded import assign_units
+    blocks = find_blocks(model, [], key="checkpointing.blocks")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = FrozenModel(model, assign_units(model, blocks), ["root", *(b for b, _ in blocks)], shard=True,
+                         comm=Comm(DistContext.current(), bucket_bytes=2**20), dtype=torch.float32,
+                         codec=IdentityCodec(torch.float32), device=torch.device("cpu"), tracker=MemoryTracker())
+    assert [u.name for u in frozen.units] == ["root/frozen", "blocks.0/frozen"]
+    assert frozen.units[0].names == ["wte.weight", "wpe.weight"]  # lm_head.weight is wte.weight
+    assert model.lm_head.weight.untyped_storage().nbytes() == 0  # released after packing
+    got = {n: t.clone() for n, t in frozen.items()}  # views valid until the next unit: copied
+    assert got.keys() == before.keys() and all(torch.equal(got[n], before[n]) for n in before)
+    assert model.lm_head.weight.untyped_storage().nbytes() == 0  # items() leaves it as it found it
+
+
+class _Halving:
+    """A stand-in decoding codec: stores fp32 values as bf16 and decodes them back."""
+
+    align = 8
+
+    def encode(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert flat.numel() % self.align == 0
+        return {"half": flat.to(torch.bfloat16), "n": torch.tensor([flat.numel()])}
+
+    def decode(self, parts: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return parts["half"][:numel].to(dtype)
+
+    def stored_bytes(self, numel: int) -> int:
+        return 2 * numel + 8
+
+
+def test_a_decoding_codec_stores_its_parts_and_gathers_decoded_values():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 7)
+    lin.requires_grad_(False)
+    want = {n: p.detach().to(torch.bfloat16).float() for n, p in lin.named_parameters()}
+    from mct.dist import DistContext
+    from mct.memory.tracker import MemoryTracker
+    from mct.zero.comm import Comm
+    frozen = FrozenModel(lin, {}, ["root"], shard=True, comm=Comm(DistContext.current(), bucket_bytes=2**20),
+                         dtype=torch.float32, codec=_Halving(), device=torch.device("cpu"), tracker=MemoryTracker())
+    unit = frozen.units[0]
+    assert unit.layout.offsets == (0, 48) and unit.layout.padded_numel % 8 == 0  # starts on lcm(16, 8)
+    assert unit.stored["half"].dtype == torch.bfloat16 and not unit.gathered
+    assert frozen.stored_bytes() == unit.layout.padded_numel * 2 + 8
+    got = {n: t.clone() for n, t in frozen.items()}  # views valid until the next unit: copied
+    assert all(torch.equal(got[n], want[n]) for n in want)
