@@ -42,6 +42,8 @@ OTHER: dict[str, object] = {
     "offload.buffers": 3,
     "optimizer.name": None,  # one choice ('adamw'): no other value to change it to
     "optimizer.betas": [0.8, 0.9], "optimizer.eps": 1e-6, "optimizer.state_dtype": "int8",
+    "adapter.kind": "lora", "adapter.rank": 4, "adapter.alpha": 8.0, "adapter.dropout": 0.1,
+    "adapter.targets": ["*q_proj"], "adapter.base_dtype": "nf4",  # the others: on a saved adapter run (_saved)
 }
 """Another valid value of every key of the schema (a key added without one fails the walk)."""
 
@@ -56,6 +58,13 @@ def _with(d: dict, key: str, value: object) -> dict:
     if key == "checkpointing.per_block":
         out["checkpointing"]["policy"] = "per_block"
     return out
+
+
+def _saved(key: str) -> dict:
+    """BASE, with adapters on for an [adapter] key other than kind (they configure nothing without)."""
+    if not key.startswith("adapter.") or key == "adapter.kind":
+        return BASE
+    return _with(BASE, "adapter.kind", "qlora" if key == "adapter.base_dtype" else "lora")
 
 
 def test_every_key_of_the_schema_declares_what_a_resume_may_change():
@@ -75,7 +84,8 @@ def test_a_change_on_resume_is_refused_in_one_line_or_recorded_as_the_schema_dec
     rule, value = resume_rules()[key], OTHER[key]
     if value is None:
         return  # a key with one valid value cannot change (its declaration is checked above)
-    saved, new = BASE, _with(BASE, key, value)
+    saved = _saved(key)
+    new = _with(saved, key, value)
     was = config_value(EngineConfig.from_dict(saved), key)
     now = config_value(EngineConfig.from_dict(new), key)
     assert was != now, key

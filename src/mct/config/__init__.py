@@ -11,7 +11,7 @@ file; ``apply_overrides`` applies ``section.key=value`` strings typed by the fie
 from mct.config.values import (ByteSize, NEW_RUN, Name, OnResume, PrecisionMode, check_int, fixed, may,
                                parse_bytes, _check_range, _fail)  # noqa: F401
 from mct.config.run import (DataConfig, GPT_ONLY_KEYS, LR_SCHEDULES, ModelConfig, TrainConfig)  # noqa: F401
-from mct.config.techniques import (BLOCK_POLICIES, CheckpointingConfig, DistributedConfig, HOST_MALLOC,
+from mct.config.techniques import (ADAPTER_KINDS, AdapterConfig, BASE_DTYPES, BLOCK_POLICIES, CheckpointingConfig, DistributedConfig, HOST_MALLOC,
                                    MAX_SEED, MAX_TIMEOUT_S, MemoryConfig, OFFLOAD_TIERS, OPTIMIZER_NAMES,
                                    OffloadConfig, OptimizerConfig, POLICIES, PrecisionConfig, SOLVER_LEVERS,
                                    STATE_DTYPES, ZeroConfig)  # noqa: F401

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mct.config.run import DataConfig, ModelConfig, TrainConfig
-from mct.config.techniques import (MAX_SEED, CheckpointingConfig, DistributedConfig, MemoryConfig, OffloadConfig,
+from mct.config.techniques import (MAX_SEED, AdapterConfig, CheckpointingConfig, DistributedConfig, MemoryConfig, OffloadConfig,
                                    OptimizerConfig, PrecisionConfig, ZeroConfig)
 from mct.config.values import ByteSize, Name, OnResume, _check_range, _fail, fixed
 
@@ -22,7 +22,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig,
     "precision": PrecisionConfig, "checkpointing": CheckpointingConfig,
     "zero": ZeroConfig, "memory": MemoryConfig, "distributed": DistributedConfig,
-    "offload": OffloadConfig, "optimizer": OptimizerConfig,
+    "offload": OffloadConfig, "optimizer": OptimizerConfig, "adapter": AdapterConfig,
 }
 
 
@@ -40,6 +40,7 @@ class EngineConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "seed": fixed("it seeds the run's data order and dropout")}

@@ -1,5 +1,5 @@
 """How it is trained: the [precision], [checkpointing], [zero], [memory], [distributed],
-[optimizer] and [offload] sections."""
+[optimizer], [offload] and [adapter] sections."""
 
 from __future__ import annotations
 
@@ -343,3 +343,65 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.optimizer != "none"
+
+
+ADAPTER_KINDS = ("none", "lora", "qlora")
+BASE_DTYPES = ("auto", "nf4")
+"""``adapter.base_dtype``: 'auto' (lora: the working dtype of ``precision.mode``; qlora: nf4) or 'nf4'."""
+
+
+@dataclass(kw_only=True)
+class AdapterConfig:
+    """Low-rank adapters on a frozen base (``mct.adapters``, docs/adapters.md): each targeted
+    linear layer keeps its weight frozen and adds ``lora_B(lora_A(dropout(x))) * alpha / rank``."""
+
+    kind: str = "none"
+    """'none' (train every parameter), 'lora' (train adapters only) or 'qlora' (lora on a 4-bit base)."""
+    rank: int = 8
+    """Rank r of each adapter: lora_A is [r, in], lora_B is [out, r]."""
+    alpha: float = 16.0
+    """Scale: an adapter's output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input (the base layer sees its input unchanged), in [0, 1)."""
+    targets: list[str] = field(default_factory=list)
+    """fnmatch patterns on module names ('*.attn.qkv', '*q_proj'); [] = every linear layer inside
+    the transformer blocks (attention and MLP projections; never the embedding or the output head)."""
+    base_dtype: str = "auto"
+    """Storage of the frozen base: 'auto' (lora: the working dtype; qlora: 'nf4') or 'nf4'."""
+
+    ON_RESUME: ClassVar[dict[str, OnResume]] = {
+        **dict.fromkeys(("kind", "rank", "targets", "base_dtype"),
+                        fixed("the checkpoint holds the run's adapters (their names and shapes) on its base")),
+        **dict.fromkeys(("alpha", "dropout"), fixed("the adapters' scale and dropout are part of the run's numerics")),
+    }
+
+    def __post_init__(self) -> None:
+        if self.kind not in ADAPTER_KINDS:
+            _fail("adapter.kind", self.kind, "choose 'none', 'lora' or 'qlora'")
+        check_int("adapter.rank", self.rank, 1)
+        _check_range("adapter.alpha", self.alpha, 0.0, lo_open=True)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("adapter.dropout", self.dropout, "must be in [0, 1)")
+        if self.base_dtype not in BASE_DTYPES:
+            _fail("adapter.base_dtype", self.base_dtype, "choose 'auto' or 'nf4'")
+        if self.base_dtype == "nf4" and self.kind != "qlora":
+            _fail("adapter.base_dtype", self.base_dtype, f"is QLoRA's 4-bit base, and adapter.kind = {self.kind!r}: "
+                  "set adapter.kind = 'qlora' (or adapter.base_dtype = 'auto')")
+        if self.kind == "none":
+            self._check_unused()
+        bad = [t for t in self.targets if not t.strip()]
+        if bad:
+            _fail("adapter.targets", self.targets, "each pattern names modules, e.g. ['*.attn.qkv', '*q_proj']; "
+                  "drop the empty one ([] = the default targets)")
+
+    def _check_unused(self) -> None:
+        """ValueError for a key set away from its default while adapter.kind = 'none' (it would do nothing)."""
+        for key, default in (("rank", 8), ("alpha", 16.0), ("dropout", 0.0), ("targets", []), ("base_dtype", "auto")):
+            if getattr(self, key) != default:
+                _fail(f"adapter.{key}", getattr(self, key),
+                      "configures adapters, and adapter.kind = 'none' trains without them: set adapter.kind = "
+                      f"'lora' (or drop adapter.{key})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"

@@ -5,11 +5,13 @@ per-micro-batch dropout seed around the Task's loss."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch.nn as nn
 
-from mct.config import EngineConfig
+from mct.adapters import apply_adapters
+from mct.config import AdapterConfig, EngineConfig
 from mct.task.init_program import InitProgram, record_init
 from mct.task.factory import load_workload
 from mct.task.gpt import gpt_task
@@ -21,14 +23,37 @@ def task_for(cfg: EngineConfig) -> Task:
     """The Task ``cfg`` trains, by ``model.source``: 'gpt' (the built-in GPT of
     ``[model]``), 'hf:DIR' (``mct.task.hf``) or 'pkg.module:factory'
     (``mct.task.factory``). New model sources plug in here (the run loop never names a
-    model). Raises ValueError (one line) for a source that cannot be loaded."""
+    model). With ``[adapter]`` on, its ``model_fn`` builds the model with adapters
+    (``with_adapters``), so train, verify, plan and the Python API see one model.
+    Raises ValueError (one line) for a source that cannot be loaded."""
     source = cfg.model.source
     if source == "gpt":
-        return gpt_task(cfg)
-    if source.startswith("hf:"):
+        task = gpt_task(cfg)
+    elif source.startswith("hf:"):
         from mct.task.hf import hf_task  # imports transformers, an optional dependency
-        return hf_task(cfg, source[3:])
-    return load_workload(source, cfg)
+        task = hf_task(cfg, source[3:])
+    else:
+        task = load_workload(source, cfg)
+    return with_adapters(task, cfg.adapter)
+
+
+def with_adapters(task: Task, adapter: AdapterConfig) -> Task:
+    """``task`` whose ``model_fn`` applies ``adapter`` to each model it builds (after the base
+    is built, so the base's values and the random stream up to them are the unadapted
+    model's); ``task`` itself when ``adapter.kind = 'none'``. Raises ValueError for
+    ``adapter.kind = 'qlora'``: the 4-bit base is not in this build."""
+    if not adapter.enabled:
+        return task
+    if adapter.kind == "qlora":
+        raise ValueError("adapter.kind = 'qlora' needs the NF4 base storage, which this build does not have: "
+                         "use adapter.kind = 'lora'")
+    base_fn = task.model_fn
+
+    def model_fn() -> nn.Module:
+        model = base_fn()
+        apply_adapters(model, adapter)
+        return model
+    return dataclasses.replace(task, model_fn=model_fn)
 
 
 def check_tokens(task: Task, corpus: Any) -> None:

@@ -6,8 +6,9 @@ Three numbers, each relative to the reference:
 - gradient norm (global, before clipping), every step: it is what exposes a wrong
   averaging factor (ranks, micro-batches, loss scale). Adam is invariant to a constant
   gradient scale, so with AdamW such a bug moves neither the loss nor the parameters;
-- parameters after the run, as ||theta - theta_ref|| / ||theta_ref|| over all of them
-  (the worst single tensor is named for diagnosis). Not per tensor: the attention key
+- parameters after the run, as ||theta - theta_ref|| / ||theta_ref|| over the trainable
+  ones (the worst single tensor is named for diagnosis); frozen ones (an adapter run's
+  base) must end bit-identical to the engine's own start. Not per tensor: the attention key
   bias has a gradient that is exactly zero (softmax ignores a shift shared by every
   key), so it only ever sees rounding noise, which Adam turns into lr-sized steps; any
   change in the order of the same fp32 sums (ZeRO 2/3 reduce per micro-batch) makes
@@ -52,6 +53,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 
 from mct.config import EngineConfig
 from mct.dist import DistContext
@@ -87,7 +89,11 @@ class VerifyReport:
     grad_norms: list[tuple[float, float]] = field(default_factory=list)
     """(grad norm, reference grad norm) per row"""
     param_rel: float = 0.0
-    """||theta - theta_ref|| / ||theta_ref|| over every parameter"""
+    """||theta - theta_ref|| / ||theta_ref|| over every trainable parameter (all of them but a frozen base)"""
+    frozen: int = 0
+    """frozen parameters (an adapter run's base, a user's own freezing)"""
+    frozen_changed: list[str] = field(default_factory=list)
+    """frozen parameters whose engine values changed during the run (must be none)"""
     init_rel: float = 0.0
     """the same before the first step: the masters against the reference's init"""
     worst_param: str = ""
@@ -114,7 +120,7 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return (self.max_loss_rel <= self.loss_tol and self.max_grad_norm_rel <= self.loss_tol
-                and self.param_rel <= self.param_tol and self.init_rel <= INIT_TOL)
+                and self.param_rel <= self.param_tol and self.init_rel <= INIT_TOL and not self.frozen_changed)
 
     def table(self) -> str:
         lines = [f"initial parameter difference      {self.init_rel:.3e} (tolerance {INIT_TOL:.0e}: fp32 masters "
@@ -134,6 +140,10 @@ class VerifyReport:
         lines.append(f"max relative grad-norm difference {self.max_grad_norm_rel:.3e} (tolerance {self.loss_tol:.0e})")
         lines.append(f"relative parameter difference     {self.param_rel:.3e} (tolerance {self.param_tol:.0e}); "
                      f"worst tensor {self.worst_param} {self.worst_param_rel:.2e}")
+        if self.frozen:
+            lines.append(f"frozen parameters                 {self.frozen - len(self.frozen_changed)} of {self.frozen} "
+                         f"unchanged, bit for bit" + (f"; changed: {', '.join(self.frozen_changed[:3])}"
+                                                      if self.frozen_changed else ""))
         lines.append(f"{verdict}: precision {self.mode}")
         return "\n".join(lines)
 
@@ -171,7 +181,9 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     mode = cfg.precision.mode + ("" if cfg.optimizer.state_dtype == "fp32" else
                                  f", optimizer state {cfg.optimizer.state_dtype}")
     report = VerifyReport(mode, loss_tol=loss_tol, param_tol=param_tol)
-    report.init_rel = _init_difference(engine, ref)
+    start = engine.full_state_dict()  # collective: every rank
+    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    report.init_rel = _init_difference(start, trainable, ref)
     opt_step = 0
     for step in range(steps):
         lr = lr_at(opt_step, cfg.train)
@@ -197,17 +209,19 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     state = engine.full_state_dict()
     if ref is None:
         return None
-    report.param_rel, report.worst_param, report.worst_param_rel = param_difference(state, ref.state_dict())
+    report.param_rel, report.worst_param, report.worst_param_rel = param_difference(
+        {n: v for n, v in state.items() if n in trainable}, ref.state_dict())
+    frozen = [n for n in state if n not in trainable]
+    report.frozen = len(frozen)
+    report.frozen_changed = [n for n in frozen if not torch.equal(state[n], start[n])]
     return report
 
 
-def _init_difference(engine: Engine, ref: ReferenceTrainer | None) -> float:
-    """``init_rel`` over the trainable parameters (the ones with a master; frozen ones
-    are cast to the param dtype by design). Collective; 0.0 off rank 0."""
-    start = engine.full_state_dict()
+def _init_difference(start: dict, trainable: set[str], ref: ReferenceTrainer | None) -> float:
+    """``init_rel`` of the engine's ``start`` state over the ``trainable`` parameters (the
+    ones with a master; frozen ones are cast to the param dtype by design). 0.0 off rank 0."""
     if ref is None:
         return 0.0
-    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     ref_state = ref.state_dict()
     return param_difference({n: v for n, v in start.items() if n in trainable}, ref_state)[0]
 
