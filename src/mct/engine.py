@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from mct import optim
+from mct.adapters.qlora import nf4_codecs
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.dist import DistContext, agree
@@ -125,11 +126,12 @@ class Engine:
                                                     self._unit_built),
                                     partial_grads=lambda: self.recompute.more_tiles)
         # frozen parameters: sharded at stages 1-3 (kept whole under parameter offload, which
-        # streams trainable units only), gathered per unit by the same lifecycle as stage 3's
+        # streams trainable units only), gathered per unit by the same lifecycle as stage 3's;
+        # QLoRA's linear weights stored as NF4 at every stage (whole units at stage 0)
         self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
                                   shard=self.stage >= 1 and cfg.offload.params == "none", comm=self.comm,
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
-                                  device=self.device, tracker=self.tracker)
+                                  device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter))
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
                          *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in units)]}
         lifecycle = {b: us for b, us in lifecycle.items() if us}
