@@ -61,28 +61,27 @@ def groups_of(numel: int) -> int:
     return -(-numel // ALIGN)
 
 
-def _midpoints() -> torch.Tensor:
-    lv = torch.tensor(LEVELS, dtype=torch.float32)
+def _midpoints(device: torch.device) -> torch.Tensor:
+    """[15] fp32: the boundaries between adjacent levels."""
+    lv = torch.tensor(LEVELS, dtype=torch.float32, device=device)
     return (lv[1:] + lv[:-1]) / 2
 
 
-def _pair_table() -> torch.Tensor:
+def _pair_table(device: torch.device) -> torch.Tensor:
     """[256, 2] fp32: the two levels a byte encodes (high nibble first)."""
-    lv = torch.tensor(LEVELS, dtype=torch.float32)
-    b = torch.arange(256)
+    lv = torch.tensor(LEVELS, dtype=torch.float32, device=device)
+    b = torch.arange(256, device=device)
     return torch.stack([lv[b >> 4], lv[b & 15]], dim=1)
 
 
 class NF4Codec:
     """The frozen-unit storage codec (``mct.zero``'s protocol): ``align``, ``encode``,
-    ``decode``/``decode_into``, ``stored_bytes``. Stateless apart from two small tables."""
+    ``decode``/``decode_into``, ``stored_bytes``. Stateless: its two small tables (2 KiB)
+    are built per call, transients on the device of the tensors (a planner's dry run counts
+    them as the run does)."""
 
     name = "nf4"
     align = ALIGN
-
-    def __init__(self) -> None:
-        self._mid = _midpoints()
-        self._pairs = _pair_table()
 
     def stored_bytes(self, numel: int) -> int:
         """Bytes ``encode`` stores for a flat of ``numel`` elements (codes, absmax codes,
@@ -107,13 +106,15 @@ class NF4Codec:
             raise ValueError(f"NF4 encodes a 1-D flat tensor, got shape {tuple(flat.shape)}")
         n = flat.numel()
         parts = self.empty(n, flat.device)
+        mid = _midpoints(flat.device)
         with torch.no_grad():
             padded = groups_of(n) * ALIGN
             for a in range(0, padded, CHUNK):
-                self._encode_chunk(flat[a:a + CHUNK], a, min(CHUNK, padded - a), parts)
+                self._encode_chunk(flat[a:a + CHUNK], a, min(CHUNK, padded - a), parts, mid)
         return parts
 
-    def _encode_chunk(self, x: torch.Tensor, at: int, m: int, parts: dict[str, torch.Tensor]) -> None:
+    def _encode_chunk(self, x: torch.Tensor, at: int, m: int, parts: dict[str, torch.Tensor],
+                      mid: torch.Tensor) -> None:
         """Encode elements [at, at + m) (whole groups; ``x``: those that exist, zeros after) into ``parts``."""
         if x.numel() < m:
             x = torch.cat([x.float(), x.new_zeros(m - x.numel(), dtype=torch.float32)])
@@ -129,7 +130,7 @@ class NF4Codec:
         codes8 = (dev / scale[:, None]).round_().clamp_(-127, 127)
         q = (codes8 * scale[:, None] + mean[:, None]).view(-1, 1)  # what decode multiplies by
         y = xb / torch.where(q != 0, q, torch.ones_like(q))
-        idx = torch.bucketize(y, self._mid.to(y.device)).to(torch.uint8).view(-1, 2)
+        idx = torch.bucketize(y, mid).to(torch.uint8).view(-1, 2)
         parts["codes"][at // 2:(at + m) // 2] = (idx[:, 0] << 4) | idx[:, 1]
         parts["absmax"][g0 * GROUP:(g0 + ng) * GROUP] = codes8.view(-1).to(torch.int8)
         parts["scale"][g0:g0 + ng] = scale
@@ -154,7 +155,7 @@ class NF4Codec:
         if n > have:
             raise ValueError(f"NF4 parts hold {have} elements, {n} asked")
         q = self.block_absmax(parts)
-        pairs = self._pairs.to(out.device)
+        pairs = _pair_table(out.device)
         codes = parts["codes"]
         with torch.no_grad():
             whole = n // CHUNK * CHUNK

@@ -149,6 +149,8 @@ class FrozenModel:
                 if these and (shard or c is not codec):
                     suffix = "frozen" if c is codec else f"frozen-{getattr(c, 'name', 'coded')}"
                     self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker))
+        # whole on every rank: their bytes count as the frozen base too (the dry run counts them)
+        tracker.register_all([p for _, p in self.loose], "frozen")
         self.units_by_block: dict[str, list[FrozenUnit]] = {}
         for u in self.units:
             self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)
