@@ -49,6 +49,20 @@ def test_nf4_weights_are_the_frozen_linear_weights_inside_the_blocks():
     assert "wte.weight" not in names and not any(".ln" in n for n in names)
 
 
+def test_qlora_with_parameter_offload_is_refused_naming_the_keys():
+    with pytest.raises(ValueError, match=r"offload.params .* adapter.kind = 'qlora'"):
+        EngineConfig.from_dict({"model": dict(TINY_MODEL), "adapter": {"kind": "qlora"}, "zero": {"stage": 3},
+                                "offload": {"params": "cpu", "optimizer": "cpu"}})
+
+
+def test_qlora_on_a_model_without_blocks_is_refused():
+    import torch.nn as nn
+    from mct.adapters.qlora import nf4_codecs
+    cfg = EngineConfig.from_dict({"adapter": {"kind": "qlora"}})
+    with pytest.raises(ValueError, match="adapter.kind = 'qlora' .* use adapter.kind = 'lora'"):
+        nf4_codecs(nn.Sequential(nn.Linear(4, 4)).requires_grad_(False), cfg.adapter)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_engine_computes_on_the_base_the_reference_is_given(stage):
     cfg = EngineConfig.from_dict({"model": dict(TINY_MODEL), "adapter": {"kind": "qlora"}, "zero": {"stage": stage}})
