@@ -144,3 +144,25 @@ def test_planned_peak_equals_the_qlora_run_tracker_peak_on_2_ranks(corpus):
         peak, by_phase = measured[stage]
         assert any(p.get("frozen", 0) > 0 for p in by_phase.values()), stage
         assert pred == peak, (stage, pred, peak)
+
+
+def test_init_from_a_qlora_checkpoint_keeps_the_nf4_bytes_it_saved(tmp_path):
+    """A checkpoint holds the decoded base; ``--init-from`` it keeps the NF4 bytes where the
+    values are the ones they decode to (encoding them again would move them: NF4 is not
+    idempotent), so the run continues on the base it saved."""
+    from mct.data import build_data
+    from mct.persistence.init_from import load_pretrained
+    from mct.task.gpt import step_batches
+    cfg = qlora_config(write_corpus(tmp_path / "c.txt"), zero={"stage": 3})
+    task = task_for(cfg)
+    _, sampler = build_data(cfg, 1)
+    engine, _ = _engine(cfg)
+    engine.train_step(step_batches(sampler, cfg, 0, 0), seeded(task.loss_fn))
+    engine.save(str(tmp_path / "ckpt"))
+    stored = [{k: v.clone() for k, v in u.stored.items()} for u in engine.frozen.units]
+    assert any(u.name.endswith("frozen-nf4") for u in engine.frozen.units)
+    again, _ = _engine(cfg)
+    load_pretrained(again, str(tmp_path / "ckpt"))
+    assert all(torch.equal(u.stored[k], want[k]) for u, want in zip(again.frozen.units, stored) for k in want)
+    a, b = engine.full_state_dict(), again.full_state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from mct.zero.comm import Comm, Pending
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
@@ -110,12 +111,18 @@ class FrozenUnit:
     def load_shard(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
         """Replace this rank's stored shard by new values: ``read(i, a, b)`` gives elements
         [a, b) of parameter ``i`` (any float dtype; cast to the working dtype). The unit is
-        left released (its next gather reads the new shard). Not collective."""
+        left released (its next gather reads the new shard). Not collective. A lossy codec
+        (NF4) keeps its stored parts when the values are the ones they decode to: a
+        checkpoint holds the decoded base, and encoding it again would move it (NF4 is not
+        idempotent), so a resumed run would not compute on the base it saved."""
         lo, hi = self.layout.shard_range(self.shard_rank)
         part = torch.zeros(hi - lo, dtype=self.dtype, device=self.working.device)
         for i, a, b, at in self.layout.param_pieces(self.shard_rank):
             part[at:at + b - a].copy_(read(i, a, b))
         self.release()
+        lossy = not self.direct and not is_fake(part)
+        if lossy and torch.equal(self.codec.decode(self.stored, hi - lo, self.dtype), part):
+            return
         self.stored = self.codec.encode(part)
 
     def stored_nbytes(self) -> int:
