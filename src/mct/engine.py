@@ -125,11 +125,11 @@ class Engine:
                                                     lambda params: init_program.materialize(params, self.device),
                                                     self._unit_built),
                                     partial_grads=lambda: self.recompute.more_tiles)
-        # frozen parameters: sharded at stages 1-3 (kept whole under parameter offload, which
-        # streams trainable units only), gathered per unit by the same lifecycle as stage 3's;
+        # frozen parameters: sharded at stages 1-3 (on the device: parameter offload streams
+        # trainable units only), gathered per unit by the same lifecycle as stage 3's;
         # QLoRA's linear weights stored as NF4 at every stage (whole units at stage 0)
         self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
-                                  shard=self.stage >= 1 and cfg.offload.params == "none", comm=self.comm,
+                                  shard=self.stage >= 1, comm=self.comm,
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
                                   device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter))
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),

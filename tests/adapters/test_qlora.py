@@ -49,12 +49,6 @@ def test_nf4_weights_are_the_frozen_linear_weights_inside_the_blocks():
     assert "wte.weight" not in names and not any(".ln" in n for n in names)
 
 
-def test_qlora_with_parameter_offload_is_refused_naming_the_keys():
-    with pytest.raises(ValueError, match=r"offload.params .* adapter.kind = 'qlora'"):
-        EngineConfig.from_dict({"model": dict(TINY_MODEL), "adapter": {"kind": "qlora"}, "zero": {"stage": 3},
-                                "offload": {"params": "cpu", "optimizer": "cpu"}})
-
-
 def test_qlora_on_a_model_without_blocks_is_refused():
     import torch.nn as nn
     from mct.adapters.qlora import nf4_codecs

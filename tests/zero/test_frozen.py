@@ -122,7 +122,7 @@ def _run_peaks(rank: int, world: int, stages: tuple[int, ...]) -> dict[int, int]
 
 @pytest.mark.multirank
 def test_planned_peak_equals_the_run_tracker_peak_with_frozen_units_on_2_ranks():
-    stages = (1, 2, 3)
+    stages = (0, 1, 2, 3)  # stage 0: the frozen parameters whole, counted under 'frozen' too
     measured = run_distributed(_run_peaks, 2, stages)[0]
     for stage in stages:
         cfg = tiny_config(zero={"stage": stage}, checkpointing={"policy": "all"}, precision={"mode": "bf16"})
@@ -234,3 +234,40 @@ def test_a_decoding_codec_stores_its_parts_and_gathers_decoded_values():
     assert frozen.stored_bytes() == unit.layout.padded_numel * 2 + 8
     got = {n: t.clone() for n, t in frozen.items()}  # views valid until the next unit: copied
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _init_from(rank: int, world: int, source: str) -> dict:
+    from mct.persistence.init_from import load_pretrained
+    cfg = tiny_config(zero={"stage": 3}, memory={"track": False})
+    torch.manual_seed(1)  # other values than the file's
+    model = frozen_gpt()
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
+    load_pretrained(engine, source)
+    loaded = _values(engine.full_state_dict())
+    engine.train_step(batches(0, rank), gpt_loss)  # the loaded frozen shards are what the step gathers
+    return {"loaded": loaded, "after": _values(engine.full_state_dict())}
+
+
+@pytest.mark.multirank
+def test_init_from_fills_each_ranks_frozen_shards_from_the_file(tmp_path):
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    want = {n: p.detach().clone() for n, p in frozen_gpt().named_parameters()}
+    save_file(want, tmp_path / "w.safetensors")
+    got = run_distributed(_init_from, 2, str(tmp_path / "w.safetensors"))[0]
+    assert got["loaded"].keys() == want.keys()
+    assert all(np.array_equal(got["loaded"][n], want[n].numpy()) for n in want)
+    assert all(np.array_equal(got["after"][n], want[n].numpy()) for n in _frozen_names(frozen_gpt()))
+
+
+def test_parameter_offload_streams_trainable_units_and_keeps_frozen_shards_on_the_device(tmp_path):
+    runs = {}
+    for name, offload in (("resident", {}), ("disk", {"optimizer": "disk", "params": "disk", "dir": str(tmp_path)})):
+        cfg = tiny_config(zero={"stage": 3}, offload=offload, memory={"track": False})
+        _, state, engine, _ = engine_run(cfg, 0, 2, adamw, 1, frozen_gpt)
+        frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+        runs[name] = (state, [u.name for u in engine.frozen.units], all(p.untyped_storage().nbytes() == 0 for p in frozen))
+        engine.close()
+    (want, units, freed), (got, units_off, freed_off) = runs["resident"], runs["disk"]
+    assert units_off == units == ["root/frozen", "blocks.0/frozen"] and freed and freed_off
+    assert all(torch.equal(got[k], want[k]) for k in want)

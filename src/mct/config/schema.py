@@ -52,10 +52,6 @@ class EngineConfig:
             _fail("offload.params", self.offload.params,
                   f"offloads stage-3 parameter shards; zero.stage = {self.zero.stage!r} keeps whole parameters "
                   f"on every rank: set zero.stage = 3 or offload.params = 'none'")
-        if self.adapter.kind == "qlora" and self.offload.params != "none":
-            _fail("offload.params", self.offload.params,
-                  "streams trainable parameter shards, and adapter.kind = 'qlora' keeps its frozen base as NF4 "
-                  "units instead (0.52 bytes a weight): set offload.params = 'none' (or adapter.kind = 'lora')")
 
     def check_resolved(self) -> None:
         """ValueError when zero.stage or checkpointing.policy is still 'auto' (an engine needs them chosen)."""

@@ -6,7 +6,8 @@ Stage 1: master + optimizer state sharded; full gradients reduce-scattered after
 Stage 2: as 1, but each unit's gradient is reduce-scattered as soon as backward has
          produced all of it (post-accumulate-grad hooks), then the full gradient is freed.
 Stage 3: as 2, and working parameters are freed between uses (see stage3.py).
-Frozen parameters and buffers are left as they are: replicated, never sharded.
+Buffers are left as they are: replicated, never sharded. Frozen parameters are not here:
+stages 1-3 shard them as frozen units (``mct.zero.frozen``), stage 0 leaves them whole.
 """
 
 from __future__ import annotations
