@@ -154,7 +154,8 @@ class Engine:
         optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
-        self.tracker.register_all(model.buffers(), "params")
+        # buffers and frozen parameters (an adapter run's base): whole on every rank, counted as the planner does
+        self.tracker.register_all([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)], "params")
         self.steps_done, self._phase_name = 0, "idle"
         self.reserve = (step_reserve(optimizer, hyper, self.sharded.group_of_unit, self.residency.step_masters(),
                                      self.sharded.units, self.precision.param_dtype) if enforce else None)

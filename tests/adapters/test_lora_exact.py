@@ -28,6 +28,12 @@ def lora_config(data_path: str, **sections: dict) -> EngineConfig:
     return EngineConfig.from_dict(d)
 
 
+def run_config(data_path: str) -> EngineConfig:
+    """The 2-rank `mct train` run: stage 3, one micro-batch a step (what a plan row describes)."""
+    return lora_config(data_path, zero={"stage": 3}, data={"grad_accum": 1},
+                       train={"steps": 3, "eval_every": 0, "warmup_steps": 1})
+
+
 def write_corpus(path: Path) -> str:
     rnd = random.Random(0)
     path.write_text("".join(rnd.choice("abcdefgh ijkl\n") for _ in range(100_000)))
@@ -48,7 +54,7 @@ def _two_ranks(rank: int, world: int, data_path: str, run_dir: str) -> dict:
     from mct.verify.compare import run_verify
     out = {("fp32", s): run_verify(lora_config(data_path, zero={"stage": s}), STEPS) for s in (0, 1, 2, 3)}
     out[("bf16", 3)] = run_verify(lora_config(data_path, zero={"stage": 3}, precision={"mode": "bf16"}), STEPS)
-    cfg = lora_config(data_path, zero={"stage": 3}, train={"steps": 3, "eval_every": 0, "warmup_steps": 1})
+    cfg = run_config(data_path)
     train(cfg, run_dir, progress=False)
     return out
 
@@ -112,3 +118,16 @@ def test_the_optimizer_holds_the_adapters_only(stage):
     engine = Engine(model, task.optimizer, cfg, param_groups=task.param_groups(model), init_program=program)
     held = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
     assert held == sum(p.numel() for p in adapter_parameters(model).values()) < sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.multirank
+def test_the_planned_tensor_peak_of_a_two_rank_run_is_its_trackers_to_the_byte(two_rank_reports, corpus):
+    """`mct plan`'s row for the run's configuration (``predict_task``, the planner's own dry
+    run) against the peak rank 0's tracker measured in the run's last step."""
+    import json
+    from mct.planner import predict_task
+    from mct.task import task_for
+    cfg = run_config(corpus)
+    rows = [json.loads(line) for line in (Path(two_rank_reports["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    measured = [r["peak_bytes"] for r in rows if r.get("step") == 2]
+    assert measured and predict_task(task_for(cfg), cfg, 2) == measured[0]

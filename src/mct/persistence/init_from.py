@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from mct.adapters import is_adapter_name
 from mct.persistence.lazy import LazyModule
 from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.persistence.export import pick_checkpoint
@@ -162,7 +163,9 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
                 what: str) -> dict[str, str]:
     """Match the source's names to the model's parameters: returns {parameter name (as
     named_parameters) -> source name}. A tied parameter may come under any of its names
-    (once); buffers the source also holds are ignored. Raises ValueError naming the
+    (once); buffers the source also holds are ignored; adapter parameters (``lora_A``,
+    ``lora_B``) the source lacks keep their own values (a base model's weights under new
+    adapters) and are left out of the result. Raises ValueError naming the
     first few missing or unexpected names, or wrong shapes. ``model_shapes``: each
     parameter's shape (stage 3 frees the module's own tensors between gathers)."""
     aliases: dict[int, list[str]] = {}
@@ -174,7 +177,8 @@ def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shap
     for name, p in model.named_parameters():
         found = [a for a in aliases[id(p)] if a in shapes]
         if not found:
-            missing.append(name)
+            if not is_adapter_name(name):
+                missing.append(name)
             continue
         source_of[name] = found[0]
         if tuple(shapes[found[0]]) != tuple(model_shapes[name]):
@@ -208,10 +212,11 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
         hi = lo + piece.numel()
         # Offloaded masters come as copies: fill them. Resident ones are the live state, which
         # must not change before load_state_dict has validated everything: fill a new tensor.
-        new = piece if engine.config.offload.enabled else torch.zeros(piece.shape, dtype=torch.float32)
+        # Parameters the source lacks (new adapters) keep their values.
+        new = piece if engine.config.offload.enabled else piece.detach().to("cpu", torch.float32, copy=True)
         for name, shape, offset in unit["params"]:
             a, b = max(lo, offset), min(hi, offset + math.prod(shape))
-            if a < b:
+            if a < b and name in source_of:
                 new[a - lo:b - lo] = source.read(source_of[name], a - offset, b - offset)
         tensors[key] = new.to(piece.device)
     engine.load_state_dict({**state, "tensors": tensors})
