@@ -28,8 +28,6 @@ Why our own code, not torchao's or bitsandbytes' NF4: ``docs/adapters.md``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -178,7 +176,3 @@ def round_trip(t: torch.Tensor, codec: NF4Codec | None = None) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     return codec.decode(codec.encode(flat), flat.numel(), t.dtype).view(t.shape)
 
-
-def bytes_per_element(numel: int) -> float:
-    """Stored bytes per element of a flat of ``numel`` elements (padding counted)."""
-    return NF4Codec().stored_bytes(numel) / max(1, numel) if numel else math.nan
