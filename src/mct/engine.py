@@ -101,12 +101,13 @@ class Engine:
             model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
             device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
             report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise)
-        # 2. precision: frozen parameters are cast here; trainable ones live in flat units
+        # 2. precision: frozen parameters are cast here (on meta: once materialized, by their
+        # units); trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",
                              agreement_items(model, cfg)), self.comm)
         with torch.no_grad():
-            for p in (p for p in model.parameters() if not p.requires_grad):
+            for p in (p for p in model.parameters() if not p.requires_grad and not p.is_meta):
                 p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,
@@ -131,7 +132,9 @@ class Engine:
         self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
                                   shard=self.stage >= 1, comm=self.comm,
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
-                                  device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter))
+                                  device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter),
+                                  materialize=None if init_program is None else
+                                  lambda params: init_program.materialize(params, self.device))
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
                          *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in units)]}
         lifecycle = {b: us for b, us in lifecycle.items() if us}
@@ -154,8 +157,9 @@ class Engine:
         optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
-        # buffers and frozen parameters (an adapter run's base): whole on every rank, counted as the planner does
-        self.tracker.register_all([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)], "params")
+        # buffers: whole on every rank, counted as the planner does (frozen parameters, an adapter
+        # run's base, are counted under 'frozen' by their units, or loose at stage 0: mct.zero.frozen)
+        self.tracker.register_all(model.buffers(), "params")
         self.steps_done, self._phase_name = 0, "idle"
         self.reserve = (step_reserve(optimizer, hyper, self.sharded.group_of_unit, self.residency.step_masters(),
                                      self.sharded.units, self.precision.param_dtype) if enforce else None)

@@ -52,17 +52,20 @@ def _parity(rank: int, world: int) -> dict:
         cfg0, world, STEPS, sgd_momentum, N_MICRO, frozen_gpt, order=order)[1]) for order in ("rank", "micro")})
     torch.manual_seed(cfg0.seed)
     init = {n: p.detach().clone() for n, p in frozen_gpt().named_parameters() if not p.requires_grad}
-    out = {}
+    out, evals = {}, []
     for stage in (0, 1, 2, 3):
         for policy in ("none", "all") if stage else ("none",):
             cfg = tiny_config(train={"grad_clip": 1.0}, zero={"stage": stage}, checkpointing={"policy": policy},
                               memory={"track": False})
             _, state, engine, _ = engine_run(cfg, rank, STEPS, sgd_momentum, N_MICRO, frozen_gpt)
+            evals.append(engine.eval_loss(batches(STEPS, rank)[0], gpt_loss))  # gathers and frees too
             unchanged = all(torch.equal(state[n], t) for n, t in init.items())
             # between steps a sharded frozen parameter holds no data
             freed = all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters() if not p.requires_grad)
             if refs is not None:
                 out[(stage, policy)] = (max_rel_diff(state, refs["micro" if stage >= 2 else "rank"]), unchanged, freed)
+    if refs is not None:
+        out["eval"] = evals
     return out
 
 
@@ -70,6 +73,8 @@ def _parity(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_frozen_gpt_trains_like_the_reference_at_every_stage_and_its_frozen_bytes_never_change(world):
     got = _parity(0, 1) if world == 1 else run_distributed(_parity, world)[0]
+    evals = got.pop("eval")  # evaluation after training, every stage against stage 0's
+    assert all(abs(e - evals[0]) <= 1e-6 * abs(evals[0]) for e in evals), evals
     assert set(got) == {(0, "none"), *((s, p) for s in (1, 2, 3) for p in ("none", "all"))}
     for (stage, policy), ((diff, name), unchanged, freed) in got.items():
         assert diff <= 1e-6, (world, stage, policy, diff, name)
@@ -271,3 +276,26 @@ def test_parameter_offload_streams_trainable_units_and_keeps_frozen_shards_on_th
     (want, units, freed), (got, units_off, freed_off) = runs["resident"], runs["disk"]
     assert units_off == units == ["root/frozen", "blocks.0/frozen"] and freed and freed_off
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_model_built_on_meta_materializes_its_frozen_base_a_unit_at_a_time_bit_identically():
+    from mct.offload import record_init
+    cfg = tiny_config(zero={"stage": 3}, precision={"mode": "bf16"}, memory={"track": False})
+    _, want, _, _ = engine_run(cfg, 0, 2, adamw, 1, frozen_gpt)
+    torch.manual_seed(cfg.seed)
+    model, program = record_init(frozen_gpt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    calls: list[list[str]] = []
+    materialize = program.materialize
+
+    def recording(params, device="cpu"):
+        calls.append([names[id(p)] for p in params if id(p) in names and not p.requires_grad])
+        materialize(params, device)
+    program.materialize = recording
+    engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1), init_program=program)
+    for s in range(2):
+        engine.train_step(batches(s, 0), gpt_loss)
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    frozen_calls = [c for c in calls if c]
+    assert frozen_calls == [["wte.weight", "wpe.weight"], [n for n in _frozen_names(model) if n.startswith("blocks.0.")]]

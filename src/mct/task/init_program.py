@@ -215,11 +215,11 @@ def place_model(model: nn.Module, device: torch.device, program: InitProgram | N
     """``model`` on ``device`` for the engine. Built normally: moved, but only what is
     elsewhere (``Module.to`` re-wraps every tensor, which fake tensors, the planner's
     dry runs, refuse once something holds a weakref to them). Built on meta
-    (``program``): what no flat unit packs (buffers, frozen parameters) is materialized
-    now; the units materialize the rest as they are packed."""
+    (``program``): what no flat unit packs (buffers) is materialized now; the trainable
+    and frozen units (``mct.zero.frozen``) materialize the parameters as they are packed."""
     if program is None:
         if any(t.device != device for t in (*model.parameters(), *model.buffers())):
             model.to(device)
         return model
-    program.materialize([*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)], device)
+    program.materialize(list(model.buffers()), device)
     return model

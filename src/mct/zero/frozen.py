@@ -137,12 +137,16 @@ class FrozenModel:
 
     def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
                  comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker,
-                 coded: dict[str, FrozenCodec] | None = None) -> None:
+                 coded: dict[str, FrozenCodec] | None = None,
+                 materialize: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
         in the order to pack. ``codec`` stores every frozen parameter but those ``coded``
         maps to a codec of their own (by name: a QLoRA base's linear weights to NF4); a
         unit's parameters of another codec form a unit of their own, ``<unit>/frozen-<name>``.
-        Registers the stored shards and working buffers with ``tracker`` under 'frozen'."""
+        ``materialize(params)``: a model built on meta gets each unit's values just before
+        it is packed (so no rank holds the whole frozen base), loose ones up front; they are
+        cast to ``dtype``. Registers the stored shards and working buffers with ``tracker``
+        under 'frozen'."""
         self.comm = comm
         coded = coded or {}
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
@@ -150,12 +154,19 @@ class FrozenModel:
         self.loose = [] if shard else [(n, p) for n, p in frozen if n not in coded]
         codecs = [codec, *{id(c): c for c in coded.values()}.values()]
         for uname in order:
-            mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname]
+            mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname and (shard or n in coded)]
+            if mine and materialize is not None:
+                materialize([p for _, p in mine])
             for c in codecs:
                 these = [(n, p) for n, p in mine if coded.get(n, codec) is c]
-                if these and (shard or c is not codec):
+                if these:
                     suffix = "frozen" if c is codec else f"frozen-{getattr(c, 'name', 'coded')}"
                     self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker))
+        if materialize is not None and self.loose:
+            materialize([p for _, p in self.loose])
+            with torch.no_grad():
+                for _, p in self.loose:
+                    p.data = p.data.to(dtype)
         # whole on every rank: their bytes count as the frozen base too (the dry run counts them)
         tracker.register_all([p for _, p in self.loose], "frozen")
         self.units_by_block: dict[str, list[FrozenUnit]] = {}
