@@ -160,3 +160,22 @@ def test_init_from_a_qlora_checkpoint_keeps_the_nf4_bytes_it_saved(tmp_path):
     assert all(torch.equal(u.stored[k], want[k]) for u, want in zip(again.frozen.units, stored) for k in want)
     a, b = engine.full_state_dict(), again.full_state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_planned_peak_equals_the_run_with_nf4_units_of_several_chunks(corpus, stage):
+    """d_model 128: a block's NF4 unit is 3 decode chunks, of which a dry run makes only the
+    first and the last (``nf4._chunk_starts``): the peak is still the run's, to the byte."""
+    from mct.data import build_data
+    from mct.quant.nf4 import CHUNK
+    from mct.task.gpt import step_batches
+    cfg = qlora_config(corpus, zero={"stage": stage}, precision={"mode": "bf16"}, model={"d_model": 128, "n_head": 4})
+    engine, _ = _engine(cfg)
+    assert max(u.layout.padded_numel for u in engine.frozen.units) >= 3 * CHUNK
+    task = task_for(cfg)
+    _, sampler = build_data(cfg, 1)
+    loss_fn = seeded(task.loss_fn)
+    peak = [engine.train_step(step_batches(sampler, cfg, s, 0), loss_fn).metrics["peak_bytes"] for s in range(2)][1]
+    pred = mct.predict_peak(task.model_fn, loss_fn, step_batches(sampler, cfg, 1, 0), cfg, world_size=1,
+                            optimizer=task.optimizer, param_groups=task.param_groups)
+    assert pred == peak
