@@ -137,7 +137,9 @@ def full_state_items(e: StateOwner) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, full[off:off + math.prod(shape)].view(shape)
         del full
     for n, t in e.frozen.items():  # frozen parameters, a unit gathered at a time
-        yield n, t.float()
+        # a copy, as a bf16 one's cast is: a reader may hand it to numpy, which pins its storage, and
+        # the unit's working buffer must be freed (resized to 0) after its last item
+        yield n, t.float() if t.dtype != torch.float32 else t.clone()
 
 
 def parameter_shapes(e: StateOwner) -> dict[str, tuple[int, ...]]:
