@@ -21,7 +21,7 @@ from mct.run.recipe import train_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FILES = sorted(EXAMPLES.glob("*.toml"))
-EXPECTED = {"bf16", "finetune_hf", "gpt", "low_memory", "packing"}
+EXPECTED = {"bf16", "finetune_hf", "gpt", "lora_hf", "low_memory", "packing"}
 
 TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.seq_len=16"]
 TWO_STEPS = ["train.steps=2", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
@@ -68,7 +68,7 @@ def hf(tmp_path_factory) -> dict[str, str]:
 
 def _user_args(name: str, tmp_path: Path, corpus_dir: Path, request) -> list[str]:
     """What a user adds to `mct train --config examples/NAME.toml` for a two-step try."""
-    if name == "finetune_hf":
+    if name in ("finetune_hf", "lora_hf"):
         d = request.getfixturevalue("hf")
         sets = ["model.seq_len=16", f"data.path={d['data']}", *TWO_STEPS, "data.grad_accum=2"]
         return ["--model", f"hf:{d['model']}", "--init-from", d["model"], *[a for s in sets for a in ("--set", s)]]
@@ -104,7 +104,8 @@ def test_every_example_trains_two_steps_through_mct_train(path, tmp_path, corpus
     assert rows[-1]["val_loss"] is not None and rows[-1]["val_loss"] == rows[-1]["val_loss"]  # finite
     recorded = json.loads((run / "metadata.json").read_text())["config"]
     toml = _flat(tomllib.loads(path.read_text()))
-    for key in ("zero.stage", "precision.mode", "checkpointing.policy", "data.packing", "offload.optimizer"):
+    for key in ("zero.stage", "precision.mode", "checkpointing.policy", "data.packing", "offload.optimizer",
+                "adapter.kind"):
         if key in toml and toml[key] != "auto":
             section, name = key.split(".")
             assert recorded[section][name] == toml[key], (path.name, key)

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from mct import optim
+from mct.adapters import check_adapted
 from mct.adapters.qlora import nf4_codecs
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
@@ -76,6 +77,7 @@ class Engine:
         Raises ValueError for configs it cannot honour and when ranks hold different models."""
         self.config = cfg = config or EngineConfig()
         cfg.check_resolved()
+        check_adapted(model, cfg.adapter)
         self.ctx = ctx or DistContext.current()
         self.device = self.ctx.device
         # the host allocator first: construction frees parameter-sized temporaries

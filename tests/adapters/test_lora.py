@@ -196,3 +196,30 @@ def test_hf_default_targets_are_attention_and_mlp_projections(tmp_path, kind, ex
 def test_adapter_keys_without_adapters_are_refused():
     with pytest.raises(ValueError, match=r"adapter.rank = 4 .* adapter.kind = 'none' trains without them"):
         EngineConfig.from_dict({"adapter": {"rank": 4}})
+
+
+def test_the_summary_line_counts_adapters_against_every_parameter():
+    from mct.adapters import adapter_summary
+    model = _gpt()
+    assert adapter_summary(model, AdapterConfig()) == ""
+    apply_adapters(model, LORA)
+    line = adapter_summary(model, LORA)
+    trainable = sum(p.numel() for p in adapter_parameters(model).values())
+    assert line.startswith("lora rank 4, alpha 8 on 8 layers: ") and f"{trainable:,} trainable of " in line
+
+
+def test_an_engine_told_to_train_adapters_refuses_a_model_without_them():
+    from mct.engine import Engine
+    cfg = EngineConfig.from_dict({"model": TINY_MODEL, "adapter": {"kind": "lora"}})
+    with pytest.raises(ValueError, match=r"the model has no adapters: call mct.adapters.apply_adapters") as e:
+        Engine(_gpt(), config=cfg)
+    assert "\n" not in str(e.value)
+    model = _gpt()
+    apply_adapters(model, cfg.adapter)
+    assert Engine(model, config=cfg).optimizer is not None  # the Python API's way
+
+
+def test_a_model_without_blocks_needs_patterns_and_is_told_which():
+    with pytest.raises(ValueError, match=r"has no nn.ModuleList of blocks: name the layers, e.g. adapter.targets = "
+                                         r"\[\"\*0\", \"\*2\"\]"):
+        apply_adapters(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)), LORA)

@@ -34,6 +34,8 @@ COMPOSED = {  # name -> sections over lora_config; fp32 unless the state dtype s
     "int8 state": {"optimizer": {"state_dtype": "int8"}, "zero": {"stage": 1}},
     "state offload": {"zero": {"stage": 3}, "offload": {"optimizer": "cpu", "params": "cpu"}},
     "adapter dropout": {"adapter": {"dropout": 0.1}, "checkpointing": {"policy": "all"}},
+    "replay verify, dropout, stage 3": {"adapter": {"dropout": 0.1}, "zero": {"stage": 3},
+                                        "checkpointing": {"policy": "selective", "verify": True}},
 }
 
 
@@ -148,3 +150,34 @@ def test_the_solver_plans_adapter_runs_and_keeps_them():
     cfg = lora_config("", zero={"stage": "auto"}, memory={"budget": "64MiB"})
     resolved, choice = resolve_auto(cfg, 1, task_for(cfg))
     assert resolved.adapter == cfg.adapter and resolved.zero.stage in (0, 1, 2, 3) and choice is not None
+
+
+def test_a_diverged_lora_run_rolls_back_and_replays_to_the_clean_runs_bytes(corpus, tmp_path, monkeypatch):
+    """corrupt@5 multiplies every master (the adapters) by 1e3 after step 5's update: the loss
+    spike rolls back to the step-4 snapshot and the replay ends on the clean run's bytes."""
+    from mct.reporting.events import read_events
+    from mct.run.trainer import train
+    cfg = lora_config(corpus, train={"steps": 8, "eval_every": 0, "log_every": 1, "snapshot_every": 2,
+                                     "warmup_steps": 2, "lr": 1e-2})
+    train(cfg, tmp_path / "clean", progress=False)
+    monkeypatch.setenv("MCT_FAULT", "corrupt@5")
+    train(cfg, tmp_path / "faulty", progress=False)
+    monkeypatch.delenv("MCT_FAULT")
+    events = read_events(tmp_path / "faulty")
+    assert [(e["kind"], e["action"]) for e in events] == [("rollback", "replay: restore step 4")], events
+    assert (tmp_path / "faulty" / "model.safetensors").read_bytes() == \
+        (tmp_path / "clean" / "model.safetensors").read_bytes()
+
+
+def test_an_hf_adapter_run_writes_no_hf_weights_that_would_drop_its_adapters(hf_dirs, corpus, tmp_path):
+    """transformers would load RUN_DIR/hf/ as the base model, silently without the adapters:
+    the run keeps only its config and tokenizer there, and `--format hf` is refused in one line."""
+    from mct.persistence.hf_export import export_hf
+    from mct.run.trainer import train
+    cfg = hf_lora(hf_dirs, "llama", corpus, train={"steps": 2, "eval_every": 0, "init_from": hf_dirs["llama"]})
+    train(cfg, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "hf" / "config.json").is_file()
+    assert not list((tmp_path / "run" / "hf").glob("*.safetensors"))
+    with pytest.raises(ValueError, match=r"the run trained LoRA adapters .* --out FILE.safetensors") as e:
+        export_hf(tmp_path / "run", tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -89,3 +89,22 @@ def test_a_resumed_finetune_run_keeps_its_recipe(tmp_path, capsys):
     config = json.loads((run / "checkpoints" / "step_00000004" / "trainer.json").read_text())["config"]
     assert (config["train"]["lr"], config["train"]["weight_decay"], config["optimizer"]["betas"]) == \
         (2e-5, 0.01, [0.9, 0.999])
+
+
+def test_adapters_on_pretrained_weights_get_the_lora_recipe():
+    from mct.run.recipe import LORA, LORA_LR, recipe_of
+    cfg = train_config(None, ["train.init_from=w.safetensors", "adapter.kind=lora", "train.steps=100"])
+    assert recipe_of(cfg) == LORA and cfg.train.lr == LORA_LR == 2e-4
+    t = cfg.train
+    assert (t.warmup_steps, t.weight_decay, t.min_lr_ratio, t.grad_clip) == (3, 0.01, 0.0, 1.0)
+    assert recipe_line(cfg).startswith("LoRA fine-tune (train.init_from and adapter.kind are set): lr 0.0002, ")
+    assert "(set)" not in recipe_line(cfg)
+    assert train_config(None, ["train.init_from=w", "adapter.kind=lora", "train.lr=1e-4"]).train.lr == 1e-4
+    assert train_config(None, ["adapter.kind=lora"]).train.lr == 3e-3  # new weights: from scratch
+
+
+def test_train_help_names_the_lora_recipe(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    assert "LoRA fine-tune (--init-from and adapter.kind set): fine-tune's, with train.lr = 0.0002" in \
+        " ".join(capsys.readouterr().out.split())

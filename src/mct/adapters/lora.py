@@ -70,6 +70,28 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig) -> list[str]:
     return [name for name, _ in targets]
 
 
+def check_adapted(model: nn.Module, cfg: AdapterConfig) -> None:
+    """ValueError when ``cfg`` asks for adapters and ``model`` has none: an engine given the
+    base model would train every parameter. ``mct train`` builds through ``task_for``, which
+    applies them; the Python API applies them before building the engine."""
+    if cfg.enabled and not adapter_parameters(model):
+        raise ValueError(f"adapter.kind = {cfg.kind!r} but the model has no adapters: call "
+                         f"mct.adapters.apply_adapters(model, config.adapter) before mct.Engine(model, ...) "
+                         f"(or build it with mct.task.task_for(config).model_fn)")
+
+
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapter parameters of ``model`` by name (``P.lora_A.weight``, ``P.lora_B.weight``)."""
     return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
+
+
+def adapter_summary(model: nn.Module, cfg: AdapterConfig) -> str:
+    """One line for the run summary and metadata.json: the adapters and the share of the
+    parameters they are ('' when ``cfg.kind = 'none'``). Reads shapes only (meta is fine)."""
+    if not cfg.enabled:
+        return ""
+    trainable = sum(p.numel() for p in adapter_parameters(model).values())
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    return (f"{cfg.kind} rank {cfg.rank}, alpha {cfg.alpha:g} on {layers} layers: {trainable:,} trainable of "
+            f"{total:,} parameters ({100 * trainable / max(total, 1):.2f}%), the rest frozen")

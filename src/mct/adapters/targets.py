@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-from mct.checkpointing.blocks import find_blocks
+from mct.checkpointing.blocks import find_blocks, find_output_head
 
 SHOWN = 8
 """Module names an error lists as what a pattern could have matched."""
@@ -26,26 +26,13 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def output_head(model: nn.Module) -> nn.Module | None:
-    """The model's output head: ``get_output_embeddings()`` (Hugging Face models, mct's GPT),
-    else its ``lm_head`` attribute; None when it has neither."""
-    getter = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(getter):
-        try:
-            head = getter()
-        except NotImplementedError:
-            head = None
-    return head if isinstance(head, nn.Module) else getattr(model, "lm_head", None)
-
-
 def find_targets(model: nn.Module, patterns: list[str]) -> list[tuple[str, nn.Module]]:
     """(name, module) of every linear layer ``patterns`` select, in ``named_modules`` order.
     ``patterns`` [] = every linear layer inside the blocks (``find_blocks``' default). Mutates
     nothing. Raises ValueError for a pattern that matches no linear layer (naming the first
     few it could have matched), for a model without blocks and no patterns, and for a pattern
     that selects the output head (the chunked loss and tied embeddings use its weight directly)."""
-    head = output_head(model)
+    head = find_output_head(model)
     linears = [(n, m) for n, m in model.named_modules() if linear_shape(m) is not None and m is not head]
     if not patterns:
         blocks = find_blocks(model)

@@ -1,4 +1,5 @@
-"""Which modules are blocks: the unit that checkpointing keeps or recomputes."""
+"""Which modules are blocks: the unit that checkpointing keeps or recomputes; and which
+module is the output head (``find_output_head``: chunked loss and adapter targets ask here)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,22 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None,
         return []
     prefix = f"{best[0]}." if best[0] else ""
     return [(f"{prefix}{i}", child) for i, child in enumerate(best[1])]
+
+
+def find_output_head(model: nn.Module) -> nn.Module | None:
+    """The module a model applies last to its hidden states to make the logits:
+    ``model.get_output_embeddings()`` (Hugging Face models; mct's GPT), else its ``lm_head``
+    attribute; None when it exposes neither. Mutates nothing."""
+    head = None
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except NotImplementedError:
+            head = None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Module) else None
 
 
 def _blocks_by_class(model: nn.Module, class_names: list[str], key: str) -> list[tuple[str, nn.Module]]:

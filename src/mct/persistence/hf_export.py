@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mct.adapters import is_adapter_name
 from mct.data.tokenizer import tokenizer_identity
 from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
@@ -219,6 +220,11 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
     torch_dtype, config_dtype = EXPORT_DTYPES[dtype]
     element = torch_dtype.itemsize
     entries = _entries(checkpoint)
+    adapters = [name for name, *_ in entries if is_adapter_name(name)]
+    if adapters:  # transformers would load the base and drop them without a word
+        raise ValueError(f"{checkpoint}: the run trained LoRA adapters ({adapters[0]}, ...), which a Hugging Face "
+                         f"model directory has no place for; export base and adapters by name with "
+                         f"--out FILE.safetensors")
     files = _plan_files(entries, element, max_shard_bytes)
     chunks = _Chunks(checkpoint / "engine")
     weight_map, total = {}, 0

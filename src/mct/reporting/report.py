@@ -277,6 +277,8 @@ class TrainSummary:
     """The run's resolved ``memory.host_malloc`` (``mct.memory.host``)."""
     recipe: str = ""
     """The training recipe in force and its values (``mct.run.recipe.recipe_line``)."""
+    adapters: str = ""
+    """The run's adapters and their share of the parameters (``mct.adapters.adapter_summary``); '' for none."""
     resident: dict[str, Any] | None = None
     """Each process's peak resident set (``mct.memory.process.job_resident``)."""
     auto: str = ""
@@ -293,6 +295,7 @@ FAULTS_HINT = "; memory.host_malloc = \"cache\" keeps freed memory mapped (faste
 def summary_table(s: TrainSummary) -> str:
     """Human-readable end-of-run summary."""
     lines = [f"run dir       {s.run_dir}", *([f"recipe        {s.recipe}"] if s.recipe else []),
+             *([f"adapters      {s.adapters}"] if s.adapters else []),
              *([f"auto          {s.auto} (solved for memory.budget at the start; mct report RUN_DIR says why)"] if s.auto else []),
              f"steps         {s.steps} ({s.skipped_steps} skipped)",
              f"train loss    {s.final_loss:.4f}"]

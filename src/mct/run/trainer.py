@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mct.adapters import adapter_summary
 from mct.config import EngineConfig
 from mct.data import build_data, copy_tokenizer
 from mct.data.sampler import DataPosition
@@ -193,6 +194,7 @@ class Trainer:
 
     def _metadata_extra(self) -> dict[str, Any]:
         return {"corpus": self.corpus.metadata(), "recipe": recipe_line(self.cfg),
+                "adapters": adapter_summary(self.engine.model, self.cfg.adapter),
                 "n_params": sum(p.numel() for p in self.engine.model.parameters()),
                 "rng": {"init_seed": "seed", "data": "numpy default_rng([seed, 0, step])",
                         "val_data": "numpy default_rng([seed, 1, i])",
@@ -208,7 +210,7 @@ class Trainer:
         try:
             summary = self._loop()
             export_engine(self.engine, self.run_dir / "model.safetensors")
-            if self.task.hf_dir and self.ctx.is_main:
+            if self.task.hf_dir and self.ctx.is_main and not self.cfg.adapter.enabled:  # adapters: no HF form
                 write_run_hf(self.run_dir)
         finally:
             self.writer.close()
@@ -240,7 +242,8 @@ class Trainer:
                             utilization=self.utilization.summary(self.log.median_step_time()),
                             page_faults=self.log.median_faults(),
                             host_malloc=host.mode_of(self.cfg, self.ctx.device.type), recipe=recipe_line(self.cfg),
-                            resident=self.resident_peaks(), auto=solver_pick(self.choice))
+                            resident=self.resident_peaks(), auto=solver_pick(self.choice),
+                            adapters=adapter_summary(self.engine.model, self.cfg.adapter))
 
     def resident_peaks(self) -> dict[str, Any]:
         """Each process's peak resident set (VmHWM) so far: every rank's, gathered

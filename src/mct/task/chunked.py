@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
+from mct.checkpointing.blocks import find_output_head
+
 IGNORE_INDEX = -100
 """Targets with this value do not count (``F.cross_entropy``'s default)."""
 
@@ -138,17 +140,9 @@ def output_head(model: nn.Module) -> nn.Module:
     ``model.get_output_embeddings()`` (Hugging Face models; mct's GPT), else
     ``model.lm_head``. It must hold ``weight`` [vocab, hidden] (and ``bias`` or None).
     Raises ValueError naming the fix when the model exposes none."""
-    head = None
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        try:
-            head = getter()
-        except NotImplementedError:
-            head = None
-    if head is None:
-        head = getattr(model, "lm_head", None)
+    head = find_output_head(model)
     weight = getattr(head, "weight", None)
-    if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if head is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"train.loss_chunk_tokens needs a model that exposes its output head; "
                          f"{type(model).__name__} has none: define get_output_embeddings() returning the "
                          f"nn.Linear its forward applies last to the hidden states (docs/planner.md), or set "
