@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mct.adapters.targets import linear_shape, output_head
-from mct.checkpointing.blocks import find_blocks
+from mct.adapters.targets import linear_shape
+from mct.checkpointing.blocks import find_blocks, find_output_head
 from mct.config import AdapterConfig
 from mct.quant import NF4Codec, round_trip
 
@@ -29,7 +29,7 @@ def nf4_weights(model: nn.Module) -> list[str]:
     (``find_blocks``' default), in ``named_parameters`` order; [] for a model without
     blocks. Reads ``requires_grad``: call it after the adapters froze the base."""
     blocks = tuple(f"{name}." for name, _ in find_blocks(model))
-    head = output_head(model)
+    head = find_output_head(model)
     if not blocks:
         return []
     chosen = {id(m.weight) for n, m in model.named_modules()
