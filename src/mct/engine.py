@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from mct import optim
 from mct.adapters import check_adapted
+from mct.adapters.qlora import nf4_codecs
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
 from mct.config import EngineConfig
 from mct.context import context_parallel
@@ -135,11 +136,12 @@ class Engine:
                                                     self._unit_built),
                                     partial_grads=lambda: self.recompute.more_tiles)
         # frozen parameters: sharded at stages 1-3 (on the device: parameter offload streams
-        # trainable units only), gathered per unit by the same lifecycle as stage 3's
+        # trainable units only), gathered per unit by the same lifecycle as stage 3's;
+        # QLoRA's linear weights stored as NF4 at every stage (whole units at stage 0)
         self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
                                   shard=self.stage >= 1, comm=self.comm,
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
-                                  device=self.device, tracker=self.tracker,
+                                  device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter),
                                   materialize=None if init_program is None else
                                   lambda params: init_program.materialize(params, self.device))
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
@@ -164,8 +166,9 @@ class Engine:
         optim.place(self.optimizer, [(u.master, shard_start(u, self.comm.rank)) for u in self.sharded.units],
                     cfg.optimizer.state_dtype)  # low-precision state on the units' global flat index
         self.residency.bind(self.sharded, self.optimizer)
-        # buffers: whole on every rank, counted as the planner does (frozen parameters: self.frozen, 'frozen')
-        self.tracker.register_all(list(model.buffers()), "params")
+        # buffers: whole on every rank, counted as the planner does (frozen parameters, an adapter
+        # run's base, are counted under 'frozen' by their units, or loose at stage 0: mct.zero.frozen)
+        self.tracker.register_all(model.buffers(), "params")
         self.steps_done, self._phase_name = 0, "idle"
         self.reserve = (step_reserve(optimizer, hyper, self.sharded.group_of_unit, self.residency.step_masters(),
                                      self.sharded.units, self.precision.param_dtype) if enforce else None)

@@ -126,11 +126,6 @@ def test_kind_none_changes_nothing():
     assert apply_adapters(model, AdapterConfig()) == [] and all(p.requires_grad for p in model.parameters())
 
 
-def test_qlora_is_refused_until_the_4bit_base_exists():
-    with pytest.raises(ValueError, match="adapter.kind = 'qlora' needs the NF4 base"):
-        task_for(EngineConfig.from_dict({"model": TINY_MODEL, "adapter": {"kind": "qlora"}}))
-
-
 def test_task_for_builds_adapted_models_normally_and_on_meta():
     cfg = EngineConfig.from_dict({"model": TINY_MODEL, "adapter": {"kind": "lora", "rank": 2}})
     task = task_for(cfg)

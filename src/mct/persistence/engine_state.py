@@ -137,7 +137,7 @@ def full_state_items(e: StateOwner) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, full[off:off + math.prod(shape)].view(shape)
         del full
     for n, t in e.frozen.items():  # frozen parameters, a unit gathered at a time
-        yield n, t.float()
+        yield n, t.float()  # a unit's: a copy already (FrozenModel.items), free for numpy to pin
 
 
 def parameter_shapes(e: StateOwner) -> dict[str, tuple[int, ...]]:

@@ -40,13 +40,10 @@ def task_for(cfg: EngineConfig) -> Task:
 def with_adapters(task: Task, adapter: AdapterConfig) -> Task:
     """``task`` whose ``model_fn`` applies ``adapter`` to each model it builds (after the base
     is built, so the base's values and the random stream up to them are the unadapted
-    model's); ``task`` itself when ``adapter.kind = 'none'``. Raises ValueError for
-    ``adapter.kind = 'qlora'``: the 4-bit base is not in this build."""
+    model's); ``task`` itself when ``adapter.kind = 'none'``. QLoRA builds the same model
+    as LoRA: the engine stores its base as NF4 (``mct.adapters.qlora``)."""
     if not adapter.enabled:
         return task
-    if adapter.kind == "qlora":
-        raise ValueError("adapter.kind = 'qlora' needs the NF4 base storage, which this build does not have: "
-                         "use adapter.kind = 'lora'")
     base_fn = task.model_fn
 
     def model_fn() -> nn.Module:

@@ -55,11 +55,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mct.adapters.qlora import dequantize_base
 from mct.context import data_parallel
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
 from mct.persistence.init_from import load_pretrained
+from mct.precision import PrecisionPolicy
 from mct.verify.reference import ReferenceTrainer
 from mct.run.schedule import lr_at
 from mct.task import build_model, check_tokens, seeded, task_for
@@ -167,6 +169,8 @@ def run_verify(cfg: EngineConfig, steps: int, ctx: DistContext | None = None) ->
     ref = None
     if ctx.is_main:
         ref_model = copy.deepcopy(model)
+        # QLoRA: the reference computes on the base the engine's NF4 units decode
+        dequantize_base(ref_model, cfg.adapter, PrecisionPolicy.from_config(cfg.precision).param_dtype)
         # the reference keeps fp32 optimizer state whatever the engine keeps
         fp32_state = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, state_dtype="fp32"))
         ref_opt = optimizer if cfg.optimizer.state_dtype == "fp32" else make_optimizer(fp32_state)

@@ -7,7 +7,10 @@ world size), keeps only this rank's shard, encoded by a ``FrozenCodec``
 (``mct.zero.frozen_codec``), and frees the working buffer. The parameters stay views of
 it: the stage-3 lifecycle (``mct.zero.stage3``) all-gathers the stored shards and decodes
 the unit before the block's forward, again before its backward (recompute included), and
-frees it after each. No gradient, no fp32 master, no optimizer state.
+frees it after each. No gradient, no fp32 master, no optimizer state. Parameters stored
+by a codec of their own (a QLoRA base's NF4 linear weights, ``FrozenModel(coded=...)``) form
+units apart from the rest of their block; at stage 0 those units are whole (world 1) on
+every rank and decoded per use by the same lifecycle, with no collective.
 
 Buffers (S = shard_numel, P = world * S):
   working  [P] param dtype: the parameters' storage while gathered; empty otherwise.
@@ -22,6 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from mct.zero.comm import Comm, Pending
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
@@ -68,16 +72,26 @@ class FrozenUnit:
             if self.direct:
                 self.pending_gather = comm.all_gather(self.stored["data"], self.working, async_op=True) or None
             else:
-                world = self.layout.world
-                full = {k: torch.empty(world * v.numel(), dtype=v.dtype, device=v.device)
-                        for k, v in self.stored.items()}
-                for k, v in self.stored.items():
-                    comm.all_gather(v, full[k])
-                self.working.copy_(self.codec.decode(full, self.layout.padded_numel, self.dtype))
+                self._gather_decode(comm)
         if not async_op:
             self.wait_gather()
         elif self.pending_gather is None:
             self.gathered = True
+
+    def _gather_decode(self, comm: Comm) -> None:
+        """All-gather the stored parts (none to gather for an unsharded unit: world 1) and
+        decode them into the working buffer, in place where the codec can (``decode_into``)."""
+        world = self.layout.world
+        full = self.stored
+        if world > 1:
+            full = {k: torch.empty(world * v.numel(), dtype=v.dtype, device=v.device) for k, v in self.stored.items()}
+            for k, v in self.stored.items():
+                comm.all_gather(v, full[k])
+        decode_into = getattr(self.codec, "decode_into", None)
+        if decode_into is not None:
+            decode_into(full, self.working)
+        else:
+            self.working.copy_(self.codec.decode(full, self.layout.padded_numel, self.dtype))
 
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
@@ -98,7 +112,10 @@ class FrozenUnit:
         """Replace this rank's stored shard by new values: ``read(i, a, b)`` gives elements
         [a, b) of parameter ``i`` (any float dtype; cast to the working dtype), or None to
         keep that parameter's values. The unit is left released (its next gather reads the
-        new shard). Not collective."""
+        new shard). Not collective. A lossy codec
+        (NF4) keeps its stored parts when the values are the ones they decode to: a
+        checkpoint holds the decoded base, and encoding it again would move it (NF4 is not
+        idempotent), so a resumed run would not compute on the base it saved."""
         lo, hi = self.layout.shard_range(self.shard_rank)
         part = self.codec.decode(self.stored, hi - lo, self.dtype).to(self.working.device, copy=True)
         for i, a, b, at in self.layout.param_pieces(self.shard_rank):
@@ -106,6 +123,9 @@ class FrozenUnit:
             if values is not None:
                 part[at:at + b - a].copy_(values)
         self.release()
+        lossy = not self.direct and not is_fake(part)
+        if lossy and torch.equal(self.codec.decode(self.stored, hi - lo, self.dtype), part):
+            return
         self.stored = self.codec.encode(part)
 
     def stored_nbytes(self) -> int:
@@ -114,37 +134,37 @@ class FrozenUnit:
 
 class FrozenModel:
     """A model's frozen parameters: ``units`` (sharded, ``shard=True``) or left whole on
-    every rank (stage 0, parameter offload: ``loose``)."""
+    every rank (stage 0, parameter offload: ``loose``). Parameters ``coded`` names are
+    always in units (unsharded, world 1, when ``shard`` is False): their codec (NF4) is
+    how they are stored at every stage."""
 
     def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
                  comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker,
+                 coded: dict[str, FrozenCodec] | None = None,
                  materialize: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
-        in the order to pack. ``materialize(params)``: a model built on meta gets each
-        unit's values just before it is packed (so no rank holds the whole frozen base),
-        loose ones up front; they are cast to ``dtype``. Registers the stored shards and
-        working buffers with ``tracker`` under 'frozen'."""
+        in the order to pack. ``codec`` stores every frozen parameter but those ``coded``
+        maps to a codec of their own (by name: a QLoRA base's linear weights to NF4); a
+        unit's parameters of another codec form a unit of their own, ``<unit>/frozen-<name>``.
+        ``materialize(params)``: a model built on meta gets each unit's values just before
+        it is packed (so no rank holds the whole frozen base), loose ones up front; they are
+        cast to ``dtype``. Registers the stored shards and working buffers with ``tracker``
+        under 'frozen'."""
         self.comm = comm
+        coded = coded or {}
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.units: list[FrozenUnit] = []
-        self.loose = [] if shard else frozen
-        if shard:
-            align = math.lcm(ALIGN_ELEMENTS, codec.align)
-            for uname in order:
-                mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname]
-                if not mine:
-                    continue
-                if materialize is not None:
-                    materialize([p for _, p in mine])
-                layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], comm.world,
-                                      align=align, shard_align=codec.align)
-                unit = FrozenUnit(f"{uname}/frozen", mine, layout, shard_rank=comm.rank, dtype=dtype,
-                                  codec=codec, device=device)
-                tracker.register_all(unit.stored.values(), "frozen")
-                tracker.register(unit.working, "frozen")
-                unit.release()
-                tracker.refresh(unit.working)
-                self.units.append(unit)
+        self.loose = [] if shard else [(n, p) for n, p in frozen if n not in coded]
+        codecs = [codec, *{id(c): c for c in coded.values()}.values()]
+        for uname in order:
+            mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname and (shard or n in coded)]
+            if mine and materialize is not None:
+                materialize([p for _, p in mine])
+            for c in codecs:
+                these = [(n, p) for n, p in mine if coded.get(n, codec) is c]
+                if these:
+                    suffix = "frozen" if c is codec else f"frozen-{getattr(c, 'name', 'coded')}"
+                    self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker))
         if materialize is not None and self.loose:
             materialize([p for _, p in self.loose])
             with torch.no_grad():
@@ -152,8 +172,24 @@ class FrozenModel:
                     p.data = p.data.to(dtype)
         # whole on every rank: their bytes count as the frozen base too (the dry run counts them)
         tracker.register_all([p for _, p in self.loose], "frozen")
-        self.units_by_block = {u.name.split("/")[0]: [u] for u in self.units}
+        self.units_by_block: dict[str, list[FrozenUnit]] = {}
+        for u in self.units:
+            self.units_by_block.setdefault(u.name.split("/")[0], []).append(u)
         self._tracker = tracker
+
+    def _unit(self, name: str, params: list[tuple[str, nn.Parameter]], codec: FrozenCodec, shard: bool,
+              dtype: torch.dtype, device: torch.device, tracker) -> FrozenUnit:
+        """One unit packed, encoded, registered with ``tracker`` and released. Every parameter
+        starts on a multiple of the codec's ``align``: each is encoded as it would be alone."""
+        world, rank = (self.comm.world, self.comm.rank) if shard else (1, 0)
+        layout = build_layout([n for n, _ in params], [p.shape for _, p in params], world,
+                              align=math.lcm(ALIGN_ELEMENTS, codec.align), shard_align=codec.align)
+        unit = FrozenUnit(name, params, layout, shard_rank=rank, dtype=dtype, codec=codec, device=device)
+        tracker.register_all(unit.stored.values(), "frozen")
+        tracker.register(unit.working, "frozen")
+        unit.release()
+        tracker.refresh(unit.working)
+        return unit
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor in the working dtype) of every frozen parameter, a unit gathered at
