@@ -147,7 +147,7 @@ def test_the_planned_tensor_peak_is_the_trackers_to_the_byte(stage, mode):
 def test_the_solver_plans_adapter_runs_and_keeps_them():
     from mct.planner.auto import resolve_auto
     from mct.task import task_for
-    cfg = lora_config("", zero={"stage": "auto"}, memory={"budget": "64MiB"})
+    cfg = lora_config("", zero={"stage": "auto"}, memory={"budget": "64MiB", "budget_counts": "tensors"})
     resolved, choice = resolve_auto(cfg, 1, task_for(cfg))
     assert resolved.adapter == cfg.adapter and resolved.zero.stage in (0, 1, 2, 3) and choice is not None
 
