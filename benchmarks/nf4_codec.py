@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import cpu_info, cpu_line, format_table, interleave, summarize, write_json
-from mct.quant.nf4 import ALIGN, NF4Codec
+from mct.quant.nf4 import NF4_ALIGN, NF4Codec
 
 Variant = dict[str, Any]
 
@@ -58,7 +58,7 @@ def _mct(w: torch.Tensor) -> Variant:
     codec, flat = NF4Codec(), w.reshape(-1)
     parts = codec.encode(flat)
     out16, out32 = torch.empty_like(flat), torch.empty(flat.numel())
-    k, w2 = flat.numel() // 2 // ALIGN * ALIGN, _two_halves(w).reshape(-1)
+    k, w2 = flat.numel() // 2 // NF4_ALIGN * NF4_ALIGN, _two_halves(w).reshape(-1)
     whole, a, b = codec.encode(w2), codec.encode(w2[:k]), codec.encode(w2[k:])
     return {"name": "mct", "encode": lambda: codec.encode(flat),
             "decode": lambda: codec.decode_into(parts, out16), "decode32": lambda: codec.decode_into(parts, out32),

@@ -167,11 +167,11 @@ def test_planned_peak_equals_the_run_with_nf4_units_of_several_chunks(corpus, st
     """d_model 128: a block's NF4 unit is 3 decode chunks, of which a dry run makes only the
     first and the last (``nf4._chunk_starts``): the peak is still the run's, to the byte."""
     from mct.data import build_data
-    from mct.quant.nf4 import CHUNK
+    from mct.quant.nf4 import NF4_CHUNK
     from mct.task.gpt import step_batches
     cfg = qlora_config(corpus, zero={"stage": stage}, precision={"mode": "bf16"}, model={"d_model": 128, "n_head": 4})
     engine, _ = _engine(cfg)
-    assert max(u.layout.padded_numel for u in engine.frozen.units) >= 3 * CHUNK
+    assert max(u.layout.padded_numel for u in engine.frozen.units) >= 3 * NF4_CHUNK
     task = task_for(cfg)
     _, sampler = build_data(cfg, 1)
     loss_fn = seeded(task.loss_fn)

@@ -28,7 +28,7 @@ from mct.persistence.adapter_export import LORA_A, PEFT_CONFIG, PEFT_PREFIX, PEF
 from mct.persistence.files import read_json
 
 
-class Source(Protocol):
+class WeightSource(Protocol):
     """What ``load_pretrained`` reads: each tensor's shape, and ranged fp32 reads."""
 
     shapes: dict[str, tuple[int, ...]]
@@ -39,7 +39,7 @@ class Source(Protocol):
 class Renamed:
     """``source`` under other names: ``names`` maps a model name to the source's."""
 
-    def __init__(self, source: Source, names: dict[str, str]) -> None:
+    def __init__(self, source: WeightSource, names: dict[str, str]) -> None:
         self.source, self.names = source, names
         self.shapes = {n: source.shapes[s] for n, s in names.items()}
 
@@ -50,7 +50,7 @@ class Renamed:
 class Combined:
     """The adapters from one source, the base from another (or none: kept as built)."""
 
-    def __init__(self, adapters: Source, base: Source | None) -> None:
+    def __init__(self, adapters: WeightSource, base: WeightSource | None) -> None:
         self.parts = {n: adapters for n in adapters.shapes if is_adapter(n)}
         if base is not None:
             self.parts.update({n: base for n in base.shapes if not is_adapter(n)})
@@ -65,7 +65,7 @@ def is_peft_dir(path: Path) -> bool:
     return path.is_dir() and (path / PEFT_CONFIG).is_file() and (path / PEFT_WEIGHTS).is_file()
 
 
-def open_peft(path: Path) -> tuple[Source, dict[str, Any]]:
+def open_peft(path: Path) -> tuple[WeightSource, dict[str, Any]]:
     """The LoRA tensors of a peft directory under mct's names (peft's ``base_model.model.``
     prefix dropped), and its adapter_config.json. Raises ValueError (one line) for an
     adapter mct does not train (not LoRA, DoRA, rsLoRA, trained biases, saved modules)."""
@@ -120,7 +120,7 @@ def _recorded_adapter(path: Path, peft_config: dict[str, Any] | None) -> tuple[i
     return (int(section["rank"]), float(section["alpha"])) if "rank" in section and "alpha" in section else None
 
 
-def check_adapters(what: str, model_names: list[str], source: Source, adapter: AdapterConfig,
+def check_adapters(what: str, model_names: list[str], source: WeightSource, adapter: AdapterConfig,
                    recorded: tuple[int, float] | None) -> None:
     """Raise ValueError (one line: the key or tensor and both values) unless the source's
     adapters are the model's: the same adapted layers, rank and alpha."""
@@ -140,8 +140,8 @@ def check_adapters(what: str, model_names: list[str], source: Source, adapter: A
                              f"adapter.targets to the layers the adapters were trained on")
 
 
-def adapter_init_source(path: str | Path, source: Source, model_names: list[str], adapter: AdapterConfig,
-                        model_source: str) -> tuple[Source, set[str]]:
+def adapter_init_source(path: str | Path, source: WeightSource, model_names: list[str], adapter: AdapterConfig,
+                        model_source: str) -> tuple[WeightSource, set[str]]:
     """The source ``load_pretrained`` reads for a model with adapters (see the module
     docstring), and the names it may leave as built. ``source``: what ``open_source``
     made of ``path`` (None for a peft directory). Raises ValueError (one line) for
