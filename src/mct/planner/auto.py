@@ -205,6 +205,9 @@ def format_solution(sol: Solution) -> str:
               str(r.stage), recompute_label(r, sol.n_blocks), r.act_offload,
               str(r.loss_chunk_tokens or "off"), r.offload.label, f"{r.micro_batch_size} x {r.grad_accum}",
               "yes" if r.fits else "no"] for r in sol.frontier]
+    if any(r.context is not None for r in sol.rows):  # the solver chose the degree too
+        head.append("context")
+        table = [[*t, str(r.context)] for t, r in zip(table, sol.frontier)]
     widths = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(head)]
     process = sol.budget_counts == "process"
     lines = [f"model: {sol.n_params:,} parameters, {sol.n_blocks} blocks; {sol.world} rank(s); budget per rank: "
