@@ -9,8 +9,9 @@ Loss chunking changes the order of the loss's sums, micro-batch x accumulation t
 the gradient sums (and which dropout seed a sample gets): searched only when allowed
 ('loss_chunk', 'micro_batch'); chunking is still tried when nothing fits without it, as
 ``auto`` always did. State offload ('offload') changes no numerics, but moves the state to
-host memory or disk: tried when nothing fits without it unless allowed. Precision and the
-optimizer's state dtype are never changed.
+host memory or disk: tried when nothing fits without it unless allowed. The context degree
+('context') changes the order of the attention's and the gradients' sums: searched only when
+allowed, the global batch kept. Precision and the optimizer's state dtype are never changed.
 """
 
 from __future__ import annotations
