@@ -80,7 +80,8 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
         from mct.config import with_values
         cfg = with_values(cfg, {"precision.mode": grid.precisions[0]})
     device = planned_device(cfg)
-    space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True)
+    space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True,
+                      world=args.world_size)
     from mct.planner.pool import WorkerDied
     try:
         sol = solve_auto(work, cfg, args.world_size, limit, allow, device, workers=plan_workers(args.workers),

@@ -236,8 +236,9 @@ class ParallelConfig:
     rows over their causal prefix, all_to_all the whole window for its heads; docs/parallel.md)."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
-        "context": fixed("the run's global batch counts one window per context group",
-                         "resume with the run's parallel.context"),
+        "context": may("every step trains the same windows (the sampler draws the run's global batch as "
+                       "before; data.grad_accum is set for world / context data-parallel ranks), the same loss "
+                       "and gradients up to summation order; dropout draws each rank's masks anew"),
         "context_attention": may("the same attention up to summation order, through the new collectives"),
     }
 

@@ -169,7 +169,7 @@ BUDGET_COUNTS = ("process", "tensors")
 """What ``memory.budget`` is compared with (``MemoryConfig.budget_counts``)."""
 HOST_MALLOC = ("auto", "default", "lean", "frugal", "cache")
 """``memory.host_malloc``'s modes (``mct.memory.host``)."""
-SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload")
+SOLVER_LEVERS = ("micro_batch", "loss_chunk", "offload", "context")
 """What ``memory.solver_allow`` may name: the levers ``auto``'s search changes only when allowed."""
 
 
@@ -210,8 +210,11 @@ class MemoryConfig:
     activation offload (docs/planner.md, "The solver"): 'micro_batch' (data.micro_batch_size x
     data.grad_accum, the product kept; changes the order of the gradient sums), 'loss_chunk'
     (train.loss_chunk_tokens whenever faster; changes the order of the loss's sums), 'offload'
-    (state offload whenever faster). Without 'loss_chunk' / 'offload' each is still tried
-    when nothing fits without it, as ``auto`` always did."""
+    (state offload whenever faster), 'context' (parallel.context: any degree that divides the
+    world size with model.seq_len a multiple of 2 x it, the global batch kept by scaling
+    data.grad_accum; changes the order of the attention's and the gradients' sums). Without
+    'loss_chunk' / 'offload' each is still tried when nothing fits without it, as ``auto``
+    always did."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = dict.fromkeys(
         ("budget", "budget_counts", "enforce", "track", "host_malloc", "huge_pages", "solver_allow"),

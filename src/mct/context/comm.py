@@ -6,11 +6,13 @@ gloo (CPU) and nccl (CUDA) both run ``all_gather_single``, ``reduce_scatter_sing
 ``all_to_all_single`` (checked on gloo with torch 2.13).
 
 ``SimulatedContextComm`` has the same methods on fake tensors (the planner's dry run):
-outputs of the real shapes and dtypes, no data moved.
+outputs of the real shapes and dtypes, no data moved, and ``calls`` counting what the real
+group would move (the time model prices it, as ``mct.zero.comm.SimulatedCollectives``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -73,18 +75,53 @@ class ContextComm:
         return _AllToAll.apply(x, self.group)
 
 
+class _CountedGather(torch.autograd.Function):
+    """``_Gather``'s shapes without a group: counts the all-gather (forward) and its
+    reduce-scatter (backward) in ``calls`` as (kind, bytes of the gathered tensor, 1)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, calls: Counter, degree: int) -> torch.Tensor:
+        ctx.calls, ctx.degree = calls, degree
+        out = torch.cat([x] * degree, dim=0)
+        calls["all_gather", out.numel() * out.element_size(), 1] += 1
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.calls["reduce_scatter", grad.numel() * grad.element_size(), 1] += 1
+        return grad[: grad.shape[0] // ctx.degree].clone(), None, None
+
+
+class _CountedAllToAll(torch.autograd.Function):
+    """``_AllToAll``'s shapes without a group: counts it forward and backward in ``calls``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, calls: Counter) -> torch.Tensor:
+        ctx.calls = calls
+        calls["all_to_all", x.numel() * x.element_size(), 1] += 1
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.calls["all_to_all", grad.numel() * grad.element_size(), 1] += 1
+        return grad.clone(), None
+
+
 class SimulatedContextComm(ContextComm):
     """Rank 0 of a group that does not exist: the outputs' shapes, dtypes and lifetimes of
-    the real collectives (fake tensors in the planner's dry run), no data exchanged."""
+    the real collectives (fake tensors in the planner's dry run), no data exchanged.
+    ``calls``: (kind, bytes, buckets) -> calls the real group would issue, forward and
+    backward (a recomputed block's again), the keys ``SimulatedCollectives.calls`` uses."""
 
     def __init__(self, degree: int) -> None:
         super().__init__(None, degree, 0)
+        self.calls: Counter[tuple[str, int, int]] = Counter()
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.cat([x] * self.degree, dim=dim)
+        return _CountedGather.apply(x.movedim(dim, 0), self.calls, self.degree).movedim(0, dim)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
+        return _CountedAllToAll.apply(x, self.calls)
 
 
 def context_comm(degree: int, rank: int, world: int, simulated: bool) -> ContextComm:

@@ -123,7 +123,7 @@ def resume_config(run_dir: str | Path, overrides: list[str], world_size: int) ->
     resume_changes(saved, new)
     global_micro = int(state["global_micro_batches"])
     context = int(new.get("parallel", {}).get("context", 1))  # ranks that share one window
-    if global_micro % (world_size // context) or world_size % context:
+    if world_size % context or global_micro % (world_size // context):  # a degree above the world: no split
         options = [n * context for n in range(1, global_micro + 1) if global_micro % n == 0]
         raise ValueError(f"the run's global batch is {global_micro} micro-batches per step, which {world_size} "
                          f"ranks (parallel.context = {context}) cannot split evenly; use --nproc in {options}")

@@ -9,8 +9,9 @@ Loss chunking changes the order of the loss's sums, micro-batch x accumulation t
 the gradient sums (and which dropout seed a sample gets): searched only when allowed
 ('loss_chunk', 'micro_batch'); chunking is still tried when nothing fits without it, as
 ``auto`` always did. State offload ('offload') changes no numerics, but moves the state to
-host memory or disk: tried when nothing fits without it unless allowed. Precision and the
-optimizer's state dtype are never changed.
+host memory or disk: tried when nothing fits without it unless allowed. The context degree
+('context') changes the order of the attention's and the gradients' sums: searched only when
+allowed, the global batch kept. Precision and the optimizer's state dtype are never changed.
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ def settings(row: PlanRow) -> str:
     out.append(_offload_settings(row).strip())
     out.append(_chunk_setting(row).strip())
     out.append(f"data.micro_batch_size={row.micro_batch_size} data.grad_accum={row.grad_accum}")
+    if row.context is not None and row.context > 1:
+        out.append(f"parallel.context={row.context}")
     return " ".join(o for o in out if o)
 
 
 def space_for(work: Any, cfg: EngineConfig, allow: tuple[str, ...] | list[str], device: str = "cpu", *,
-              stages: tuple[int, ...] | None = None, search_policy: bool | None = None) -> Space:
+              stages: tuple[int, ...] | None = None, search_policy: bool | None = None,
+              world: int = 1) -> Space:
     """The space ``auto`` searches for ``cfg`` (stages and policy where they are 'auto'; or as
     given) with the levers ``allow`` names ('micro_batch', 'loss_chunk', 'offload'; the last two
-    as a free choice, not only when nothing fits). Activation offload is searched when the
-    config leaves it off."""
+    as a free choice, not only when nothing fits; 'context': ``context_degrees`` on ``world``
+    ranks). Activation offload is searched when the config leaves it off."""
     if stages is None:
         stages = STAGES if cfg.zero.stage == "auto" else (int(cfg.zero.stage),)
     if search_policy is None:
@@ -71,7 +75,18 @@ def space_for(work: Any, cfg: EngineConfig, allow: tuple[str, ...] | list[str], 
     mbs = (cfg.data.micro_batch_size,)
     if "micro_batch" in allow and batch_size(task_of(work).batch) == cfg.data.micro_batch_size:
         mbs = tuple(b for b in range(per_rank, 0, -1) if per_rank % b == 0)
-    return Space(tuple(stages), search_policy, acts, chunks, offloads, mbs)
+    contexts = context_degrees(cfg, world) if "context" in allow else (None,)
+    return Space(tuple(stages), search_policy, acts, chunks, offloads, mbs, contexts)
+
+
+def context_degrees(cfg: EngineConfig, world: int) -> tuple[int, ...]:
+    """The parallel.context degrees the solver may choose on ``world`` ranks: each divides the
+    world, has model.seq_len a multiple of 2 x it, and keeps the global batch a whole number of
+    windows per rank (``choice.apply``)."""
+    per_rank, own = cfg.data.micro_batch_size * cfg.data.grad_accum, cfg.parallel.context
+    return tuple(d for d in range(1, world + 1) if world % d == 0 and cfg.model.seq_len % (2 * d) == 0
+                 and (per_rank * d) % own == 0 and (per_rank * d // own) % cfg.data.micro_batch_size == 0
+                 or d == own)
 
 
 def chunkable(work: Any, cfg: EngineConfig) -> bool:
@@ -88,7 +103,7 @@ def solve_auto(work: Any, cfg: EngineConfig, world: int, budget: int, allow: tup
     then state offload (``auto_offloads(device)``, where the config sets none), as ``auto``
     has always tried them; each keeps the ones before. ``row_kw``: default ``timing``."""
     cfg = for_device(cfg, device)  # the dry runs' config; resolve_auto configures the user's own
-    space = space or space_for(work, cfg, allow, device)
+    space = space or space_for(work, cfg, allow, device, world=world)
     work = prepare_work(work, cfg)
     row_kw = timing(work, cfg, world, device) if row_kw is None else row_kw  # once for every solve below
     sol = solve(work, cfg, world, budget, space, workers=workers, row_kw=row_kw)
@@ -157,6 +172,7 @@ def choice_record(best: PlanRow, sol: Solution, auto: list[str], budget: int, wo
             "checkpointing.mlp_tile_tokens": best.mlp_tile_tokens,
             "data.micro_batch_size": best.micro_batch_size, "data.grad_accum": best.grad_accum,
             "zero.reshard_root_after_forward": best.reshard_root_after_forward,
+            "parallel.context": best.context,
             "predicted_offloaded_bytes": best.offloaded,
             "budget_bytes": budget, "budget_counts": sol.budget_counts,
             "predicted_process_peak_bytes": best.process_peak, "predicted_peak_bytes": best.peak,
@@ -190,6 +206,9 @@ def format_solution(sol: Solution) -> str:
               str(r.stage), recompute_label(r, sol.n_blocks), r.act_offload,
               str(r.loss_chunk_tokens or "off"), r.offload.label, f"{r.micro_batch_size} x {r.grad_accum}",
               "yes" if r.fits else "no"] for r in sol.frontier]
+    if any(r.context is not None for r in sol.rows):  # the solver chose the degree too
+        head.append("context")
+        table = [[*t, str(r.context)] for t, r in zip(table, sol.frontier)]
     widths = [max([len(h)] + [len(t[i]) for t in table]) for i, h in enumerate(head)]
     process = sol.budget_counts == "process"
     lines = [f"model: {sol.n_params:,} parameters, {sol.n_blocks} blocks; {sol.world} rank(s); budget per rank: "

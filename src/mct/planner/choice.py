@@ -104,6 +104,8 @@ class Choice:
     per_block: dict[str, int] | list[str] | None = None
     micro_batch: int | None = None
     reshard_root: bool | None = None
+    context: int | None = None
+    """parallel.context; the global batch kept: data.grad_accum scaled by the new degree over the old."""
 
 
 def apply(cfg: EngineConfig, choice: Choice) -> EngineConfig:
@@ -123,13 +125,25 @@ def apply(cfg: EngineConfig, choice: Choice) -> EngineConfig:
     values.update((k, v) for k, v in optional.items() if v is not None)
     if c.offload is not None:
         values.update({"offload.optimizer": c.offload.optimizer, "offload.params": c.offload.params})
-    if c.micro_batch is not None:
-        per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
-        if c.micro_batch < 1 or per_rank % c.micro_batch:
-            raise ValueError(f"micro-batch {c.micro_batch} does not divide the batch per rank ({per_rank} = "
-                             f"data.micro_batch_size x data.grad_accum)")
-        values.update({"data.micro_batch_size": c.micro_batch, "data.grad_accum": per_rank // c.micro_batch})
+    per_rank = cfg.data.micro_batch_size * cfg.data.grad_accum
+    if c.context is not None and c.context != cfg.parallel.context:
+        per_rank = _per_rank_at(per_rank, cfg.parallel.context, c.context)
+        values["parallel.context"] = c.context
+    micro = c.micro_batch if c.micro_batch is not None else cfg.data.micro_batch_size
+    if micro < 1 or per_rank % micro:
+        raise ValueError(f"micro-batch {micro} does not divide the batch per rank ({per_rank} = "
+                         f"data.micro_batch_size x data.grad_accum)")
+    values.update({"data.micro_batch_size": micro, "data.grad_accum": per_rank // micro})
     return with_values(cfg, values)
+
+
+def _per_rank_at(per_rank: int, old: int, new: int) -> int:
+    """The batch per rank (windows a step) at context degree ``new`` that keeps the global batch
+    of ``per_rank`` at ``old`` (world / degree data-parallel ranks). Raises ValueError when it is no integer."""
+    if (per_rank * new) % old:
+        raise ValueError(f"parallel.context {new}: the batch per rank ({per_rank} windows at parallel.context = "
+                         f"{old}) x {new} / {old} is no whole number of windows; change data.grad_accum")
+    return per_rank * new // old
 
 
 def _copy(spec: dict[str, int] | list[str]) -> dict[str, int] | list[str]:
@@ -164,7 +178,7 @@ def seconds_of(row: Mapping[str, Any]) -> float:
     return float(step_s) if step_s is not None else float(row["cost"])
 
 
-_SOLVER_KEYS = ("micro_batch_size", "grad_accum", "n_params", "reshard_root_after_forward")
+_SOLVER_KEYS = ("micro_batch_size", "grad_accum", "n_params", "reshard_root_after_forward", "context")
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +220,8 @@ class PlanRow(Mapping):
     grad_accum: int | None = None
     n_params: int | None = None
     reshard_root_after_forward: bool | None = None
+    context: int | None = None
+    """parallel.context of a solver row (None: the config's own)."""
     process_peak: int | None = None
     """The process's predicted peak (``mct.memory.process_peak``): ``runtime_baseline`` +
     ``peak`` + ``allocator_overhead``, counted as ``process_counts`` says; None where no runtime
@@ -233,7 +249,7 @@ class PlanRow(Mapping):
         """The configuration as a ``Choice`` (``apply`` sets it in a config)."""
         return Choice(self.stage, self.policy, self.precision, self.offload, self.act_offload,
                       self.loss_chunk_tokens, self.mlp_tile_tokens, self.per_block, self.micro_batch_size,
-                      self.reshard_root_after_forward)
+                      self.reshard_root_after_forward, self.context)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data with ``mct plan --json``'s keys (the solver's four only on its rows)."""

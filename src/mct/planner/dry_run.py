@@ -19,6 +19,7 @@ path of a clean step (no overflow skip).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -30,7 +31,6 @@ from torch.utils._pytree import tree_map
 from mct.config import EngineConfig, with_values
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.zero.comm import SimulatedCollectives
 from mct.memory.tracker import CATEGORIES, MemoryTracker
 from mct.planner.work import OpCounter, StepWork, mode_counts
 from mct.task.meta import build_on_meta
@@ -225,9 +225,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         first = engine.train_step(data, loss_fn).metrics["peaks"]
         if observer is not None:
             observer.end_step(first)
-        collectives = engine.comm.ops
-        if isinstance(collectives, SimulatedCollectives):
-            collectives.calls.clear()  # the steady step's only
+        collectives = _Calls(engine.comm.ops, getattr(getattr(engine, "context", None), "comm", None))
+        collectives.clear()  # the steady step's only
         modes = mode_counts()
         stepped = len(batch) if isinstance(batch, list) else 1
         missing = max(0, (hooks.micro_batches or stepped) - stepped)  # micro-batches the real step has beyond these
@@ -255,6 +254,23 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
                   n_params=n_params, offloaded=offloaded, work=work,
                   init_end={c: kept.get(c, 0) for c in (*CATEGORIES, "total")})
+
+
+class _Calls:
+    """The collectives a dry run counts: the engine's (``SimulatedCollectives``) and its
+    context group's (``SimulatedContextComm``), each where simulated; ``calls`` their sum."""
+
+    def __init__(self, *sources: Any) -> None:
+        self.sources = [s for s in sources if isinstance(getattr(s, "calls", None), Counter)]
+
+    @property
+    def calls(self) -> Counter:
+        return sum((s.calls for s in self.sources), Counter())
+
+    def clear(self) -> None:
+        """Mutates every source: its counts start again from zero."""
+        for s in self.sources:
+            s.calls.clear()
 
 
 def _counted(counter: OpCounter, collectives: Any, modes_before: dict[str, int]) -> StepWork:

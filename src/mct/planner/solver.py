@@ -71,6 +71,8 @@ class Space:
     chunks: tuple[int, ...]
     offloads: tuple[OffloadChoice, ...]
     micro_batches: tuple[int, ...]
+    contexts: tuple[int | None, ...] = (None,)
+    """parallel.context degrees (None: the config's own; the global batch kept: ``choice.apply``)."""
 
     def __post_init__(self) -> None:  # offload labels ('optimizer=disk') are parsed once, here
         object.__setattr__(self, "offloads", tuple(offload_choice(o) for o in self.offloads))
@@ -87,12 +89,14 @@ class Candidate:
     chunk: int
     offload: OffloadChoice
     micro_batch: int
+    context: int | None = None
+    """parallel.context (None: the config's own)."""
     keep_root: bool = False
     """Stage 3: the root unit stays gathered into the backward (zero.reshard_root_after_forward = false)."""
 
     @property
     def branch(self) -> tuple:
-        return (self.stage, self.act, self.chunk, self.offload, self.micro_batch)
+        return (self.stage, self.act, self.chunk, self.offload, self.micro_batch, self.context)
 
 
 @dataclass
@@ -124,13 +128,13 @@ class Solution:
 
 def configure(cfg: EngineConfig, stage: int, policy: str, per_block: dict[str, int] | list | None, act: str,
               chunk: int, offload: OffloadChoice, micro_batch: int, mlp_tile: int | None = None,
-              reshard_root: bool | None = None) -> EngineConfig:
+              reshard_root: bool | None = None, context: int | None = None) -> EngineConfig:
     """``apply(cfg, Choice(...))`` of a candidate's keys: checkpointing.per_block (a uniform
     policy drops it), data.micro_batch_size x data.grad_accum (their product kept), and unless
     None zero.reshard_root_after_forward. Raises ValueError when the micro-batch does not
     divide that product."""
     return apply(cfg, Choice(stage, policy, None, offload, act, chunk, mlp_tile, per_block or [], micro_batch,
-                             reshard_root))
+                             reshard_root, context))
 
 
 def configure_row(cfg: EngineConfig, row: PlanRow) -> EngineConfig:
@@ -179,7 +183,7 @@ class Evaluator:
         """The candidate's config; policy 'per_block' without counts: the config's own per_block."""
         pb = dict(c.per_block) if c.per_block else (self.cfg.checkpointing.per_block or None)
         return configure(self.cfg, c.stage, c.policy, pb, c.act, c.chunk, c.offload, c.micro_batch,
-                         reshard_root=False if c.keep_root else None)
+                         reshard_root=False if c.keep_root else None, context=c.context)
 
     def rows(self, cands: list[Candidate]) -> list[PlanRow]:
         """The rows of ``cands``, dry-running those not seen yet in one batch of jobs."""
@@ -188,13 +192,13 @@ class Evaluator:
         runs = run_jobs(lambda i: _PLAN.predict(self._work(todo[i].chunk, todo[i].micro_batch), configs[i],
                                                   self.world),
                         len(todo), workers=self.workers, cost=[dry_run_cost(self.work, c) for c in configs])
-        per_rank = self.cfg.data.micro_batch_size * self.cfg.data.grad_accum
         for c, run, config in zip(todo, runs, configs):
             mixed = _per_block_of(self.work, config) if c.policy == "per_block" else {}
             choice = Choice(c.stage, c.policy, self.cfg.precision.mode, c.offload, c.act, c.chunk,
                             config.checkpointing.mlp_tile_tokens, mixed.get("per_block"))
             r = plan_row(run, choice, self.world, self.budget, recomputed=mixed.get("recomputed"), **self.row_kw)
-            r = dataclasses.replace(r, micro_batch_size=c.micro_batch, grad_accum=per_rank // c.micro_batch,
+            r = dataclasses.replace(r, micro_batch_size=c.micro_batch, grad_accum=config.data.grad_accum,
+                                    context=config.parallel.context,
                                     n_params=run.n_params,
                                     reshard_root_after_forward=config.zero.reshard_root_after_forward)
             self.done[c] = dataclasses.replace(r, fits=r.need <= self.budget)
@@ -203,12 +207,12 @@ class Evaluator:
     def candidate(self, branch: tuple, blocks: dict[str, int]) -> Candidate:
         """The candidate of ``branch`` with ``blocks`` recomputing (counts; the rest none); one
         choice for every block is that uniform policy."""
-        stage, act, chunk, offload, mb = branch
+        stage, act, chunk, offload, mb, context = branch
         counts = {k: v for k, v in blocks.items() if v}
         uniform = [k for k, v in counts.items() if v == self.n]
         policy = uniform[0] if uniform else ("none" if not counts else "per_block")
         pb = tuple(sorted(counts.items())) if policy == "per_block" else ()
-        return Candidate(stage, policy, pb, "none" if policy == "none" else act, chunk, offload, mb)
+        return Candidate(stage, policy, pb, "none" if policy == "none" else act, chunk, offload, mb, context)
 
 
 def _position(path: str, j: int, n: int) -> dict[str, int]:
@@ -343,8 +347,8 @@ def rank(row: Mapping[str, Any]) -> tuple:
 
 
 def branches(space: Space) -> list[tuple]:
-    return [(s, a, c, o, m) for m in space.micro_batches for o in space.offloads for c in space.chunks
-            for a in space.acts for s in space.stages if o.params == "none" or s == 3]
+    return [(s, a, c, o, m, d) for d in space.contexts for m in space.micro_batches for o in space.offloads
+            for c in space.chunks for a in space.acts for s in space.stages if o.params == "none" or s == 3]
 
 
 def frugal(space: Space, policy: str) -> Candidate:
@@ -353,7 +357,9 @@ def frugal(space: Space, policy: str) -> Candidate:
         (o for o in reversed(space.offloads) if o.params == "none"), OffloadChoice())
     act = space.acts[-1] if policy != "none" else "none"
     pb = ()
-    return Candidate(max(space.stages), policy, pb, act, max(space.chunks), offload, min(space.micro_batches))
+    contexts = [d for d in space.contexts if d is not None]
+    return Candidate(max(space.stages), policy, pb, act, max(space.chunks), offload, min(space.micro_batches),
+                     max(contexts) if contexts else None)
 
 
 def solve(work: Any, cfg: EngineConfig, world: int, budget: int, space: Space, *, workers: int = 1,
@@ -422,7 +428,8 @@ def why(sol: Solution, ev: Evaluator) -> str:
     and the fastest fitting uniform row's."""
     p = sol.pick
     assert p is not None
-    base_c = Candidate(p.stage, "none", (), "none", p.loss_chunk_tokens, p.offload, p.micro_batch_size or 0)
+    picked = next(c for c, r in ev.done.items() if r is p)
+    base_c = dataclasses.replace(picked, policy="none", per_block=(), act="none", keep_root=False)
     base = ev.done.get(base_c)  # the pick's branch without recompute (searched policies only)
     t0 = predicted_seconds(base) if base is not None else min(predicted_seconds(r) for r in sol.rows)
     than = "the no-recompute time" if base is not None else "the fastest row's time"
@@ -434,6 +441,8 @@ def why(sol: Solution, ev: Evaluator) -> str:
              f"{'' if fastest.act_offload == 'none' else ' act ' + fastest.act_offload}) would be "
              f"{predicted_seconds(fastest) / t0:.2f}x")
     unit = f", {p.step_s:.3g} s/step" if p.step_s is not None else ""
+    if picked.context is not None:
+        unit += f", parallel.context={p.context}"
     if p.reshard_root_after_forward is False:
         unit += ", zero.reshard_root_after_forward=false (one root all-gather fewer)"
     return (f"fastest that fits {format_bytes(sol.budget)}: zero.stage={p.stage}, recomputes "
