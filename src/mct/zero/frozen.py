@@ -15,6 +15,8 @@ every rank and decoded per use by the same lifecycle, with no collective.
 Buffers (S = shard_numel, P = world * S):
   working  [P] param dtype: the parameters' storage while gathered; empty otherwise.
   stored   {part: 1-D}: ``codec.encode`` of this rank's slice [r * S, (r + 1) * S).
+A unit of world 1 stored by the identity codec (stages 1-3 on one rank) is *resident*:
+its stored part is the working buffer itself, never released, so its bytes count once.
 Both count under the memory tracker's 'frozen' category.
 """
 
@@ -54,6 +56,11 @@ class FrozenUnit:
             self.stored = codec.encode(self.working[lo:hi])
         # the identity codec's stored shard is the working buffer's row: gathered in place
         self.direct = isinstance(codec, IdentityCodec) and self.stored["data"].dtype == dtype
+        # unsharded (world 1) and stored as it is: the stored shard *is* the working buffer,
+        # one copy, gathered for good (a second copy would hold the same bytes twice)
+        self.resident = self.direct and layout.world == 1
+        if self.resident:
+            self.stored = {"data": self.working}
         self.numel_bytes = self.working.untyped_storage().nbytes()
         self.gathered = True
         self.pending_gather: Pending | None = None
@@ -102,9 +109,10 @@ class FrozenUnit:
             self.gathered = True
 
     def release(self) -> None:
-        """Free the working buffer's storage; the parameter views stay, with no data."""
+        """Free the working buffer's storage; the parameter views stay, with no data. A
+        resident unit (world 1, identity codec) keeps it: it is the stored copy."""
         self.wait_gather()
-        if self.gathered:
+        if self.gathered and not self.resident:
             self.working.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -122,6 +130,10 @@ class FrozenUnit:
             values = read(i, a, b)
             if values is not None:
                 part[at:at + b - a].copy_(values)
+        if self.resident:
+            with torch.no_grad():
+                self.working.copy_(part)
+            return
         self.release()
         lossy = not self.direct and not is_fake(part)
         if lossy and torch.equal(self.codec.decode(self.stored, hi - lo, self.dtype), part):
