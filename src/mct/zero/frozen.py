@@ -34,6 +34,32 @@ from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
 from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
 
 
+def split_frozen_ends(model: nn.Module, unit_of: dict[int, str],
+                      ends: list[nn.Module | None]) -> list[tuple[str, nn.Module]]:
+    """Give each of ``ends`` (the input embedding, an untied output head: modules used at
+    one place of the step) a frozen unit of its own instead of 'root', so the stage-3
+    lifecycle gathers it around its own call rather than for the whole step. A module
+    qualifies when it sits outside every block (``unit_of`` says 'root'), all its
+    parameters are frozen and none is used by another module (a tied weight stays in
+    'root'). Mutates ``unit_of`` (those parameters -> the module's name); returns the
+    (name, module) pairs, in ``ends``' order."""
+    uses: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[tuple[str, nn.Module]] = []
+    for mod in ends:
+        params = list(mod.parameters()) if mod is not None else []
+        if not params or id(mod) not in names or any(n == names[id(mod)] for n, _ in out):
+            continue
+        if all(not p.requires_grad and uses[id(p)] == 1 and unit_of.get(id(p), "root") == "root" for p in params):
+            for p in params:
+                unit_of[id(p)] = names[id(mod)]
+            out.append((names[id(mod)], mod))
+    return out
+
+
 class FrozenUnit:
     """One unit's frozen parameters, sharded (see the module docstring)."""
 
