@@ -26,6 +26,7 @@ from mct import optim
 from mct.adapters import check_adapted
 from mct.adapters.qlora import nf4_codecs
 from mct.checkpointing import apply_checkpointing, disable_kv_cache, find_blocks
+from mct.checkpointing.blocks import find_input_embedding, find_output_head
 from mct.config import EngineConfig
 from mct.context import context_parallel
 from mct.dist import DistContext, agree
@@ -42,7 +43,7 @@ from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
 from mct.zero.comm import Comm, first_mismatch
-from mct.zero.frozen import FrozenModel
+from mct.zero.frozen import FrozenModel, split_frozen_ends
 from mct.zero.frozen_codec import IdentityCodec
 from mct.zero.shm import SETUP_FAILED, share_masters
 from mct.zero.sharded import ShardedModel, ShardingPolicy, UnitHooks, assign_units
@@ -138,16 +139,23 @@ class Engine:
         # frozen parameters: sharded at stages 1-3 (on the device: parameter offload streams
         # trainable units only), gathered per unit by the same lifecycle as stage 3's;
         # QLoRA's linear weights stored as NF4 at every stage (whole units at stage 0)
-        self.frozen = FrozenModel(model, assign_units(model, units), ["root", *(b for b, _ in units)],
+        # sharded, a frozen input embedding and untied head get units of their own, gathered
+        # around their call (the head's again for its backward), not held for the whole step
+        unit_of = assign_units(model, units)
+        sharded = self.stage >= 1
+        first = split_frozen_ends(model, unit_of, [find_input_embedding(model)]) if sharded else []
+        last = split_frozen_ends(model, unit_of, [find_output_head(model)]) if sharded else []
+        gathered = [*first, *units, *last]  # in the order the step uses them
+        self.frozen = FrozenModel(model, unit_of, ["root", *(b for b, _ in gathered)],
                                   shard=self.stage >= 1, comm=self.comm,
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
                                   device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter),
                                   materialize=None if init_program is None else
                                   lambda params: init_program.materialize(params, self.device))
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
-                         *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in units)]}
+                         *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in gathered)]}
         lifecycle = {b: us for b, us in lifecycle.items() if us}
-        self.stage3 = (Stage3Lifecycle(units, lifecycle, self.comm, self.tracker, cfg.zero.prefetch, root=model,
+        self.stage3 = (Stage3Lifecycle(gathered, lifecycle, self.comm, self.tracker, cfg.zero.prefetch, root=model,
                                        reshard_root=cfg.zero.reshard_root_after_forward)
                        if lifecycle or self.stage == 3 else None)
         # one host, stage 3: a step's gathers read the peers' masters (or their casts) from shared memory

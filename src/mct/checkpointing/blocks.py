@@ -54,6 +54,21 @@ def find_output_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def find_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The module that embeds the token ids: ``model.get_input_embeddings()`` (Hugging Face
+    models), else the built-in GPT's ``wte``; None when it exposes neither. Mutates nothing."""
+    emb = None
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except NotImplementedError:
+            emb = None
+    if emb is None:
+        emb = getattr(model, "wte", None)
+    return emb if isinstance(emb, nn.Module) else None
+
+
 def _blocks_by_class(model: nn.Module, class_names: list[str], key: str) -> list[tuple[str, nn.Module]]:
     present = {type(m).__name__ for m in model.modules()}
     unknown = [c for c in class_names if c not in present]

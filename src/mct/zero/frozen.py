@@ -15,6 +15,8 @@ every rank and decoded per use by the same lifecycle, with no collective.
 Buffers (S = shard_numel, P = world * S):
   working  [P] param dtype: the parameters' storage while gathered; empty otherwise.
   stored   {part: 1-D}: ``codec.encode`` of this rank's slice [r * S, (r + 1) * S).
+A unit of world 1 stored by the identity codec (stages 1-3 on one rank) is *resident*:
+its stored part is the working buffer itself, never released, so its bytes count once.
 Both count under the memory tracker's 'frozen' category.
 """
 
@@ -30,6 +32,32 @@ from torch._subclasses.fake_tensor import is_fake
 from mct.zero.comm import Comm, Pending
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
 from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
+
+
+def split_frozen_ends(model: nn.Module, unit_of: dict[int, str],
+                      ends: list[nn.Module | None]) -> list[tuple[str, nn.Module]]:
+    """Give each of ``ends`` (the input embedding, an untied output head: modules used at
+    one place of the step) a frozen unit of its own instead of 'root', so the stage-3
+    lifecycle gathers it around its own call rather than for the whole step. A module
+    qualifies when it sits outside every block (``unit_of`` says 'root'), all its
+    parameters are frozen and none is used by another module (a tied weight stays in
+    'root'). Mutates ``unit_of`` (those parameters -> the module's name); returns the
+    (name, module) pairs, in ``ends``' order."""
+    uses: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[tuple[str, nn.Module]] = []
+    for mod in ends:
+        params = list(mod.parameters()) if mod is not None else []
+        if not params or id(mod) not in names or any(n == names[id(mod)] for n, _ in out):
+            continue
+        if all(not p.requires_grad and uses[id(p)] == 1 and unit_of.get(id(p), "root") == "root" for p in params):
+            for p in params:
+                unit_of[id(p)] = names[id(mod)]
+            out.append((names[id(mod)], mod))
+    return out
 
 
 class FrozenUnit:
@@ -54,6 +82,11 @@ class FrozenUnit:
             self.stored = codec.encode(self.working[lo:hi])
         # the identity codec's stored shard is the working buffer's row: gathered in place
         self.direct = isinstance(codec, IdentityCodec) and self.stored["data"].dtype == dtype
+        # unsharded (world 1) and stored as it is: the stored shard *is* the working buffer,
+        # one copy, gathered for good (a second copy would hold the same bytes twice)
+        self.resident = self.direct and layout.world == 1
+        if self.resident:
+            self.stored = {"data": self.working}
         self.numel_bytes = self.working.untyped_storage().nbytes()
         self.gathered = True
         self.pending_gather: Pending | None = None
@@ -102,9 +135,10 @@ class FrozenUnit:
             self.gathered = True
 
     def release(self) -> None:
-        """Free the working buffer's storage; the parameter views stay, with no data."""
+        """Free the working buffer's storage; the parameter views stay, with no data. A
+        resident unit (world 1, identity codec) keeps it: it is the stored copy."""
         self.wait_gather()
-        if self.gathered:
+        if self.gathered and not self.resident:
             self.working.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -122,6 +156,10 @@ class FrozenUnit:
             values = read(i, a, b)
             if values is not None:
                 part[at:at + b - a].copy_(values)
+        if self.resident:
+            with torch.no_grad():
+                self.working.copy_(part)
+            return
         self.release()
         lossy = not self.direct and not is_fake(part)
         if lossy and torch.equal(self.codec.decode(self.stored, hi - lo, self.dtype), part):

@@ -9,6 +9,9 @@ including recomputation of checkpointed blocks), "eval" (no-grad forward), "idle
                      gradient reaching them gathers it again (and prefetches the
                      previous block) before its backward runs. backward: nothing,
                      the block stays gathered until its gradients are reduced.
+At stages 1-3 a frozen input embedding and a frozen, untied output head are units of their
+own, in ``blocks`` before the first and after the last block (``split_frozen_ends``): gathered
+for their own call, and the head again for its backward, rather than with the root.
 The root unit (parameters outside blocks, and weights shared between units such as
 tied embeddings) follows the same lifecycle on the model itself: gathered when the
 model's forward starts, freed when it returns (the loss and the start of backward, where
@@ -57,6 +60,7 @@ class Stage3Lifecycle:
         self._awaiting: dict[str, int] = {}
         self._sticky: set[str] = set()
         self._hooked_inputs: dict[str, int] = {}
+        self._in_backward: set[str] = set()  # units whose outputs' gradient gathers them, this step
         hooked = [(name, block) for name, block in blocks if name in units_by_block]
         if root is not None and "root" in units_by_block:
             hooked.append(("root", root))
@@ -89,7 +93,8 @@ class Stage3Lifecycle:
 
     def _prefetch(self, name: str, delta: int) -> None:
         nxt = self._neighbour(name, delta) if self.prefetch else None
-        if nxt is not None:
+        # backward prefetches only what its backward will gather (a frozen embedding's is none)
+        if nxt is not None and (delta > 0 or nxt in self._in_backward):
             self.gather(nxt, async_op=True)
 
     # ---- hooks ----
@@ -130,6 +135,8 @@ class Stage3Lifecycle:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
                     t.register_hook(self._pre_backward(name))
+                if tensors:
+                    self._in_backward.add(name)
                 if tensors and self.frozen.get(name) and not self._hooked_inputs.get(name, 0):
                     self._sticky.add(name)  # a backward no input hook can see the end of
         return hook
@@ -154,11 +161,11 @@ class Stage3Lifecycle:
         released, one whose backward never ran)."""
         for name in ["root", *self.order]:
             self.release(name, frozen_only=True)
-        self._awaiting, self._sticky, self._hooked_inputs = {}, set(), {}
+        self._awaiting, self._sticky, self._hooked_inputs, self._in_backward = {}, set(), {}, set()
 
     def end_step(self) -> None:
         """After the step: every non-persistent unit's storage is freed."""
         self.phase = Phase.IDLE
         for name in ["root", *self.order]:
             self.release(name)
-        self._awaiting, self._sticky, self._hooked_inputs = {}, set(), {}
+        self._awaiting, self._sticky, self._hooked_inputs, self._in_backward = {}, set(), {}, set()
