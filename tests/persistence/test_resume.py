@@ -300,7 +300,7 @@ def test_resume_reshards_across_world_sizes_and_stages(tmp_path, world, stage, r
     d["zero"] = {"stage": stage}
     whole = tmp_path / "whole"
     _launch(world, d, whole)
-    from mct.persistence.export import export
+    from mct.persistence.export_file import export
     export(whole, tmp_path / "exported.safetensors")  # one process, whatever world size saved it
     assert (tmp_path / "exported.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
     for new_world, new_stage in resumes:

@@ -30,7 +30,7 @@ def cmd_export(args: argparse.Namespace, argv: list[str]) -> int:
         if args.dtype != "fp32" or args.max_shard_size != "2GB":
             raise ValueError("--dtype and --max-shard-size apply to --format hf; the .safetensors export is fp32, "
                              "one file")
-        from mct.persistence.export import export
+        from mct.persistence.export_file import export
         path, warning = export(args.source, args.out, force=args.force, merge=args.merge)
     if warning:
         print(f"mct: warning: {warning}", file=sys.stderr)

@@ -17,6 +17,9 @@ this package does the file I/O around them and imports nothing of the engine
                    a run's own files (no user output lands there: ``mct.outputs``)
     resume.py      `mct train --resume`: the run's config, allowed overrides, clean history
     export.py      consolidated fp32 safetensors from a checkpoint, in one process
+    export_file.py `mct export --out FILE.safetensors [--merge]` (the command's own checks)
+    weight_sources.py  what --init-from and the adapter import/export read: HF dirs, files, runs
+    adapter_export.py / adapter_source.py  adapters out (peft, merged) and back in (--init-from)
 """
 
 from __future__ import annotations

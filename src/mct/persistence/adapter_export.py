@@ -5,7 +5,7 @@ as ``peft.PeftModel.from_pretrained`` loads them) and the merged weights ``--mer
 An adapted module at path P holds ``P.lora_A.weight`` [rank, in] and ``P.lora_B.weight``
 [out, rank] (``mct.adapters``): peft's names without its ``base_model.model.`` prefix and
 its ``.default`` adapter name. The adapter tensors are small: they are read whole, one
-checkpoint unit at a time (``init_from._CheckpointSource``), never with the base.
+checkpoint unit at a time (``init_from.CheckpointSource``), never with the base.
 What the run trained (rank, alpha, dropout, model source) is read from the run's
 ``metadata.json``, as ``mct train`` recorded it.
 """
@@ -82,8 +82,8 @@ def adapter_tensors(checkpoint: Path, spec: RunAdapter) -> dict[str, torch.Tenso
     """Every LoRA tensor of ``checkpoint`` in fp32, names as named_parameters, checked
     in pairs: each adapted module has both, shaped [rank, in] and [out, rank]. Raises
     ValueError naming the first bad tensor (a damaged or foreign checkpoint)."""
-    from mct.persistence.init_from import _CheckpointSource
-    source = _CheckpointSource(checkpoint)
+    from mct.persistence.weight_sources import CheckpointSource
+    source = CheckpointSource(checkpoint)
     out = {n: source.read(n, 0, math.prod(s)).view(s).clone() for n, s in source.shapes.items() if is_adapter(n)}
     if not out:
         raise ValueError(f"{checkpoint} holds no LoRA tensors (*{LORA_A}) though its run trained adapters; "

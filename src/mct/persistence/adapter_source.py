@@ -69,7 +69,7 @@ def open_peft(path: Path) -> tuple[WeightSource, dict[str, Any]]:
     """The LoRA tensors of a peft directory under mct's names (peft's ``base_model.model.``
     prefix dropped), and its adapter_config.json. Raises ValueError (one line) for an
     adapter mct does not train (not LoRA, DoRA, rsLoRA, trained biases, saved modules)."""
-    from mct.persistence.init_from import _SafetensorsSource
+    from mct.persistence.weight_sources import SafetensorsSource
     try:
         config = json.loads((path / PEFT_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -84,7 +84,7 @@ def open_peft(path: Path) -> tuple[WeightSource, dict[str, Any]]:
     if unsupported:
         raise ValueError(f"--init-from {str(path)!r}: the adapter has {', '.join(unsupported)}; mct continues "
                          f"plain LoRA adapters only (peft_type LORA, no DoRA/rsLoRA, bias none)")
-    source = _SafetensorsSource({k: path / PEFT_WEIGHTS for k in _keys(path / PEFT_WEIGHTS)})
+    source = SafetensorsSource({k: path / PEFT_WEIGHTS for k in _keys(path / PEFT_WEIGHTS)})
     names = {}
     for key in source.shapes:
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
@@ -158,7 +158,7 @@ def adapter_init_source(path: str | Path, source: WeightSource, model_names: lis
     if all(n in source.shapes for n in base):  # an adapter run of mct: it holds its base
         return source, set()
     if model_source.startswith("hf:"):
-        from mct.persistence.init_from import open_source
+        from mct.persistence.weight_sources import open_source
         return Combined(source, open_source(model_source[3:])), set()
     if model_source == "gpt":
         raise ValueError(f"--init-from {what} holds adapters only, and the built-in GPT (model.source = 'gpt') "

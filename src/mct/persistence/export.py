@@ -51,7 +51,7 @@ def consolidated_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in _checkpoint_items(Path(checkpoint))}
 
 
-def _checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     info = read_json(checkpoint / "engine.json")
     specs = {name: (torch.float32, shape) for unit in info["units"] for name, shape, _, _ in param_slices(unit)}
     for key, spec in info["tensors"].items():
@@ -122,30 +122,13 @@ def check_target(out: Path, force: bool) -> None:
     check_file_output(out, "--out", force=force, example="model.safetensors", owned=check_outside_runs)
 
 
-def export(source: str | Path, out: str | Path, *, force: bool = False, merge: bool = False) -> tuple[Path, str | None]:
-    """Write the consolidated fp32 weights of ``source`` (run or checkpoint directory)
-    to the safetensors file ``out`` (a temporary, fsync, rename; one unit in memory at a
-    time); ``merge``: of an adapter run, the base's names with the adapters merged in
-    (``adapter_export.deltas_for``). Returns (checkpoint used, warning or None). Raises
-    ValueError (one line) for a bad source or target (see ``check_target``), ``merge`` of
-    a run without adapters, or a failed write (path and bytes)."""
-    from mct.persistence.adapter_export import deltas_for  # it reads checkpoints through this module
-    out = Path(out)
-    check_target(out, force=True)  # what no --force allows, before reading the source
-    path, warning = pick_checkpoint(source)
-    check_target(out, force)
-    deltas = deltas_for(path, list(_checkpoint_specs(path)), merge, "--merge")
-    export_checkpoint(path, out, deltas)
-    return path, warning
-
-
 def export_checkpoint(checkpoint: str | Path, out: str | Path, deltas: dict[str, torch.Tensor] | None = None) -> None:
     """Write the verified ``checkpoint``'s consolidated fp32 weights to ``out`` (replaced
     once complete; no target checks: ``export`` makes them for a user's ``--out``). One
     unit in memory at a time. ``deltas``: merged adapters, added to their weights, the
     LoRA tensors left out. Raises ValueError (one line) when the write fails."""
     checkpoint = Path(checkpoint)
-    specs = _checkpoint_specs(checkpoint)
+    specs = checkpoint_specs(checkpoint)
     if deltas is not None:
         specs = {n: s for n, s in specs.items() if not is_adapter_name(n)}
     writer = SafetensorsWriter(out, specs)
