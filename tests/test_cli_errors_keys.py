@@ -108,7 +108,7 @@ def test_a_hostile_value_of_any_key_is_one_line_naming_it(key, what, text, corpu
 RESUME_REFUSED = ["seed=9", "model.d_model=64", "model.attention=explicit", "data.micro_batch_size=4",
                   "data.grad_accum=2", "train.lr=0.5", "train.lr_schedule=wsd", "train.init_from=w.safetensors",
                   "precision.mode=bf16", "optimizer.eps=0.5", "optimizer.betas=[0.8, 0.9]",
-                  "optimizer.state_dtype=int8", "optimizer.state_dtype=bf16", "adapter.kind=lora", "parallel.context=2"]
+                  "optimizer.state_dtype=int8", "optimizer.state_dtype=bf16", "adapter.kind=lora"]
 
 
 @pytest.fixture(scope="module")
