@@ -270,6 +270,18 @@ def zero_columns(dst: torch.Tensor, off: int, n: int, S: int, a: int, b: int) ->
         dst[r0:r1, c0:c1].zero_()
 
 
+def finish_gather(unit) -> None:
+    """Wait for ``unit``'s in-flight all-gather into its working buffer (if any), then mark
+    it gathered when the buffer holds its storage: a ``FlatParamUnit`` or a frozen unit
+    (``mct.zero.frozen``). Mutates ``unit.pending_gather`` and ``unit.gathered``."""
+    if unit.pending_gather is not None:
+        with torch.autograd._unsafe_preserve_version_counter(unit.working):
+            unit.pending_gather.wait()
+        unit.pending_gather = None
+    if unit.working.untyped_storage().nbytes() == unit.numel_bytes:
+        unit.gathered = True
+
+
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
                  shard_rank: int, precision: PrecisionPolicy, persistent: bool, full_grads: bool,
@@ -419,12 +431,7 @@ class FlatParamUnit:
                                        device=self.master.device)).copy_(self.master)
 
     def wait_gather(self) -> None:
-        if self.pending_gather is not None:
-            with torch.autograd._unsafe_preserve_version_counter(self.working):
-                self.pending_gather.wait()
-            self.pending_gather = None
-        if self.working.untyped_storage().nbytes() == self.numel_bytes:
-            self.gathered = True
+        finish_gather(self)
 
     def publish_master(self, comm: Comm) -> None:
         """After the optimizer step: make the working parameters equal the master

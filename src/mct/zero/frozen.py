@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.zero.comm import Comm, Pending
+from mct.zero.flat import finish_gather
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
 from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
 
@@ -127,12 +128,7 @@ class FrozenUnit:
             self.working.copy_(self.codec.decode(full, self.layout.padded_numel, self.dtype))
 
     def wait_gather(self) -> None:
-        if self.pending_gather is not None:
-            with torch.autograd._unsafe_preserve_version_counter(self.working):
-                self.pending_gather.wait()
-            self.pending_gather = None
-        if self.working.untyped_storage().nbytes() == self.numel_bytes:
-            self.gathered = True
+        finish_gather(self)
 
     def release(self) -> None:
         """Free the working buffer's storage; the parameter views stay, with no data. A
