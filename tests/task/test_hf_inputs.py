@@ -60,6 +60,10 @@ def probe_runs(root: Path) -> dict[str, str]:
     with contextlib.redirect_stderr(err):
         train(EngineConfig.from_dict(cfg), run, progress=False)
     (root / "train_stderr.txt").write_text(err.getvalue())
+    lora_run = root / "lora_run"  # adapters: what --format peft and --merge export
+    with contextlib.redirect_stderr(io.StringIO()):
+        train(EngineConfig.from_dict({**cfg, "train": {**cfg["train"], "steps": 1},
+                                      "adapter": {"kind": "lora", "rank": 2}}), lora_run, progress=False)
     copies = {}
     for name in ("bytes_run", "truncated_run", "wrong_run", "notok_run", "badtok_run"):
         copies[name] = root / name
@@ -87,7 +91,7 @@ def probe_runs(root: Path) -> dict[str, str]:
     (root / "damaged_meta_run" / "metadata.json").write_text('{"world_size": 1}')
     (root / "deep_meta_run" / "checkpoints").mkdir(parents=True)
     (root / "deep_meta_run" / "metadata.json").write_text("[" * 100_000)
-    return {"run": str(run), "src": str(src), "dataset": str(root / "dataset"), "root": str(root),
+    return {"run": str(run), "lora_run": str(lora_run), "src": str(src), "dataset": str(root / "dataset"), "root": str(root),
             **{k: str(v) for k, v in copies.items()}, "sharded": str(root / "sharded"),
             "truncated_hf": str(root / "truncated_hf"), "a_file": str(root / "a_file"),
             "damaged_meta_run": str(root / "damaged_meta_run"), "deep_meta_run": str(root / "deep_meta_run")}

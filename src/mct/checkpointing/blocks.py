@@ -38,35 +38,32 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None,
     return [(f"{prefix}{i}", child) for i, child in enumerate(best[1])]
 
 
+def _exposed_module(model: nn.Module, getter: str, attribute: str) -> nn.Module | None:
+    """``model.<getter>()`` when the model has it (and it does not raise NotImplementedError),
+    else ``model.<attribute>``; None when neither is a module. Mutates nothing."""
+    found = None
+    get = getattr(model, getter, None)
+    if callable(get):
+        try:
+            found = get()
+        except NotImplementedError:
+            found = None
+    if found is None:
+        found = getattr(model, attribute, None)
+    return found if isinstance(found, nn.Module) else None
+
+
 def find_output_head(model: nn.Module) -> nn.Module | None:
     """The module a model applies last to its hidden states to make the logits:
     ``model.get_output_embeddings()`` (Hugging Face models; mct's GPT), else its ``lm_head``
     attribute; None when it exposes neither. Mutates nothing."""
-    head = None
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        try:
-            head = getter()
-        except NotImplementedError:
-            head = None
-    if head is None:
-        head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Module) else None
+    return _exposed_module(model, "get_output_embeddings", "lm_head")
 
 
 def find_input_embedding(model: nn.Module) -> nn.Module | None:
     """The module that embeds the token ids: ``model.get_input_embeddings()`` (Hugging Face
     models), else the built-in GPT's ``wte``; None when it exposes neither. Mutates nothing."""
-    emb = None
-    getter = getattr(model, "get_input_embeddings", None)
-    if callable(getter):
-        try:
-            emb = getter()
-        except NotImplementedError:
-            emb = None
-    if emb is None:
-        emb = getattr(model, "wte", None)
-    return emb if isinstance(emb, nn.Module) else None
+    return _exposed_module(model, "get_input_embeddings", "wte")
 
 
 def _blocks_by_class(model: nn.Module, class_names: list[str], key: str) -> list[tuple[str, nn.Module]]:
