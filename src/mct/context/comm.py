@@ -3,7 +3,8 @@ torch.distributed. Each is an autograd function whose backward is the adjoint co
 so gradients are exact: an all-gather's backward reduce-scatters (sums) the gradients of
 the gathered copies into their owner; an all-to-all's backward is the same all-to-all.
 gloo (CPU) and nccl (CUDA) both run ``all_gather_single``, ``reduce_scatter_single`` and
-``all_to_all_single`` (checked on gloo with torch 2.13).
+``all_to_all_single`` (checked on gloo with torch 2.13). ``exchange`` is the ring's
+point-to-point step (``batch_isend_irecv``), asynchronous so the ring overlaps it with compute.
 
 ``SimulatedContextComm`` has the same methods on fake tensors (the planner's dry run):
 outputs of the real shapes and dtypes, no data moved, and ``calls`` counting what the real
@@ -60,11 +61,38 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+class Pending:
+    """A ring exchange in flight: ``wait()`` returns the received tensor once it has arrived
+    (the sent one is kept alive until then)."""
+
+    def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor) -> None:
+        self.works, self.sent, self.received = works, sent, received
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        self.works, self.sent = [], None
+        return self.received
+
+
 class ContextComm:
     """The collectives of one context group (``degree`` ranks, this one ``rank`` in it)."""
 
     def __init__(self, group: Any, degree: int, rank: int) -> None:
         self.group, self.degree, self.rank = group, degree, rank
+
+    def exchange(self, x: torch.Tensor, tag: int) -> Pending:
+        """Start sending ``x`` to the next rank of the ring (rank + 1) and receiving the
+        previous rank's tensor of the same shape: returns at once, ``wait()`` for the result.
+        Not differentiable (the ring attention's own backward passes gradients back). gloo
+        runs the transfer on its own threads, so the caller computes meanwhile; on nccl the
+        transfer runs on nccl's stream and ``wait()`` makes the current stream wait for it."""
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        peer = lambda i: dist.get_global_rank(self.group, i % self.degree)  # noqa: E731
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer(self.rank + 1), self.group, tag),
+                                        dist.P2POp(dist.irecv, received, peer(self.rank - 1), self.group, tag)])
+        return Pending(works, x, received)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """``x`` of every rank concatenated along ``dim`` in rank order. Differentiable."""
@@ -122,6 +150,13 @@ class SimulatedContextComm(ContextComm):
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         return _CountedAllToAll.apply(x, self.calls)
+
+    def exchange(self, x: torch.Tensor, tag: int) -> Pending:
+        """The real exchange's buffers (``x`` kept until ``wait()``, the received tensor),
+        counted as ('send_recv', bytes sent, 1)."""
+        x = x.contiguous()
+        self.calls["send_recv", x.numel() * x.element_size(), 1] += 1
+        return Pending([], x, torch.empty_like(x))
 
 
 def context_comm(degree: int, rank: int, world: int, simulated: bool) -> ContextComm:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from mct.context.attention import all_to_all_attention, gather_attention, heads_divide
 from mct.context.comm import ContextComm
 from mct.context.layout import ContextShard, shard_batch
+from mct.context.ring import ring_attention
 
 IGNORE_INDEX = -100
 """Targets that do not count (``F.cross_entropy``'s default, the packed windows' boundaries)."""
@@ -46,7 +47,7 @@ class ContextParallel:
     its forward did (same shard, same collectives)."""
 
     def __init__(self, comm: ContextComm, attention: str) -> None:
-        """``attention``: 'auto', 'all_to_all' or 'all_gather' (``parallel.context_attention``)."""
+        """``attention``: 'auto', 'all_to_all', 'all_gather' or 'ring' (``parallel.context_attention``)."""
         self.comm, self.attention = comm, attention
         self.shard: ContextShard | None = None
 
@@ -63,7 +64,7 @@ class ContextParallel:
             raise ValueError(f"parallel.context_attention = 'all_to_all' splits heads over the context group, but "
                              f"{heads} heads ({kv_heads} key/value heads) do not divide parallel.context = "
                              f"{self.degree}: set parallel.context_attention = 'all_gather' or 'auto'")
-        impl = all_to_all_attention if self.attention == "all_to_all" else gather_attention
+        impl = {"all_to_all": all_to_all_attention, "ring": ring_attention}.get(self.attention, gather_attention)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                    dropout_p: float = 0.0) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""Ring attention: the keys and values travel around the context group, one block a step.
+
+Rank r holds its two load-balanced chunks (r and 2N-1-r of 2N, ``layout``). At step s it
+holds the key/value block of rank (r - s) mod N; while it attends its queries to that
+block, the block moves on to rank r + 1 and the next arrives from rank r - 1 (one
+point-to-point exchange, posted before the block's attention and waited after it: the
+transfer overlaps the compute). The block's positions and document ids do not travel:
+every rank holds the whole window's (the shard), so it derives them from the source rank.
+
+Per block, each pair (query chunk, key chunk) is attended only where the causal mask lets
+some query see some key: a key chunk after the query chunk is skipped, the diagonal pair
+takes the causal mask, an earlier chunk no causal mask (packed: the document mask). Every
+rank attends the same number of pairs (2 a step, 3 for its own block, the diagonal half
+masked): the causal load balance. Partial outputs merge by log-sum-exp in fp32.
+
+Backward (``_Ring``'s own): the keys and values go around again with their gradients; each
+rank recomputes a block's probabilities from the saved log-sum-exp (nothing of a block is
+kept from forward), adds its part of the block's dK, dV to the ones that arrived with it,
+and passes them on; after N exchanges each block's gradients are back at their owner.
+Forward keeps this rank's q, k, v, output and log-sum-exp: 2/N of the window's keys and
+values are in memory at once (the own block and the one in flight), not all of them.
+Recompute (checkpointing) re-runs the same exchanges and arithmetic: the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mct.context.comm import ContextComm
+from mct.context.layout import ContextShard, additive
+
+FORWARD, BACKWARD_KV, BACKWARD_GRAD = 1, 2, 3
+"""Tags of the ring's exchanges: the backward's blocks and gradients travel at once, to the same rank."""
+
+
+def ring_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """q [B, H, t, D], k, v [B, Hkv, t, D] (Hkv divides H) -> [B, H, t, D]: this rank's
+    queries over the window (see the module docstring). Raises ValueError for attention
+    dropout (not implemented by the ring)."""
+    if dropout_p:
+        raise ValueError(f"parallel.context_attention = 'ring' has no attention dropout (dropout_p = {dropout_p}): "
+                         f"set model.dropout = 0 or parallel.context_attention = 'all_gather'")
+    return _Ring.apply(q, k, v, comm, shard, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+class _Ring(torch.autograd.Function):
+    """The ring's forward and its own backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: ContextComm,
+                shard: ContextShard, scale: float) -> torch.Tensor:
+        n, r = comm.degree, comm.rank
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for s in range(n):
+            pending = comm.exchange(kv, FORWARD) if s < n - 1 else None
+            for rows, cols, mask in _pairs(shard, n, r, (r - s) % n):
+                _attend_block(q[:, :, rows], kv[:, :, :, cols], mask, scale, out[:, :, rows], lse[:, :, rows])
+            if pending is not None:
+                kv = pending.wait()
+        y = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, y, lse)
+        ctx.comm, ctx.shard, ctx.scale = comm, shard, scale
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, y, lse = ctx.saved_tensors
+        comm, n, r = ctx.comm, ctx.comm.degree, ctx.comm.rank
+        dy = grad.float()
+        delta = (dy * y.float()).sum(-1)  # the softmax backward's row term, sum_j p_ij dp_ij
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, arriving = torch.stack([k, v]), None
+        for s in range(n):
+            pending = comm.exchange(kv, BACKWARD_KV) if s < n - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for rows, cols, mask in _pairs(ctx.shard, n, r, (r - s) % n):
+                _block_grads(q[:, :, rows], kv[:, :, :, cols], mask, ctx.scale, lse[:, :, rows], dy[:, :, rows],
+                             delta[:, :, rows], dq[:, :, rows], dkv[:, :, :, cols])
+            if arriving is not None:
+                dkv += arriving.wait()  # the block's gradients from the ranks before this one
+            arriving = comm.exchange(dkv, BACKWARD_GRAD)
+            if pending is not None:
+                kv = pending.wait()
+        dkv = arriving.wait().to(k.dtype)  # this rank's own block, back with every rank's part
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None
+
+
+def _pairs(shard: ContextShard, n: int, r: int, src: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """The (query rows, key columns, additive fp32 mask or None) pairs rank ``r`` attends in
+    the block of rank ``src``: every pair of chunks whose key chunk is not after the query
+    chunk. From the sizes alone (the planner's fake tensors have no values)."""
+    c = shard.index.shape[0] // 2
+    mine, theirs = (r, 2 * n - 1 - r), (src, 2 * n - 1 - src)
+    out = []
+    for qh, qc in enumerate(mine):
+        for kh, kc in enumerate(theirs):
+            if kc <= qc:
+                out.append((slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), _pair_mask(shard, qc, kc, c)))
+    return out
+
+
+def _pair_mask(shard: ContextShard, qc: int, kc: int, c: int) -> torch.Tensor | None:
+    """The additive fp32 mask of query chunk ``qc`` over key chunk ``kc`` (global chunk
+    numbers), built once a micro-batch; None where every key is visible (an earlier chunk
+    of a window that is one sequence)."""
+    if qc != kc and shard.segments is None:
+        return None
+    if ("ring", qc, kc) not in shard.masks:
+        device = shard.index.device
+        queries = torch.arange(qc * c, (qc + 1) * c, device=device)
+        keys = torch.arange(kc * c, (kc + 1) * c, device=device)
+        shard.masks["ring", qc, kc] = additive(shard.mask(queries, keys), torch.float32)
+    return shard.masks["ring", qc, kc]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """fp32 [B, H, rows, keys] scores of q [B, H, rows, D] over k [B, Hkv, keys, D] plus ``mask``."""
+    k = _repeat(k, q.shape[1])
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    return s if mask is None else s.add_(mask)
+
+
+def _attend_block(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge one block's attention into the running ``out`` [B, H, rows, D] and ``lse``
+    [B, H, rows] (fp32 views; mutated in place). A row that sees no key of the block
+    (lse -inf) adds nothing."""
+    s = _scores(q, kv[0], mask, scale)
+    block_lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s.sub_(_finite(block_lse)[..., None]))
+    block_out = torch.matmul(p, _repeat(kv[1], q.shape[1]).float())
+    merged = torch.logaddexp(lse, block_lse)
+    safe = _finite(merged)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out.mul_(torch.exp(block_lse - safe)[..., None]))
+    lse.copy_(merged)
+
+
+def _block_grads(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float, lse: torch.Tensor,
+                 dy: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+    """One block's part of the gradients: adds into ``dq`` [B, H, rows, D] and ``dkv`` [2, B,
+    Hkv, keys, D] (fp32 views; mutated), the probabilities recomputed from the final ``lse``."""
+    heads = q.shape[1]
+    p = torch.exp(_scores(q, kv[0], mask, scale).sub_(lse[..., None]))
+    dp = torch.matmul(dy, _repeat(kv[1], heads).float().transpose(-1, -2))
+    ds = p * (dp - delta[..., None])
+    dq.add_(torch.matmul(ds, _repeat(kv[0], heads).float()), alpha=scale)
+    dkv[0].add_(_sum_heads(torch.matmul(ds.transpose(-1, -2), q.float()), kv.shape[2]), alpha=scale)
+    dkv[1].add_(_sum_heads(torch.matmul(p.transpose(-1, -2), dy), kv.shape[2]))
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, n, D] -> [B, heads, n, D], each key/value head repeated for its query group."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The adjoint of ``_repeat``: [B, H, n, D] -> [B, kv_heads, n, D], each query group summed."""
+    B, H, n, D = x.shape
+    return x if H == kv_heads else x.reshape(B, kv_heads, H // kv_heads, n, D).sum(2)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -inf (rows that saw no key) replaced by 0, so exp(-inf - 0) = 0 rather than nan."""
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
