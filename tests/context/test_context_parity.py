@@ -180,3 +180,17 @@ def test_context_parallel_composes_with_adapters_chunked_loss_and_activation_off
     out = run_distributed(_composed, 2, str(tmp_path), timeout=300)[0]
     assert out["loss"] < 1e-6 and out["param"] < 1e-6, out
     assert out["trained"] > 0, out  # every adapter's B moved off zero: the adapters did train
+
+
+def _ring_with_and_without_recompute(rank: int, world: int) -> tuple:
+    """The ring at degree ``world``, packed GPT, every block recomputed or none: (the two
+    runs' losses, the names of the gradients that differ in any bit)."""
+    (losses, grads), (re_losses, re_grads) = (train(config(world, 0, "ring", policy, "gpt"), "gpt", True)
+                                              for policy in ("none", "all"))
+    return losses, re_losses, [k for k in grads if not torch.equal(grads[k], re_grads[k])]
+
+
+@pytest.mark.multirank
+def test_recompute_reruns_the_ring_with_the_same_bits():
+    losses, re_losses, differ = run_distributed(_ring_with_and_without_recompute, 2, timeout=300)[0]
+    assert losses == re_losses and not differ, (losses, re_losses, differ)
