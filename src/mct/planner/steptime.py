@@ -154,10 +154,15 @@ class Rates:
 
     def collective_s(self, kind: str, nbytes: float, buckets: int) -> float:
         """Seconds of one collective (kind 'object': an object all-gather or barrier,
-        two small all-reduces' latency); 0 when this kind was not measured."""
+        two small all-reduces' latency; 'send_recv': one ring exchange, at the all-gather's
+        rates unless measured); 0 when this kind was not measured."""
         if kind == "object":
             lat = self.collectives.get("all_reduce", (0.0, 1.0))[0]
             return 2 * lat + self.wait_s
+        if kind == "send_recv" and kind not in self.collectives:
+            # a ring step (mct.context.ring): each rank sends and receives ``nbytes``, the traffic of
+            # a 2-rank all-gather of 2 x nbytes; priced at the all-gather's rates, not overlapped
+            kind, nbytes = "all_gather", 2 * nbytes
         if kind not in self.collectives:
             return 0.0
         lat, bw = self.collectives[kind]
