@@ -1,7 +1,9 @@
 """Context parallelism on this CPU (``parallel.context``): one window of ``--seq-len``
 tokens (default 8192, packed documents) on a small transformers Llama, trained by
 ``mct.Engine`` at context degree 1 on one rank and degree 2 on two gloo ranks (the same
-global tokens: one window a step), with each attention of ``parallel.context_attention``.
+global tokens: one window a step), with each attention of ``parallel.context_attention`` (the ring's profile splits its block
+attention from its waits for the exchanges in flight, and the ring's row times one exchange
+alone: what the waits would cost if nothing overlapped them).
 
 Reports per variant: the median step time, each rank's activation peak (the engine's
 tracker: the most bytes of the 'activations' category in any phase) and its ratio to
@@ -10,7 +12,7 @@ time by kind: attention kernels, collectives, matmuls, the rest). torch's own
 ``torch.distributed.tensor.experimental.context_parallel`` is tried on gloo beside them
 and the table says whether it ran.
 
-Run: ``python benchmarks/context_parallel.py [--seq-len 8192] [--steps 3] [--threads 1]``;
+Run: ``python benchmarks/context_parallel.py [--seq-len 8192] [--steps 3] [--threads 1] [--variants 1,ring]``;
 prints a table and writes benchmarks/results/context_parallel.json.
 """
 
@@ -61,9 +63,39 @@ def window(step: int, T: int) -> tuple[torch.Tensor, ...]:
     return pack_window(rng.integers(0, VOCAB, (1, T + 1)), np.cumsum(starts)[None])
 
 
+RING_SCOPES = {"mct.ring.attend": "attention", "mct.ring.wait": "ring wait"}
+"""The ring attention's profiler scopes (``mct.context.ring``): what runs inside is its kind."""
+
+
 def _kind(name: str) -> str:
     low = name.lower()
     return next((k for k, keys in KINDS.items() if any(key in low for key in keys)), "other")
+
+
+def _event_kind(ev: Any) -> str:
+    """An event's kind: the ring scope it runs in, if any, else by its own name."""
+    parent = ev
+    while parent is not None:
+        if parent.name in RING_SCOPES:
+            return RING_SCOPES[parent.name]
+        parent = parent.cpu_parent
+    return _kind(ev.name)
+
+
+def _exchange_s(rank: int, world: int, args: argparse.Namespace) -> float:
+    """Seconds of one ring exchange of a degree-``world`` key/value block alone (nothing to
+    overlap): median of 5, what the ring's waits would cost with no compute to hide them."""
+    from mct.context.comm import context_comm
+    comm = context_comm(world, rank, world, simulated=False)
+    head = args.hidden // 4
+    kv = torch.randn(2, 1, 2, args.seq_len // world, head)
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.exchange(kv, 9).wait()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def _run(rank: int, world: int, args: argparse.Namespace, attention: str) -> dict[str, Any]:
@@ -83,10 +115,14 @@ def _run(rank: int, world: int, args: argparse.Namespace, attention: str) -> dic
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:  # every rank steps; rank 0 reports
         engine.train_step(window(99, args.seq_len), token_loss)
     profile: dict[str, float] = {}
-    for ev in prof.key_averages():
-        profile[_kind(ev.key)] = profile.get(_kind(ev.key), 0.0) + ev.self_cpu_time_total / 1e6
+    for ev in prof.events():
+        if ev.name not in RING_SCOPES:  # a scope's own time is its children's
+            profile[_event_kind(ev)] = profile.get(_event_kind(ev), 0.0) + ev.self_cpu_time_total / 1e6
     engine.close()
-    return {"step_s": statistics.median(times[1:]), "act_peak": max(peaks[1:]), "profile": profile}
+    result = {"step_s": statistics.median(times[1:]), "act_peak": max(peaks[1:]), "profile": profile}
+    if attention == "ring":
+        result["exchange_s"] = _exchange_s(rank, world, args)
+    return result
 
 
 def _torch_cp(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,9 +177,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="context_parallel")
+    ap.add_argument("--variants", default="1,all_to_all,all_gather,ring,torch",
+                    help="comma-separated: 1 (degree 1), all_to_all, all_gather, ring, torch")
     args = ap.parse_args()
-    variants = [("degree 1, 1 rank", 1, "auto"), ("degree 2, all_to_all", 2, "all_to_all"),
-                ("degree 2, all_gather", 2, "all_gather"), ("torch context_parallel", 2, "torch")]
+    every = {"1": ("degree 1, 1 rank", 1, "auto"), "all_to_all": ("degree 2, all_to_all", 2, "all_to_all"),
+             "all_gather": ("degree 2, all_gather", 2, "all_gather"), "ring": ("degree 2, ring", 2, "ring"),
+             "torch": ("torch context_parallel", 2, "torch")}
+    variants = [every[v] for v in args.variants.split(",")]
     rows = []
     for label, world, what in variants:
         ranks = spawn(world, args, what)
@@ -154,7 +194,9 @@ def main() -> None:
             row["note"] = f"did not run: {err}"
         else:
             row.update(step_s=max(r["step_s"] for r in ranks), act_peak=max(r["act_peak"] or 0 for r in ranks),
-                       **{f"{k}_s": v for k, v in ranks[0]["profile"].items()})
+                       **{f"{k.replace(' ', '_')}_s": v for k, v in ranks[0]["profile"].items()})
+            if "exchange_s" in ranks[0]:
+                row["exchange_s"] = ranks[0]["exchange_s"]
         rows.append(row)
     base = rows[0].get("act_peak")
     for row in rows:
@@ -166,10 +208,15 @@ def main() -> None:
           f"{args.steps} steps after one warm-up; profile: rank 0, one step, self CPU seconds")
     print(format_table(rows, [("variant", "variant"), ("ranks", "ranks"), ("step_s", "s/step"),
                               ("act_mib", "act peak"), ("act_ratio", "vs degree 1"), ("attention_s", "attn s"),
-                              ("collectives_s", "comm s"), ("matmul_s", "matmul s"), ("other_s", "other s")]))
+                              ("collectives_s", "comm s"), ("ring_wait_s", "ring wait s"), ("matmul_s", "matmul s"),
+                              ("other_s", "other s")]))
     for row in rows:
         if "note" in row:
             print(f"{row['variant']}: {row['note']}")
+        if "exchange_s" in row:
+            print(f"{row['variant']}: one exchange of a key/value block alone {row['exchange_s'] * 1e3:.2f} ms; "
+                  f"{args.layers} layers x 4 exchanges a step (1 forward, 3 backward) would wait "
+                  f"{row['exchange_s'] * args.layers * 4:.3f} s unhidden")
     print(f"wrote {write_json(args.out, {'rows': rows, 'args': vars(args)})}")
 
 

@@ -24,6 +24,7 @@ Recompute (checkpointing) re-runs the same exchanges and arithmetic: the same bi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -58,10 +59,12 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v])
         for s in range(n):
             pending = comm.exchange(kv, FORWARD) if s < n - 1 else None
-            for rows, cols, mask in _pairs(shard, n, r, (r - s) % n):
-                _attend_block(q[:, :, rows], kv[:, :, :, cols], mask, scale, out[:, :, rows], lse[:, :, rows])
+            with _scope("mct.ring.attend"):
+                for rows, cols, mask in _pairs(shard, n, r, (r - s) % n):
+                    _attend_block(q[:, :, rows], kv[:, :, :, cols], mask, scale, out[:, :, rows], lse[:, :, rows])
             if pending is not None:
-                kv = pending.wait()
+                with _scope("mct.ring.wait"):
+                    kv = pending.wait()
         y = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.comm, ctx.shard, ctx.scale = comm, shard, scale
@@ -78,15 +81,18 @@ class _Ring(torch.autograd.Function):
         for s in range(n):
             pending = comm.exchange(kv, BACKWARD_KV) if s < n - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for rows, cols, mask in _pairs(ctx.shard, n, r, (r - s) % n):
-                _block_grads(q[:, :, rows], kv[:, :, :, cols], mask, ctx.scale, lse[:, :, rows], dy[:, :, rows],
-                             delta[:, :, rows], dq[:, :, rows], dkv[:, :, :, cols])
-            if arriving is not None:
-                dkv += arriving.wait()  # the block's gradients from the ranks before this one
-            arriving = comm.exchange(dkv, BACKWARD_GRAD)
-            if pending is not None:
-                kv = pending.wait()
-        dkv = arriving.wait().to(k.dtype)  # this rank's own block, back with every rank's part
+            with _scope("mct.ring.attend"):
+                for rows, cols, mask in _pairs(ctx.shard, n, r, (r - s) % n):
+                    _block_grads(q[:, :, rows], kv[:, :, :, cols], mask, ctx.scale, lse[:, :, rows],
+                                 dy[:, :, rows], delta[:, :, rows], dq[:, :, rows], dkv[:, :, :, cols])
+            with _scope("mct.ring.wait"):
+                if arriving is not None:
+                    dkv += arriving.wait()  # the block's gradients from the ranks before this one
+                arriving = comm.exchange(dkv, BACKWARD_GRAD)
+                if pending is not None:
+                    kv = pending.wait()
+        with _scope("mct.ring.wait"):
+            dkv = arriving.wait().to(k.dtype)  # this rank's own block, back with every rank's part
         return dq.to(q.dtype), dkv[0], dkv[1], None, None, None
 
 
@@ -162,6 +168,12 @@ def _sum_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The adjoint of ``_repeat``: [B, H, n, D] -> [B, kv_heads, n, D], each query group summed."""
     B, H, n, D = x.shape
     return x if H == kv_heads else x.reshape(B, kv_heads, H // kv_heads, n, D).sum(2)
+
+
+def _scope(name: str) -> contextlib.AbstractContextManager:
+    """A profiler scope named ``name`` while torch.profiler records (where the ring's time
+    goes: benchmarks/context_parallel.py), else nothing (no op for the planner's counters)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
