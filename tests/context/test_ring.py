@@ -20,11 +20,11 @@ def test_every_causal_query_key_pair_is_attended_once_with_equal_work_per_rank(d
         for s in range(degree):
             src = (r - s) % degree
             _, src_shard = shard_batch((torch.zeros(1, T, dtype=torch.int64),) * 2, degree, src)
-            for rows, cols, mask in _pairs(shard, degree, r, src):
+            for rows, cols, pair in _pairs(shard, degree, r, src, torch.float32):
                 q, k = shard.index[rows], src_shard.index[cols]
-                seen = k[None, :] <= q[:, None] if mask is None else mask[0, 0] == 0
-                assert (mask is None) == bool((k[None, :] <= q[:, None]).all())  # masked only on the diagonal
-                counts[q[:, None], k[None, :]] += seen.long()
+                causal = k[None, :] <= q[:, None]
+                assert pair.causal == (not bool(causal.all())) and pair.mask is None  # masked only on the diagonal
+                counts[q[:, None], k[None, :]] += causal.long() if pair.causal else 1
                 cells += rows.stop - rows.start
         work.append(cells)
     assert torch.equal(counts, torch.ones(T, T, dtype=torch.int64).tril())  # every (query, earlier key) once

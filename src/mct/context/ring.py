@@ -11,12 +11,14 @@ Per block, each pair (query chunk, key chunk) is attended only where the causal 
 some query see some key: a key chunk after the query chunk is skipped, the diagonal pair
 takes the causal mask, an earlier chunk no causal mask (packed: the document mask). Every
 rank attends the same number of pairs (2 a step, 3 for its own block, the diagonal half
-masked): the causal load balance. Partial outputs merge by log-sum-exp in fp32.
+masked): the causal load balance. Each pair runs SDPA's CPU flash kernel, which returns
+the rows' log-sum-exp with the output; partial outputs merge by log-sum-exp in fp32.
 
-Backward (``_Ring``'s own): the keys and values go around again with their gradients; each
-rank recomputes a block's probabilities from the saved log-sum-exp (nothing of a block is
-kept from forward), adds its part of the block's dK, dV to the ones that arrived with it,
-and passes them on; after N exchanges each block's gradients are back at their owner.
+Backward (``_Ring``'s own): the keys and values go around again with their gradients; for
+each block the flash kernel's backward, given the final output and log-sum-exp, recomputes
+the block's probabilities (nothing of a block is kept from forward) and returns its part of
+dQ, dK, dV; a rank adds its dK, dV to the ones that arrived with the block and passes them
+on; after N exchanges each block's gradients are back at their owner.
 Forward keeps this rank's q, k, v, output and log-sum-exp: 2/N of the window's keys and
 values are in memory at once (the own block and the one in flight), not all of them.
 Recompute (checkpointing) re-runs the same exchanges and arithmetic: the same bits.
@@ -31,6 +33,12 @@ import torch
 
 from mct.context.comm import ContextComm
 from mct.context.layout import ContextShard, additive
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+"""SDPA's CPU flash kernel and its backward: the output with each row's log-sum-exp, and a
+block's gradients from the final output and log-sum-exp (what a ring needs; public SDPA
+returns neither)."""
 
 FORWARD, BACKWARD_KV, BACKWARD_GRAD = 1, 2, 3
 """Tags of the ring's exchanges: the backward's blocks and gradients travel at once, to the same rank."""
@@ -60,8 +68,8 @@ class _Ring(torch.autograd.Function):
         for s in range(n):
             pending = comm.exchange(kv, FORWARD) if s < n - 1 else None
             with _scope("mct.ring.attend"):
-                for rows, cols, mask in _pairs(shard, n, r, (r - s) % n):
-                    _attend_block(q[:, :, rows], kv[:, :, :, cols], mask, scale, out[:, :, rows], lse[:, :, rows])
+                for rows, cols, pair in _pairs(shard, n, r, (r - s) % n, q.dtype):
+                    _attend_block(q[:, :, rows], kv[:, :, :, cols], pair, scale, out[:, :, rows], lse[:, :, rows])
             if pending is not None:
                 with _scope("mct.ring.wait"):
                     kv = pending.wait()
@@ -74,17 +82,16 @@ class _Ring(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, y, lse = ctx.saved_tensors
         comm, n, r = ctx.comm, ctx.comm.degree, ctx.comm.rank
-        dy = grad.float()
-        delta = (dy * y.float()).sum(-1)  # the softmax backward's row term, sum_j p_ij dp_ij
+        grad = grad.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, arriving = torch.stack([k, v]), None
         for s in range(n):
             pending = comm.exchange(kv, BACKWARD_KV) if s < n - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             with _scope("mct.ring.attend"):
-                for rows, cols, mask in _pairs(ctx.shard, n, r, (r - s) % n):
-                    _block_grads(q[:, :, rows], kv[:, :, :, cols], mask, ctx.scale, lse[:, :, rows],
-                                 dy[:, :, rows], delta[:, :, rows], dq[:, :, rows], dkv[:, :, :, cols])
+                for rows, cols, pair in _pairs(ctx.shard, n, r, (r - s) % n, q.dtype):
+                    _block_grads(q[:, :, rows], kv[:, :, :, cols], pair, ctx.scale, y[:, :, rows], lse[:, :, rows],
+                                 grad[:, :, rows], dq[:, :, rows], dkv[:, :, :, cols])
             with _scope("mct.ring.wait"):
                 if arriving is not None:
                     dkv += arriving.wait()  # the block's gradients from the ranks before this one
@@ -96,67 +103,72 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0], dkv[1], None, None, None
 
 
-def _pairs(shard: ContextShard, n: int, r: int, src: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
-    """The (query rows, key columns, additive fp32 mask or None) pairs rank ``r`` attends in
-    the block of rank ``src``: every pair of chunks whose key chunk is not after the query
-    chunk. From the sizes alone (the planner's fake tensors have no values)."""
+def _pairs(shard: ContextShard, n: int, r: int, src: int, dtype: torch.dtype) -> list[tuple[slice, slice, Any]]:
+    """The (query rows, key columns, ``_PairMask``) pairs rank ``r`` attends in the block of
+    rank ``src``: every pair of chunks whose key chunk is not after the query chunk. From the
+    sizes alone (the planner's fake tensors have no values)."""
     c = shard.index.shape[0] // 2
     mine, theirs = (r, 2 * n - 1 - r), (src, 2 * n - 1 - src)
     out = []
     for qh, qc in enumerate(mine):
         for kh, kc in enumerate(theirs):
             if kc <= qc:
-                out.append((slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c), _pair_mask(shard, qc, kc, c)))
+                out.append((slice(qh * c, (qh + 1) * c), slice(kh * c, (kh + 1) * c),
+                            _pair_mask(shard, qc, kc, c, dtype)))
     return out
 
 
-def _pair_mask(shard: ContextShard, qc: int, kc: int, c: int) -> torch.Tensor | None:
-    """The additive fp32 mask of query chunk ``qc`` over key chunk ``kc`` (global chunk
-    numbers), built once a micro-batch; None where every key is visible (an earlier chunk
-    of a window that is one sequence)."""
-    if qc != kc and shard.segments is None:
-        return None
-    if ("ring", qc, kc) not in shard.masks:
+class _PairMask:
+    """How one chunk pair is masked: ``causal`` (the diagonal pair of a window that is one
+    sequence: the kernel's own causal mask), or ``mask`` (additive, in the queries' dtype;
+    packed windows) with ``empty`` (bool [B or 1, 1, rows]: rows that see no key of the
+    pair, whose log-sum-exp the kernel reports as 0 rather than -inf), or neither."""
+
+    def __init__(self, causal: bool = False, mask: torch.Tensor | None = None) -> None:
+        self.causal, self.mask = causal, mask
+        self.empty = None if mask is None else torch.isneginf(mask).all(-1)
+
+
+def _pair_mask(shard: ContextShard, qc: int, kc: int, c: int, dtype: torch.dtype) -> _PairMask:
+    """The mask of query chunk ``qc`` over key chunk ``kc`` (global chunk numbers), built
+    once a micro-batch (see ``_PairMask``)."""
+    if shard.segments is None:
+        return _PairMask(causal=qc == kc)
+    if ("ring", qc, kc, dtype) not in shard.masks:
         device = shard.index.device
         queries = torch.arange(qc * c, (qc + 1) * c, device=device)
         keys = torch.arange(kc * c, (kc + 1) * c, device=device)
-        shard.masks["ring", qc, kc] = additive(shard.mask(queries, keys), torch.float32)
-    return shard.masks["ring", qc, kc]
+        shard.masks["ring", qc, kc, dtype] = _PairMask(mask=additive(shard.mask(queries, keys), dtype))
+    return shard.masks["ring", qc, kc, dtype]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """fp32 [B, H, rows, keys] scores of q [B, H, rows, D] over k [B, Hkv, keys, D] plus ``mask``."""
-    k = _repeat(k, q.shape[1])
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
-    return s if mask is None else s.add_(mask)
-
-
-def _attend_block(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float,
+def _attend_block(q: torch.Tensor, kv: torch.Tensor, pair: _PairMask, scale: float,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge one block's attention into the running ``out`` [B, H, rows, D] and ``lse``
-    [B, H, rows] (fp32 views; mutated in place). A row that sees no key of the block
-    (lse -inf) adds nothing."""
-    s = _scores(q, kv[0], mask, scale)
-    block_lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s.sub_(_finite(block_lse)[..., None]))
-    block_out = torch.matmul(p, _repeat(kv[1], q.shape[1]).float())
+    """Merge one block's attention (SDPA's CPU flash kernel, which also returns the rows'
+    log-sum-exp) into the running ``out`` [B, H, rows, D] and ``lse`` [B, H, rows] (fp32
+    views; mutated in place). A row that sees no key of the block adds nothing."""
+    heads = q.shape[1]
+    block_out, block_lse = _FLASH(q, _repeat(kv[0], heads), _repeat(kv[1], heads), 0.0, pair.causal,
+                                  attn_mask=pair.mask, scale=scale)
+    if pair.empty is not None:
+        block_lse = block_lse.masked_fill(pair.empty, float("-inf"))
     merged = torch.logaddexp(lse, block_lse)
     safe = _finite(merged)
-    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out.mul_(torch.exp(block_lse - safe)[..., None]))
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out.float() * torch.exp(block_lse - safe)[..., None])
     lse.copy_(merged)
 
 
-def _block_grads(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float, lse: torch.Tensor,
-                 dy: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dkv: torch.Tensor) -> None:
+def _block_grads(q: torch.Tensor, kv: torch.Tensor, pair: _PairMask, scale: float, y: torch.Tensor,
+                 lse: torch.Tensor, dy: torch.Tensor, dq: torch.Tensor, dkv: torch.Tensor) -> None:
     """One block's part of the gradients: adds into ``dq`` [B, H, rows, D] and ``dkv`` [2, B,
-    Hkv, keys, D] (fp32 views; mutated), the probabilities recomputed from the final ``lse``."""
+    Hkv, keys, D] (fp32 views; mutated). The flash kernel's backward given the final output
+    ``y`` and log-sum-exp ``lse`` of these rows computes exactly this block's part."""
     heads = q.shape[1]
-    p = torch.exp(_scores(q, kv[0], mask, scale).sub_(lse[..., None]))
-    dp = torch.matmul(dy, _repeat(kv[1], heads).float().transpose(-1, -2))
-    ds = p * (dp - delta[..., None])
-    dq.add_(torch.matmul(ds, _repeat(kv[0], heads).float()), alpha=scale)
-    dkv[0].add_(_sum_heads(torch.matmul(ds.transpose(-1, -2), q.float()), kv.shape[2]), alpha=scale)
-    dkv[1].add_(_sum_heads(torch.matmul(p.transpose(-1, -2), dy), kv.shape[2]))
+    dq_b, dk_b, dv_b = _FLASH_BACKWARD(dy, q, _repeat(kv[0], heads), _repeat(kv[1], heads), y, lse.contiguous(),
+                                       0.0, pair.causal, attn_mask=pair.mask, scale=scale)
+    dq.add_(dq_b)
+    dkv[0].add_(_sum_heads(dk_b.float(), kv.shape[2]))
+    dkv[1].add_(_sum_heads(dv_b.float(), kv.shape[2]))
 
 
 def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
