@@ -162,7 +162,7 @@ def _composed(rank: int, world: int, offload_dir: str) -> dict | None:
         cfg = EngineConfig.from_dict({
             "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": T, "vocab_size": VOCAB},
             "zero": {"stage": 3}, "train": {"grad_clip": 0.0, "loss_chunk_tokens": 8},
-            "checkpointing": {"policy": "all", "offload": "disk"}, "offload": {"dir": f"{offload_dir}/{degree}-{rank}"},
+            "checkpointing": {"policy": "all", "offload": "disk"}, "offload": {"dir": f"{offload_dir}/{degree}"},
             "adapter": {"kind": "lora", "rank": 4}, "parallel": {"context": degree, "context_attention": "all_gather"}})
         task = task_for(cfg)
         model, _ = build_model(task, cfg, on_meta=False)

@@ -50,8 +50,12 @@ class ActivationStore:
                              f"name a directory (mct creates a missing one)")
         try:
             if root and not os.path.isdir(root):
-                os.makedirs(root)
-                self._made_root = root
+                try:
+                    os.makedirs(root)
+                    self._made_root = root
+                except FileExistsError:  # another rank sharing offload.dir made it first
+                    if not os.path.isdir(root):
+                        raise
             self.dir = tempfile.mkdtemp(prefix="mct-act-", suffix=f"-{self.name}", dir=root or None)
         except OSError as e:
             raise ValueError(f"checkpointing.offload = 'disk': {describe(e, e.filename or root or None, WRITE)}; "
