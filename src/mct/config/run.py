@@ -232,9 +232,11 @@ class ParallelConfig:
     """How attention crosses the context group: 'all_to_all' (Ulysses: heads and key/value heads
     split over the group, each rank attends the whole window for its heads), 'all_gather' (each rank
     gathers every key and value; any mask, any head count), 'ring' (keys and values passed around the
-    group block by block, log-sum-exp merge; any head count, holds 2/context of them) or 'auto' = 'all_gather': on this CPU it
-    held 0.47x all_to_all's activation peak in 0.65x its step time (it attends and masks this rank's
-    rows over their causal prefix, all_to_all the whole window for its heads; docs/parallel.md)."""
+    group block by block, overlapped with attention, log-sum-exp merge; any head count, holds 1/context
+    of them for backward) or 'auto' = 'all_gather': on this CPU it held 0.47x all_to_all's activation
+    peak in 0.65x its step time (it attends and masks this rank's rows over their causal prefix,
+    all_to_all the whole window for its heads) and took 0.75x the ring's step time for 1.07x its peak
+    (docs/parallel.md)."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "context": may("every step trains the same windows (the sampler draws the run's global batch as "
