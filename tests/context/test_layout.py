@@ -58,8 +58,8 @@ def test_a_window_that_does_not_split_is_refused():
 def test_config_refuses_a_window_that_does_not_split_and_a_world_the_degree_does_not_divide():
     with pytest.raises(ValueError, match=r"model.seq_len = 128 .* multiple of 2 x parallel.context = 6"):
         EngineConfig.from_dict({"parallel": {"context": 3}})
-    with pytest.raises(ValueError, match=r"parallel.context_attention = 'ring'"):
-        EngineConfig.from_dict({"parallel": {"context_attention": "ring"}})
+    with pytest.raises(ValueError, match=r"parallel.context_attention = 'rings' .* 'ring'"):
+        EngineConfig.from_dict({"parallel": {"context_attention": "rings"}})
     with pytest.raises(ValueError, match=r"parallel.context = 2 must divide the number of ranks \(3\)"):
         data_parallel(0, 3, 2)
     assert data_parallel(5, 6, 2) == (2, 3)
