@@ -31,8 +31,11 @@ def test_every_causal_query_key_pair_is_attended_once_with_equal_work_per_rank(d
     assert len(set(work)) == 1, work  # the causal load balance: every rank attends as many rows x chunks
 
 
-def test_attention_dropout_is_refused_with_the_keys_to_change():
+def test_attention_dropout_and_a_device_without_its_kernel_are_refused_with_the_keys_to_change():
     _, shard = shard_batch((torch.zeros(1, 8, dtype=torch.int64),) * 2, 2, 0)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="model.dropout = 0 or parallel.context_attention"):
         ring_attention(None, shard, q, q, q, dropout_p=0.1)
+    q = q.to("meta")
+    with pytest.raises(ValueError, match="no meta kernel yet: set parallel.context_attention = 'all_gather'"):
+        ring_attention(None, shard, q, q, q)

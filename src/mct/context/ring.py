@@ -48,10 +48,14 @@ def ring_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k: t
                    *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """q [B, H, t, D], k, v [B, Hkv, t, D] (Hkv divides H) -> [B, H, t, D]: this rank's
     queries over the window (see the module docstring). Raises ValueError for attention
-    dropout (not implemented by the ring)."""
+    dropout and for tensors not on the CPU (neither implemented by the ring)."""
     if dropout_p:
         raise ValueError(f"parallel.context_attention = 'ring' has no attention dropout (dropout_p = {dropout_p}): "
                          f"set model.dropout = 0 or parallel.context_attention = 'all_gather'")
+    if q.device.type != "cpu":
+        raise ValueError(f"parallel.context_attention = 'ring' attends each block with SDPA's CPU flash kernel and "
+                         f"has no {q.device.type} kernel yet: set parallel.context_attention = 'all_gather' or "
+                         f"'all_to_all'")
     return _Ring.apply(q, k, v, comm, shard, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
