@@ -1,9 +1,10 @@
 """Context parallelism on this CPU (``parallel.context``): one window of ``--seq-len``
 tokens (default 8192, packed documents) on a small transformers Llama, trained by
 ``mct.Engine`` at context degree 1 on one rank and degree 2 on two gloo ranks (the same
-global tokens: one window a step), with each attention of ``parallel.context_attention`` (the ring's profile splits its block
-attention from its waits for the exchanges in flight, and the ring's row times one exchange
-alone: what the waits would cost if nothing overlapped them).
+global tokens: one window a step), with each attention of ``parallel.context_attention``
+(the ring's profile splits its block attention from its waits for the exchanges in flight,
+and the ring's row times one exchange alone: what the waits would cost if nothing
+overlapped them).
 
 Reports per variant: the median step time, each rank's activation peak (the engine's
 tracker: the most bytes of the 'activations' category in any phase) and its ratio to
