@@ -167,6 +167,9 @@ def _values(state: dict[str, torch.Tensor]) -> dict:
 
 
 def _save_resume(rank: int, world: int, path: str, phase: str, embed: bool = False) -> dict:
+    """Save after 2 steps (``embed``: ``Engine.save``, the base by value; else a run's
+    checkpoint, the base by hash), or load (``changed``/``old-format``: into an engine whose
+    base differs in one element) and step once more."""
     cfg = tiny_config(zero={"stage": 3}, checkpointing={"policy": "all"}, memory={"track": False})
     torch.manual_seed(cfg.seed)
     model = frozen_gpt()
@@ -181,22 +184,14 @@ def _save_resume(rank: int, world: int, path: str, phase: str, embed: bool = Fal
         except ValueError as e:
             out["error"] = str(e)
         return out
-    if phase == "save" and embed:  # as mct before base.json: the frozen base embedded under frozen/
-        from mct.persistence import checkpoint as ck
-        pieces, manifest = ck._engine_pieces, ck.base_manifest
-
-        def embedded(e):
-            info, tensors, extents, readers = pieces(e)
-            for name, t in e.frozen.items():
-                tensors["frozen/" + name] = t
-                info["tensors"]["frozen/" + name] = {"per_element": False, "dtype": str(t.dtype)[6:],
-                                                     "shape": list(t.shape)}
-            return info, tensors, extents, readers
-        ck._engine_pieces, ck.base_manifest = embedded, lambda *a: None
     if phase == "save":
         for s in range(2):
             engine.train_step(batches(s, rank), gpt_loss)
-        engine.save(path)
+        if embed:
+            engine.save(path)
+        else:
+            from mct.persistence.checkpoint import save_checkpoint
+            save_checkpoint(path, engine, step=2, embed_base=False)
         out["saved"] = _values(engine.full_state_dict())
         engine.train_step(batches(2, rank), gpt_loss)
         out["continued"] = _values(engine.full_state_dict())
@@ -209,7 +204,7 @@ def _save_resume(rank: int, world: int, path: str, phase: str, embed: bool = Fal
 
 
 @pytest.mark.multirank
-def test_checkpoint_with_frozen_units_resumes_exactly_and_reshards_from_2_to_3_ranks(tmp_path):
+def test_checkpoint_referencing_the_frozen_base_by_hash_resumes_exactly_reshards_and_refuses_a_changed_base(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_distributed(_save_resume, 2, path, "save")[0]
     resumed = run_distributed(_save_resume, 2, path, "load")[0]
@@ -230,12 +225,22 @@ def test_checkpoint_with_frozen_units_resumes_exactly_and_reshards_from_2_to_3_r
 
 
 @pytest.mark.multirank
-def test_a_checkpoint_that_embeds_its_frozen_base_still_resumes_onto_the_saved_values(tmp_path):
-    """A checkpoint of mct before base.json (the frozen base under frozen/) loads that base:
-    an engine built with another base continues from the saved values."""
+def test_a_checkpoint_that_embeds_its_frozen_base_loads_the_saved_values(tmp_path):
+    """``Engine.save`` (and mct before base.json) embeds the frozen base under frozen/, whole
+    tensors gathered from the shards; loading it (resharded 2 -> 3) sets that base: an engine
+    built with another base continues from the saved values."""
     path = str(tmp_path / "old")
     saved = run_distributed(_save_resume, 2, path, "save", True)[0]
     assert not (tmp_path / "old" / "base.json").exists()
+    info = json.loads((tmp_path / "old" / "engine.json").read_text())
+    frozen_keys = {k for k in info["tensors"] if k.startswith("frozen/")}
+    assert frozen_keys == {"frozen/" + n for n in _frozen_names(frozen_gpt())}
+    assert all(not info["tensors"][k]["per_element"] for k in frozen_keys)
+    from mct.persistence import shards
+    for key in frozen_keys:  # their values: the saved ones, gathered from the shards
+        t = torch.empty(info["tensors"][key]["shape"])
+        shards.load_full(tmp_path / "old" / "engine", {key: t})
+        assert np.array_equal(t.numpy(), saved["saved"][key.removeprefix("frozen/")]), key
     loaded = run_distributed(_save_resume, 3, path, "old-format")[0]
     assert all(np.array_equal(loaded["loaded"][k], saved["saved"][k]) for k in saved["saved"])
 

@@ -2,8 +2,9 @@
 
     <checkpoint>/engine/__<rank>_0.distcp, engine/.metadata   DCP: masters, optimizer state
                                                               (mct.zero.state_io keys)
-    <checkpoint>/base.json      rank 0, a run with frozen parameters: its frozen base by content
-                                hash and source, never its values (mct.persistence.base_manifest);
+    <checkpoint>/base.json      rank 0, a run's checkpoint with frozen parameters: its frozen base
+                                by content hash and source, not its values
+                                (mct.persistence.base_manifest); a bare ``Engine.save`` and
                                 checkpoints of older mct embed it as DCP keys ``frozen/<name>``
     <checkpoint>/engine.json    rank 0: steps_done, loss scaler, optimizer hyperparameters,
                                 unit layouts, and which tensors are per-element
@@ -90,10 +91,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- save ----
-def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]],
-                                                   dict[str, Callable[[], torch.Tensor]]]:
+def _engine_pieces(engine: Checkpointable, embed_base: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                     dict[str, list[int]],
+                                                                     dict[str, Callable[[], torch.Tensor]]]:
     sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
+    if embed_base:  # the frozen base by value (else base.json references it by hash)
+        for name, t in engine.frozen.items():  # sharded: gathered a unit at a time, copies
+            tensors[FROZEN + name] = t
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}
@@ -101,11 +106,14 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
 
 
 def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trainer: dict[str, Any] | None = None,
-                    rank_state: dict[str, Any] | None = None) -> None:
+                    rank_state: dict[str, Any] | None = None, embed_base: bool = True) -> None:
     """Write a complete checkpoint into directory ``path`` (created; a leftover without a
     manifest is replaced; a complete one is an error). Collective: every rank calls it,
     and returns once the manifest is in place. ``trainer`` (rank 0's, JSON-ready) and
-    ``rank_state`` (each rank's, JSON-ready) are stored as given. A failed write on any
+    ``rank_state`` (each rank's, JSON-ready) are stored as given. The frozen parameters
+    (if any): ``embed_base`` writes their values (``frozen/<name>``, gathered a unit at a
+    time); else only ``base.json``, their content hashes and source (a run's checkpoints:
+    ``trainer``'s config says how to rebuild them). A failed write on any
     rank (a full disk, a read-only place) removes ``path`` again and raises ValueError
     on every rank naming the path and the bytes needed: older checkpoints stay as
     they were, the newest complete one is still the newest."""
@@ -119,9 +127,9 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
             error = _attempt(lambda: path.mkdir(parents=True), path, 0)
     agree(error, comm)
-    info, tensors, extents, readers = _engine_pieces(engine)
+    info, tensors, extents, readers = _engine_pieces(engine, embed_base)
     # the frozen base never changes: referenced by content hash (base.json), rebuilt from its source on load
-    has_base = bool(engine.frozen.units or engine.frozen.loose)
+    has_base = not embed_base and bool(engine.frozen.units or engine.frozen.loose)
     base = base_manifest(engine.frozen, engine.config) if has_base else None
     need = sum(comm.all_gather_object(sum(t.numel() * t.element_size() for t in tensors.values())))
     # before a byte is written
@@ -253,7 +261,9 @@ def _check_or_load_base(engine: Checkpointable, path: Path, info: dict[str, Any]
 
 def save_engine(engine: Checkpointable, path: str | os.PathLike) -> None:
     """``Engine.save``: write a checkpoint to ``path``, replacing one already there only
-    once the new one is complete (written beside it, then swapped in). Collective."""
+    once the new one is complete (written beside it, then swapped in). It embeds the
+    frozen base (the engine cannot know where a caller's weights came from, so nothing
+    could rebuild it). Collective."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
     old = path.with_name(f".{path.name}.old")
