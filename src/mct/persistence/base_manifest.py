@@ -17,15 +17,17 @@ the tensor starts (each part in key order). A frozen unit's stored bytes are the
 any world size and stage (NF4 groups never cross a shard), so the digests are too: a
 resumed or resharded run recomputes them on its own layout. Each rank gathers one unit's
 stored parts at a time (as a forward's gather does; never the whole base on one rank)
-and hashes the tensors of that unit; all ranks compute the same digests.
+and hashes every world-th tensor (the ranks share the work: 1/N of the base each), then
+the digests are exchanged so every rank holds all of them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -42,9 +44,10 @@ def _sha(parts: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _unit_digests(unit: Any, comm: Any) -> dict[str, dict[str, Any]]:
-    """Digests of one ``FrozenUnit``'s tensors, its stored parts gathered over the ranks
-    (collective when the unit is sharded)."""
+def _unit_digests(unit: Any, comm: Any, mine: Callable[[], bool]) -> dict[str, dict[str, Any]]:
+    """Digests of the tensors of one ``FrozenUnit`` that ``mine()`` (asked once per tensor,
+    in order) gives this rank, its stored parts gathered over the ranks (collective when
+    the unit is sharded)."""
     layout, world = unit.layout, unit.layout.world
     full = unit.stored
     if world > 1:
@@ -55,6 +58,8 @@ def _unit_digests(unit: Any, comm: Any) -> dict[str, dict[str, Any]]:
     codec = getattr(unit.codec, "name", "identity")
     out = {}
     for name, shape, off, n in zip(unit.names, layout.shapes, layout.offsets, layout.numels()):
+        if not mine():
+            continue
         end = -(-(off + n) // align) * align  # the groups the tensor starts, whole
         pieces = []
         for k in sorted(full):
@@ -73,14 +78,18 @@ def frozen_digests(frozen: Any) -> dict[str, dict[str, Any]]:
     calls it. Mutates nothing; cached on ``frozen`` (its ``load`` drops the cache)."""
     if frozen.digest_cache is not None:
         return frozen.digest_cache
+    comm, count = frozen.comm, itertools.count()
+    mine = lambda: next(count) % comm.world == comm.rank  # noqa: E731  the ranks share the hashing
     out: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for u in frozen.units:
-            out.update(_unit_digests(u, frozen.comm))
+            out.update(_unit_digests(u, comm, mine))
         for name, p in frozen.loose:  # whole on every rank: the bytes it would be stored as
-            t = p.detach().to(frozen.dtype)
-            out[name] = {"dtype": str(frozen.dtype).removeprefix("torch."), "shape": list(p.shape),
-                         "codec": "identity", "sha256": _sha([t])}
+            if mine():
+                out[name] = {"dtype": str(frozen.dtype).removeprefix("torch."), "shape": list(p.shape),
+                             "codec": "identity", "sha256": _sha([p.detach().to(frozen.dtype)])}
+    if comm.world > 1:
+        out = {k: v for part in comm.all_gather_object(out) for k, v in part.items()}
     frozen.digest_cache = dict(sorted(out.items()))
     return frozen.digest_cache
 
