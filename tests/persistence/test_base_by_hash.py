@@ -5,7 +5,8 @@ export rebuilds it too.
 
 Metrics: the resumed run's final weights byte-identical to an uninterrupted run's (LoRA at
 stage 0, QLoRA at stage 3); a changed base file refused in one line naming a tensor; the
-export of a checkpoint equal, byte for byte, to the run's own model.safetensors; QLoRA's
+export of a checkpoint, and ``--init-from`` the run, equal byte for byte to the run's own
+model.safetensors; QLoRA's
 stored-byte digests equal at 2 ranks (stage 3), 3 ranks (stage 3) and 1 rank (stage 0).
 """
 
@@ -117,3 +118,20 @@ def test_qlora_stored_byte_digests_are_the_same_at_any_world_size_and_stage(tmp_
     assert len(set(saved + resharded + [alone])) == 1
     base = json.loads((Path(path) / "base.json").read_text())
     assert base["sha256"] == saved[0] and any(t["codec"] == "nf4" for t in base["tensors"].values())
+
+
+def test_init_from_a_run_that_references_its_base_loads_the_rebuilt_base_and_the_adapters(llama, tmp_path):
+    from safetensors.torch import load_file
+    from mct.engine import Engine
+    from mct.persistence.init_from import load_pretrained
+    from mct.run.trainer import train
+    from mct.task import build_model, task_for
+    cfg = _config(llama, "lora", 0)
+    train(cfg, tmp_path / "run", progress=False)
+    fresh = with_values(cfg, {"train.init_from": ""})
+    task = task_for(fresh)
+    model, _ = build_model(task, fresh, on_meta=False)
+    engine = Engine(model, task.optimizer, fresh, param_groups=task.param_groups(model))
+    load_pretrained(engine, str(tmp_path / "run"))
+    got, want = engine.full_state_dict(), load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
