@@ -166,16 +166,32 @@ def _values(state: dict[str, torch.Tensor]) -> dict:
     return {k: v.numpy().copy() for k, v in state.items()}  # sent by value between processes
 
 
-def _save_resume(rank: int, world: int, path: str, phase: str) -> dict:
+def _save_resume(rank: int, world: int, path: str, phase: str, embed: bool = False) -> dict:
+    """Save after 2 steps (``embed``: ``Engine.save``, the base by value; else a run's
+    checkpoint, the base by hash), or load (``changed``/``old-format``: into an engine whose
+    base differs in one element) and step once more."""
     cfg = tiny_config(zero={"stage": 3}, checkpointing={"policy": "all"}, memory={"track": False})
     torch.manual_seed(cfg.seed)
     model = frozen_gpt()
+    if phase in ("changed", "old-format"):  # a base that is not the one saved
+        with torch.no_grad():
+            model.wpe.weight[3, 5] += 1.0
     engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1))
     out = {}
+    if phase == "changed":
+        try:
+            engine.load(path)
+        except ValueError as e:
+            out["error"] = str(e)
+        return out
     if phase == "save":
         for s in range(2):
             engine.train_step(batches(s, rank), gpt_loss)
-        engine.save(path)
+        if embed:
+            engine.save(path)
+        else:
+            from mct.persistence.checkpoint import save_checkpoint
+            save_checkpoint(path, engine, step=2, embed_base=False)
         out["saved"] = _values(engine.full_state_dict())
         engine.train_step(batches(2, rank), gpt_loss)
         out["continued"] = _values(engine.full_state_dict())
@@ -188,7 +204,7 @@ def _save_resume(rank: int, world: int, path: str, phase: str) -> dict:
 
 
 @pytest.mark.multirank
-def test_checkpoint_with_frozen_units_resumes_exactly_and_reshards_from_2_to_3_ranks(tmp_path):
+def test_checkpoint_referencing_the_frozen_base_by_hash_resumes_exactly_reshards_and_refuses_a_changed_base(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_distributed(_save_resume, 2, path, "save")[0]
     resumed = run_distributed(_save_resume, 2, path, "load")[0]
@@ -197,17 +213,36 @@ def test_checkpoint_with_frozen_units_resumes_exactly_and_reshards_from_2_to_3_r
         assert got.keys() == saved["saved"].keys()
         assert all(np.array_equal(got[k], saved["saved"][k]) for k in got)
     assert all(np.array_equal(resumed["continued"][k], saved["continued"][k]) for k in saved["continued"])
-    # the frozen parameters: rank-independent whole tensors, not per-element shards
+    # the frozen base is referenced by content hash, not saved: base.json names every frozen tensor
     info = json.loads((tmp_path / "ckpt" / "engine.json").read_text())
+    assert not any(k.startswith("frozen/") for k in info["tensors"])
+    base = json.loads((tmp_path / "ckpt" / "base.json").read_text())
+    assert sorted(base["tensors"]) == sorted(_frozen_names(frozen_gpt()))
+    assert base["source"]["model"] == "gpt" and len(base["sha256"]) == 64
+    # a rebuilt base that differs in one element: one line naming the tensor, on every rank
+    errors = [r["error"] for r in run_distributed(_save_resume, 2, path, "changed")]
+    assert len(set(errors)) == 1 and "tensor 'wpe.weight' sha256" in errors[0] and "\n" not in errors[0]
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_that_embeds_its_frozen_base_loads_the_saved_values(tmp_path):
+    """``Engine.save`` (and mct before base.json) embeds the frozen base under frozen/, whole
+    tensors gathered from the shards; loading it (resharded 2 -> 3) sets that base: an engine
+    built with another base continues from the saved values."""
+    path = str(tmp_path / "old")
+    saved = run_distributed(_save_resume, 2, path, "save", True)[0]
+    assert not (tmp_path / "old" / "base.json").exists()
+    info = json.loads((tmp_path / "old" / "engine.json").read_text())
     frozen_keys = {k for k in info["tensors"] if k.startswith("frozen/")}
-    model = frozen_gpt()
-    assert frozen_keys == {"frozen/" + n for n in _frozen_names(model)}
+    assert frozen_keys == {"frozen/" + n for n in _frozen_names(frozen_gpt())}
     assert all(not info["tensors"][k]["per_element"] for k in frozen_keys)
     from mct.persistence import shards
     for key in frozen_keys:  # their values: the saved ones, gathered from the shards
         t = torch.empty(info["tensors"][key]["shape"])
-        shards.load_full(tmp_path / "ckpt" / "engine", {key: t})
+        shards.load_full(tmp_path / "old" / "engine", {key: t})
         assert np.array_equal(t.numpy(), saved["saved"][key.removeprefix("frozen/")]), key
+    loaded = run_distributed(_save_resume, 3, path, "old-format")[0]
+    assert all(np.array_equal(loaded["loaded"][k], saved["saved"][k]) for k in saved["saved"])
 
 
 def test_frozen_units_follow_the_trainable_unit_assignment_with_tied_weights_in_the_root():

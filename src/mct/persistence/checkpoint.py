@@ -1,7 +1,11 @@
 """One checkpoint directory: write it, check it, load an engine from it.
 
-    <checkpoint>/engine/__<rank>_0.distcp, engine/.metadata   DCP: masters, optimizer state,
-                                                              frozen parameters (mct.zero.state_io keys)
+    <checkpoint>/engine/__<rank>_0.distcp, engine/.metadata   DCP: masters, optimizer state
+                                                              (mct.zero.state_io keys)
+    <checkpoint>/base.json      rank 0, a run's checkpoint with frozen parameters: its frozen base
+                                by content hash and source, not its values
+                                (mct.persistence.base_manifest); a bare ``Engine.save`` and
+                                checkpoints of older mct embed it as DCP keys ``frozen/<name>``
     <checkpoint>/engine.json    rank 0: steps_done, loss scaler, optimizer hyperparameters,
                                 unit layouts, and which tensors are per-element
     <checkpoint>/trainer.json   rank 0: the trainer's state (step, data position, counters,
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from mct.dist import agree
+from mct.persistence.base_manifest import BASE, base_manifest, base_mismatch, frozen_digests, read_base
 from mct.persistence.lazy import LazyModule
 from mct.persistence.files import file_digest, fsync_dir, read_json, write_failure, write_json
 from mct.persistence.manifest import CHECKPOINT_FORMAT, FROZEN, MANIFEST, check_layout, read_manifest, verify_checkpoint
@@ -86,12 +91,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- save ----
-def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, list[int]],
-                                                   dict[str, Callable[[], torch.Tensor]]]:
+def _engine_pieces(engine: Checkpointable, embed_base: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                                     dict[str, list[int]],
+                                                                     dict[str, Callable[[], torch.Tensor]]]:
     sd, readers = engine.streamed_state_dict()
     tensors, extents = dict(sd["tensors"]), dict(sd["extents"])
-    for name, t in engine.frozen.items():  # not in the engine's state (never changes), but export needs it
-        tensors[FROZEN + name] = t  # sharded: gathered a unit at a time, copies (FrozenModel.items)
+    if embed_base:  # the frozen base by value (else base.json references it by hash)
+        for name, t in engine.frozen.items():  # sharded: gathered a unit at a time, copies
+            tensors[FROZEN + name] = t
     info = {k: sd[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")}
     info["tensors"] = {k: {"per_element": k in extents, "dtype": str(t.dtype).removeprefix("torch."),
                            "shape": list(t.shape) if k not in extents else None} for k, t in tensors.items()}
@@ -99,11 +106,14 @@ def _engine_pieces(engine: Checkpointable) -> tuple[dict[str, Any], dict[str, to
 
 
 def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trainer: dict[str, Any] | None = None,
-                    rank_state: dict[str, Any] | None = None) -> None:
+                    rank_state: dict[str, Any] | None = None, embed_base: bool = True) -> None:
     """Write a complete checkpoint into directory ``path`` (created; a leftover without a
     manifest is replaced; a complete one is an error). Collective: every rank calls it,
     and returns once the manifest is in place. ``trainer`` (rank 0's, JSON-ready) and
-    ``rank_state`` (each rank's, JSON-ready) are stored as given. A failed write on any
+    ``rank_state`` (each rank's, JSON-ready) are stored as given. The frozen parameters
+    (if any): ``embed_base`` writes their values (``frozen/<name>``, gathered a unit at a
+    time); else only ``base.json``, their content hashes and source (a run's checkpoints:
+    ``trainer``'s config says how to rebuild them). A failed write on any
     rank (a full disk, a read-only place) removes ``path`` again and raises ValueError
     on every rank naming the path and the bytes needed: older checkpoints stay as
     they were, the newest complete one is still the newest."""
@@ -117,7 +127,10 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
             shutil.rmtree(path, ignore_errors=True)  # a torn save from before a crash
             error = _attempt(lambda: path.mkdir(parents=True), path, 0)
     agree(error, comm)
-    info, tensors, extents, readers = _engine_pieces(engine)
+    info, tensors, extents, readers = _engine_pieces(engine, embed_base)
+    # the frozen base never changes: referenced by content hash (base.json), rebuilt from its source on load
+    has_base = not embed_base and bool(engine.frozen.units or engine.frozen.loose)
+    base = base_manifest(engine.frozen, engine.config) if has_base else None
     need = sum(comm.all_gather_object(sum(t.numel() * t.element_size() for t in tensors.values())))
     # before a byte is written
     agree(_free_space_error(path, need) if rank == 0 else None, comm, on_error=_remove_torn(engine, path))
@@ -130,6 +143,9 @@ def save_checkpoint(path: str | Path, engine: Checkpointable, *, step: int, trai
         if rank == 0:
             write_json(path / "engine.json", info)
             mine.extend([path / "engine.json", path / "engine" / ".metadata"])
+            if base is not None:
+                write_json(path / BASE, base)
+                mine.append(path / BASE)
             if trainer is not None:
                 write_json(path / "trainer.json", {"step": step, **trainer})
                 mine.append(path / "trainer.json")
@@ -219,14 +235,35 @@ def load_engine_state(engine: Checkpointable, path: str | Path, *, verified: boo
             else:
                 template[k] = torch.empty(spec["shape"], dtype=dtype, device=engine.device)
         return shards.load_pieces(template, extents, path / "engine"), extents
+    _check_or_load_base(engine, path, info)
     engine.load_state_streamed({**{k: info[k] for k in ("format", "steps_done", "scaler", "param_groups", "units")},
                                 "keys": list(specs)}, read_units)
     return meta
 
 
+def _check_or_load_base(engine: Checkpointable, path: Path, info: dict[str, Any]) -> None:
+    """The engine's frozen base against the checkpoint's: ``base.json``'s digests checked
+    against the base the engine built (ValueError on every rank naming the first tensor
+    that differs, the engine untouched), or an older checkpoint's embedded ``frozen/``
+    tensors loaded into it (this rank's shards; NF4 keeps its bytes where they decode to
+    the saved values). Collective."""
+    saved = read_base(path)
+    if saved is not None:
+        digests = frozen_digests(engine.frozen)  # collective: every rank
+        agree(base_mismatch(saved, digests, path) if engine.comm.rank == 0 else None, engine.comm)
+        return
+    embedded = {k[len(FROZEN):]: spec for k, spec in info["tensors"].items() if k.startswith(FROZEN)}
+    if embedded:
+        from mct.persistence.weight_sources import CheckpointSource
+        source = CheckpointSource(path)
+        engine.frozen.load(lambda name, a, b: source.read(name, a, b) if name in embedded else None)
+
+
 def save_engine(engine: Checkpointable, path: str | os.PathLike) -> None:
     """``Engine.save``: write a checkpoint to ``path``, replacing one already there only
-    once the new one is complete (written beside it, then swapped in). Collective."""
+    once the new one is complete (written beside it, then swapped in). It embeds the
+    frozen base (the engine cannot know where a caller's weights came from, so nothing
+    could rebuild it). Collective."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
     old = path.with_name(f".{path.name}.old")

@@ -20,6 +20,8 @@ from mct.adapters import is_adapter_name
 from mct.dist import agree
 from mct.outputs import check_file_output
 from mct.persistence.lazy import LazyModule
+from mct.persistence.base_manifest import BASE
+from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
 from mct.persistence.manifest import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.run_dir import RunLock, check_outside_runs, newest_usable
@@ -57,6 +59,7 @@ def checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int
     for key, spec in info["tensors"].items():
         if key.startswith(FROZEN):
             specs[key[len(FROZEN):]] = (torch.float32, tuple(spec["shape"]))
+    specs.update({name: (torch.float32, shape) for name, shape in frozen_specs(checkpoint).items()})
     return specs
 
 
@@ -75,6 +78,9 @@ def _checkpoint_items(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
             t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
             shards.load_full(checkpoint / "engine", {key: t})
             yield key[len(FROZEN):], t.float()
+    if (checkpoint / BASE).is_file():  # referenced by hash: rebuilt from its source and checked
+        for name, t in rebuilt_frozen(checkpoint):
+            yield name, t.float()
 
 
 class Exportable(Protocol):

@@ -33,6 +33,7 @@ from mct.adapters import is_adapter_name
 from mct.data.tokenizer import tokenizer_identity
 from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
+from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
 from mct.persistence.manifest import FROZEN
 from mct.outputs import check_dir_output, install_dir, temporary
 from mct.persistence.adapter_export import deltas_for
@@ -120,6 +121,7 @@ def _entries(checkpoint: Path) -> list[tuple[str, tuple[int, ...], str, int]]:
     out = [(n, tuple(s), f"{u['name']}/master", o) for u in info["units"] for n, s, o in u["params"]]
     out += [(k[len(FROZEN):], tuple(spec["shape"]), k, -1) for k, spec in info["tensors"].items()
             if k.startswith(FROZEN)]
+    out += [(name, shape, "", -2) for name, shape in frozen_specs(checkpoint).items()]  # rebuilt (base.json)
     return out
 
 
@@ -139,6 +141,14 @@ class _Chunks:
             self.where.setdefault(idx.fqn, []).append((int(idx.offset[0]), int(size), info))
         for chunks in self.where.values():
             chunks.sort(key=lambda c: c[0])
+        self._base: dict[str, torch.Tensor] | None = None
+
+    def rebuilt(self, checkpoint: Path) -> dict[str, torch.Tensor]:
+        """The frozen base a checkpoint references by hash, rebuilt on first use and held
+        (``base_rebuild.rebuilt_frozen``: the run's parameter dtype)."""
+        if self._base is None:
+            self._base = dict(rebuilt_frozen(checkpoint))
+        return self._base
         self._held: tuple[str, int, torch.Tensor] | None = None
 
     def pieces(self, key: str, start: int, end: int) -> Iterator[torch.Tensor]:
@@ -171,6 +181,9 @@ PIECE = 1 << 22
 def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype) -> Iterator[torch.Tensor]:
     """One entry's values in ``dtype``, in pieces of at most ``PIECE`` elements."""
     name, shape, key, offset = entry
+    if offset == -2:  # frozen, referenced by hash: rebuilt from the run's source once, checked
+        yield chunks.rebuilt(checkpoint)[name].reshape(-1).to(dtype)
+        return
     if offset < 0:  # frozen: stored whole, in its own dtype
         spec = read_json(checkpoint / "engine.json")["tensors"][key]
         t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))

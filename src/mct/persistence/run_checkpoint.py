@@ -53,7 +53,9 @@ class RunCheckpointer:
         path = step_dir(self.run_dir, steps_done)
         if not broadcast_from_main((path / MANIFEST).exists()):
             trainer = {**header, **{k: s.state_dict() for k, s in self.states.items()}, "trust": "pending"}
-            save_checkpoint(path, engine, step=steps_done, trainer=trainer, rank_state={"rng": rng_state()})
+            # the frozen base by hash: the run's config rebuilds it (a LoRA checkpoint holds the adapters only)
+            save_checkpoint(path, engine, step=steps_done, trainer=trainer, rank_state={"rng": rng_state()},
+                            embed_base=False)
         self.unconfirmed = path
         if trusted:
             self.confirm()

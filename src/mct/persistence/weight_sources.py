@@ -19,6 +19,7 @@ from mct.errors import user_error
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.lazy import LazyModule
+from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
 from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.zero.state_io import param_slices
 
@@ -115,9 +116,16 @@ class CheckpointSource:
                 self.where[name], self.shapes[name] = (unit, start), shape
         self.frozen = {k[len(FROZEN):]: spec for k, spec in info["tensors"].items() if k.startswith(FROZEN)}
         self.shapes.update({n: tuple(spec["shape"]) for n, spec in self.frozen.items()})
+        self.referenced = frozen_specs(checkpoint)  # a base by hash (base.json): rebuilt on first read
+        self.shapes.update(self.referenced)
+        self._base: dict[str, torch.Tensor] | None = None
         self._unit: tuple[str, torch.Tensor] | None = None
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        if name in self.referenced:
+            if self._base is None:
+                self._base = dict(rebuilt_frozen(self.path))
+            return self._base[name].reshape(-1)[start:end].float()
         if name in self.frozen:
             spec = self.frozen[name]
             t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))

@@ -99,7 +99,7 @@ class Trainer:
             agree(error_of(self.corpus.verify_contents) if ctx.is_main else None)  # a prepared DIR's sha256
         self.loss_fn = seeded(self.task.loss_fn)
         self.engine = self.build_engine(self.cfg)
-        if self.cfg.train.init_from and not resume:
+        if self.cfg.train.init_from:  # on resume too: the frozen base is rebuilt as at the start
             load_pretrained(self.engine, self.cfg.train.init_from)
         tcfg = self.cfg.train
         self.counters = LoopCounters()
@@ -177,6 +177,8 @@ class Trainer:
         self.engine = None  # type: ignore[assignment]  # free the old engine before the new one allocates
         gc.collect()  # its hooks and wrapped forwards hold it in reference cycles
         engine = self.build_engine(cfg)
+        if cfg.train.init_from:  # the frozen base as the run built it (checked against the checkpoint's)
+            load_pretrained(engine, cfg.train.init_from)
         if state_from is not None:
             load_engine_state(engine, state_from)
         self.engine, self.cfg = engine, cfg

@@ -184,7 +184,8 @@ class FrozenModel:
         it is packed (so no rank holds the whole frozen base), loose ones up front; they are
         cast to ``dtype``. Registers the stored shards and working buffers with ``tracker``
         under 'frozen'."""
-        self.comm = comm
+        self.comm, self.dtype = comm, dtype
+        self.digest_cache: dict | None = None  # mct.persistence.base_manifest.frozen_digests
         coded = coded or {}
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.units: list[FrozenUnit] = []
@@ -245,7 +246,8 @@ class FrozenModel:
     def load(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Set every frozen parameter from ``read(name, a, b)`` (elements [a, b) of the
         named parameter, or None: that parameter keeps its values): this rank's shard of
-        each unit, the whole of a loose one."""
+        each unit, the whole of a loose one. Drops the cached digests."""
+        self.digest_cache = None
         with torch.no_grad():
             for u in self.units:
                 u.load_shard(lambda i, a, b, u=u: read(u.names[i], a, b))
