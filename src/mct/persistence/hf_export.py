@@ -142,6 +142,7 @@ class _Chunks:
         for chunks in self.where.values():
             chunks.sort(key=lambda c: c[0])
         self._base: dict[str, torch.Tensor] | None = None
+        self._held: tuple[str, int, torch.Tensor] | None = None
 
     def rebuilt(self, checkpoint: Path) -> dict[str, torch.Tensor]:
         """The frozen base a checkpoint references by hash, rebuilt on first use and held
@@ -149,7 +150,6 @@ class _Chunks:
         if self._base is None:
             self._base = dict(rebuilt_frozen(checkpoint))
         return self._base
-        self._held: tuple[str, int, torch.Tensor] | None = None
 
     def pieces(self, key: str, start: int, end: int) -> Iterator[torch.Tensor]:
         """Consecutive views covering elements [start, end) of ``key``."""
