@@ -129,8 +129,9 @@ class _Chunks:
     """A checkpoint's 1-D unit tensors read one stored chunk (what one rank wrote) at a
     time, straight from the DCP files: only the newest chunk is held."""
 
-    def __init__(self, engine_dir: Path) -> None:
+    def __init__(self, engine_dir: Path, base_file: Path | None = None) -> None:
         self.dir = engine_dir
+        self.base_file = base_file
         md = shards.SafeReader(str(engine_dir)).read_metadata()
         self.where: dict[str, list[tuple[int, int, object]]] = {}
         for idx, info in md.storage_data.items():
@@ -144,12 +145,18 @@ class _Chunks:
         self._base: dict[str, torch.Tensor] | None = None
         self._held: tuple[str, int, torch.Tensor] | None = None
 
-    def rebuilt(self, checkpoint: Path) -> dict[str, torch.Tensor]:
-        """The frozen base a checkpoint references by hash, rebuilt on first use and held
-        (``base_rebuild.rebuilt_frozen``: the run's parameter dtype)."""
+    def frozen(self, checkpoint: Path, name: str) -> torch.Tensor:
+        """The frozen tensor ``name`` of a checkpoint that references its base by hash: read
+        alone from ``base_file`` (the run's own ``model.safetensors``, written from the live
+        engine, whose base is the checkpoint's) where given, else from the base rebuilt on
+        first use and held (``base_rebuild.rebuilt_frozen``: the run's parameter dtype)."""
+        if self.base_file is not None:
+            from safetensors import safe_open
+            with safe_open(str(self.base_file), framework="pt") as f:
+                return f.get_tensor(name)
         if self._base is None:
             self._base = dict(rebuilt_frozen(checkpoint))
-        return self._base
+        return self._base[name]
 
     def pieces(self, key: str, start: int, end: int) -> Iterator[torch.Tensor]:
         """Consecutive views covering elements [start, end) of ``key``."""
@@ -182,7 +189,7 @@ def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype)
     """One entry's values in ``dtype``, in pieces of at most ``PIECE`` elements."""
     name, shape, key, offset = entry
     if offset == -2:  # frozen, referenced by hash: rebuilt from the run's source once, checked
-        yield chunks.rebuilt(checkpoint)[name].reshape(-1).to(dtype)
+        yield chunks.frozen(checkpoint, name).reshape(-1).to(dtype)
         return
     if offset < 0:  # frozen: stored whole, in its own dtype
         spec = read_json(checkpoint / "engine.json")["tensors"][key]
@@ -245,11 +252,13 @@ def _write_safetensors(path: Path, entries: list[tuple], dtype: torch.dtype,
 
 
 def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_bytes: int,
-             deltas: dict[str, torch.Tensor] | None = None) -> str | None:
+             deltas: dict[str, torch.Tensor] | None = None, base_file: Path | None = None) -> str | None:
     """Write the HF directory of ``checkpoint`` into the (new, empty) directory ``out``,
     with the tokenizer the run trained with (``copy_hf_assets``). ``deltas``: merged
     adapters (``adapter_export.deltas_for``): added to their weights, LoRA tensors left
-    out. Returns its warning."""
+    out. ``base_file``: a safetensors file holding the frozen base a checkpoint references
+    by hash (the run's ``model.safetensors``), read a tensor at a time instead of rebuilding
+    the base. Returns its warning."""
     torch_dtype, config_dtype = EXPORT_DTYPES[dtype]
     element = torch_dtype.itemsize
     entries = _entries(checkpoint)
@@ -260,7 +269,7 @@ def write_hf(checkpoint: Path, out: Path, assets: Path, dtype: str, max_shard_by
                          f"adapters with --format peft, or base and adapters by name with --out FILE.safetensors")
     entries = [e for e in entries if deltas is None or not is_adapter_name(e[0])]
     files = _plan_files(entries, element, max_shard_bytes)
-    chunks = _Chunks(checkpoint / "engine")
+    chunks = _Chunks(checkpoint / "engine", base_file)
     weight_map, total = {}, 0
     for k, indices in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
@@ -338,7 +347,8 @@ def write_run_hf(run_dir: str | Path, dtype: str = "fp32", max_shard_bytes: int 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_hf(path, tmp, _assets_of(path), dtype, max_shard_bytes, deltas)
+        own = run_dir / "model.safetensors"  # written from the live engine just before: its base is the run's
+        write_hf(path, tmp, _assets_of(path), dtype, max_shard_bytes, deltas, own if own.is_file() else None)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     finally:
