@@ -110,7 +110,8 @@ class Engine:
         self.recompute = apply_checkpointing(
             model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
             device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
-            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise)
+            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise,
+            planned_for="cuda" if self.comm.simulated and not self.comm.simulated_gloo else None)  # a dry run of NCCL ranks
         # 2. precision: frozen parameters are cast here (on meta: once materialized, by their
         # units); trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
