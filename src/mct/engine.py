@@ -117,8 +117,8 @@ class Engine:
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",
                              agreement_items(model, cfg)), self.comm)
-        with torch.no_grad():
-            for p in (p for p in model.parameters() if not p.requires_grad and not p.is_meta):
+        with torch.no_grad():  # built on meta (init_program): the frozen units cast each as they materialize it
+            for p in (p for p in model.parameters() if not p.requires_grad and not p.is_meta and init_program is None):
                 p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,
