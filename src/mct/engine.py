@@ -110,14 +110,15 @@ class Engine:
         self.recompute = apply_checkpointing(
             model, cfg.checkpointing, recompute_context=lambda: self.tracker.category("activations"),
             device=self.device, offload_dir=cfg.offload.dir, name=f"rank{self.ctx.rank}",
-            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise)
+            report=lambda tier, n: self.tracker.set_offloaded(tier, n, source="activations"), advise=self.comm.advise,
+            planned_for="cuda" if self.comm.simulated and not self.comm.simulated_gloo else None)  # a dry run of NCCL ranks
         # 2. precision: frozen parameters are cast here (on meta: once materialized, by their
         # units); trainable ones live in flat units
         groups, hyper = discover_groups(model, optimizer, param_groups)
         agree(first_mismatch(self.comm, "model parameters (name, shape, dtype) and engine config",
                              agreement_items(model, cfg)), self.comm)
-        with torch.no_grad():
-            for p in (p for p in model.parameters() if not p.requires_grad and not p.is_meta):
+        with torch.no_grad():  # built on meta (init_program): the frozen units cast each as they materialize it
+            for p in (p for p in model.parameters() if not p.requires_grad and not p.is_meta and init_program is None):
                 p.data = p.data.to(self.precision.param_dtype)
         # 3. ZeRO: flat units (zero.units, by default the checkpointing blocks), shards, hooks
         units = find_blocks(model, cfg.zero.units or cfg.checkpointing.blocks,

@@ -179,7 +179,7 @@ def test_mct_plan_solve_prints_the_frontier_pick_and_why_and_json_carries_them(c
 def test_auto_trains_the_solvers_pick_and_records_it(tmp_path, corpus_dir, monkeypatch):
     from mct.run.trainer import train
     # ranked by the relative cost (no machine rates), where half the micro-batch and no recompute is the faster
-    monkeypatch.setattr("mct.planner.solver.machine_rates", lambda *a, **k: (None, []))
+    monkeypatch.setattr("mct.planner.solver.device_rates", lambda *a, **k: (None, []))
     cfg = config(memory={"solver_allow": ["micro_batch"]}, model={"vocab_size": 256})  # the corpus's bytes
     rows = uniform_rows(cfg)
     small = uniform_rows(config(data={"micro_batch_size": 2}, model={"vocab_size": 256}))

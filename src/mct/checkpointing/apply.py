@@ -132,7 +132,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
                         recompute_context: Callable[[], ContextManager] | None = None,
                         device: Any = "cpu", offload_dir: str = "", name: str = "act",
                         report: ReportFn | None = None,
-                        advise: Advise = as_is) -> CheckpointState:
+                        advise: Advise = as_is, planned_for: str | None = None) -> CheckpointState:
     """Patch the blocks chosen by ``cfg.policy`` (and ``cfg.per_block``) so backward recomputes them.
 
     Accepts any ``nn.Module``; blocks are found by ``find_blocks(model, cfg.blocks)``.
@@ -140,7 +140,8 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     tracker's ``activations`` category). ``cfg.offload`` != 'none': each region's input
     waits for backward in that tier (``ActivationOffload`` on ``device``; 'disk' files in
     a folder named after ``name`` under ``offload_dir``; ``report(tier, bytes)`` hears the
-    bytes parked; ``advise``: called on each buffer an input is read back into). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
+    bytes parked; ``advise``: called on each buffer an input is read back into; ``planned_for``:
+    the device type a dry run stands for, ``ActivationOffload``'s). Returns the ``CheckpointState`` (its ``policy``: ``policy_label(cfg)``);
     mutates only the blocks' instance ``forward`` attribute. Raises ValueError for policy
     'auto', no detectable blocks, an unknown class name in ``cfg.blocks``, ``every_k`` with
     k larger than the block count, a ``per_block`` list or counts that do not match it,
@@ -164,7 +165,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *,
     plans = region_plans(cfg, len(blocks)) if cfg.policy != "none" else []
     if cfg.offload != "none":
         state.offload = ActivationOffload(cfg.offload, device, root=offload_dir, name=name, report=report,
-                                          advise=advise)
+                                          advise=advise, planned_for=planned_for)
     for plan in plans:
         region = Region([blocks[i] for i in plan.blocks], context_fn_for(plan.mode), verify=cfg.verify,
                         recompute_context=state.recompute_context)

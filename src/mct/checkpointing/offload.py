@@ -136,17 +136,19 @@ class ActivationOffload:
     passes its tracker's ``set_offloaded``). Per-step counters: ``parked_peak_bytes``, ``parked_total_bytes``,
     ``parked_count``, ``wait_s``. ``advise(t)``: called on each buffer an input is read back
     into, before the read, returning it (the engine's huge pages, ``mct.memory.host.HugePages``).
-    Raises ValueError for 'cpu' on a CPU device.
+    Raises ValueError for 'cpu' on a CPU device. ``planned_for``: the device type a dry run
+    (fake tensors on the CPU) stands for; 'cuda' accepts the 'cpu' tier there (nothing moves).
     """
 
     def __init__(self, tier: str, device: torch.device | str, *, root: str = "", name: str = "act",
                  report: ReportFn | None = None,
-                 advise: Advise = as_is) -> None:
+                 advise: Advise = as_is, planned_for: str | None = None) -> None:
         self.device = torch.device(device)
         self._advise = advise
         if tier not in ("cpu", "disk"):
             raise ValueError(f"checkpointing.offload = {tier!r}: choose 'none', 'cpu' or 'disk'")
-        if tier == "cpu" and self.device.type != "cuda":
+        # a dry run of a CUDA run parks its fake CPU tensors as the CUDA run parks real ones
+        if tier == "cpu" and (planned_for or self.device.type) != "cuda":
             raise ValueError(f"checkpointing.offload = 'cpu' moves checkpointed inputs from the accelerator to "
                              f"host memory, but this run computes on {self.device.type!r}, whose memory is host "
                              f"memory already: use checkpointing.offload = 'disk' (files under offload.dir) or 'none'")

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         **kw)
     _common(pl, nproc=False)
     pl.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    pl.add_argument("--device", default=None, help="the device type the run will compute on: cpu or cuda "
+                    "(default: this machine's own; plan a GPU job from a laptop with --device cuda)")
     pl.add_argument("--nproc", type=int, default=None, help=argparse.SUPPRESS)  # train's; refused in one clear line
     pl.add_argument("--budget", help="per-rank budget, e.g. 24GiB (default: memory.budget)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")

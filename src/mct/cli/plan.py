@@ -29,7 +29,7 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
 
     from mct.planner import make_plan, plan_workers
-    from mct.planner.plan import for_device, planned_device
+    from mct.planner.plan import target_device
     from mct.planner.pool import WorkerDied
     from mct.persistence.run_dir import check_outside_runs
     from mct.reporting.plots import check_plot_path
@@ -40,16 +40,17 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.plot:
         check_plot_path(args.plot, args.force, check_outside_runs)  # before minutes of planning
     _check_world_size(args.world_size)
+    device = target_device(cfg, args.device)
     limit = cfg.memory.budget
     from mct.task import task_for
     work = task_for(cfg)
     grid = _plan_grid(args, cfg)
     if args.solve or args.allow is not None:
-        return _cmd_solve(args, cfg, limit, work, grid)
+        return _cmd_solve(args, cfg, limit, work, grid, device)
     try:
-        # a CUDA plan's dry runs take native matmuls; its step times stay this machine's rates
-        plan = make_plan(work, for_device(cfg, planned_device(cfg)), args.world_size, limit, grid,
-                         extrapolate=not args.full_depth, workers=plan_workers(args.workers))
+        # a CUDA plan's dry runs take native matmuls and stand for NCCL ranks (make_plan's for_device)
+        plan = make_plan(work, cfg, args.world_size, limit, grid, extrapolate=not args.full_depth,
+                         workers=plan_workers(args.workers), device=device)
     except WorkerDied as e:
         print(f"mct: error: {e}", file=sys.stderr)
         return 1
@@ -63,14 +64,14 @@ def cmd_plan(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(plan.advice)
     return 0
 
-def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, work: Any, grid: Any) -> int:
-    """``mct plan --solve``: the solver's frontier, pick and why (or JSON; ``--plot``: the
-    frontier). Raises ValueError (exit 2, one line) without a budget or when nothing fits."""
+def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, work: Any, grid: Any,
+               device: str) -> int:
+    """``mct plan --solve``: the solver's frontier, pick and why for a run on ``device`` (or JSON;
+    ``--plot``: the frontier). Raises ValueError (exit 2, one line) without a budget or when nothing fits."""
     import json
 
     from mct.planner import plan_workers
     from mct.planner.auto import check_allow, format_solution, nothing_fits, solve_auto, space_for
-    from mct.planner.plan import planned_device
     if not args.solve:
         raise ValueError(f"--allow {args.allow!r} is for the solver: add --solve")
     if limit is None:
@@ -79,7 +80,6 @@ def _cmd_solve(args: argparse.Namespace, cfg: EngineConfig, limit: int | None, w
     if len(grid.precisions) == 1:  # --precisions bf16: that one
         from mct.config import with_values
         cfg = with_values(cfg, {"precision.mode": grid.precisions[0]})
-    device = planned_device(cfg)
     space = space_for(work, cfg, allow, device, stages=tuple(grid.stages), search_policy=True,
                       world=args.world_size)
     from mct.planner.pool import WorkerDied

@@ -16,7 +16,7 @@ from mct.planner.dry_run import (DryRun, DryRunHooks, LossFn, ModelFn, Optimizer
                                  dry_run_task)
 from mct.planner.grid import PLANNED_POLICIES, PRECISIONS, STAGES, Grid
 from mct.planner.auto import resolve_auto
-from mct.planner.plan import Plan, make_plan, peak_check, step_cost
+from mct.planner.plan import Plan, make_plan, peak_check, step_cost, target_device
 from mct.planner.pool import plan_workers
 from mct.task import Task, load_workload, token_batch, token_loss
 
@@ -62,7 +62,7 @@ def predict_peak(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineC
 
 def plan_task(task: Task, config: EngineConfig | dict | None = None, world_size: int = 1,
               budget: int | str | None = None, grid: Grid = Grid(), *, extrapolate: bool = True,
-              workers: int | None = None) -> Plan:
+              workers: int | None = None, device: str | None = None) -> Plan:
     """Every configuration of ``grid`` (``Grid``: stages x policies x precisions x
     offload labels; default every stage, policy and fp32/bf16 with the config's own
     offload) dry-run for ``task`` on ``world_size`` ranks (other keys as in ``config``),
@@ -72,11 +72,14 @@ def plan_task(task: Task, config: EngineConfig | dict | None = None, world_size:
     extended (exact where they repeat; ``mct.planner.depth``); False: every
     configuration at full depth. ``workers``: processes for a long grid's dry runs
     (``mct.planner.pool``; None: one per usable core, at most 8; 1: all in this
-    process); the rows are the same. Raises ValueError as ``predict_peak``, or for a
-    bad budget or worker count."""
+    process); the rows are the same. ``device``: the device type the run computes on, 'cpu' or
+    'cuda' (default: this machine's own; ``Plan.device``): the process peak's terms, and step
+    times only where this machine computes on it. Raises ValueError as ``predict_peak``, or for a
+    bad budget, worker count or device."""
     cfg = _config(config)
     limit = with_values(cfg, {"memory.budget": budget}).memory.budget if budget is not None else cfg.memory.budget
-    return make_plan(task, cfg, world_size, limit, grid, extrapolate=extrapolate, workers=plan_workers(workers))
+    return make_plan(task, cfg, world_size, limit, grid, extrapolate=extrapolate, workers=plan_workers(workers),
+                     device=target_device(cfg, device))
 
 
 def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | dict | None = None,
@@ -84,7 +87,7 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
          param_groups: ParamGroupsFn | None = None, stages: tuple = STAGES, policies: tuple = PLANNED_POLICIES,
          precisions: tuple = PRECISIONS, offloads: tuple | None = None, extrapolate: bool = True,
          workers: int | None = None, act_offloads: tuple | None = None,
-         loss_chunks: tuple | None = None) -> Plan:
+         loss_chunks: tuple | None = None, device: str | None = None) -> Plan:
     """``plan_task`` of ``Task(model_fn, loss_fn, batch, optimizer, param_groups)`` over
     ``Grid(stages, policies, precisions, offloads)``: every ZeRO stage x checkpointing
     policy x precision (x offload label: 'none', 'optimizer=cpu|disk',
@@ -92,10 +95,11 @@ def plan(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig | 
     ``world_size`` ranks, and the recommendation for ``budget``. Raises ValueError as
     ``plan_task``. ``act_offloads``: checkpointing.offload tiers to plan ('none', 'cpu',
     'disk'; default the config's own; each row's ``act_offload``); ``loss_chunks``:
-    train.loss_chunk_tokens values to plan (0 = off; default the config's own)."""
+    train.loss_chunk_tokens values to plan (0 = off; default the config's own); ``device``:
+    'cpu' or 'cuda', the device the run computes on (default: this machine's own)."""
     task = Task(model_fn, loss_fn, batch, optimizer, param_groups)
     return plan_task(task, config, world_size, budget, Grid(tuple(stages), tuple(policies), tuple(precisions),
                                                             tuple(offloads) if offloads else None,
                                                             tuple(act_offloads) if act_offloads else None,
                                                             tuple(loss_chunks) if loss_chunks else None),
-                     extrapolate=extrapolate, workers=workers)
+                     extrapolate=extrapolate, workers=workers, device=device)

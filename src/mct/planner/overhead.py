@@ -19,7 +19,7 @@ import torch
 from mct.config import EngineConfig
 from mct.dist import DistContext
 from mct.engine import Engine
-from mct.machine import MachineProfile, calibrate
+from mct.machine import MachineProfile, calibrate, default_device
 from mct.machine.cache import cached, remember, say_line
 from mct.machine.collectives import measure_collectives, spawn_ranks
 from mct.machine.load import LoadWatch
@@ -96,6 +96,17 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
         profile, warning = _with_overhead(profile, 1 if device == "cuda" else threads, n)
         warnings += [warning] if warning else []
     return _noted(rates_for(profile, world, threads), profile), warnings
+
+
+def device_rates(world: int, device: str, *, measure: bool = True) -> tuple[Rates | None, list[str]]:
+    """``machine_rates`` for a plan of a ``device`` run ('cpu' or 'cuda'), when this machine
+    computes on that device type; else no rates (a profile times only its own device type, and
+    no roofline of another device is modelled) and a note saying so. Never measures then."""
+    here = default_device()
+    if device != here:
+        return None, [f"none for {device}: this machine computes on {here} and its profile times only that "
+                      f"(plan on a {device} machine for s/step and tokens/s)"]
+    return machine_rates(world, device, measure=measure)
 
 
 def _noted(rates: Rates, profile: MachineProfile) -> Rates:

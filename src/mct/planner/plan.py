@@ -41,6 +41,7 @@ from typing import Any
 
 from mct.checkpointing import block_choices, find_blocks, find_mlps
 from mct.config import OFFLOAD_TIERS, EngineConfig, PrecisionMode
+from mct.machine import default_device
 from mct.memory.tracker import CATEGORIES, format_bytes
 from mct.planner.depth import Prepared, extrapolated, shape_for
 from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, meta_model
@@ -48,7 +49,7 @@ from mct.planner.grid import (PLANNED_POLICIES, PRECISIONS, STAGES, Grid, batch_
                               map_task, smaller_batch, task_of)
 from mct.planner.choice import NO_OFFLOAD, Choice, OffloadChoice, PlanRow, apply, figure_of, seconds_of
 from mct.planner.pool import run_jobs
-from mct.planner.overhead import machine_rates
+from mct.planner.overhead import device_rates
 from mct.planner.resident import ProcessModel, process_model
 from mct.planner.steptime import Rates, step_time, tokens_per_step
 from mct.task.build import builds_on_meta
@@ -182,13 +183,15 @@ class Plan:
     (its ``peak``), as ``memory.budget_counts`` says."""
     process: ProcessModel | None = None
     """The process model the rows used (None: none known); not serialized."""
+    device: str = "cpu"
+    """The device type the plan is for ('cpu' or 'cuda'; ``mct plan --device``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "budget_counts": self.budget_counts, "world": self.world,
                 "n_params": self.n_params, "precision": self.precision, "advice": self.advice,
                 "recommended": self.recommended.to_dict() if self.recommended is not None else None,
                 "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
-                "process_note": self.process_note}
+                "process_note": self.process_note, "device": self.device}
 
     def figure(self, run: DryRun, offload: bool) -> int:
         """The figure this plan's budget compares for a dry run (its process or tensor peak)."""
@@ -204,14 +207,38 @@ def planned_device(cfg: EngineConfig) -> str:
     return "cuda" if cfg.distributed.backend == "nccl" else "cpu"
 
 
+DEVICES = ("cpu", "cuda")
+"""The device types a plan can be for (``mct plan --device``)."""
+
+
+def target_device(cfg: EngineConfig, device: str | None = None) -> str:
+    """The device type a plan is for: ``device`` when given ('cpu' or 'cuda', from any machine),
+    else the one a run of ``cfg`` would take here (``mct.dist``: 'cuda' with ``distributed.backend
+    = "nccl"``, or with 'auto' where torch sees a CUDA device; else 'cpu'). Raises ValueError
+    naming ``device`` when it is not a device type."""
+    if device is None:
+        backend = cfg.distributed.backend
+        return "cuda" if backend == "nccl" or (backend == "auto" and default_device() == "cuda") else "cpu"
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: choose cpu or cuda (the device the run will compute on; "
+                         f"default: this machine's own)")
+    return device
+
+
 def for_device(cfg: EngineConfig, device: str) -> EngineConfig:
     """``cfg`` as a dry run (on this CPU's fake tensors) must run it to predict a run on
     ``device``: a CUDA run never takes a CPU's fp32 kernels for its bf16/fp16 matmuls
     (``precision.cpu_matmul`` is for CPU devices), so its dry run takes the native ones
-    whatever this CPU has; a CPU run, as configured (this CPU's kernels)."""
-    if device == "cpu" or cfg.precision.cpu_matmul == "native":
-        return cfg
-    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, cpu_matmul="native"))
+    whatever this CPU has, and its simulated ranks stand for NCCL ranks on CUDA devices
+    (``distributed.backend = "nccl"``: NCCL's collectives, activation offload's 'cpu' tier);
+    a CPU run, as configured (this CPU's kernels, gloo)."""
+    dist = cfg.distributed
+    if device == "cpu":
+        return cfg if dist.backend != "nccl" else dataclasses.replace(
+            cfg, distributed=dataclasses.replace(dist, backend="gloo"))
+    prec = cfg.precision if cfg.precision.cpu_matmul == "native" else \
+        dataclasses.replace(cfg.precision, cpu_matmul="native")
+    return dataclasses.replace(cfg, precision=prec, distributed=dataclasses.replace(dist, backend="nccl"))
 
 
 def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None, grid: Grid = Grid(), *,
@@ -233,9 +260,10 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     model's structure, its construction) is found once (``prepare_work``). ``workers`` > 1:
     a long grid's dry runs run in up to that many forked processes (``mct.planner.pool``;
     the same rows). ``rates``: what turns each row's step into seconds (``step_s``,
-    ``tokens_per_s``); default this machine's for ``device`` (``overhead.machine_rates``:
+    ``tokens_per_s``); default this machine's for ``device`` (``overhead.device_rates``:
     measured on first use, then cached; ``measure=False``: the cache only, no step times
-    without one).
+    without one; none where this machine computes on another device type). ``device``: the
+    device type the run computes on ('cpu', 'cuda': ``for_device``, the process model's terms).
     Raises ValueError for a bad world size, model factory, config or offload label."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -250,8 +278,9 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     tiles = tuple(dict.fromkeys(int(t) for t in grid.mlp_tiles)) if grid.mlp_tiles else (cfg.checkpointing.mlp_tile_tokens,)
     notes: list[str] = []
     if rates is None:
-        rates, notes = machine_rates(world, device, measure=measure)
-    notes = [*notes, *(rates.notes if rates else ["no machine profile cached: no step times (mct calibrate)"])]
+        rates, notes = device_rates(world, device, measure=measure)
+    if rates is not None or not notes:
+        notes = [*notes, *(rates.notes if rates else ["no machine profile cached: no step times (mct calibrate)"])]
     # one window per context group (parallel.context ranks share it)
     tokens = tokens_per_step(task_of(work).batch, cfg.data.grad_accum, world // cfg.parallel.context)
     work = prepare_work(work, cfg, extrapolate)
@@ -277,7 +306,7 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     # at equal cost the untiled row: step_cost does not count the tiled MLP's extra forward
     fitting = sorted((r for r in mine if r.fits), key=lambda r: (r.seconds, r.mlp_tile_tokens > 0, r.peak, r.stage))
     best = fitting[0] if fitting and budget is not None else None
-    plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why, counts, process)
+    plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why, counts, process, device)
     if advise:
         plan.advice = _advice(plan, work, cfg)
     return plan

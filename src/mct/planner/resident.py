@@ -33,7 +33,10 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
     """(model, note): the process model for ``task``'s rows under ``cfg`` on ``device``, and a
     note ('' or why there is none). The baseline comes from the cache; when none is cached it is
     measured (a few seconds, then cached) unless ``measure`` is False, as on a training rank,
-    which gets None. A library that cannot be imported or a failed probe: None and the reason."""
+    which gets None. A library that cannot be imported or a failed probe: None and the reason.
+    On 'cuda' nothing is measured: nvidia-smi counts the CUDA context, not the host's baseline."""
+    if device == "cuda":
+        return ProcessModel(0, device, cfg.memory.host_malloc), ""
     modules = library_modules(task)
     baseline = cached_baseline(modules)
     if baseline is None and measure:

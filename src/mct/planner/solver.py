@@ -48,7 +48,7 @@ from mct.planner.dry_run import meta_model
 from mct.planner.grid import map_task, prepare_work, resized_batch, task_of
 from mct.planner.pool import run_jobs
 from mct.planner.resident import ProcessModel, process_model
-from mct.planner.overhead import machine_rates
+from mct.planner.overhead import device_rates
 from mct.planner.steptime import tokens_per_step
 from mct.task.spec import with_loss_chunk
 
@@ -146,7 +146,7 @@ def timing(work: Any, cfg: EngineConfig, world: int, device: str = "cpu", *, mea
     """The keywords that give every solver row its predicted seconds (``plan.row``'s ``rates``
     and ``tokens``): this machine's rates (``measure=False``: the cached profile only, as a
     training rank reads it; no rates: rows ranked by their relative cost)."""
-    rates, warnings = machine_rates(world, device, measure=measure)
+    rates, warnings = device_rates(world, device, measure=measure)
     if not measure and int(os.environ.get("RANK", "0")) == 0:  # every rank of a run resolves `auto`; one says it
         for warning in warnings:
             say_line(f"warning: {warning}")

@@ -30,7 +30,8 @@ def format_plan(plan: Plan) -> str:
                       f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
                       *(_bytes_or_dash(v) for v in (r.process_peak, r.runtime_baseline, r.allocator_overhead))])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
-    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {_budget_text(plan)}",
+    lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s) on {plan.device}; budget per rank: "
+             f"{_budget_text(plan)}",
              "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths)) for row in table]
     lines += [f"step time: {note}" for note in plan.time_notes]
@@ -45,7 +46,10 @@ def _bytes_or_dash(n: int | None) -> str:
 
 def _budget_text(plan: Plan) -> str:
     """The budget and the figure it is compared with: '2.00 GiB (process peak, resident set)'."""
-    return f"{format_bytes(plan.budget)} ({counts_text(plan.budget_counts)})" if plan.budget else "none"
+    text = counts_text(plan.budget_counts)
+    if plan.device == "cuda" and plan.budget_counts == "process":
+        text = "process peak, device memory"
+    return f"{format_bytes(plan.budget)} ({text})" if plan.budget else "none"
 
 
 def _legend(plan: Plan) -> list[str]:
@@ -59,7 +63,8 @@ def _legend(plan: Plan) -> list[str]:
              "fits: no budget given (memory.budget counts the process peak unless memory.budget_counts = tensors)"]
     if counts:
         lines += [f"process: each rank's predicted peak, {c}" for c in counts]
-        lines.append("  = runtime baseline + peak + allocator overhead (docs/memory.md)")
+        lines.append("  = CUDA context + peak + caching allocator's reserve (docs/memory.md)" if plan.device == "cuda"
+                     else "  = runtime baseline + peak + allocator overhead (docs/memory.md)")
     elif plan.process_note:
         lines.append(f"process: {plan.process_note}")
     return lines
@@ -75,11 +80,12 @@ BRIEF_WIDTH = 100
 
 
 def plan_header(plan: Plan, cfg: EngineConfig) -> str:
-    """What a plan assumed, in one line: the window, micro-batch, accumulation, ranks and the
-    tokens of one step, and the budget it was asked about."""
+    """What a plan assumed, in two lines: the ranks and their device type, the budget it was asked
+    about; the window, micro-batch, accumulation and the tokens of one step."""
     d, seq = cfg.data, cfg.model.seq_len
     tokens = seq * d.micro_batch_size * d.grad_accum * plan.world
-    return (f"model: {plan.n_params:,} parameters; {plan.world} rank(s); budget per rank: {_budget_text(plan)}\n"
+    return (f"model: {plan.n_params:,} parameters; {plan.world} rank(s) on {plan.device}; budget per rank: "
+            f"{_budget_text(plan)}\n"
             f"step: window {seq} tokens x micro-batch {d.micro_batch_size} x accumulation {d.grad_accum} x "
             f"{plan.world} rank(s) = {tokens:,} tokens")
 
