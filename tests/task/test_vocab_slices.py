@@ -1,7 +1,8 @@
 """The chunked loss with a frozen head streamed in vocabulary slices (``train.loss_vocab_slice``,
 ``mct.task.vocab_slices``): the same loss and hidden-state gradient as the whole-head chunked loss
 (shards with padding rows, ignored targets, one slice or many), the same training on 1-2 ranks at
-stages 0-3 (untied frozen head: streamed from its shards; tied head in the root: views), the head's
+stages 0-3 (untied frozen head, the GPT's and a LoRA transformers Llama's: streamed from its shards;
+LoRA GPT's tied head in the root: views), the head's
 unit never gathered whole, the planner's backward equal to the run's (frozen, activations, other), and one-line errors for bad values."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mct.task.tokens import chunked_token_loss
 from mct.task.vocab_slices import HeadRows, sliced_cross_entropy
 from tests.distributed import run_distributed
 from tests.helpers import batches, tiny_config
+from tests.planner_models import hf_llama, random_batch
 from tests.zero.test_frozen_ends import untied_frozen_ends_gpt
 
 
@@ -67,8 +69,8 @@ def _sgd(groups: list) -> torch.optim.Optimizer:
 
 def _train(rank: int, world: int, build: str, stage: int, slice_rows: int) -> dict:
     torch.manual_seed(0)
-    model = untied_frozen_ends_gpt() if build == "untied" else GPT(tiny_config().model)
-    if build == "tied":
+    model = {"untied": untied_frozen_ends_gpt, "tied": lambda: GPT(tiny_config().model), "llama": hf_llama}[build]()
+    if build in ("tied", "llama"):  # LoRA: a tied head frozen in the root; a Llama's untied head frozen alone
         apply_adapters(model, AdapterConfig(kind="lora", rank=2, alpha=4.0))
         with torch.no_grad():  # B = 0 at init: make the adapters count from the first step
             for n, p in model.named_parameters():
@@ -89,7 +91,8 @@ def _train(rank: int, world: int, build: str, stage: int, slice_rows: int) -> di
             return whole(*args, **kwargs)
         unit.gather = counted
     loss = chunked_token_loss(8)
-    out = [engine.train_step(batches(s, rank, world, B=3), loss) for s in range(2)]
+    data = (lambda s: random_batch(s, rank, 3)) if build == "llama" else (lambda s: batches(s, rank, world, B=3))
+    out = [engine.train_step(data(s), loss) for s in range(2)]
     gathers = head_gathers[0]  # (full_state_dict gathers every frozen unit: not counted)
     final = {n: t for n, t in engine.full_state_dict().items() if n in names}
     trained = {n: {"update": (t - start[n]).tolist(), "norm": float(t.norm())} for n, t in final.items()}
@@ -98,13 +101,15 @@ def _train(rank: int, world: int, build: str, stage: int, slice_rows: int) -> di
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("build, stage", [("untied", 3), ("untied", 1), ("tied", 3)])
+@pytest.mark.parametrize("build, stage", [("untied", 3), ("untied", 1), ("tied", 3), ("llama", 3)])
 def test_two_ranks_train_the_same_with_the_head_in_slices_and_never_gather_it_whole(build, stage):
     got = run_distributed(_train, 2, build, stage, 24)[0]  # 256 rows: 128 per rank, 12 per slice: 11 slices
     want = run_distributed(_train, 2, build, stage, 0)[0]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=0), (got["loss"], want["loss"])
     for n, t in want["trained"].items():
         assert _close(got["trained"][n]["update"], t), n
+    if build == "llama":
+        assert got["head_gathers"] == 0 and want["head_gathers"] >= 4, (got["head_gathers"], want["head_gathers"])
     if build == "untied":  # streamed: the head's unit is never gathered whole; else for its call and backward
         assert got["head_gathers"] == 0 and want["head_gathers"] >= 4, (got["head_gathers"], want["head_gathers"])
         # the planner's dry run of the backward (where the head's slices and logits blocks live)
