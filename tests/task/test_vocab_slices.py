@@ -120,7 +120,8 @@ def test_two_ranks_train_the_same_with_the_head_in_slices_and_never_gather_it_wh
 
 
 def _cfg_for(stage: int, slice_rows: int) -> mct.EngineConfig:
-    return tiny_config(zero={"stage": stage, "prefetch": False}, checkpointing={"policy": "all"},
+    """Stage 3 prefetches (the block before the head must not prefetch a streamed head whole)."""
+    return tiny_config(zero={"stage": stage, "prefetch": stage == 3}, checkpointing={"policy": "all"},
                        train={"loss_chunk_tokens": 8, "loss_vocab_slice": slice_rows})
 
 

@@ -14,7 +14,7 @@ own, in ``blocks`` before the first and after the last block (``split_frozen_end
 for their own call, and the head again for its backward, rather than with the root.
 A streamed head (``streams``: the chunked loss reaches its rows a vocabulary slice at a
 time, ``mct.task.vocab_slices``) is not gathered for a call its predicate says is streamed,
-nor for that call's backward.
+nor for that call's backward, and is never prefetched.
 The root unit (parameters outside blocks, and weights shared between units such as
 tied embeddings) follows the same lifecycle on the model itself: gathered when the
 model's forward starts, freed when it returns (the loss and the start of backward, where
@@ -100,6 +100,8 @@ class Stage3Lifecycle:
 
     def _prefetch(self, name: str, delta: int) -> None:
         nxt = self._neighbour(name, delta) if self.prefetch else None
+        if nxt in self.streams:  # a streamed head reaches its rows itself: a prefetch would gather it whole
+            return
         # backward prefetches only what its backward will gather (a frozen embedding's is none)
         if nxt is not None and (delta > 0 or nxt in self._in_backward):
             self.gather(nxt, async_op=True)
