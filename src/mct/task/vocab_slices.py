@@ -72,9 +72,14 @@ def sliced_cross_entropy(hidden: torch.Tensor, rows: HeadRows, targets: torch.Te
     """Mean cross-entropy of ``hidden @ W.T`` against ``targets`` (hidden [..., C], targets
     [...] int64 -> fp32 scalar; W reached through ``rows``, frozen: no gradient for it),
     ``chunk`` tokens by one slice of W at a time. The matmul runs in the autocast dtype
-    when autocast is on (else ``hidden``'s). Raises ValueError for ``chunk < 1``."""
+    when autocast is on (else ``hidden``'s). Raises ValueError for ``chunk < 1`` or
+    mismatched shapes."""
     if chunk < 1:
         raise ValueError(f"loss chunk = {chunk} tokens must be >= 1; set train.loss_chunk_tokens >= 1 (0 = off)")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"chunked cross-entropy needs hidden [..., C] and targets [...]; got {tuple(hidden.shape)}, "
+                         f"{tuple(targets.shape)}: the model's output head must be applied last, to the hidden "
+                         f"states of the targets' tokens")
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     return _SlicedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), rows, int(chunk),
