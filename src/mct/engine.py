@@ -42,6 +42,8 @@ from mct.persistence.checkpoint import load_engine, save_engine
 from mct.precision import LossScaleFloorError, LossScaler, PrecisionPolicy
 from mct.task.groups import agreement_items, discover_groups
 from mct.task.spec import LossFn, OptimizerFactory
+from mct.task.chunked import attach_head_rows
+from mct.task.vocab_slices import head_rows
 from mct.zero.comm import Comm, first_mismatch
 from mct.zero.frozen import FrozenModel, split_frozen_ends
 from mct.zero.frozen_codec import IdentityCodec
@@ -147,8 +149,11 @@ class Engine:
         first = split_frozen_ends(model, unit_of, [find_input_embedding(model)]) if sharded else []
         last = split_frozen_ends(model, unit_of, [find_output_head(model)]) if sharded else []
         gathered = [*first, *units, *last]  # in the order the step uses them
+        slices = cfg.train.loss_vocab_slice  # a frozen head streamed in vocabulary slices: rows per shard
         self.frozen = FrozenModel(model, unit_of, ["root", *(b for b, _ in gathered)],
                                   shard=self.stage >= 1, comm=self.comm,
+                                  row_units={n: m.weight[0].numel() for n, m in last
+                                             if slices and getattr(m, "weight", None) is not None},
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
                                   device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter),
                                   materialize=None if init_program is None else
@@ -156,8 +161,14 @@ class Engine:
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
                          *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in gathered)]}
         lifecycle = {b: us for b, us in lifecycle.items() if us}
+        head = find_output_head(model)
+        head_unit = self.frozen.units_by_block[last[0][0]][0] if last else None
+        rows = head_rows(head, head_unit, self.comm, slices)
+        if rows is not None:
+            attach_head_rows(head, rows)
         self.stage3 = (Stage3Lifecycle(gathered, lifecycle, self.comm, self.tracker, cfg.zero.prefetch, root=model,
-                                       reshard_root=cfg.zero.reshard_root_after_forward)
+                                       reshard_root=cfg.zero.reshard_root_after_forward,
+                                       streams={last[0][0]: rows} if rows is not None and head_unit is not None else None)
                        if lifecycle or self.stage == 3 else None)
         # one host, stage 3: a step's gathers read the peers' masters (or their casts) from shared memory
         self.shared, why = share_masters(self.sharded.units, self.comm, enabled=cfg.distributed.shared_memory,

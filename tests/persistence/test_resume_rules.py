@@ -26,7 +26,7 @@ OTHER: dict[str, object] = {
     "train.keep_checkpoints": 4, "train.tensorboard": True, "train.max_rollbacks": 1, "train.snapshot_every": 0,
     "train.loss_spike_factor": 3.0, "train.loss_spike_window": 10, "train.grad_norm_factor": 0.0,
     "train.max_consecutive_skips": 5, "train.lr_cut_factor": 0.25, "train.preempt_timeout_s": 5.0,
-    "train.init_from": "weights.safetensors", "train.loss_chunk_tokens": 64,
+    "train.init_from": "weights.safetensors", "train.loss_chunk_tokens": 64, "train.loss_vocab_slice": 4096,
     "precision.mode": "bf16", "precision.reduce_dtype": "param", "precision.initial_scale_power": 8,
     "precision.growth_interval": 10, "precision.hysteresis": 1, "precision.min_scale": 2.0,
     "precision.cpu_matmul": "native",

@@ -172,6 +172,10 @@ class TrainConfig:
     """Chunked linear cross-entropy: the output head, log-softmax and loss run over this many tokens at a
     time, so the [tokens, vocab] logits never exist (backward recomputes one chunk at a time); 0 = off.
     Used by the default loss of every model source (docs/planner.md, "Loss chunking")."""
+    loss_vocab_slice: int = 0
+    """With the chunked loss and a frozen output head (adapters): the head is reached this many vocabulary
+    rows at a time, forward and backward, never whole (a sharded head is gathered a slice at a time);
+    0 = the whole head (docs/qlora.md)."""
 
     ON_RESUME: ClassVar[dict[str, OnResume]] = {
         "steps": may("the run continues to the new count (or stops at once when it is already there); "
@@ -187,6 +191,8 @@ class TrainConfig:
                         may("the divergence and signal handling use the new value from the resumed step on")),
         "init_from": fixed("a resume continues from the run's checkpoint, never from other weights"),
         "loss_chunk_tokens": may("the loss runs over the new chunks: the same values up to summation order"),
+        "loss_vocab_slice": may("the loss reaches the head in the new slices: the same values up to summation "
+                                "order"),
     }
 
     def __post_init__(self) -> None:
@@ -207,6 +213,7 @@ class TrainConfig:
             _check_range(f"train.{k}", getattr(self, k), 0)
         _check_range("train.loss_spike_window", self.loss_spike_window, 1)
         _check_range("train.loss_chunk_tokens", self.loss_chunk_tokens, 0)
+        _check_range("train.loss_vocab_slice", self.loss_vocab_slice, 0)
         _check_range("train.max_consecutive_skips", self.max_consecutive_skips, 1)
         _check_range("train.lr_cut_factor", self.lr_cut_factor, 0.0, 1.0, lo_open=True)
         _check_range("train.preempt_timeout_s", self.preempt_timeout_s, 0.0, lo_open=True)

@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from mct.checkpointing.blocks import find_output_head
+from mct.task.vocab_slices import HeadRows, sliced_cross_entropy
 
 IGNORE_INDEX = -100
 """Targets with this value do not count (``F.cross_entropy``'s default)."""
@@ -150,6 +151,19 @@ def output_head(model: nn.Module) -> nn.Module:
     return head
 
 
+_ROWS = "_vocab_rows"
+"""The attribute of a head module that holds its ``HeadRows`` (``attach_head_rows``)."""
+
+
+def attach_head_rows(head: nn.Module, rows: HeadRows | None) -> None:
+    """From now on the chunked loss reaches ``head``'s (frozen) weight through ``rows``, a
+    vocabulary slice at a time (None: detach, the whole weight again). Mutates ``head``."""
+    if rows is None:
+        head.__dict__.pop(_ROWS, None)
+    else:
+        head.__dict__[_ROWS] = rows
+
+
 @contextmanager
 def _head_as_loss(head: nn.Module, targets: torch.Tensor, chunk: int) -> Iterator[list]:
     """Within: ``head(hidden)`` returns the chunked loss of ``hidden`` against ``targets``
@@ -159,14 +173,23 @@ def _head_as_loss(head: nn.Module, targets: torch.Tensor, chunk: int) -> Iterato
     had_own = "forward" in head.__dict__
     own = head.__dict__.get("forward")
 
+    rows: HeadRows | None = head.__dict__.get(_ROWS)
+
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        loss = linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), targets, chunk)
+        if rows is not None:
+            loss = sliced_cross_entropy(hidden, rows, targets, chunk, IGNORE_INDEX)
+        else:
+            loss = linear_cross_entropy(hidden, head.weight, getattr(head, "bias", None), targets, chunk)
         produced.append(loss)
         return loss
     head.forward = forward
+    if rows is not None:
+        rows.active = True
     try:
         yield produced
     finally:
+        if rows is not None:
+            rows.active = False
         if had_own:
             head.forward = own
         else:

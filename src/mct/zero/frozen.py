@@ -165,6 +165,30 @@ class FrozenUnit:
     def stored_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored.values())
 
+    def row_length(self) -> int:
+        """Elements per row of the unit's only parameter when its shards hold whole rows
+        (``FrozenModel(row_units=...)``) and it is stored as it is; 0 otherwise."""
+        if len(self.params) != 1 or not self.direct or len(self.layout.shapes[0]) < 2:
+            return 0
+        row = math.prod(self.layout.shapes[0][1:])
+        return row if self.layout.offsets[0] == 0 and self.layout.shard_numel % row == 0 else 0
+
+    def gather_rows(self, comm: Comm, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of every rank's shard of the unit's only parameter (rank r holds rows
+        [r * R, (r + 1) * R), R = shard_numel / row length): rows r * R + lo .. r * R + hi
+        of each rank in rank order, a [world * (hi - lo), row] tensor in the working dtype
+        (padding rows past the parameter are zeros). Collective: one all-gather of elements
+        [lo * row, hi * row) of every shard; a resident unit returns a view, with none.
+        Requires ``row_length() > 0`` (assert)."""
+        row = self.row_length()
+        assert row > 0 and 0 <= lo <= hi <= self.layout.shard_numel // row, (self.name, row, lo, hi)
+        if self.resident:
+            return self.working[lo * row:hi * row].view(hi - lo, row)
+        part = self.stored["data"][lo * row:hi * row]
+        out = torch.empty(self.layout.world * part.numel(), dtype=self.dtype, device=part.device)
+        comm.all_gather(part, out)
+        return out.view(-1, row)
+
 
 class FrozenModel:
     """A model's frozen parameters: ``units`` (sharded, ``shard=True``) or left whole on
@@ -174,7 +198,7 @@ class FrozenModel:
 
     def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
                  comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker,
-                 coded: dict[str, FrozenCodec] | None = None,
+                 coded: dict[str, FrozenCodec] | None = None, row_units: dict[str, int] | None = None,
                  materialize: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
         in the order to pack. ``codec`` stores every frozen parameter but those ``coded``
@@ -182,7 +206,9 @@ class FrozenModel:
         unit's parameters of another codec form a unit of their own, ``<unit>/frozen-<name>``.
         ``materialize(params)``: a model built on meta gets each unit's values just before
         it is packed (so no rank holds the whole frozen base), loose ones up front; they are
-        cast to ``dtype``. Registers the stored shards and working buffers with ``tracker``
+        cast to ``dtype``. ``row_units``: unit name -> row length; that unit's shards hold
+        whole rows (a streamed head: ``FrozenUnit.gather_rows``). Registers the stored
+        shards and working buffers with ``tracker``
         under 'frozen'."""
         self.comm, self.dtype = comm, dtype
         self.digest_cache: dict | None = None  # mct.persistence.base_manifest.frozen_digests
@@ -199,7 +225,9 @@ class FrozenModel:
                 these = [(n, p) for n, p in mine if coded.get(n, codec) is c]
                 if these:
                     suffix = "frozen" if c is codec else f"frozen-{getattr(c, 'name', 'coded')}"
-                    self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker))
+                    rows = (row_units or {}).get(uname, 1) if c is codec else 1
+                    self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker,
+                                                 rows))
         if materialize is not None and self.loose:
             materialize([p for _, p in self.loose])
             with torch.no_grad():
@@ -213,12 +241,13 @@ class FrozenModel:
         self._tracker = tracker
 
     def _unit(self, name: str, params: list[tuple[str, nn.Parameter]], codec: FrozenCodec, shard: bool,
-              dtype: torch.dtype, device: torch.device, tracker) -> FrozenUnit:
+              dtype: torch.dtype, device: torch.device, tracker, row: int = 1) -> FrozenUnit:
         """One unit packed, encoded, registered with ``tracker`` and released. Every parameter
-        starts on a multiple of the codec's ``align``: each is encoded as it would be alone."""
+        starts on a multiple of the codec's ``align``: each is encoded as it would be alone;
+        every shard holds a multiple of ``row`` elements."""
         world, rank = (self.comm.world, self.comm.rank) if shard else (1, 0)
         layout = build_layout([n for n, _ in params], [p.shape for _, p in params], world,
-                              align=math.lcm(ALIGN_ELEMENTS, codec.align), shard_align=codec.align)
+                              align=math.lcm(ALIGN_ELEMENTS, codec.align), shard_align=math.lcm(codec.align, row))
         unit = FrozenUnit(name, params, layout, shard_rank=rank, dtype=dtype, codec=codec, device=device)
         tracker.register_all(unit.stored.values(), "frozen")
         tracker.register(unit.working, "frozen")

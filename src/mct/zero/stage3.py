@@ -12,6 +12,9 @@ including recomputation of checkpointed blocks), "eval" (no-grad forward), "idle
 At stages 1-3 a frozen input embedding and a frozen, untied output head are units of their
 own, in ``blocks`` before the first and after the last block (``split_frozen_ends``): gathered
 for their own call, and the head again for its backward, rather than with the root.
+A streamed head (``streams``: the chunked loss reaches its rows a vocabulary slice at a
+time, ``mct.task.vocab_slices``) is not gathered for a call its predicate says is streamed,
+nor for that call's backward, and is never prefetched.
 The root unit (parameters outside blocks, and weights shared between units such as
 tied embeddings) follows the same lifecycle on the model itself: gathered when the
 model's forward starts, freed when it returns (the loss and the start of backward, where
@@ -46,9 +49,13 @@ class Stage3Lifecycle:
     def __init__(self, blocks: list[tuple[str, nn.Module]],
                  units_by_block: dict[str, list[FlatParamUnit | FrozenUnit]],
                  comm: Comm, tracker, prefetch: bool, root: nn.Module | None = None,
-                 reshard_root: bool = True) -> None:
+                 reshard_root: bool = True, streams: dict[str, object] | None = None) -> None:
         """``units_by_block``: block name (or 'root') -> its units, trainable (stage 3)
-        and frozen (stages 1-3). Every unit is released here."""
+        and frozen (stages 1-3). ``streams``: block name -> an object whose ``active`` is
+        True during a call that reaches the block's weights itself (gather nothing for it).
+        Every unit is released here."""
+        self.streams = streams or {}
+        self._streamed: set[str] = set()  # blocks whose current call is streamed
         self.comm, self.tracker, self.prefetch, self.reshard_root = comm, tracker, prefetch, reshard_root
         self.order = [name for name, _ in blocks if name in units_by_block]
         self.units = units_by_block
@@ -93,6 +100,8 @@ class Stage3Lifecycle:
 
     def _prefetch(self, name: str, delta: int) -> None:
         nxt = self._neighbour(name, delta) if self.prefetch else None
+        if nxt in self.streams:  # a streamed head reaches its rows itself: a prefetch would gather it whole
+            return
         # backward prefetches only what its backward will gather (a frozen embedding's is none)
         if nxt is not None and (delta > 0 or nxt in self._in_backward):
             self.gather(nxt, async_op=True)
@@ -100,6 +109,9 @@ class Stage3Lifecycle:
     # ---- hooks ----
     def _pre_forward(self, name: str):
         def hook(module, args, kwargs):
+            if getattr(self.streams.get(name), "active", False):
+                self._streamed.add(name)
+                return
             self.gather(name)
             if self.phase == Phase.FORWARD:
                 self._prefetch(name, +1)
@@ -128,6 +140,9 @@ class Stage3Lifecycle:
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
+            if name in self._streamed:
+                self._streamed.discard(name)
+                return
             kept = name == "root" and not self.reshard_root and self.phase == Phase.FORWARD  # into backward
             if self.phase in (Phase.FORWARD, Phase.EVAL) and not kept:
                 self.release(name)
