@@ -96,3 +96,15 @@ print(type(engine.optimizer).__module__, engine.tracker.peak_total() > 0, "torch
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
                          env=dict(os.environ, PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}", OMP_NUM_THREADS="1"))
     assert out.stdout.split()[-3:] == ["mct.optim.eager", "True", "False"], out.stdout + out.stderr
+
+
+def test_undecorated_removes_only_torchs_dynamo_wrappers():
+    from mct.optim.eager import undecorated
+
+    def f(x):
+        return x
+    no_grad = torch.no_grad()(f)
+    assert undecorated(torch._disable_dynamo(f)) is f
+    assert undecorated(torch.optim.Optimizer.profile_hook_step(torch._disable_dynamo(f))) is f
+    assert undecorated(no_grad) is no_grad  # another wrapper keeps its meaning
+    assert undecorated(torch._disable_dynamo(no_grad)) is no_grad
