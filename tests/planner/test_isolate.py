@@ -71,3 +71,9 @@ def test_the_runs_flop_count_and_step_work_are_the_same_in_the_child(dynamo_not_
     assert forked[0].method == "flop_counter" and forked[0].hardware > forked[0].model > 0
     assert forked[1] is not None and forked[1].n_ops > 0
     assert (forked[0].model, forked[0].hardware, forked[1]) == (here[0].model, here[0].hardware, here[1])
+
+
+def test_a_daemonic_process_runs_it_here(dynamo_not_loaded, monkeypatch):
+    import multiprocessing
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    assert isolate.run_forked(os.getpid) == os.getpid()

@@ -7,8 +7,8 @@ counts its step's FLOPs or predicts its step time on fake tensors does that in a
 forked for it (``run_forked``): the child inherits the task and the model code, imports
 what the fake tensors need, sends the (small, picklable) result back and exits; this
 process keeps its resident set. Where forking is not safe (``pool.can_fork``: not Linux,
-a CUDA context) or ``torch._dynamo`` is loaded already (nothing left to keep out), the
-function runs here.
+a CUDA context), this process is a daemonic one (multiprocessing forbids it children) or
+``torch._dynamo`` is loaded already (nothing left to keep out), the function runs here.
 
 The child runs one intra-op thread: GNU OpenMP's thread pool does not survive ``fork``
 (a parallel region in the child waits for the parent's threads forever), and fake tensors
@@ -40,8 +40,8 @@ def run_forked(fn: Callable[[], T]) -> T:
     child that ends without an answer (killed, out of memory, an unpicklable result)
     makes ``fn()`` run here instead. Mutates nothing of this process's but what ``fn``
     would when it runs here."""
-    if not keeps_dynamo_out():
-        return fn()
+    if not keeps_dynamo_out() or multiprocessing.current_process().daemon:
+        return fn()  # (a daemonic process, e.g. a pool's worker, may not start children)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(fn, send), daemon=True)
