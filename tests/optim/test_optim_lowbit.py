@@ -167,7 +167,8 @@ def test_default_fp32_path_is_unchanged():
     dynamo wrappers), and the layout keeps its old padding."""
     cfg = tiny_config(zero={"stage": 1})
     opt = make_adamw(cfg.optimizer, lr=1e-3, seed=0, fused=True)([{"params": [torch.zeros(3, requires_grad=True)]}])
-    assert type(opt) is AdamW and isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] and opt.defaults["betas"] == (0.9, 0.999)
+    assert type(opt) is AdamW and isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["fused"] and opt.defaults["betas"] == (0.9, 0.999)
     torch.manual_seed(0)
     e = Engine(GPT(cfg.model), None, cfg)
     assert all(u.layout.shard_align == 1 for u in e.sharded.units)
