@@ -484,3 +484,19 @@ def test_a_tracker_is_a_fresh_process_first_use_of_cuda():
             "x = torch.ones(1 << 20, device='cuda')\nassert t.peak_total() >= 4 << 20, t.peak_total()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_counting_mode_is_dynamo_safe_only_where_torch_dynamo_is_loaded(monkeypatch):
+    """Without torch._dynamo loaded the tracker's dispatch mode is the plain method (its
+    wrapper would import torch._dynamo, about 70 MiB); with it loaded, torch's wrapped one."""
+    import sys
+    from mct.memory import tracker as tracker_module
+    t = tracker_module.MemoryTracker("cpu")
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    plain = tracker_module._counting_mode(t)
+    monkeypatch.setitem(sys.modules, "torch._dynamo", object())
+    safe = tracker_module._counting_mode(t)
+    assert type(plain).__dict__.get("__torch_dispatch__") is tracker_module._CountingMode.__dict__["__torch_dispatch__"]
+    assert not hasattr(type(plain).__torch_dispatch__, "__wrapped__")
+    assert type(safe) is tracker_module._DynamoSafeCountingMode
+    assert type(safe).__torch_dispatch__.__wrapped__ is tracker_module._CountingMode.__dict__["__torch_dispatch__"]

@@ -12,7 +12,7 @@ import mct
 from mct.config import EngineConfig
 from mct.engine import Engine
 from mct.models.gpt import GPT, gpt_loss, optimizer_groups
-from mct.optim import make_adamw
+from mct.optim import AdamW, make_adamw
 from mct.optim.lowbit import BLOCK, LowPrecisionAdamW, codec, native, noise
 from tests.helpers import batches, tiny_config
 
@@ -163,14 +163,16 @@ def test_planner_dry_run_predicts_the_low_precision_step_exactly():
 
 
 def test_default_fp32_path_is_unchanged():
-    """fp32 state: torch's fused AdamW as before, and the layout keeps its old padding."""
+    """fp32 state: torch's fused AdamW as before (mct.optim.AdamW, torch's without the
+    dynamo wrappers), and the layout keeps its old padding."""
     cfg = tiny_config(zero={"stage": 1})
     opt = make_adamw(cfg.optimizer, lr=1e-3, seed=0, fused=True)([{"params": [torch.zeros(3, requires_grad=True)]}])
-    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] and opt.defaults["betas"] == (0.9, 0.999)
+    assert type(opt) is AdamW and isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["fused"] and opt.defaults["betas"] == (0.9, 0.999)
     torch.manual_seed(0)
     e = Engine(GPT(cfg.model), None, cfg)
     assert all(u.layout.shard_align == 1 for u in e.sharded.units)
-    assert type(e.optimizer) is torch.optim.AdamW and e.optimizer.defaults["betas"] == (0.9, 0.999)
+    assert type(e.optimizer) is AdamW and e.optimizer.defaults["betas"] == (0.9, 0.999)
 
 
 def test_config_errors_are_one_line_with_the_fix():

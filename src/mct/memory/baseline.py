@@ -4,8 +4,9 @@ A worker's peak resident set is this baseline, plus its tensor peak, plus what t
 allocator holds beyond live bytes (docs/memory.md). The baseline is measured in a fresh
 interpreter that does what every training process does before it allocates a model: import
 torch and mct's trainer, import the model's library (``modules``: e.g. the module of a
-transformers model class), take one step of torch's AdamW on a one-element parameter (torch's
-optimizers import ``torch._dynamo``, about 70 MiB), and join a one-rank gloo process group.
+transformers model class), take one step of mct's AdamW on a one-element parameter (torch's
+AdamW without the wrappers that import ``torch._dynamo``, about 70 MiB: ``mct.optim.eager``;
+a training rank loads it no more), and join a one-rank gloo process group.
 Its VmHWM is the baseline.
 
 Measured once per key (the Python, torch and model library versions, the modules, the
@@ -33,8 +34,9 @@ for name in sys.argv[1:]:  # first: a missing library fails before torch's impor
 import torch
 import torch.distributed as dist
 import mct.run.trainer
+from mct.optim import AdamW
 p = torch.nn.Parameter(torch.zeros(1))
-opt = torch.optim.AdamW([p], lr=1e-3)
+opt = AdamW([p], lr=1e-3)
 p.grad = torch.zeros(1)
 opt.step()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -43,11 +45,13 @@ dist.destroy_process_group()
 status = open("/proc/self/status").read()
 print(int(status.split("VmHWM:")[1].split()[0]) * 1024)
 """
+PROBE_VERSION = 2
+"""In the key: 2 since the probe's optimizer stopped importing torch._dynamo (1 counted it)."""
 
 
 def baseline_key(modules: tuple[str, ...] = ()) -> str:
     """What the baseline depends on: Python, torch and the modules' packages' versions,
-    the modules and the architecture."""
+    the modules, the architecture and the probe's version."""
     packages = sorted({"torch", *(m.split(".")[0] for m in modules)})
     versions = []
     for name in packages:
@@ -55,7 +59,7 @@ def baseline_key(modules: tuple[str, ...] = ()) -> str:
             versions.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{name} ?")
-    return " | ".join([f"python {platform.python_version()}", *versions, platform.machine(),
+    return " | ".join([f"python {platform.python_version()}", *versions, platform.machine(), f"probe {PROBE_VERSION}",
                        "modules " + (",".join(sorted(modules)) or "-")])
 
 

@@ -138,7 +138,18 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 
 
 class _CountingMode(TorchDispatchMode):
-    """Forwards every op, then hands its outputs to the tracker."""
+    """Forwards every op, then hands its outputs to the tracker. Not wrapped for dynamo:
+    see ``_DynamoSafeCountingMode``."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode.__init_subclass__ wraps a subclass's __torch_dispatch__ in
+        # torch._disable_dynamo when this says True (its default), and that wrapper imports
+        # torch._dynamo (about 70 MiB resident) on the first op, in a run that never
+        # compiles. False leaves the method as written; the wrapped twin below is used when
+        # torch._dynamo is already loaded (``_counting_mode``), so a user who compiles gets
+        # today's behaviour: dynamo skips the tracker's frames instead of tracing them.
+        return False
 
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
@@ -153,6 +164,23 @@ class _CountingMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.tracker._on_op(func, out, (args, kwargs))
         return out
+
+
+class _DynamoSafeCountingMode(_CountingMode):
+    """``_CountingMode`` with ``__torch_dispatch__`` wrapped in ``torch._disable_dynamo``,
+    as torch wraps every dispatch mode's (the wrapper imports torch._dynamo on first use)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _CountingMode.__torch_dispatch__
+
+
+def _counting_mode(tracker: MemoryTracker) -> _CountingMode:
+    """The counting mode for ``tracker``: dynamo-safe where ``torch._dynamo`` is loaded
+    (something in this process may compile), the plain one otherwise (nothing can)."""
+    return (_DynamoSafeCountingMode if "torch._dynamo" in sys.modules else _CountingMode)(tracker)
 
 
 class MemoryTracker:
@@ -403,7 +431,7 @@ class MemoryTracker:
     def _enter_mode(self) -> None:
         self._depth += 1
         if self._depth == 1 and not self._cuda:
-            self._mode = _CountingMode(self)
+            self._mode = _counting_mode(self)
             self._mode.__enter__()
 
     def _exit_mode(self) -> None:

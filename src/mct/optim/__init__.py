@@ -1,8 +1,9 @@
 """Optimizers the engine builds from ``[optimizer]`` (one technique per folder).
 
-``make_adamw`` returns the optimizer factory ``mct.Engine`` takes: torch's AdamW for
-fp32 state (today's path: fused where the recipe asks for it), ``LowPrecisionAdamW``
-(``lowbit/``) for bf16 or int8 moments. Imports nothing of mct above ``config``.
+``make_adamw`` returns the optimizer factory ``mct.Engine`` takes: ``eager.AdamW`` for
+fp32 state (torch's AdamW, bit for bit, fused where the recipe asks for it, without the
+wrappers that import ``torch._dynamo``), ``LowPrecisionAdamW`` (``lowbit/``) for bf16 or
+int8 moments (on the same base). Imports nothing of mct above ``config``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any, Callable
 import torch
 
 from mct.config import OptimizerConfig
+from mct.optim.eager import AdamW, EagerOptimizer
 from mct.optim.lowbit import BLOCK, LowPrecisionAdamW
 
-__all__ = ["LowPrecisionAdamW", "make_adamw", "shard_align", "state_bytes_per_param"]
+__all__ = ["AdamW", "EagerOptimizer", "LowPrecisionAdamW", "make_adamw", "shard_align", "state_bytes_per_param"]
 
 
 def shard_align(state_dtype: str) -> int:
@@ -41,10 +43,10 @@ def make_adamw(cfg: OptimizerConfig, *, lr: float, seed: int, betas: tuple[float
         if cfg.state_dtype != "fp32":
             return LowPrecisionAdamW(groups, lr=lr, state_dtype=cfg.state_dtype, seed=seed, **kwargs)
         if not fused:
-            return torch.optim.AdamW(groups, lr=lr, **kwargs)
+            return AdamW(groups, lr=lr, **kwargs)
         params = [p for g in groups for p in g["params"]]
         ok = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        return torch.optim.AdamW(groups, lr=lr, fused=ok or None, **kwargs)
+        return AdamW(groups, lr=lr, fused=ok or None, **kwargs)
     return factory
 
 

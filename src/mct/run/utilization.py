@@ -21,9 +21,11 @@ from mct.machine.load import Load
 from mct.machine.trust import check_run
 from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare_work
+from mct.planner.isolate import run_forked
 from mct.planner.overhead import machine_rates
 from mct.planner.plan import for_device, predict
 from mct.planner.steptime import step_time
+from mct.planner.work import StepWork
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
 
@@ -53,7 +55,10 @@ class Utilization:
         is ``predicted_step_s`` (the plan ``auto`` made) or a dry run's now
         (``predict_step_s``). Returns the utilization and a warning about the profile
         cache (None when fine). Call on one rank."""
-        flops = step_flops(task, cfg, world_size)
+        want_work = predicted_step_s is None
+        # fake tensors import torch._dynamo: counted in a forked child (mct.planner.isolate)
+        flops, work = run_forked(lambda: (step_flops(task, cfg, world_size),
+                                          step_work(task, cfg, world_size, device_type) if want_work else None))
         cal = calibrate("cuda" if device_type == "cuda" else "cpu")
         prof, threads = cal.profile, threads_per_rank or torch.get_num_threads()
         mode = cfg.precision.mode
@@ -71,7 +76,7 @@ class Utilization:
                     f"{world_size} rank(s){kernels}")
         name = (f"{prof.name} ({' '.join(prof.flags)})" if prof.device == "cuda" else cpu_line())
         if predicted_step_s is None:
-            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads)
+            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads, work=work)
         return cls(flops, peak, note, f"{name}, torch {prof.torch_version}", prof.to_dict(),
                    predicted_step_s), cal.warning
 
@@ -125,21 +130,38 @@ class Utilization:
                 "predicted_step_s": self.predicted_step_s}
 
 
-def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int) -> float | None:
+_DRY_RUN = "dry run"
+"""``predict_step_s``'s default ``work``: make the dry run there."""
+
+
+def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int,
+                   *, work: StepWork | None | str = _DRY_RUN) -> float | None:
     """The time model's seconds per step of ``task`` under ``cfg`` (a dry run, depth
     extrapolated, and this machine's rates; in a training rank nothing is spawned: the
     collectives only when cached), of the step the run's median is made of: untracked, as
     `mct train` tracks memory only on its logged steps, unless it tracks every one
-    (``memory.enforce``, ``train.log_every = 1``). None when the model cannot be dry-run or a concrete
-    config is missing (``auto`` unresolved)."""
+    (``memory.enforce``, ``train.log_every = 1``). ``work``: the dry run's ``step_work``
+    when made already (elsewhere: ``run_forked``). None when the model cannot be dry-run
+    or a concrete config is missing (``auto`` unresolved)."""
     try:
         rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
+    except Exception:  # noqa: BLE001 - as a failed dry run: the run goes on without a prediction
+        return None
+    if work == _DRY_RUN:
+        work = step_work(task, cfg, world_size, device_type)
+    tracked = tracks_every_step(cfg, device_type)
+    return step_time(work, rates, tracked=tracked).total if rates is not None and work is not None else None
+
+
+def step_work(task: Task, cfg: EngineConfig, world_size: int, device_type: str) -> StepWork | None:
+    """One rank's step of ``task`` under ``cfg`` as counts, from a dry run on fake tensors
+    (depth extrapolated); None when the model cannot be dry-run or a concrete config is
+    missing (``auto`` unresolved). Computes nothing real; imports ``torch._dynamo``."""
+    try:
         cfg = for_device(cfg, device_type)
-        run = predict(prepare_work(task, cfg), cfg, world_size)
+        return predict(prepare_work(task, cfg), cfg, world_size).work
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
         return None
-    tracked = tracks_every_step(cfg, device_type)
-    return step_time(run.work, rates, tracked=tracked).total if rates is not None and run.work is not None else None
 
 
 def tracks_every_step(cfg: EngineConfig, device_type: str) -> bool:

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from mct.optim.eager import EagerOptimizer
 from mct.optim.lowbit import codec, native, noise
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -41,14 +42,15 @@ CHUNK = noise.T
 _SALT_M, _SALT_V = 1, 2
 
 
-class LowPrecisionAdamW(torch.optim.Optimizer):
+class LowPrecisionAdamW(EagerOptimizer):
     """AdamW with ``state_dtype`` moments ('bf16': stochastic rounding; 'int8': blockwise
     codes, stochastic rounding; 'fp32': plain fp32 moments through the same loop, a
     check of the arithmetic against ``torch.optim.AdamW``). ``seed`` keys the rounding
     noise. ``native``: None (default) runs the fused CPU kernel where it loads and the
     torch reference elsewhere; False always the reference; True the kernel for every CPU
     tensor (ValueError when it cannot be built). Raises ValueError for arguments torch's
-    AdamW would refuse too, and for amsgrad / maximize (not supported)."""
+    AdamW would refuse too, and for amsgrad / maximize (not supported). An ``EagerOptimizer``:
+    it never imports ``torch._dynamo``."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dtype: str = "bf16",
