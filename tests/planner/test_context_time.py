@@ -53,6 +53,7 @@ def test_step_time_sums_world_and_group_collectives_by_their_own_rates():
                                   ("all_to_all", 10**6, 1, 2): 4})
     got = step_time(work, _rates(groups={2: dict(GROUP_RATES)})).comm_s
     assert got == pytest.approx((2 * 1e-4 + 1e6 / 1e9) + 3 * (1e-5 + 4e6 / 4e9) + 4 * (5e-5 + 1e6 / 1e9))
+    assert work.comm_bytes == 10**6 + 3 * 4 * 10**6 + 4 * 10**6
 
 
 def test_group_rates_are_keyed_by_world_and_group_and_scaled_as_a_ring_beyond_the_measured(eight_cores):

@@ -183,7 +183,7 @@ class StepWork:
 
     @property
     def comm_bytes(self) -> int:
-        return sum(b * n for (_, b, _), n in self.comm.items())
+        return sum(key[1] * n for key, n in self.comm.items())
 
     def plus(self, other: "StepWork", times: int = 1) -> "StepWork":
         """``self + times x other``, count by count (signed: ``times=-1`` subtracts)."""
