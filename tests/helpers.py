@@ -176,8 +176,11 @@ SEEDED_EXTRA = {"op_overhead_s": {**{str(t): 20e-6 for t in range(1, 65)},
                 "byte_overhead_s": {**{str(t): 0.0 for t in range(1, 65)},
                                     **{f"{t}x{w}": 0.0 for t in range(1, 65) for w in range(2, 9)}},
                 "random_elements_per_s": 1e8,
-                "collectives": {f"gloo:{w}": {"all_reduce": [1e-4, 1e9], "reduce_scatter": [1e-4, 1e9],
-                                              "all_gather": [1e-4, 1e9]} for w in range(2, 9)},
+                "collectives": {**{f"gloo:{w}": {"all_reduce": [1e-4, 1e9], "reduce_scatter": [1e-4, 1e9],
+                                                 "all_gather": [1e-4, 1e9]} for w in range(2, 9)},
+                                **{f"gloo:{w}/{g}": {"all_gather": [1e-4, 1e9], "reduce_scatter": [1e-4, 1e9],
+                                                     "all_to_all": [1e-4, 1e9]}
+                                   for w in range(2, 9) for g in range(2, w + 1) if w % g == 0}},
                 "disk_bytes_per_s": 5e8}
 """The time model's rates of that profile (``mct.planner.steptime``): no test waits for
 the per-op overhead or the collectives to be measured unless it asks for it."""

@@ -12,15 +12,17 @@ tokens (``layout``) and gets the exact attention output of its queries over the 
   instead of the gather's whole-window keys and values.
 
 Both take q [B, H, t, D] and k, v [B, Hkv, t, D] (Hkv divides H: grouped-query attention)
-and return [B, H, t, D]; SDPA computes, with the additive mask each shard builds once.
+and return [B, H, t, D]; SDPA computes, with the additive mask each shard builds once. With
+attention dropout each rank draws degree 1's mask of the whole window and uses its part
+(``mct.context.dropout``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mct.context.comm import ContextComm
+from mct.context.dropout import attend, window_noise
 from mct.context.layout import ContextShard
 
 
@@ -31,8 +33,10 @@ def gather_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k:
     of keys up to its last token (at degree N, (2N + 1) / 4N of the window's rows x keys)."""
     to_global = torch.argsort(shard.order)
     k, v = (_repeat_heads(comm.all_gather(t, dim=2)[:, :, to_global], q.shape[1]) for t in (k, v))
-    out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], dropout_p=dropout_p,
-                                          attn_mask=shard.chunk_mask(h, q.dtype), scale=scale)
+    T = shard.order.shape[0]
+    noise = window_noise((q.shape[0], q.shape[1], T, T), dropout_p, q) if dropout_p else None  # degree 1's draw
+    out = [attend(q[:, :, rows], k[:, :, :end], v[:, :, :end], shard.chunk_mask(h, q.dtype), scale,
+                  None if noise is None else noise[:, :, shard.index[rows], :end])
            for h, (rows, end) in enumerate(shard.chunks())]
     return torch.cat(out, dim=2)
 
@@ -44,8 +48,12 @@ def all_to_all_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor
     assert heads_divide(q.shape[1], k.shape[1], comm.degree), (q.shape, k.shape, comm.degree)
     q, k, v = (_to_heads(comm, t) for t in (q, k, v))
     k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
-    mask = shard.heads_mask(q.dtype)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    noise = None
+    if dropout_p:  # degree 1's draw of all heads; mine, keys and queries in gathered order
+        T, h = shard.order.shape[0], q.shape[1]
+        whole = window_noise((q.shape[0], h * comm.degree, T, T), dropout_p, q)
+        noise = whole[:, comm.rank * h:(comm.rank + 1) * h][:, :, shard.order][:, :, :, shard.order]
+    y = attend(q, k, v, shard.heads_mask(q.dtype), scale, noise)
     return _to_tokens(comm, y)
 
 

@@ -23,6 +23,11 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+GROUP_COLLECTIVES: dict[str, Any] = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+                                     "all_to_all": dist.all_to_all_single}
+"""The raw calls ``(out, inp, group=...)`` behind each kind this module counts: what
+``mct.machine.collectives.measure_group_collectives`` times for the time model."""
+
 
 class _Gather(torch.autograd.Function):
     """[t, ...] on each rank -> [degree * t, ...], rank by rank; backward: reduce-scatter."""
@@ -111,12 +116,12 @@ class _CountedGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, calls: Counter, degree: int) -> torch.Tensor:
         ctx.calls, ctx.degree = calls, degree
         out = torch.cat([x] * degree, dim=0)
-        calls["all_gather", out.numel() * out.element_size(), 1] += 1
+        calls["all_gather", out.numel() * out.element_size(), 1, degree] += 1
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.calls["reduce_scatter", grad.numel() * grad.element_size(), 1] += 1
+        ctx.calls["reduce_scatter", grad.numel() * grad.element_size(), 1, ctx.degree] += 1
         return grad[: grad.shape[0] // ctx.degree].clone(), None, None
 
 
@@ -124,22 +129,23 @@ class _CountedAllToAll(torch.autograd.Function):
     """``_AllToAll``'s shapes without a group: counts it forward and backward in ``calls``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, calls: Counter) -> torch.Tensor:
-        ctx.calls = calls
-        calls["all_to_all", x.numel() * x.element_size(), 1] += 1
+    def forward(ctx: Any, x: torch.Tensor, calls: Counter, degree: int) -> torch.Tensor:
+        ctx.calls, ctx.degree = calls, degree
+        calls["all_to_all", x.numel() * x.element_size(), 1, degree] += 1
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.calls["all_to_all", grad.numel() * grad.element_size(), 1] += 1
-        return grad.clone(), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.calls["all_to_all", grad.numel() * grad.element_size(), 1, ctx.degree] += 1
+        return grad.clone(), None, None
 
 
 class SimulatedContextComm(ContextComm):
     """Rank 0 of a group that does not exist: the outputs' shapes, dtypes and lifetimes of
     the real collectives (fake tensors in the planner's dry run), no data exchanged.
-    ``calls``: (kind, bytes, buckets) -> calls the real group would issue, forward and
-    backward (a recomputed block's again), the keys ``SimulatedCollectives.calls`` uses."""
+    ``calls``: (kind, bytes, buckets, group size) -> calls the real group would issue,
+    forward and backward (a recomputed block's again): the keys ``SimulatedCollectives.calls``
+    uses and the group's size, which the time model prices them at."""
 
     def __init__(self, degree: int) -> None:
         super().__init__(None, degree, 0)
@@ -149,7 +155,7 @@ class SimulatedContextComm(ContextComm):
         return _CountedGather.apply(x.movedim(dim, 0), self.calls, self.degree).movedim(0, dim)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        return _CountedAllToAll.apply(x, self.calls)
+        return _CountedAllToAll.apply(x, self.calls, self.degree)
 
     def exchange(self, x: torch.Tensor, tag: int) -> Pending:
         """The real exchange's buffers (``x`` kept until ``wait()``, the received tensor),

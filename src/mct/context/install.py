@@ -8,6 +8,10 @@
   ``config._attn_implementation``), and its forward gets the shard's ``position_ids``
   (RoPE at the tokens' global positions). transformers builds no mask for an
   implementation without a registered mask function; the shard builds it.
+
+Either way every ``nn.Dropout`` becomes a ``mct.context.dropout.WindowDropout`` (degree 1's
+masks), and the attention's dropout probability reaches the context attention, which
+draws degree 1's mask too.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from mct.context.dropout import replace_dropout
 from mct.context.parallel import ContextParallel
 
 HF_ATTENTION = "mct_context"
@@ -25,8 +30,9 @@ HF_ATTENTION = "mct_context"
 
 
 def install(model: nn.Module, cp: ContextParallel) -> None:
-    """Make ``model`` attend through ``cp`` and take its positions from ``cp.shard``
-    (mutates the model: attributes and one forward pre-hook; parameters untouched).
+    """Make ``model`` attend through ``cp``, take its positions from ``cp.shard`` and draw
+    degree 1's dropout masks (mutates the model: attributes, its ``nn.Dropout`` modules
+    swapped, one forward pre-hook; parameters untouched).
     Raises ValueError for a model that takes neither Hugging Face's ``position_ids`` nor
     ``positions``, or that has no attention to route."""
     params = inspect.signature(model.forward).parameters
@@ -47,6 +53,7 @@ def install(model: nn.Module, cp: ContextParallel) -> None:
     if not routed:
         raise ValueError(f"parallel.context > 1 found no attention to split in {type(model).__name__}: "
                          f"set parallel.context = 1")
+    replace_dropout(model, lambda: cp.shard)  # degree 1's masks: the whole window's, this rank's part kept
     model.register_forward_pre_hook(_positions_hook(cp, key), with_kwargs=True)
 
 

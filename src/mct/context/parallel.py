@@ -11,8 +11,9 @@ the mean over context groups of each window's gradient: what degree 1 computes, 
 data-parallel rank holding one group's windows. The engine's reported loss (the mean
 over ranks) is likewise the mean over groups of the windows' losses.
 
-Dropout: each rank draws the masks of its own tokens (the trainer's micro-batch seed plus
-the rank in the group), so a run with dropout is a correct run but not degree 1's draws.
+Dropout: every rank of the group draws degree 1's masks of the whole window from the
+micro-batch's seed and keeps its own tokens' part (``mct.context.dropout``), so a run with
+dropout draws what degree 1 draws.
 """
 
 from __future__ import annotations
@@ -76,10 +77,9 @@ class ContextParallel:
     def loss(self, loss_fn: Callable[[nn.Module, tuple], torch.Tensor], model: nn.Module, batch) -> torch.Tensor:
         """This rank's share of the window loss of ``batch`` (input_ids, targets[, segments])
         (see the module docstring); sets ``shard``. Raises ValueError for another batch shape."""
+        # the trainer's dropout seed (a trailing int) as it is: every rank of the group draws the
+        # whole window's masks from it and keeps its part (mct.context.dropout), as degree 1 draws
         local, self.shard = shard_batch(batch, self.degree, self.comm.rank)
-        # the trainer's dropout seed (a trailing int): offset by the rank in the group, so its
-        # ranks draw independent masks for their tokens rather than one pattern twice
-        local = tuple(v + self.comm.rank if type(v) is int else v for v in local)
         loss = loss_fn(model, local)
         mine = (local[1] != IGNORE_INDEX).sum()
         counted = (batch[1] != IGNORE_INDEX).sum()

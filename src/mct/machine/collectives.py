@@ -13,6 +13,7 @@ call is ``latency + bytes / bandwidth``.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import tempfile
 import time
@@ -21,6 +22,10 @@ from typing import Any, Callable
 import torch
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+GROUP_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+"""The collectives a context group issues (``mct.context.comm``: gloo's and NCCL's own
+``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``), timed by
+``measure_group_collectives`` within groups of ranks."""
 LARGE_BYTES = 8 * 2**20
 """The size bandwidth is timed at: large enough that latency is a small part."""
 
@@ -30,6 +35,30 @@ def measure_collectives(world: int, device: str = "cpu", timeout_s: float = 120.
     'cuda': NCCL, one device per rank). Raises ValueError for a world below 2 or more
     CUDA ranks than devices, RuntimeError when the processes fail or time out."""
     return spawn_ranks(_time_kinds, world, device, (), timeout_s)
+
+
+def measure_group_collectives(world: int, groups: tuple[int, ...], device: str = "cpu",
+                              timeout_s: float = 120.0) -> dict[int, dict[str, list[float]]]:
+    """{group size: {kind: [latency s, bytes/s]}} of the context group's collectives
+    (``GROUP_KINDS``, called as ``mct.context.comm`` calls them) for each size in ``groups``
+    (each must divide ``world``): ``world`` ranks spawned here, cut into groups of that size
+    (``dist.new_subgroups``), every group timing at once, as a run's context groups do. Bytes
+    as the context group counts them: the gathered tensor, the reduce-scattered input, the
+    all-to-all's input. Raises as ``measure_collectives``."""
+    assert all(world % g == 0 and g >= 2 for g in groups), (world, groups)
+    return spawn_ranks(_time_groups, world, device, (tuple(groups),), timeout_s)
+
+
+def _time_groups(rank: int, world: int, dev: torch.device, groups: tuple[int, ...]) -> dict[int, dict]:
+    import torch.distributed as dist
+
+    from mct.context.comm import GROUP_COLLECTIVES
+    out = {}
+    for size in groups:
+        group, _ = dist.new_subgroups(group_size=size)
+        out[size] = {kind: _time_call(functools.partial(GROUP_COLLECTIVES[kind], group=group), kind, size, dev)
+                     for kind in GROUP_KINDS}
+    return out
 
 
 def _time_kinds(rank: int, world: int, dev: torch.device) -> dict[str, list[float]]:
@@ -107,25 +136,44 @@ def _time_kind(kind: str, world: int, dev: torch.device) -> list[float]:
     from mct.zero.comm import TorchCollectives
     ops = TorchCollectives()  # the raw collectives the engine issues (on gloo: sends and receives)
 
+    def call(out: torch.Tensor, inp: torch.Tensor) -> None:
+        if kind == "all_reduce":
+            dist.all_reduce(inp)
+        elif kind == "reduce_scatter":
+            ops.reduce_scatter(out, inp).wait()
+        else:
+            ops.all_gather(out, inp).wait()
+    return _time_call(call, kind, world, dev)
+
+
+def _time_call(call: Callable[[torch.Tensor, torch.Tensor], Any], kind: str, ranks: int,
+               dev: torch.device) -> list[float]:
+    """[latency, bytes/s] of ``call(out, inp)`` for collective ``kind`` over ``ranks`` ranks:
+    the fastest of several calls at ``ranks`` x 1 float32 and at ``LARGE_BYTES`` counted
+    bytes, every rank of the world starting together (a barrier before each). The counted
+    tensor is full size (all-gather's ``out``; reduce-scatter's, all-to-all's and
+    all-reduce's ``inp``), the other one 1/``ranks`` of it (all-to-all's: full size too)."""
+    import torch.distributed as dist
+
     def once(numel: int) -> float:
-        full = torch.ones(numel - numel % world, device=dev)
-        part = torch.empty(full.numel() // world, device=dev)
+        full = torch.ones(numel - numel % ranks, device=dev)
+        part = torch.empty(full.numel() // ranks, device=dev)
+        if kind == "all_to_all":
+            part = torch.empty_like(full)
         best = float("inf")
         for _ in range(10 if numel < 4096 else 4):
             dist.barrier()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            if kind == "all_reduce":
-                dist.all_reduce(full)
-            elif kind == "reduce_scatter":
-                ops.reduce_scatter(part, full).wait()
+            if kind == "all_gather":
+                call(full, part)
             else:
-                ops.all_gather(full, part).wait()
+                call(part, full)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             best = min(best, time.perf_counter() - t0)
         return best
-    latency = once(world)
+    latency = once(ranks)
     big = once(LARGE_BYTES // 4)
     return [latency, LARGE_BYTES / max(big - latency, 1e-9)]

@@ -145,7 +145,10 @@ class MachineProfile:
     what every core gains over one, by size, ``_threads_speedup``);
     'attention_by_dim' {dtype: {'forward'|'backward': [[head width, FLOP/s], ...]}} one
     thread at ``ATTENTION_DIMS``, FLOPs as torch's counter counts them (CPU only);
-    'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}} and 'op_overhead_s'
+    'collectives' {'<backend>:<world>': {kind: [latency s, bytes/s]}}, and
+    {'<backend>:<world>/<group>': {kind: ...}} the context group's collectives within groups
+    of <group> ranks, every group at once (``mct.machine.collectives.measure_group_collectives``;
+    measured on first use, so a profile without them stays valid), and 'op_overhead_s'
     {'<threads>': s of one process alone, '<threads>x<ranks>': s of each of that many
     ranks stepping at once} and 'collective_wait_s' {'<threads>x<ranks>': s a rank waits at
     each collective call of a real step beyond the collective's time} and 'byte_overhead_s'

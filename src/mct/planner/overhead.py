@@ -21,13 +21,13 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.machine import MachineProfile, calibrate, default_device
 from mct.machine.cache import cached, remember, say_line
-from mct.machine.collectives import measure_collectives, spawn_ranks
+from mct.machine.collectives import measure_collectives, measure_group_collectives, spawn_ranks
 from mct.machine.load import LoadWatch
 from mct.machine.passes import measured_line
 from mct.models.gpt import GPT, gpt_loss
 from mct.planner.dry_run import dry_run
-from mct.planner.steptime import (Rates, collective_key, measured_world, overhead_key, rates_for, step_time,
-                                  threads_per_rank)
+from mct.planner.steptime import (Rates, collective_key, context_sizes, group_key, measured_world, overhead_key,
+                                  rates_for, step_time, threads_per_rank)
 
 OVERHEAD_MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 128, "dropout": 0.0}
 """The built-in GPT whose real steps measure the per-op overhead: small enough that its
@@ -84,6 +84,8 @@ def machine_rates(world: int, device: str = "cpu", threads: int | None = None, *
                 warnings += [warning] if warning else []
             except (RuntimeError, ValueError) as e:
                 warnings.append(f"collectives not measured ({e}): communication not counted")
+        profile, warning = _with_group_collectives(profile, world, device)
+        warnings += [warning] if warning else []
     ranks = measured_world(profile, world) if world > 1 and spawn and device == "cpu" else 1
     # The overhead and the wait are measured at the rank's own threads: an op above torch's
     # grain size opens an OpenMP region whose barrier waits for the slowest thread, so a
@@ -107,6 +109,29 @@ def device_rates(world: int, device: str, *, measure: bool = True) -> tuple[Rate
         return None, [f"none for {device}: this machine computes on {here} and its profile times only that "
                       f"(plan on a {device} machine for s/step and tokens/s)"]
     return machine_rates(world, device, measure=measure)
+
+
+def _with_group_collectives(profile: MachineProfile, world: int, device: str) -> tuple[MachineProfile, str | None]:
+    """``profile`` with the context group's collectives at every group size a ``world``-rank
+    run may have (``group_key``; measured and cached where it lacks them, one spawn per
+    measured world: a profile from before they were measured gets them here), and a warning
+    (a failed measurement, an unwritten cache)."""
+    missing: dict[int, set[int]] = {}
+    for g in context_sizes(world):
+        key, g0 = group_key(profile, world, g)
+        if key not in profile.extra.get("collectives", {}):
+            missing.setdefault(int(key.split(":")[1].split("/")[0]), set()).add(g0)
+    warning = None
+    for w, sizes in sorted(missing.items()):
+        try:
+            say_line(f"measuring the context group's collectives (groups of {sorted(sizes)} in {w} ranks) for the "
+                     f"time model (a few seconds; cached)")
+            got = measure_group_collectives(w, tuple(sorted(sizes)), device)
+        except (RuntimeError, ValueError) as e:
+            return profile, f"context collectives not measured ({e}): timed at the world's rates"
+        fresh = {group_key(profile, world, g)[0]: rates for g, rates in got.items()}
+        profile, warning = remember(profile, "collectives", fresh)
+    return profile, warning
 
 
 def _noted(rates: Rates, profile: MachineProfile) -> Rates:

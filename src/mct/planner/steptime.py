@@ -30,7 +30,9 @@
   ``fit_overhead``).
 - **communication**: each collective ``buckets x latency + bytes / bandwidth`` with
   the latency and bandwidth of that kind measured at the world size on this machine
-  (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``), plus a rank's wait for the
+  (gloo on CPU, NCCL on CUDA: ``mct.machine.collectives``); a context group's at its group
+  size, measured with every group of that size in the world timing at once
+  (``measure_group_collectives``, ``Rates.groups``), plus a rank's wait for the
   slower rank at each collective call as measured on real steps at that world
   (``measure_op_overhead``); no overlap with compute.
 - **offload**: the bytes a step moves to and from disk at the measured disk rate (host
@@ -116,6 +118,11 @@ class Rates:
     """{mode: seconds an op costs passing through it} of the modes whose cost was measured
     apart (``StepWork.modes`` 'selective_checkpoint': ``extra['selective_mode_op_s']``);
     any other mode costs ``mode_op_s``."""
+    groups: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    """{group size: {kind: (latency s, bytes/s)}} of the context group's collectives
+    (``mct.machine.collectives.GROUP_KINDS``) within groups of that size at the world
+    (``group_collectives``); a size or kind absent is timed at ``collectives``' rate of that
+    kind (the world's), 0 where neither was measured."""
 
     def matmul_s(self, dtype: str, flops: float, dim: int) -> float:
         """Seconds of one matmul-like op of ``flops`` in ``dtype`` (fp32's rates when
@@ -152,20 +159,22 @@ class Rates:
         curve = self.elementwise_kinds.get(kind, {}).get(dtype) or self.elementwise_by.get(dtype, self.elementwise)
         return nbytes / _loglog(curve, nbytes)
 
-    def collective_s(self, kind: str, nbytes: float, buckets: int) -> float:
+    def collective_s(self, kind: str, nbytes: float, buckets: int, group: int = 0) -> float:
         """Seconds of one collective (kind 'object': an object all-gather or barrier,
         two small all-reduces' latency; 'send_recv': one ring exchange, at the all-gather's
-        rates unless measured); 0 when this kind was not measured."""
+        rates unless measured) over the world, or (``group`` > 0) within a group of that many
+        ranks (``groups``, else the world's rate of ``kind``); 0 when this kind was not measured."""
         if kind == "object":
             lat = self.collectives.get("all_reduce", (0.0, 1.0))[0]
             return 2 * lat + self.wait_s
-        if kind == "send_recv" and kind not in self.collectives:
+        if kind == "send_recv" and kind not in self.collectives and kind not in self.groups.get(group, {}):
             # a ring step (mct.context.ring): each rank sends and receives ``nbytes``, the traffic of
             # a 2-rank all-gather of 2 x nbytes; priced at the all-gather's rates, not overlapped
             kind, nbytes = "all_gather", 2 * nbytes
-        if kind not in self.collectives:
+        got = self.groups.get(group, {}).get(kind) if group else None
+        if got is None and kind not in self.collectives:
             return 0.0
-        lat, bw = self.collectives[kind]
+        lat, bw = got or self.collectives[kind]
         return buckets * lat + nbytes / bw + self.wait_s
 
     def byte_cost(self, nbytes: float) -> float:
@@ -219,7 +228,7 @@ def step_time(work: StepWork, rates: Rates, *, tracked: bool = False) -> StepTim
     for (phase, dtype, flops, nbytes, dim), n in work.attention.items():
         compute += n * max(rates.attention_s(phase, dtype, flops, dim), rates.memory_s(nbytes, dtype))
     compute += sum(n * rates.random_s(elements) for elements, n in work.random.items())
-    comm = sum(n * rates.collective_s(kind, nbytes, buckets) for (kind, nbytes, buckets), n in work.comm.items())
+    comm = sum(n * rates.collective_s(*key) for key, n in work.comm.items())
     offload = sum(nbytes / rates.tiers[tier] for tier, nbytes in work.offload.items() if rates.tiers.get(tier))
     moved = rates.byte_s * rates.charged_bytes(work) if rates.byte_s else 0.0
     moded = sum(n * rates.mode_op_by.get(mode, rates.mode_op_s) for mode, n in work.modes.items())
@@ -286,9 +295,10 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
     if not random:
         notes.append("no random-number rate measured: dropout's masks timed as their bytes only")
     collectives: dict[str, tuple[float, float]] = {}
-    wait = 0.0
+    wait, groups = 0.0, {}
     if world > 1:
         collectives = _collectives(profile, world)
+        groups = {g: got for g in context_sizes(world) if (got := group_collectives(profile, world, g))}
         wait = float(_at_threads(extra.get("collective_wait_s", {}), threads, ranks_here) or 0.0)
         if not collectives:
             notes.append(f"no collectives measured for {world} ranks: communication not counted")
@@ -300,7 +310,7 @@ def rates_for(profile: MachineProfile, world: int, threads: int | None = None, *
                  float(byte_s or 0.0), 1 if device == "cuda" else threads, kinds,
                  float(extra.get("python_mode_op_s") or 0.0),
                  _matmul_reach(profile), float(extra.get("tracker_op_s") or 0.0) if device == "cpu" else 0.0,
-                 {"selective_checkpoint": float(extra.get("selective_mode_op_s") or 0.0)})
+                 {"selective_checkpoint": float(extra.get("selective_mode_op_s") or 0.0)}, groups)
 
 
 def _elementwise_gain(profile: MachineProfile, threads: int) -> Callable[[float], float]:
@@ -409,6 +419,35 @@ def _collectives(profile: MachineProfile, world: int) -> dict[str, tuple[float, 
         return {}
     lat_x = (world - 1) / (w0 - 1)
     bw_x = ((w0 - 1) / w0) / ((world - 1) / world)
+    return {k: (float(v[0]) * lat_x, float(v[1]) * bw_x) for k, v in got.items()}
+
+
+def context_sizes(world: int) -> tuple[int, ...]:
+    """The context group sizes a ``world``-rank run may have: its divisors from 2."""
+    return tuple(g for g in range(2, world + 1) if world % g == 0)
+
+
+def group_key(profile: MachineProfile, world: int, group: int) -> tuple[str, int]:
+    """(the profile's ``extra['collectives']`` key, measured group size) that times the
+    collectives of a context group of ``group`` ranks in a ``world``-rank run:
+    '<backend>:<w>/<g>', groups of g ranks in a world of w, all timing at once. g is
+    ``group`` up to ``measured_world``; w the largest multiple of g up to it (so a
+    4-rank run's groups of 2 on a 2-core machine are timed as one group of 2)."""
+    w0 = measured_world(profile, world)
+    g = min(group, w0)
+    return f"{'nccl' if profile.device == 'cuda' else 'gloo'}:{w0 - w0 % g}/{g}", g
+
+
+def group_collectives(profile: MachineProfile, world: int, group: int) -> dict[str, tuple[float, float]]:
+    """The context group's collectives for groups of ``group`` ranks in a ``world``-rank
+    run, from the profile (``group_key``): a larger group than measured scaled as a ring,
+    as ``_collectives`` scales the world's; {} where not measured."""
+    key, g = group_key(profile, world, group)
+    got = profile.extra.get("collectives", {}).get(key)
+    if not got:
+        return {}
+    lat_x = (group - 1) / (g - 1)
+    bw_x = ((g - 1) / g) / ((group - 1) / group)
     return {k: (float(v[0]) * lat_x, float(v[1]) * bw_x) for k, v in got.items()}
 
 

@@ -142,8 +142,10 @@ OpKey = tuple[str, int, int, int, str]
 """(dtype name, FLOPs, bytes, smallest matrix dimension, kind) of one op; ('', 0, 0, 0, '')
 for a view; the dimension is 0 for an op without FLOPs; the kind one of ``OP_KINDS`` ('' for
 the rest). Code that builds keys by hand may leave the kind out (4 fields: '')."""
-CommKey = tuple[str, int, int]
-"""(kind, bytes, buckets) of one collective (``mct.zero.comm.SimulatedCollectives.calls``)."""
+CommKey = tuple[str, int, int] | tuple[str, int, int, int]
+"""(kind, bytes, buckets) of one collective over the world (``mct.zero.comm.SimulatedCollectives.calls``),
+or (kind, bytes, buckets, group size) of one within a group of ranks (a context group's,
+``mct.context.comm.SimulatedContextComm.calls``)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class StepWork:
 
     @property
     def comm_bytes(self) -> int:
-        return sum(b * n for (_, b, _), n in self.comm.items())
+        return sum(key[1] * n for key, n in self.comm.items())
 
     def plus(self, other: "StepWork", times: int = 1) -> "StepWork":
         """``self + times x other``, count by count (signed: ``times=-1`` subtracts)."""
