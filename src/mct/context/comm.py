@@ -149,7 +149,7 @@ class SimulatedContextComm(ContextComm):
 
     def __init__(self, degree: int) -> None:
         super().__init__(None, degree, 0)
-        self.calls: Counter[tuple[str, int, int]] = Counter()
+        self.calls: Counter[tuple[str, int, int, int]] = Counter()
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return _CountedGather.apply(x.movedim(dim, 0), self.calls, self.degree).movedim(0, dim)
@@ -159,9 +159,9 @@ class SimulatedContextComm(ContextComm):
 
     def exchange(self, x: torch.Tensor, tag: int) -> Pending:
         """The real exchange's buffers (``x`` kept until ``wait()``, the received tensor),
-        counted as ('send_recv', bytes sent, 1)."""
+        counted as ('send_recv', bytes sent, 1, degree)."""
         x = x.contiguous()
-        self.calls["send_recv", x.numel() * x.element_size(), 1] += 1
+        self.calls["send_recv", x.numel() * x.element_size(), 1, self.degree] += 1
         return Pending([], x, torch.empty_like(x))
 
 
