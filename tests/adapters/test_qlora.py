@@ -179,3 +179,31 @@ def test_planned_peak_equals_the_run_with_nf4_units_of_several_chunks(corpus, st
     pred = mct.predict_peak(task.model_fn, loss_fn, step_batches(sampler, cfg, 1, 0), cfg, world_size=1,
                             optimizer=task.optimizer, param_groups=task.param_groups)
     assert pred == peak
+
+
+@pytest.mark.parametrize("policy", ["all", "none"])
+def test_backward_never_holds_two_blocks_decoded_nf4_layers_at_once(corpus, policy):
+    """With prefetch off, a block's decoded NF4 layer is freed before the block below it is
+    gathered for its backward (both happen when the same gradient arrives): at most one
+    block's decoded layer is held at any gather, forward or backward."""
+    from mct.zero.frozen import FrozenUnit
+    cfg = qlora_config(corpus, zero={"stage": 3, "prefetch": False}, checkpointing={"policy": policy})
+    engine, _ = _engine(cfg)
+    blocks = [u for u in engine.frozen.units if u.name.endswith("/frozen-nf4")]
+    assert len(blocks) >= 2, [u.name for u in engine.frozen.units]
+    most = []
+    real_gather = FrozenUnit.gather
+
+    def gather(unit, comm, async_op=False):
+        real_gather(unit, comm, async_op=async_op)
+        most.append(sum(u.gathered for u in blocks))
+    from mct.data import build_data
+    from mct.task.gpt import step_batches
+    task = task_for(cfg)
+    _, sampler = build_data(cfg, 1)
+    FrozenUnit.gather = gather
+    try:
+        engine.train_step(step_batches(sampler, cfg, 0, 0), seeded(task.loss_fn))
+    finally:
+        FrozenUnit.gather = real_gather
+    assert most and max(most) == 1, most

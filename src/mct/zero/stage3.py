@@ -44,6 +44,10 @@ from mct.zero.comm import Comm
 from mct.zero.flat import FlatParamUnit
 from mct.zero.frozen import FrozenUnit
 
+RELEASE_FIRST = "_mct_release_first"
+"""The attribute a block's output tensor carries in forward: the frozen-unit release hooks the
+next block registered on it, run before the producing block's backward gather."""
+
 
 class Stage3Lifecycle:
     def __init__(self, blocks: list[tuple[str, nn.Module]],
@@ -129,14 +133,26 @@ class Stage3Lifecycle:
         self._awaiting[name] = self._awaiting.get(name, 0) + 1
         left = [len(tensors)]
 
-        def hook(grad):
-            left[0] -= 1
-            if left[0] == 0:
-                self._awaiting[name] -= 1
-                if self._awaiting[name] == 0 and name not in self._sticky:
-                    self.release(name, frozen_only=True)
+        def counted(fired: list[bool]):
+            def hook(grad):
+                if fired[0]:  # run already, ahead of a gather (below)
+                    return
+                fired[0] = True
+                left[0] -= 1
+                if left[0] == 0:
+                    self._awaiting[name] -= 1
+                    if self._awaiting[name] == 0 and name not in self._sticky:
+                        self.release(name, frozen_only=True)
+            return hook
         for t in tensors:
+            hook = counted([False])
             t.register_hook(hook)
+            # the block that produced ``t`` gathers its units in backward from a hook on ``t``
+            # registered before this one: that gather runs this release first, so the two
+            # blocks' frozen units are never gathered at once (mct.zero.stage3._pre_backward)
+            ahead = getattr(t, RELEASE_FIRST, None)
+            if ahead is not None:
+                ahead.append(hook)
 
     def _post_forward(self, name: str):
         def hook(module, args, kwargs, output):
@@ -149,15 +165,22 @@ class Stage3Lifecycle:
             if self.phase == Phase.FORWARD:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
-                    t.register_hook(self._pre_backward(name))
+                    ahead: list = []
+                    setattr(t, RELEASE_FIRST, ahead)
+                    t.register_hook(self._pre_backward(name, ahead))
                 if tensors:
                     self._in_backward.add(name)
                 if tensors and self.frozen.get(name) and not self._hooked_inputs.get(name, 0):
                     self._sticky.add(name)  # a backward no input hook can see the end of
         return hook
 
-    def _pre_backward(self, name: str):
+    def _pre_backward(self, name: str, ahead: list):
+        """The hook gathering ``name`` when its output's gradient arrives; ``ahead``: the
+        release hooks later blocks registered on the same output (their backward is done
+        when this gradient is), run first so their frozen units are freed before this gather."""
         def hook(grad):
+            while ahead:
+                ahead.pop(0)(grad)
             self.gather(name)
             self._prefetch(name, -1)
         return hook
