@@ -17,6 +17,8 @@ import torch
 
 from mct.config import EngineConfig, PrecisionMode
 from mct.machine import MachineProfile, calibrate, cpu_line, format_rate
+from mct.machine.cache import Calibration, cache_file, cached
+from mct.machine.aside import measure_aside
 from mct.machine.load import Load
 from mct.machine.trust import check_run
 from mct.planner.flops import StepFlops, step_flops
@@ -54,8 +56,13 @@ class Utilization:
         (``predict_step_s``). Returns the utilization and a warning about the profile
         cache (None when fine). Call on one rank."""
         flops = step_flops(task, cfg, world_size)
-        cal = calibrate("cuda" if device_type == "cuda" else "cpu")
-        prof, threads = cal.profile, threads_per_rank or torch.get_num_threads()
+        threads = threads_per_rank or torch.get_num_threads()
+        # what the cache lacks is measured in a child process: not in this rank's peak resident set
+        device = "cuda" if device_type == "cuda" else "cpu"
+        settled = measure_aside(device, world_size, threads, overhead=predicted_step_s is None)
+        profile = cached(device) if settled else None
+        cal = Calibration(profile, "cache", cache_file()) if profile is not None else calibrate(device)
+        prof = cal.profile
         mode = cfg.precision.mode
         dtype, kernels = mode.value, ""
         if mode.is_low and use_fp32_kernels(cfg.precision.cpu_matmul, device_type, mode.dtype):
@@ -71,7 +78,7 @@ class Utilization:
                     f"{world_size} rank(s){kernels}")
         name = (f"{prof.name} ({' '.join(prof.flags)})" if prof.device == "cuda" else cpu_line())
         if predicted_step_s is None:
-            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads)
+            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads, measure=profile is None)
         return cls(flops, peak, note, f"{name}, torch {prof.torch_version}", prof.to_dict(),
                    predicted_step_s), cal.warning
 
@@ -125,15 +132,18 @@ class Utilization:
                 "predicted_step_s": self.predicted_step_s}
 
 
-def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int) -> float | None:
+def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int,
+                   measure: bool = True) -> float | None:
     """The time model's seconds per step of ``task`` under ``cfg`` (a dry run, depth
     extrapolated, and this machine's rates; in a training rank nothing is spawned: the
     collectives only when cached), of the step the run's median is made of: untracked, as
     `mct train` tracks memory only on its logged steps, unless it tracks every one
     (``memory.enforce``, ``train.log_every = 1``). None when the model cannot be dry-run or a concrete
-    config is missing (``auto`` unresolved)."""
+    config is missing (``auto`` unresolved). ``measure=False``: the cached rates only (what
+    ``mct.machine.aside`` measured)."""
     try:
-        rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
+        rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False,
+                                 measure=measure)
         cfg = for_device(cfg, device_type)
         run = predict(prepare_work(task, cfg), cfg, world_size)
     except Exception:  # noqa: BLE001 - any model may fail on fake tensors; the run goes on without it
