@@ -46,17 +46,17 @@ def empty_cache(tmp_path, monkeypatch, machine_profile_cache) -> Path:
 def test_nothing_is_missing_with_the_seeded_cache_and_no_child_runs(monkeypatch):
     child = FakeChild()
     monkeypatch.setattr(aside.subprocess, "run", child)
-    assert missing("cpu", 2, overhead=True) is None
-    assert measure_aside("cpu", 2, 2, overhead=True) is True and child.calls == []
+    assert missing("cpu", "2") is None
+    assert measure_aside("cpu", 2, 2, overhead_key="2") is True and child.calls == []
 
 
 def test_an_empty_cache_lacks_the_profile_and_the_child_is_no_rank(empty_cache, monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         monkeypatch.setenv(name, "1")
-    assert missing("cpu", 2, overhead=False) == "profile"
+    assert missing("cpu", None) == "profile"
     child = FakeChild(rc=0)
     monkeypatch.setattr(aside.subprocess, "run", child)
-    assert measure_aside("cpu", 2, 3, overhead=True) is True
+    assert measure_aside("cpu", 2, 3, overhead_key="3") is True
     (argv, env), = child.calls
     assert argv[-4:] == ["cpu", "2", "3", "1"] and env["OMP_NUM_THREADS"] == "3"
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(env)
@@ -64,12 +64,12 @@ def test_an_empty_cache_lacks_the_profile_and_the_child_is_no_rank(empty_cache, 
 
 def test_a_failed_child_leaves_the_measurement_to_the_rank(empty_cache, monkeypatch):
     monkeypatch.setattr(aside.subprocess, "run", FakeChild(rc=1))
-    assert measure_aside("cpu", 1, 2, overhead=False) is False
+    assert measure_aside("cpu", 1, 2, overhead_key=None) is False
 
     def hangs(argv, **kw):
         raise subprocess.TimeoutExpired(argv, 1.0)
     monkeypatch.setattr(aside.subprocess, "run", hangs)
-    assert measure_aside("cpu", 1, 2, overhead=False) is False
+    assert measure_aside("cpu", 1, 2, overhead_key=None) is False
 
 
 def test_a_profile_without_the_ranks_overhead_is_missing_it(empty_cache, monkeypatch, tmp_path):
@@ -78,8 +78,8 @@ def test_a_profile_without_the_ranks_overhead_is_missing_it(empty_cache, monkeyp
         profile["extra"]["op_overhead_s"].pop("2")
     target = Path(tmp_path / "cache" / "machine.json")
     target.write_text(json.dumps(entries))
-    assert missing("cpu", 2, overhead=True) == "overhead"
-    assert missing("cpu", 2, overhead=False) is None  # auto's plan gave the step time: no overhead needed
+    assert missing("cpu", "2") == "overhead"
+    assert missing("cpu", None) is None  # auto's plan gave the step time: no overhead needed
 
 
 def test_the_rank_measures_nothing_itself_once_the_child_cached_the_profile(empty_cache, monkeypatch, tmp_path):

@@ -38,23 +38,23 @@ TIMEOUT_S = 1800.0
 seconds: the child is ended well after that."""
 
 
-def missing(device: str, threads: int, *, overhead: bool) -> str | None:
-    """What a training rank of ``device`` at ``threads`` torch threads would measure now:
-    'profile' (none cached, or one suspect, or one measured under load on a machine quiet
-    now: what ``calibrate`` measures again), 'overhead' (``overhead``: the per-op overhead of
-    one process at its threads, what ``machine_rates(spawn=False)`` adds), or None (the
-    cache holds all of it). Reads the cache; watches the load half a second at most."""
-    from mct.planner.steptime import overhead_key  # the planner imports the machine package
+def missing(device: str, overhead_key: str | None) -> str | None:
+    """What a training rank of ``device`` would measure now: 'profile' (none cached, or one
+    suspect, or one measured under load on a machine quiet now: what ``calibrate`` measures
+    again), 'overhead' (the per-op overhead under ``overhead_key``, the planner's
+    ``overhead_key`` of the rank's threads, what ``machine_rates(spawn=False)`` adds; None:
+    not needed), or None (the cache holds all of it). Reads the cache; watches the load half
+    a second at most."""
     profile = cached(device)
     if profile is None or not profile.pinned and (profile.suspect or (profile.load_busy and quiet_now())):
         return "profile"
-    key = overhead_key(1 if device == "cuda" else threads, 1)
-    if overhead and not all(key in profile.extra.get(k, {}) for k in ("op_overhead_s", "byte_overhead_s")):
+    if overhead_key is not None and not all(overhead_key in profile.extra.get(k, {})
+                                            for k in ("op_overhead_s", "byte_overhead_s")):
         return "overhead"
     return None
 
 
-def measure_aside(device: str, world: int, threads: int, *, overhead: bool,
+def measure_aside(device: str, world: int, threads: int, *, overhead_key: str | None,
                   timeout_s: float = TIMEOUT_S) -> bool:
     """Measure what ``missing`` names in a child interpreter (its progress lines on this
     process's stderr) and let it cache the result. Returns whether the cache now holds what
@@ -63,7 +63,7 @@ def measure_aside(device: str, world: int, threads: int, *, overhead: bool,
     second measurement in the rank would only repeat it, inside the rank's peak). False: the
     child failed or timed out; the caller measures in-process as before. Never raises for a
     failed child."""
-    if missing(device, threads, overhead=overhead) is None:
+    if missing(device, overhead_key) is None:
         return True
     src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads),
@@ -71,7 +71,8 @@ def measure_aside(device: str, world: int, threads: int, *, overhead: bool,
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)  # the child is no rank of the run
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD, device, str(world), str(threads), "1" if overhead else "0"],
+        out = subprocess.run([sys.executable, "-c", CHILD, device, str(world), str(threads),
+                              "0" if overhead_key is None else "1"],
                              env=env, stdout=subprocess.DEVNULL, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -25,7 +25,7 @@ from mct.planner.flops import StepFlops, step_flops
 from mct.planner.grid import prepare_work
 from mct.planner.overhead import machine_rates
 from mct.planner.plan import for_device, predict
-from mct.planner.steptime import step_time
+from mct.planner.steptime import overhead_key, step_time
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
 
@@ -59,7 +59,8 @@ class Utilization:
         threads = threads_per_rank or torch.get_num_threads()
         # what the cache lacks is measured in a child process: not in this rank's peak resident set
         device = "cuda" if device_type == "cuda" else "cpu"
-        settled = measure_aside(device, world_size, threads, overhead=predicted_step_s is None)
+        key = None if predicted_step_s is not None else overhead_key(1 if device == "cuda" else threads, 1)
+        settled = measure_aside(device, world_size, threads, overhead_key=key)
         profile = cached(device) if settled else None
         cal = Calibration(profile, "cache", cache_file()) if profile is not None else calibrate(device)
         prof = cal.profile
