@@ -1,8 +1,9 @@
 """The process peak the planner predicts (``PlanRow.process_peak``: runtime baseline + tensor
 peak + allocator overhead, ``mct.memory.process_peak``) against each worker's measured VmHWM.
 
-For each configuration (the built-in GPT at two odd sizes, a tiny transformers Llama; ZeRO
-stages 0 and 3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc default/lean)
+For each configuration (the built-in GPT at two odd sizes, a tiny transformers Llama and GPT-2;
+ZeRO stages 0, 1 and 3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
+default/lean; offload none/disk)
 it runs ``mct train`` for a few steps as a user would, reads every worker's VmHWM from the
 run's metadata.json (``resident``), and the plan row of the same configuration (dry run, no
 step is timed). Printed: the CPU's model and flags, then per configuration the tensor peak
@@ -31,29 +32,38 @@ MiB = 2**20
 GPT_A = ["model.n_layer=3", "model.n_head=5", "model.d_model=160", "model.seq_len=96", "data.micro_batch_size=3"]
 GPT_B = ["model.n_layer=5", "model.n_head=7", "model.d_model=224", "model.seq_len=128", "data.micro_batch_size=2"]
 LLAMA = ["model.seq_len=64", "data.micro_batch_size=2"]
-CASES: list[tuple[str, list[str], int, bool]] = [  # name, --set values, ranks, is the Llama
-    ("gpt-a s0 none fp32 default", [*GPT_A, "zero.stage=0", "checkpointing.policy=none"], 1, False),
+GPT2 = ["model.seq_len=64", "data.micro_batch_size=2"]
+CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, model ('gpt', 'llama', 'gpt2')
+    ("gpt-a s0 none fp32 default", [*GPT_A, "zero.stage=0", "checkpointing.policy=none"], 1, "gpt"),
     ("gpt-a s0 none fp32 lean", [*GPT_A, "zero.stage=0", "checkpointing.policy=none", "memory.host_malloc=lean"],
-     1, False),
+     1, "gpt"),
     ("gpt-a s3 all bf16 default x2", [*GPT_A, "zero.stage=3", "checkpointing.policy=all", "precision.mode=bf16"],
-     2, False),
-    ("gpt-b s0 all fp32 default", [*GPT_B, "zero.stage=0", "checkpointing.policy=all"], 1, False),
+     2, "gpt"),
+    ("gpt-b s0 all fp32 default", [*GPT_B, "zero.stage=0", "checkpointing.policy=all"], 1, "gpt"),
     ("gpt-b s3 none fp32 lean x2", [*GPT_B, "zero.stage=3", "checkpointing.policy=none", "memory.host_malloc=lean"],
-     2, False),
-    ("llama s0 none fp32 default", [*LLAMA, "zero.stage=0", "checkpointing.policy=none"], 1, True),
+     2, "gpt"),
+    ("llama s0 none fp32 default", [*LLAMA, "zero.stage=0", "checkpointing.policy=none"], 1, "llama"),
     ("llama s3 all fp32 lean x2", [*LLAMA, "zero.stage=3", "checkpointing.policy=all", "memory.host_malloc=lean"],
-     2, True),
+     2, "llama"),
+    # not used to tune the model: a second transformers family, and the optimizer state on disk
+    ("gpt2 s0 all fp32 default", [*GPT2, "zero.stage=0", "checkpointing.policy=all"], 1, "gpt2"),
+    ("gpt-a s1 none fp32 disk x2", [*GPT_A, "zero.stage=1", "checkpointing.policy=none", "offload.optimizer=disk"],
+     2, "gpt"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 
 
-def save_llama(directory: Path) -> None:
-    """A tiny transformers Llama (4 x 128, GQA 2/1, vocab 256) written with save_pretrained."""
+def save_hf(directory: Path, kind: str) -> None:
+    """A tiny transformers model written with save_pretrained: 'llama' (4 x 128, GQA 2/1,
+    vocab 256) or 'gpt2' (3 x 96, 4 heads, vocab 256)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=4,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+    else:
+        config = GPT2Config(vocab_size=256, n_embd=96, n_layer=3, n_head=4, n_positions=256)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
@@ -103,13 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        llama = Path(tmp) / "llama"
-        for name, sets, ranks, is_llama in CASES:
+        for name, sets, ranks, kind in CASES:
             if only and name not in only:
                 continue
-            if is_llama and not llama.exists():
-                save_llama(llama)
-            model = f"hf:{llama}" if is_llama else "gpt"
+            hf = Path(tmp) / kind
+            if kind != "gpt" and not hf.exists():
+                save_hf(hf, kind)
+            model = f"hf:{hf}" if kind != "gpt" else "gpt"
             p = predicted(sets, ranks, model)
             m = measured(sets, ranks, model, args.steps, Path(tmp) / name.replace(" ", "_"))
             worst = max(m["workers"])

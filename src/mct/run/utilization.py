@@ -17,6 +17,8 @@ import torch
 
 from mct.config import EngineConfig, PrecisionMode
 from mct.machine import MachineProfile, calibrate, cpu_line, format_rate
+from mct.machine.cache import Calibration, cache_file, cached
+from mct.machine.aside import measure_aside
 from mct.machine.load import Load
 from mct.machine.trust import check_run
 from mct.planner.flops import StepFlops, step_flops
@@ -24,7 +26,7 @@ from mct.planner.grid import prepare_work
 from mct.planner.isolate import run_forked
 from mct.planner.overhead import machine_rates
 from mct.planner.plan import for_device, predict
-from mct.planner.steptime import step_time
+from mct.planner.steptime import overhead_key, step_time
 from mct.planner.work import StepWork
 from mct.precision.cpu_matmul import use_fp32_kernels
 from mct.task.spec import Task
@@ -59,8 +61,14 @@ class Utilization:
         # fake tensors import torch._dynamo: counted in a forked child (mct.planner.isolate)
         flops, work = run_forked(lambda: (step_flops(task, cfg, world_size),
                                           step_work(task, cfg, world_size, device_type) if want_work else None))
-        cal = calibrate("cuda" if device_type == "cuda" else "cpu")
-        prof, threads = cal.profile, threads_per_rank or torch.get_num_threads()
+        threads = threads_per_rank or torch.get_num_threads()
+        # what the cache lacks is measured in a child process: not in this rank's peak resident set
+        device = "cuda" if device_type == "cuda" else "cpu"
+        key = None if predicted_step_s is not None else overhead_key(1 if device == "cuda" else threads, 1)
+        settled = measure_aside(device, world_size, threads, overhead_key=key)
+        profile = cached(device) if settled else None
+        cal = Calibration(profile, "cache", cache_file()) if profile is not None else calibrate(device)
+        prof = cal.profile
         mode = cfg.precision.mode
         dtype, kernels = mode.value, ""
         if mode.is_low and use_fp32_kernels(cfg.precision.cpu_matmul, device_type, mode.dtype):
@@ -76,7 +84,8 @@ class Utilization:
                     f"{world_size} rank(s){kernels}")
         name = (f"{prof.name} ({' '.join(prof.flags)})" if prof.device == "cuda" else cpu_line())
         if predicted_step_s is None:
-            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads, work=work)
+            predicted_step_s = predict_step_s(task, cfg, world_size, device_type, threads, work=work,
+                                              measure=profile is None)
         return cls(flops, peak, note, f"{name}, torch {prof.torch_version}", prof.to_dict(),
                    predicted_step_s), cal.warning
 
@@ -135,16 +144,18 @@ _DRY_RUN = "dry run"
 
 
 def predict_step_s(task: Task, cfg: EngineConfig, world_size: int, device_type: str, threads: int,
-                   *, work: StepWork | None | str = _DRY_RUN) -> float | None:
+                   measure: bool = True, *, work: StepWork | None | str = _DRY_RUN) -> float | None:
     """The time model's seconds per step of ``task`` under ``cfg`` (a dry run, depth
     extrapolated, and this machine's rates; in a training rank nothing is spawned: the
     collectives only when cached), of the step the run's median is made of: untracked, as
     `mct train` tracks memory only on its logged steps, unless it tracks every one
     (``memory.enforce``, ``train.log_every = 1``). ``work``: the dry run's ``step_work``
-    when made already (elsewhere: ``run_forked``). None when the model cannot be dry-run
-    or a concrete config is missing (``auto`` unresolved)."""
+    when made already (elsewhere: ``run_forked``). ``measure=False``: the cached rates only
+    (what ``mct.machine.aside`` measured). None when the model cannot be dry-run or a
+    concrete config is missing (``auto`` unresolved)."""
     try:
-        rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False)
+        rates, _ = machine_rates(world_size, "cuda" if device_type == "cuda" else "cpu", threads, spawn=False,
+                                 measure=measure)
     except Exception:  # noqa: BLE001 - as a failed dry run: the run goes on without a prediction
         return None
     if work == _DRY_RUN:
