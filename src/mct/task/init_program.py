@@ -24,6 +24,7 @@ taken as random by name (``RANDOM_INIT_OPS``) or by a ``Generator`` argument in 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -70,6 +71,15 @@ def _is_random(func) -> bool:
 
 
 class _Recorder(TorchDispatchMode):
+    """Records every op of a construction on meta. Not wrapped for dynamo where nothing
+    has loaded it (``_recorder``; as ``mct.memory.tracker._CountingMode``): torch wraps a
+    dispatch mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` unless this says
+    False, and that wrapper imports torch._dynamo (about 70 MiB resident) on the first op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []
@@ -81,7 +91,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # a random fill of a meta tensor in place returns the tensor and computes nothing: not
+        # run (its meta kernel, torch._refs, imports torch._dynamo); recorded below as any op
+        out = args[0] if _fills_in_place(func, args) else func(*args, **kwargs)
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for t in flat_in:
             if t.device.type != "meta":
@@ -101,6 +113,16 @@ class _Recorder(TorchDispatchMode):
                             frozenset(in_keys), frozenset(mutated | {r.key for _, r in fresh}), fresh,
                             _is_random(func)))
         return out
+
+
+def _fills_in_place(func: Any, args: tuple) -> bool:
+    """Whether ``func`` is a random op that writes its first argument, a meta tensor, in
+    place and returns it (``normal_``, ``uniform_``, ...)."""
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    return (_is_random(func) and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_meta
+            and first is not None and first.is_write and ret is not None and ret.is_write)
 
 
 def _on_cpu(value: Any) -> Any:
@@ -177,12 +199,22 @@ def _advance(ops: list[_Op]) -> None:
             op.func(*tree_map(scratch, op.args), **tree_map(scratch, op.kwargs))
 
 
+class _DynamoSafeRecorder(_Recorder):
+    """``_Recorder`` with ``__torch_dispatch__`` wrapped as torch wraps every dispatch mode's."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _Recorder.__torch_dispatch__
+
+
 def record_init(model_fn: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgram]:
     """Build ``model_fn()`` on the meta device; returns the model (every parameter and
     buffer on meta) and the program that materializes any of them. Seed the CPU
     generator before calling, as for a normal construction; it is left as the normal
     construction would leave it. Raises ValueError if construction reads values."""
-    rec = _Recorder()
+    rec = (_DynamoSafeRecorder if "torch._dynamo" in sys.modules else _Recorder)()
     try:
         with torch.device("meta"), rec:
             model = model_fn()
