@@ -43,6 +43,30 @@ def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode
     assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
 
 
+def test_a_recomputing_configuration_counts_torch_dynamo_in_its_baseline():
+    """torch.utils.checkpoint reads torch._dynamo's config, so a run that recomputes loads it
+    (about 70 MiB) and one that does not never does: the baseline counts it for the first only."""
+    model = ProcessModel(250 * MiB, "cpu", "default", dynamo=70 * MiB)
+    plain = model.predict(100 * MiB, PHASES, offload=False)
+    again = model.predict(100 * MiB, PHASES, offload=False, recompute=True)
+    assert plain.baseline == 250 * MiB and again.baseline == 320 * MiB
+    assert again.total - plain.total == 70 * MiB and again.allocator_overhead == plain.allocator_overhead
+
+
+def test_the_dynamo_term_is_the_baseline_with_torch_dynamo_less_the_baseline(tmp_path, monkeypatch):
+    from mct.memory import baseline as bl
+    from mct.planner import resident
+    monkeypatch.setattr(bl, "baseline_file", lambda: tmp_path / "baseline.json")
+    (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB,
+                                                        bl.baseline_key(("torch._dynamo",)): 321 * MiB}))
+    cfg = tiny_config()
+    model, _ = resident.process_model(task_for(cfg), cfg, "cpu", measure=False)
+    assert model.baseline == 250 * MiB and model.dynamo == 71 * MiB
+    (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB}))
+    model, _ = resident.process_model(task_for(cfg), cfg, "cpu", measure=False)
+    assert model.dynamo == 0  # not cached, may not measure: no term
+
+
 def test_cuda_process_peak_is_the_context_plus_reserved_and_says_it_is_unmeasured():
     p = ProcessModel(300 * MiB, "cuda", "default").predict(100 * MiB, PHASES, offload=False)
     assert p.baseline == CUDA_CONTEXT and p.total > CUDA_CONTEXT + 100 * MiB and "not measured" in p.counts

@@ -81,11 +81,16 @@ class ProcessModel:
     baseline: int
     device: str = "cpu"
     host_malloc: str = "default"
+    dynamo: int = 0
+    """CPU: what importing ``torch._dynamo`` adds to ``baseline`` (measured beside it), which a
+    process loads only for recompute: ``torch.utils.checkpoint`` reads its config."""
 
-    def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool) -> ProcessPeak:
+    def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool,
+                recompute: bool = False) -> ProcessPeak:
         """The process peak of a configuration with steady-state ``tensor_peak`` and per-phase
         bytes by category (``phases``: phase -> {category: bytes}, the dry run's), its state
-        offloaded or not (``offload``: 'auto' resolves to 'lean' then). Pure arithmetic; never fails."""
+        offloaded or not (``offload``: 'auto' resolves to 'lean' then), recomputing blocks or
+        not (``recompute``: the baseline then counts ``torch._dynamo``). Pure arithmetic; never fails."""
         transient = transient_bytes(phases)
         if self.device == "cuda":
             overhead = CUDA_SEGMENT + round(CUDA_RETAINED * transient)
@@ -93,7 +98,8 @@ class ProcessModel:
                                "device memory (CUDA context + reserved; not measured here)")
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
         overhead = STEP_FIXED + round(RETAINED.get(mode, RETAINED["default"]) * transient)
-        return ProcessPeak(self.baseline, tensor_peak, overhead, f"resident (VmHWM), host_malloc {mode}")
+        return ProcessPeak(self.baseline + (self.dynamo if recompute else 0), tensor_peak, overhead,
+                           f"resident (VmHWM), host_malloc {mode}")
 
 
 def transient_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:

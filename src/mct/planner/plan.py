@@ -145,7 +145,8 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = process.predict(run.peak, run.phases, offload=c.offload.kind != "none") if process else None
+    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none")
+            if process else None)
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
         precision=c.precision, offload=c.offload, act_offload=c.act_offload, loss_chunk_tokens=c.loss_chunk or 0,
@@ -193,12 +194,12 @@ class Plan:
                 "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
                 "process_note": self.process_note, "device": self.device}
 
-    def figure(self, run: DryRun, offload: bool) -> int:
+    def figure(self, run: DryRun, offload: bool, recompute: bool = True) -> int:
         """The figure this plan's budget compares for a dry run (its process or tensor peak)."""
         if self.budget_counts != "process":
             return run.peak
         assert self.process is not None
-        return self.process.predict(run.peak, run.phases, offload=offload).total
+        return self.process.predict(run.peak, run.phases, offload=offload, recompute=recompute).total
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -389,7 +390,8 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
         if B is None or b >= B:
             continue
         smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
-        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none") <= budget:
+        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none",
+                       low.choice.policy != "none") <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
     stage3 = apply(cfg, dataclasses.replace(low.choice, stage=3))
@@ -398,7 +400,8 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     found = None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none") <= budget:
+        if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none",
+                       low.choice.policy != "none") <= budget:
             found, hi = worlds[mid], mid - 1
         else:
             lo = mid + 1

@@ -14,6 +14,10 @@ from mct.memory.tracker import format_bytes
 from mct.task.spec import Task
 
 
+DYNAMO = "torch._dynamo"
+"""The module a recomputing run loads beyond a run that does not (``_dynamo_bytes``)."""
+
+
 def library_modules(task: Task) -> tuple[str, ...]:
     """The model library modules a training process of ``task`` imports beyond torch and mct:
     for a Hugging Face directory, transformers' modeling module of its ``model_type``; none
@@ -46,7 +50,21 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
             return None, f"no process peak: the runtime baseline could not be measured ({e})"
     if baseline is None:
         return None, "no process peak: no runtime baseline cached (mct calibrate)"
-    return ProcessModel(baseline, device, cfg.memory.host_malloc), ""
+    return ProcessModel(baseline, device, cfg.memory.host_malloc, _dynamo_bytes(modules, baseline, measure)), ""
+
+
+def _dynamo_bytes(modules: tuple[str, ...], baseline: int, measure: bool) -> int:
+    """What ``torch._dynamo``'s import adds to the baseline of ``modules`` (a run that recomputes
+    loads it: ``torch.utils.checkpoint`` reads its config): the baseline measured with it, less
+    ``baseline``; 0 where that is not cached and may not be measured, or cannot be."""
+    with_dynamo = (*modules, DYNAMO)
+    value = cached_baseline(with_dynamo)
+    if value is None and measure:
+        try:
+            value, _ = runtime_baseline(with_dynamo)
+        except (ValueError, RuntimeError, OSError):
+            value = None
+    return max(0, value - baseline) if value is not None else 0
 
 
 def check_process_floor(task: Task, cfg: EngineConfig, device: str) -> None:
