@@ -66,7 +66,7 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
-class Pending:
+class PendingExchange:
     """A ring exchange in flight: ``wait()`` returns the received tensor once it has arrived
     (the sent one is kept alive until then)."""
 
@@ -86,7 +86,7 @@ class ContextComm:
     def __init__(self, group: Any, degree: int, rank: int) -> None:
         self.group, self.degree, self.rank = group, degree, rank
 
-    def exchange(self, x: torch.Tensor, tag: int) -> Pending:
+    def exchange(self, x: torch.Tensor, tag: int) -> PendingExchange:
         """Start sending ``x`` to the next rank of the ring (rank + 1) and receiving the
         previous rank's tensor of the same shape: returns at once, ``wait()`` for the result.
         Not differentiable (the ring attention's own backward passes gradients back). gloo
@@ -97,7 +97,7 @@ class ContextComm:
         peer = lambda i: dist.get_global_rank(self.group, i % self.degree)  # noqa: E731
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer(self.rank + 1), self.group, tag),
                                         dist.P2POp(dist.irecv, received, peer(self.rank - 1), self.group, tag)])
-        return Pending(works, x, received)
+        return PendingExchange(works, x, received)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """``x`` of every rank concatenated along ``dim`` in rank order. Differentiable."""
@@ -157,12 +157,12 @@ class SimulatedContextComm(ContextComm):
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         return _CountedAllToAll.apply(x, self.calls, self.degree)
 
-    def exchange(self, x: torch.Tensor, tag: int) -> Pending:
+    def exchange(self, x: torch.Tensor, tag: int) -> PendingExchange:
         """The real exchange's buffers (``x`` kept until ``wait()``, the received tensor),
         counted as ('send_recv', bytes sent, 1, degree)."""
         x = x.contiguous()
         self.calls["send_recv", x.numel() * x.element_size(), 1, self.degree] += 1
-        return Pending([], x, torch.empty_like(x))
+        return PendingExchange([], x, torch.empty_like(x))
 
 
 def context_comm(degree: int, rank: int, world: int, simulated: bool) -> ContextComm:

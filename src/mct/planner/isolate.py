@@ -26,7 +26,7 @@ import torch
 
 from mct.planner.pool import can_fork
 
-T = TypeVar("T")
+Result = TypeVar("Result")
 
 
 def keeps_dynamo_out() -> bool:
@@ -34,7 +34,7 @@ def keeps_dynamo_out() -> bool:
     return "torch._dynamo" not in sys.modules and can_fork()
 
 
-def run_forked(fn: Callable[[], T]) -> T:
+def run_forked(fn: Callable[[], Result]) -> Result:
     """``fn()``, computed in a forked child where ``keeps_dynamo_out()`` (else here) and
     returned here (pickled through a pipe). An exception ``fn`` raises is raised here; a
     child that ends without an answer (killed, out of memory, an unpicklable result)
