@@ -47,15 +47,12 @@ FORWARD, BACKWARD_KV, BACKWARD_GRAD = 1, 2, 3
 def ring_attention(comm: ContextComm, shard: ContextShard, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """q [B, H, t, D], k, v [B, Hkv, t, D] (Hkv divides H) -> [B, H, t, D]: this rank's
-    queries over the window (see the module docstring). Raises ValueError for attention
-    dropout and for tensors not on the CPU (neither implemented by the ring)."""
+    queries over the window (see the module docstring). Blocks are attended by SDPA's CPU
+    flash kernel on the CPU and by ``_math_block`` (fp32 matmuls, any device) elsewhere.
+    Raises ValueError for attention dropout (not implemented by the ring)."""
     if dropout_p:
         raise ValueError(f"parallel.context_attention = 'ring' has no attention dropout (dropout_p = {dropout_p}): "
                          f"set model.dropout = 0 or parallel.context_attention = 'all_gather'")
-    if q.device.type != "cpu":
-        raise ValueError(f"parallel.context_attention = 'ring' attends each block with SDPA's CPU flash kernel and "
-                         f"has no {q.device.type} kernel yet: set parallel.context_attention = 'all_gather' or "
-                         f"'all_to_all'")
     return _Ring.apply(q, k, v, comm, shard, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
@@ -152,8 +149,11 @@ def _attend_block(q: torch.Tensor, kv: torch.Tensor, pair: _PairMask, scale: flo
     log-sum-exp) into the running ``out`` [B, H, rows, D] and ``lse`` [B, H, rows] (fp32
     views; mutated in place). A row that sees no key of the block adds nothing."""
     heads = q.shape[1]
-    block_out, block_lse = _FLASH(q, _repeat(kv[0], heads), _repeat(kv[1], heads), 0.0, pair.causal,
-                                  attn_mask=pair.mask, scale=scale)
+    if q.device.type == "cpu":
+        block_out, block_lse = _FLASH(q, _repeat(kv[0], heads), _repeat(kv[1], heads), 0.0, pair.causal,
+                                      attn_mask=pair.mask, scale=scale)
+    else:
+        block_out, block_lse = _math_block(q, _repeat(kv[0], heads), _repeat(kv[1], heads), pair, scale)
     if pair.empty is not None:
         block_lse = block_lse.masked_fill(pair.empty, float("-inf"))
     merged = torch.logaddexp(lse, block_lse)
@@ -168,11 +168,47 @@ def _block_grads(q: torch.Tensor, kv: torch.Tensor, pair: _PairMask, scale: floa
     Hkv, keys, D] (fp32 views; mutated). The flash kernel's backward given the final output
     ``y`` and log-sum-exp ``lse`` of these rows computes exactly this block's part."""
     heads = q.shape[1]
-    dq_b, dk_b, dv_b = _FLASH_BACKWARD(dy, q, _repeat(kv[0], heads), _repeat(kv[1], heads), y, lse.contiguous(),
-                                       0.0, pair.causal, attn_mask=pair.mask, scale=scale)
+    k, v = _repeat(kv[0], heads), _repeat(kv[1], heads)
+    if q.device.type == "cpu":
+        dq_b, dk_b, dv_b = _FLASH_BACKWARD(dy, q, k, v, y, lse.contiguous(), 0.0, pair.causal,
+                                           attn_mask=pair.mask, scale=scale)
+    else:
+        dq_b, dk_b, dv_b = _math_block_backward(dy, q, k, v, y, lse, pair, scale)
     dq.add_(dq_b)
     dkv[0].add_(_sum_heads(dk_b.float(), kv.shape[2]))
     dkv[1].add_(_sum_heads(dv_b.float(), kv.shape[2]))
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, pair: _PairMask, scale: float) -> torch.Tensor:
+    """fp32 scores [B, H, rows, keys] of one block with its mask (-inf where masked)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if pair.causal:
+        rows, keys = s.shape[-2:]
+        s = s.masked_fill(torch.ones(rows, keys, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if pair.mask is not None:
+        s = s + pair.mask.float()
+    return s
+
+
+def _math_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pair: _PairMask,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``_FLASH`` returns, by fp32 matmuls on any device: the block's output (q's dtype)
+    and each row's log-sum-exp (-inf for a row that sees no key of the block)."""
+    s = _math_scores(q, k, pair, scale)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v.float()).to(q.dtype), lse
+
+
+def _math_block_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor,
+                         lse: torch.Tensor, pair: _PairMask, scale: float) -> tuple[torch.Tensor, ...]:
+    """What ``_FLASH_BACKWARD`` returns (dq, dk, dv of this block, fp32), by fp32 matmuls on
+    any device, from the rows' final output ``y`` and log-sum-exp ``lse`` over every block."""
+    p = torch.exp(_math_scores(q, k, pair, scale) - _finite(lse)[..., None])
+    dyf = dy.float()
+    dp = torch.matmul(dyf, v.float().transpose(-1, -2))
+    ds = p * (dp - (dyf * y.float()).sum(-1, keepdim=True))
+    return (torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-1, -2), q.float()) * scale,
+            torch.matmul(p.transpose(-1, -2), dyf))
 
 
 def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
