@@ -135,3 +135,14 @@ def test_init_from_a_run_that_references_its_base_loads_the_rebuilt_base_and_the
     load_pretrained(engine, str(tmp_path / "run"))
     got, want = engine.full_state_dict(), load_file(str(tmp_path / "run" / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_reader_given_no_rebuild_refuses_a_referenced_base_in_one_line(tmp_path):
+    """The readers below ``init_from`` read a base referenced by hash only through the
+    ``rebuild`` they are given; without one it is one ValueError naming the checkpoint."""
+    from mct.persistence.base_manifest import need_rebuild
+    from mct.persistence.init_from import rebuilt_frozen
+    assert need_rebuild(rebuilt_frozen, tmp_path) is rebuilt_frozen
+    with pytest.raises(ValueError, match=r"references its frozen base by hash \(base.json\)") as e:
+        need_rebuild(None, tmp_path)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)

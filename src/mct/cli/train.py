@@ -84,7 +84,8 @@ def _train_checks(args: argparse.Namespace, recorded: bool) -> tuple[Any, str | 
     done = finished_step(args.resume, cfg.train.steps) if args.resume and not _under_torchrun() else None
     if done is not None:  # a resume with no steps left leaves the run as it is
         from mct.persistence.export import finish_weights
-        if finish_weights(Path(args.resume), done[1]):
+        from mct.persistence.init_from import rebuilt_frozen
+        if finish_weights(Path(args.resume), done[1], rebuilt_frozen):
             _note(f"wrote {Path(args.resume) / 'model.safetensors'} from {done[1].name}")
         _note(f"--resume {args.resume!r}: the run already completed {done[0]} steps (train.steps = "
               f"{cfg.train.steps}); nothing to do (raise it with --set train.steps=N to train further)")

@@ -4,7 +4,9 @@ Named apart from ``mct.checkpointing`` (activation recompute). The engine's stat
 comes from ``Engine.state_dict()`` and goes back through ``Engine.load_state_dict()``;
 this package does the file I/O around them and imports nothing of the engine
 (``Checkpointable`` and ``StateOwner`` are the protocols it needs), so ``Engine.save``/
-``load`` and the engine's state API can call it.
+``load`` and the engine's state API can call it. One exception, above everything the engine
+imports: ``init_from.rebuilt_frozen`` builds a run's engine to give back the frozen base a
+checkpoint references by hash; the readers below it take it as their ``rebuild`` argument.
 
     engine_state.py  the engine's state dict (``mct.engine/1``): header, validation, loads
                    through its residency; full-state reads (no file I/O)
@@ -19,6 +21,8 @@ this package does the file I/O around them and imports nothing of the engine
     export.py      consolidated fp32 safetensors from a checkpoint, in one process
     export_file.py `mct export --out FILE.safetensors [--merge]` (the command's own checks)
     weight_sources.py  what --init-from and the adapter import/export read: HF dirs, files, runs
+    base_manifest.py  a checkpoint's frozen base by content hash (base.json): digests, checks
+    init_from.py   --init-from into an engine; a referenced base rebuilt (``rebuilt_frozen``)
     adapter_export.py / adapter_source.py  adapters out (peft, merged) and back in (--init-from)
 """
 

@@ -27,7 +27,7 @@ import hashlib
 import itertools
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -164,3 +164,22 @@ def read_base(checkpoint: Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: format {info.get('format') if isinstance(info, dict) else None!r}, "
                          f"expected {BASE_FORMAT!r}")
     return info
+
+
+def frozen_specs(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the frozen base a checkpoint references ({} for none)."""
+    saved = read_base(Path(checkpoint))
+    return {n: tuple(s["shape"]) for n, s in (saved or {}).get("tensors", {}).items()}
+
+
+Rebuild = Callable[[Path], Iterator[tuple[str, torch.Tensor]]]
+"""What gives a checkpoint's referenced base back, (name, tensor) in the run's parameter dtype:
+``mct.persistence.init_from.rebuilt_frozen``, passed down to the readers that may meet one."""
+
+
+def need_rebuild(rebuild: Rebuild | None, checkpoint: Path) -> Rebuild:
+    """``rebuild``, or a ValueError (one line) where a reader was given none."""
+    if rebuild is None:
+        raise ValueError(f"{checkpoint} references its frozen base by hash ({BASE}), which only a reader that can "
+                         f"rebuild the run's model reads: use mct export, mct sample or --init-from")
+    return rebuild

@@ -253,10 +253,17 @@ def _check_or_load_base(engine: Checkpointable, path: Path, info: dict[str, Any]
         agree(base_mismatch(saved, digests, path) if engine.comm.rank == 0 else None, engine.comm)
         return
     embedded = {k[len(FROZEN):]: spec for k, spec in info["tensors"].items() if k.startswith(FROZEN)}
+    held: dict[str, torch.Tensor] = {}  # the tensor of the last read: each is loaded once
+
+    def read(name: str, start: int, end: int) -> torch.Tensor | None:
+        if name not in embedded:
+            return None
+        if name not in held:
+            held.clear()
+            held[name] = shards.load_whole(path / "engine", FROZEN + name, embedded[name]).reshape(-1)
+        return held[name][start:end].float()
     if embedded:
-        from mct.persistence.weight_sources import CheckpointSource
-        source = CheckpointSource(path)
-        engine.frozen.load(lambda name, a, b: source.read(name, a, b) if name in embedded else None)
+        engine.frozen.load(read)
 
 
 def save_engine(engine: Checkpointable, path: str | os.PathLike) -> None:

@@ -21,7 +21,7 @@ from mct.dist import agree
 from mct.outputs import check_file_output
 from mct.persistence.lazy import LazyModule
 from mct.persistence.base_manifest import BASE
-from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
+from mct.persistence.base_manifest import Rebuild, frozen_specs, need_rebuild
 from mct.persistence.manifest import FROZEN, MANIFEST, verify_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.run_dir import RunLock, check_outside_runs, newest_usable
@@ -47,10 +47,11 @@ def pick_checkpoint(source: str | Path) -> tuple[Path, str | None]:
     raise ValueError(f"{str(src)!r} is neither a run directory nor a complete checkpoint (no {MANIFEST})")
 
 
-def consolidated_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def consolidated_state(checkpoint: str | Path, rebuild: Rebuild | None = None) -> dict[str, torch.Tensor]:
     """Every parameter in fp32, names as ``model.named_parameters()``, from a verified
-    checkpoint, all in memory (``export`` streams the same tensors to a file instead)."""
-    return {name: t.clone() for name, t in _checkpoint_items(Path(checkpoint))}
+    checkpoint, all in memory (``export`` streams the same tensors to a file instead).
+    ``rebuild``: for a checkpoint that references its frozen base (``base_manifest.Rebuild``)."""
+    return {name: t.clone() for name, t in _checkpoint_items(Path(checkpoint), rebuild)}
 
 
 def checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -63,7 +64,7 @@ def checkpoint_specs(checkpoint: Path) -> dict[str, tuple[torch.dtype, tuple[int
     return specs
 
 
-def _checkpoint_items(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_items(checkpoint: Path, rebuild: Rebuild | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, fp32 tensor) from a verified checkpoint, one unit read at a time: each
     tensor is a view valid until the next unit is read."""
     info = read_json(checkpoint / "engine.json")
@@ -75,11 +76,9 @@ def _checkpoint_items(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
         del flat
     for key, spec in info["tensors"].items():
         if key.startswith(FROZEN):
-            t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-            shards.load_full(checkpoint / "engine", {key: t})
-            yield key[len(FROZEN):], t.float()
+            yield key[len(FROZEN):], shards.load_whole(checkpoint / "engine", key, spec).float()
     if (checkpoint / BASE).is_file():  # referenced by hash: rebuilt from its source and checked
-        for name, t in rebuilt_frozen(checkpoint):
+        for name, t in need_rebuild(rebuild, checkpoint)(checkpoint):
             yield name, t.float()
 
 
@@ -128,18 +127,20 @@ def check_target(out: Path, force: bool) -> None:
     check_file_output(out, "--out", force=force, example="model.safetensors", owned=check_outside_runs)
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, deltas: dict[str, torch.Tensor] | None = None) -> None:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, deltas: dict[str, torch.Tensor] | None = None,
+                      rebuild: Rebuild | None = None) -> None:
     """Write the verified ``checkpoint``'s consolidated fp32 weights to ``out`` (replaced
     once complete; no target checks: ``export`` makes them for a user's ``--out``). One
     unit in memory at a time. ``deltas``: merged adapters, added to their weights, the
-    LoRA tensors left out. Raises ValueError (one line) when the write fails."""
+    LoRA tensors left out. ``rebuild``: as ``consolidated_state``. Raises ValueError (one
+    line) when the write fails."""
     checkpoint = Path(checkpoint)
     specs = checkpoint_specs(checkpoint)
     if deltas is not None:
         specs = {n: s for n, s in specs.items() if not is_adapter_name(n)}
     writer = SafetensorsWriter(out, specs)
     try:
-        for name, t in _checkpoint_items(checkpoint):
+        for name, t in _checkpoint_items(checkpoint, rebuild):
             if name in specs:
                 writer.put(name, t + deltas[name] if deltas is not None and name in deltas else t)
     except BaseException:
@@ -148,16 +149,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, deltas: dict[str,
     writer.commit()
 
 
-def finish_weights(run_dir: Path, checkpoint: Path) -> bool:
+def finish_weights(run_dir: Path, checkpoint: Path, rebuild: Rebuild | None = None) -> bool:
     """A run stopped between its last checkpoint and its weights export: write
     ``model.safetensors`` from that checkpoint (the same bytes the run would have written).
-    Returns whether it wrote it (False: the run had)."""
+    Returns whether it wrote it (False: the run had). ``rebuild``: as ``consolidated_state``."""
     if (run_dir / "model.safetensors").is_file():
         return False
     lock = RunLock(run_dir)  # not while the run itself may be writing it
     try:
         if not (run_dir / "model.safetensors").is_file():
-            export_checkpoint(checkpoint, run_dir / "model.safetensors")
+            export_checkpoint(checkpoint, run_dir / "model.safetensors", rebuild=rebuild)
             return True
         return False
     finally:

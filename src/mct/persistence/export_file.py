@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mct.persistence.adapter_export import deltas_for
 from mct.persistence.export import check_target, checkpoint_specs, export_checkpoint, pick_checkpoint
+from mct.persistence.init_from import rebuilt_frozen
 
 
 def export(source: str | Path, out: str | Path, *, force: bool = False, merge: bool = False) -> tuple[Path, str | None]:
@@ -23,5 +24,5 @@ def export(source: str | Path, out: str | Path, *, force: bool = False, merge: b
     path, warning = pick_checkpoint(source)
     check_target(out, force)
     deltas = deltas_for(path, list(checkpoint_specs(path)), merge, "--merge")
-    export_checkpoint(path, out, deltas)
+    export_checkpoint(path, out, deltas, rebuilt_frozen)
     return path, warning

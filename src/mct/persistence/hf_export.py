@@ -33,7 +33,8 @@ from mct.adapters import is_adapter_name
 from mct.data.tokenizer import tokenizer_identity
 from mct.errors import READ, WRITE, user_error
 from mct.persistence.lazy import LazyModule
-from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
+from mct.persistence.base_manifest import frozen_specs
+from mct.persistence.init_from import rebuilt_frozen
 from mct.persistence.manifest import FROZEN
 from mct.outputs import check_dir_output, install_dir, temporary
 from mct.persistence.adapter_export import deltas_for
@@ -149,7 +150,7 @@ class _Chunks:
         """The frozen tensor ``name`` of a checkpoint that references its base by hash: read
         alone from ``base_file`` (the run's own ``model.safetensors``, written from the live
         engine, whose base is the checkpoint's) where given, else from the base rebuilt on
-        first use and held (``base_rebuild.rebuilt_frozen``: the run's parameter dtype)."""
+        first use and held (``init_from.rebuilt_frozen``: the run's parameter dtype)."""
         if self.base_file is not None:
             from safetensors import safe_open
             with safe_open(str(self.base_file), framework="pt") as f:
@@ -193,9 +194,7 @@ def _pieces(checkpoint: Path, entry: tuple, chunks: _Chunks, dtype: torch.dtype)
         return
     if offset < 0:  # frozen: stored whole, in its own dtype
         spec = read_json(checkpoint / "engine.json")["tensors"][key]
-        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-        shards.load_full(checkpoint / "engine", {key: t})
-        yield t.reshape(-1).to(dtype)
+        yield shards.load_whole(checkpoint / "engine", key, spec).reshape(-1).to(dtype)
         return
     for piece in chunks.pieces(key, offset, offset + math.prod(shape)):
         for i in range(0, piece.numel(), PIECE):

@@ -15,20 +15,31 @@ Strict: a missing or unexpected name or a wrong shape is one ValueError naming t
 first few, raised identically on every rank before anything changes. A model with
 adapters reads its adapters and its base as ``mct.persistence.adapter_source`` says (a peft
 directory continues its adapters; a base alone leaves them at their initial values).
+
+``rebuilt_frozen``: the frozen base of a checkpoint that references it (``base.json``),
+built exactly as its run built it (``task_for`` of the run's recorded config, this module's
+``load_pretrained`` of its ``train.init_from``, QLoRA's NF4) in one process at stage 0 and
+checked against the manifest. The readers below this module (``weight_sources``,
+``export``) take it as their ``rebuild`` argument: a run started from a run rebuilds
+through this module again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from mct.adapters import is_adapter_name
 from mct.persistence.adapter_source import adapter_init_source, is_peft_dir
+from mct.persistence.base_manifest import base_mismatch, frozen_digests, read_base
+from mct.persistence.files import read_json
 from mct.persistence.weight_sources import open_source  # noqa: F401 - re-exported: the --init-from sources
+
 
 def check_names(model: nn.Module, model_shapes: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
                 what: str, keep: set[str] = frozenset()) -> dict[str, str]:
@@ -73,9 +84,10 @@ def _source_for(engine: Any, path: str | Path) -> tuple[Any, set[str]]:
         if peft:
             raise ValueError(f"--init-from {str(path)!r} is a peft adapter: set adapter.kind = 'lora' (with the "
                              f"adapter's rank, alpha and targets) to continue it")
-        return open_source(path), set()
+        return open_source(path, rebuilt_frozen), set()
     cfg = engine.config
-    return adapter_init_source(path, None if peft else open_source(path), names, cfg.adapter, cfg.model.source)
+    source = None if peft else open_source(path, rebuilt_frozen)
+    return adapter_init_source(path, source, names, cfg.adapter, cfg.model.source)
 
 
 def load_pretrained(engine: Any, path: str | Path) -> None:
@@ -109,3 +121,53 @@ def load_pretrained(engine: Any, path: str | Path) -> None:
     # frozen parameters: this rank's shard of each frozen unit (stages 1-3), or the whole tensor;
     # one the source lacks (the base of a module:factory model continued from a peft directory) stays
     engine.frozen.load(lambda name, a, b: source.read(source_of[name], a, b) if name in source_of else None)
+
+
+def _run_config(checkpoint: Path) -> Any:
+    """The ``EngineConfig`` the run of ``checkpoint`` trained with, for one process at
+    stage 0 (no offload, no tracking, no context parallelism): what builds its base."""
+    from mct.config import EngineConfig
+    if not (checkpoint / "trainer.json").is_file():
+        raise ValueError(f"{checkpoint} references its frozen base by hash (base.json) and records no run config "
+                         f"(a bare Engine.save): build the model as it was, Engine.load the checkpoint and export "
+                         f"from the engine (mct.export_engine)")
+    config = dict(read_json(checkpoint / "trainer.json")["config"])
+    kept = checkpoint.parent.parent / "hf"
+    if str(config["model"].get("source", "")).startswith("hf:") and (kept / "config.json").is_file():
+        config["model"] = {**config["model"], "source": f"hf:{kept}"}  # the architecture the run kept
+    cfg = EngineConfig.from_dict(config)
+    r = dataclasses.replace
+    return r(cfg, zero=r(cfg.zero, stage=0), offload=r(cfg.offload, optimizer="none", params="none"),
+             memory=r(cfg.memory, track=False, enforce=False), parallel=r(cfg.parallel, context=1))
+
+
+def rebuilt_frozen(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor in the run's parameter dtype, a copy) of every frozen parameter of
+    the checkpoint's run, rebuilt from its source and checked against its ``base.json``
+    (the values a resumed run computes on: NF4 decoded). Holds the whole model in this process (one rank, stage 0). Raises
+    ValueError (one line) when the checkpoint holds no base manifest, the run's config is
+    not recorded, the source cannot be built, or the rebuilt base differs from the saved one."""
+    from mct.dist import DistContext
+    from mct.engine import Engine
+    from mct.task import build_model, task_for
+    from mct.task.gpt import make_optimizer
+    checkpoint = Path(checkpoint)
+    saved = read_base(checkpoint)
+    if saved is None:
+        raise ValueError(f"{checkpoint} holds no base.json: it has no frozen base to rebuild")
+    cfg = _run_config(checkpoint)
+    task = task_for(cfg)
+    model, _ = build_model(task, cfg, on_meta=False)
+    engine = Engine(model, task.optimizer or make_optimizer(cfg), cfg,
+                    param_groups=task.param_groups(model) if task.param_groups else None,
+                    ctx=DistContext(device=torch.device("cpu")))  # this process alone, even inside a run
+    try:
+        if cfg.train.init_from:
+            load_pretrained(engine, cfg.train.init_from)
+        error = base_mismatch(saved, frozen_digests(engine.frozen), checkpoint)
+        if error is not None:
+            raise ValueError(error)
+        for name, t in engine.frozen.items():
+            yield name, t
+    finally:
+        engine.close()

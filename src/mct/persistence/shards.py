@@ -227,6 +227,14 @@ def read_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+def load_whole(path: Path, key: str, spec: dict) -> torch.Tensor:
+    """One tensor a checkpoint stores whole (a frozen parameter of an older checkpoint):
+    ``spec`` is its ``engine.json`` entry (shape, dtype). Raises as ``load_full``."""
+    t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+    load_full(path, {key: t})
+    return t
+
+
 def load_full(path: Path, keys: dict[str, torch.Tensor]) -> None:
     """Fill each given full-size tensor from the checkpoint, in one process (no process
     group needed): used by export, one unit at a time."""

@@ -19,7 +19,7 @@ from mct.errors import user_error
 from mct.persistence.export import pick_checkpoint
 from mct.persistence.files import read_json
 from mct.persistence.lazy import LazyModule
-from mct.persistence.base_rebuild import frozen_specs, rebuilt_frozen
+from mct.persistence.base_manifest import Rebuild, frozen_specs, need_rebuild
 from mct.persistence.manifest import FROZEN, MANIFEST
 from mct.zero.state_io import param_slices
 
@@ -106,8 +106,10 @@ class CheckpointSource:
     """Shapes and ranged reads from an mct checkpoint: one unit's flat master in memory
     at a time (the unit of the last read)."""
 
-    def __init__(self, checkpoint: Path) -> None:
-        self.path = checkpoint
+    def __init__(self, checkpoint: Path, rebuild: Rebuild | None = None) -> None:
+        """``rebuild``: what builds the frozen base a checkpoint references by hash
+        (``mct.persistence.init_from.rebuilt_frozen``); None: reading one is a ValueError."""
+        self.path, self.rebuild = checkpoint, rebuild
         info = read_json(checkpoint / "engine.json")
         self.where: dict[str, tuple[dict[str, Any], int]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -124,12 +126,10 @@ class CheckpointSource:
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         if name in self.referenced:
             if self._base is None:
-                self._base = dict(rebuilt_frozen(self.path))
+                self._base = dict(need_rebuild(self.rebuild, self.path)(self.path))
             return self._base[name].reshape(-1)[start:end].float()
         if name in self.frozen:
-            spec = self.frozen[name]
-            t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
-            shards.load_full(self.path / "engine", {FROZEN + name: t})
+            t = shards.load_whole(self.path / "engine", FROZEN + name, self.frozen[name])
             return t.reshape(-1)[start:end].float()
         unit, offset = self.where[name]
         if self._unit is None or self._unit[0] != unit["name"]:
@@ -140,7 +140,7 @@ class CheckpointSource:
         return self._unit[1][offset + start:offset + end]
 
 
-def open_source(path: str | Path) -> SafetensorsSource | CheckpointSource:
+def open_source(path: str | Path, rebuild: Rebuild | None = None) -> SafetensorsSource | CheckpointSource:
     """The weights at ``path`` (see the module docstring). Raises ValueError (one line)
     for a path that is none of the accepted sources."""
     p = Path(path)
@@ -150,5 +150,5 @@ def open_source(path: str | Path) -> SafetensorsSource | CheckpointSource:
         raise ValueError(f"--init-from {str(path)!r}: no such directory or .safetensors file; pass a Hugging Face "
                          f"model directory, a .safetensors file, or an mct run directory or checkpoint")
     if (p / MANIFEST).is_file() or (p / "checkpoints").is_dir():
-        return CheckpointSource(pick_checkpoint(p)[0])
+        return CheckpointSource(pick_checkpoint(p)[0], rebuild)
     return SafetensorsSource(_safetensors_files(p))

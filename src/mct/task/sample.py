@@ -33,6 +33,7 @@ import torch.nn as nn
 from mct.config import EngineConfig
 from mct.errors import read_text, user_error
 from mct.persistence.export import consolidated_state, pick_checkpoint
+from mct.persistence.init_from import rebuilt_frozen
 from mct.persistence.files import read_json
 from mct.task import task_for
 from mct.task.hf import positions_of
@@ -144,7 +145,7 @@ def _load(run_dir: Path) -> tuple[nn.Module, EngineConfig, int]:
     if final.is_file():
         state, source = _final_weights(final), final
     else:
-        state, source = consolidated_state(pick_checkpoint(run_dir)[0]), run_dir / "checkpoints"
+        state, source = consolidated_state(pick_checkpoint(run_dir)[0], rebuilt_frozen), run_dir / "checkpoints"
     params = dict(model.named_parameters())
     if set(params) != set(state):
         raise ValueError(f"{str(source)!r}: the weights do not match the run's model: "
