@@ -157,7 +157,8 @@ class Engine:
                                   dtype=self.precision.param_dtype, codec=IdentityCodec(self.precision.param_dtype),
                                   device=self.device, tracker=self.tracker, coded=nf4_codecs(model, cfg.adapter),
                                   materialize=None if init_program is None else
-                                  lambda params: init_program.materialize(params, self.device))
+                                  lambda params: init_program.materialize(params, self.device),
+                                  values=None if init_program is None else init_program.chunks)
         lifecycle = {b: [*(self.sharded.units_by_block.get(b, []) if self.stage == 3 else []),
                          *self.frozen.units_by_block.get(b, [])] for b in ["root", *(b for b, _ in gathered)]}
         lifecycle = {b: us for b, us in lifecycle.items() if us}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.memory.tracker import CATEGORIES, MemoryTracker
 from mct.planner.work import OpCounter, StepWork, mode_counts
+from mct.task.init_chunks import CHUNK, chunk_bounds
 from mct.task.meta import build_on_meta
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
@@ -144,6 +145,17 @@ class FakeInit:
         """Count ``params`` (fake tensors) as live 'params' from now on. Mutates the tracker only."""
         for p in params:
             self.tracker.register(p, "params")
+
+    def chunks(self, p: torch.Tensor, chunk: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+        """``InitProgram.chunks`` on fake tensors: one buffer of ``p``'s dtype holding the
+        largest chunk, allocated (and counted) as a real run allocates it, its views yielded
+        in the chunks a run draws. ``p`` itself is never counted."""
+        bounds = chunk_bounds(p.numel(), chunk)
+        if not bounds:
+            return
+        buf = torch.empty(max(b - a for a, b in bounds), dtype=p.dtype)
+        for a, b in bounds:
+            yield a, buf[:b - a]
 
 
 class Observer(Protocol):

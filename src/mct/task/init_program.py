@@ -24,31 +24,23 @@ taken as random by name (``RANDOM_INIT_OPS``) or by a ``Generator`` argument in 
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mct.task.init_chunks import CHUNK, Ref as _Ref, advance_chunked, chain_of, chunk_bounds, contiguous, replay
+
 RANDOM_INIT_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
     "geometric_", "log_normal_", "cauchy_", "rand", "randn", "randint", "randperm", "rand_like", "randn_like",
     "randint_like", "multinomial", "poisson", "native_dropout", "dropout", "_standard_gamma",
 })
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A tensor argument: a view (size, stride, offset) of recorded storage ``key``."""
-
-    key: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
 
 
 @dataclass
@@ -145,14 +137,10 @@ class InitProgram:
                     changed = True
         return needed
 
-    def materialize(self, params: list[torch.Tensor], device: torch.device | str = "cpu") -> None:
-        """Give every meta tensor in ``params`` (parameters or buffers) its real values,
-        computed on the CPU as the normal construction computed them, then moved to
-        ``device``. Others are left as they are. Swaps each tensor's contents in place
-        (the Python objects stay); leaves the CPU generator where construction left it."""
-        todo = [p for p in params if p.device.type == "meta"]
-        if not todo:
-            return
+    def _replay(self, todo: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The storages behind ``todo`` (meta tensors) with their real values, computed on the
+        CPU by replaying whole what writes them (and what that reads); leaves the CPU
+        generator where construction left it."""
         needed = self._needed({p.untyped_storage()._cdata for p in todo})
         real: dict[int, torch.Tensor] = {}
 
@@ -175,6 +163,17 @@ class InitProgram:
                     real[ref.key] = flat[i]
         finally:
             torch.set_rng_state(self.final_rng)
+        return real
+
+    def materialize(self, params: list[torch.Tensor], device: torch.device | str = "cpu") -> None:
+        """Give every meta tensor in ``params`` (parameters or buffers) its real values,
+        computed on the CPU as the normal construction computed them, then moved to
+        ``device``. Others are left as they are. Swaps each tensor's contents in place
+        (the Python objects stay); leaves the CPU generator where construction left it."""
+        todo = [p for p in params if p.device.type == "meta"]
+        if not todo:
+            return
+        real = self._replay(todo)
         with torch.no_grad():
             for p in todo:
                 r = _Recorder._ref(p)
@@ -184,6 +183,23 @@ class InitProgram:
                 # every module attribute, tie and optimizer group that holds it).
                 new = nn.Parameter(values, requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else values
                 torch.utils.swap_tensors(p, new)
+
+    def chunks(self, p: torch.Tensor, chunk: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, values) of the meta tensor ``p``'s flattened elements, in order: CPU tensors
+        of ``p``'s dtype with exactly the values of the normal construction, each valid until
+        the next is drawn (copy it). Where the construction allows (``mct.task.init_chunks``)
+        no more than one chunk of ``p`` exists at a time; else ``p`` is replayed whole first.
+        ``p`` stays on meta; the CPU generator is not touched. ``chunk``: elements per chunk."""
+        r = _Recorder._ref(p)
+        chain = chain_of(self.ops, r.key) if contiguous(r) else None
+        n = math.prod(r.size)
+        if chain is not None and chain.dtype == r.dtype:
+            for start, values in replay(chain, r.offset, r.offset + n, chunk):
+                yield start - r.offset, values
+            return
+        flat = self._replay([p])[r.key].as_strided(r.size, r.stride, r.offset).reshape(-1)
+        for a, b in chunk_bounds(n, chunk):
+            yield a, flat[a:b]
 
 
 def _advance(ops: list[_Op]) -> None:
@@ -196,7 +212,8 @@ def _advance(ops: list[_Op]) -> None:
     for op in ops:
         if op.random:
             op.rng_state = torch.get_rng_state()
-            op.func(*tree_map(scratch, op.args), **tree_map(scratch, op.kwargs))
+            if not advance_chunked(op):  # a whole-storage fill: a chunk of scratch at a time
+                op.func(*tree_map(scratch, op.args), **tree_map(scratch, op.kwargs))
 
 
 class _DynamoSafeRecorder(_Recorder):

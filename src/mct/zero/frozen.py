@@ -23,7 +23,7 @@ Both count under the memory tracker's 'frozen' category.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -61,36 +61,79 @@ def split_frozen_ends(model: nn.Module, unit_of: dict[int, str],
     return out
 
 
+Values = Callable[[nn.Parameter], Iterable[tuple[int, torch.Tensor]]]
+"""A parameter -> (start, 1-D values) of its flattened elements in order (``FrozenUnit``)."""
+
+
+def _own_values(p: nn.Parameter) -> Iterable[tuple[int, torch.Tensor]]:
+    return [(0, p.detach().reshape(-1))]
+
+
+def _fill(out: torch.Tensor, pieces: list[tuple[int, int, int, int]], params: list[nn.Parameter],
+          values: Values) -> None:
+    """Copy into ``out`` each piece (param index, [a, b) of it, at) of ``params``'s values, cast
+    to ``out``'s dtype; a chunk is read only up to the piece's end."""
+    for i, a, b, at in pieces:
+        for start, chunk in values(params[i]):
+            end = start + chunk.numel()
+            x, y = max(a, start), min(b, end)
+            if x < y:
+                out[at + x - a:at + y - a].copy_(chunk[x - start:y - start])
+            if end >= b:
+                break
+
+
 class FrozenUnit:
     """One unit's frozen parameters, sharded (see the module docstring)."""
 
     persistent = False  # the lifecycle frees it between uses, whatever the stage
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
-                 shard_rank: int, dtype: torch.dtype, codec: FrozenCodec, device: torch.device) -> None:
-        """Packs ``params`` (each becomes a view of the working buffer, its own storage
-        dropped) and encodes this rank's slice; the unit is left gathered."""
+                 shard_rank: int, dtype: torch.dtype, codec: FrozenCodec, device: torch.device,
+                 values: Values | None = None) -> None:
+        """Packs ``params``: each becomes a view of the working buffer (its own storage
+        dropped; a parameter on meta is swapped for the view), and this rank's slice is
+        encoded. ``values(p)``: (start, 1-D values) of ``p``'s flattened elements in order,
+        any dtype and device, each read before the next is drawn (``InitProgram.chunks``
+        for a model built on meta); default: ``p``'s own. Only the elements of this rank's
+        slice are copied: no whole parameter exists unless ``values`` gives it, and the
+        whole unit's working buffer is allocated (for the views) but never written unless the
+        unit is resident. The unit is left released (a resident one, gathered for good)."""
         self.name, self.layout, self.codec, self.dtype = name, layout, codec, dtype
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.shard_rank = shard_rank
-        self.working = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, off, n in zip(self.params, layout.offsets, layout.numels()):
-                self.working[off:off + n].copy_(p.detach().reshape(-1))
-                p.data = self.working[off:off + n].view(p.shape)
-            lo, hi = layout.shard_range(shard_rank)
-            self.stored = codec.encode(self.working[lo:hi])
         # the identity codec's stored shard is the working buffer's row: gathered in place
-        self.direct = isinstance(codec, IdentityCodec) and self.stored["data"].dtype == dtype
+        self.direct = isinstance(codec, IdentityCodec)
         # unsharded (world 1) and stored as it is: the stored shard *is* the working buffer,
         # one copy, gathered for good (a second copy would hold the same bytes twice)
         self.resident = self.direct and layout.world == 1
-        if self.resident:
-            self.stored = {"data": self.working}
-        self.numel_bytes = self.working.untyped_storage().nbytes()
-        self.gathered = True
         self.pending_gather: Pending | None = None
+        values = values or _own_values
+        with torch.no_grad():
+            if self.resident:
+                self.working = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+                _fill(self.working, layout.pieces(0, layout.padded_numel), self.params, values)
+                self.stored = {"data": self.working}
+            else:
+                lo, hi = layout.shard_range(shard_rank)
+                part = torch.zeros(hi - lo, dtype=dtype, device=device)
+                _fill(part, layout.pieces(lo, hi), self.params, values)
+                self.stored = {"data": part} if self.direct else codec.encode(part)
+                del part
+                # never written: on the host none of its pages become resident; on a GPU its block
+                # goes back to the caching allocator at once
+                self.working = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+            for p, off, n in zip(self.params, layout.offsets, layout.numels()):
+                view = self.working[off:off + n].view(p.shape)
+                if p.is_meta:  # ``.data =`` refuses a change of device: keep the object, swap its contents
+                    torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=False))
+                else:
+                    p.data = view
+        self.numel_bytes = self.working.untyped_storage().nbytes()
+        self.gathered = self.resident
+        if not self.resident:
+            self.working.untyped_storage().resize_(0)
 
     def gather(self, comm: Comm, async_op: bool = False) -> None:
         """All-gather every rank's stored shard and decode the unit into the working buffer.
@@ -199,14 +242,17 @@ class FrozenModel:
     def __init__(self, model: nn.Module, unit_of: dict[int, str], order: list[str], *, shard: bool,
                  comm: Comm, dtype: torch.dtype, codec: FrozenCodec, device: torch.device, tracker,
                  coded: dict[str, FrozenCodec] | None = None, row_units: dict[str, int] | None = None,
-                 materialize: Callable[[list[nn.Parameter]], None] | None = None) -> None:
+                 materialize: Callable[[list[nn.Parameter]], None] | None = None,
+                 values: Values | None = None) -> None:
         """``unit_of``: parameter id -> unit name (``assign_units``); ``order``: unit names
         in the order to pack. ``codec`` stores every frozen parameter but those ``coded``
         maps to a codec of their own (by name: a QLoRA base's linear weights to NF4); a
         unit's parameters of another codec form a unit of their own, ``<unit>/frozen-<name>``.
         ``materialize(params)``: a model built on meta gets each unit's values just before
         it is packed (so no rank holds the whole frozen base), loose ones up front; they are
-        cast to ``dtype``. ``row_units``: unit name -> row length; that unit's shards hold
+        cast to ``dtype``. ``values``: instead, a unit's parameters are read a chunk at a
+        time into its shard (``FrozenUnit``; ``InitProgram.chunks``); loose ones still
+        through ``materialize``. ``row_units``: unit name -> row length; that unit's shards hold
         whole rows (a streamed head: ``FrozenUnit.gather_rows``). Registers the stored
         shards and working buffers with ``tracker``
         under 'frozen'."""
@@ -219,7 +265,7 @@ class FrozenModel:
         codecs = [codec, *{id(c): c for c in coded.values()}.values()]
         for uname in order:
             mine = [(n, p) for n, p in frozen if unit_of.get(id(p), "root") == uname and (shard or n in coded)]
-            if mine and materialize is not None:
+            if mine and materialize is not None and values is None:
                 materialize([p for _, p in mine])
             for c in codecs:
                 these = [(n, p) for n, p in mine if coded.get(n, codec) is c]
@@ -227,7 +273,7 @@ class FrozenModel:
                     suffix = "frozen" if c is codec else f"frozen-{getattr(c, 'name', 'coded')}"
                     rows = (row_units or {}).get(uname, 1) if c is codec else 1
                     self.units.append(self._unit(f"{uname}/{suffix}", these, c, shard, dtype, device, tracker,
-                                                 rows))
+                                                 rows, values))
         if materialize is not None and self.loose:
             materialize([p for _, p in self.loose])
             with torch.no_grad():
@@ -241,14 +287,16 @@ class FrozenModel:
         self._tracker = tracker
 
     def _unit(self, name: str, params: list[tuple[str, nn.Parameter]], codec: FrozenCodec, shard: bool,
-              dtype: torch.dtype, device: torch.device, tracker, row: int = 1) -> FrozenUnit:
+              dtype: torch.dtype, device: torch.device, tracker, row: int = 1,
+              values: Values | None = None) -> FrozenUnit:
         """One unit packed, encoded, registered with ``tracker`` and released. Every parameter
         starts on a multiple of the codec's ``align``: each is encoded as it would be alone;
         every shard holds a multiple of ``row`` elements."""
         world, rank = (self.comm.world, self.comm.rank) if shard else (1, 0)
         layout = build_layout([n for n, _ in params], [p.shape for _, p in params], world,
                               align=math.lcm(ALIGN_ELEMENTS, codec.align), shard_align=math.lcm(codec.align, row))
-        unit = FrozenUnit(name, params, layout, shard_rank=rank, dtype=dtype, codec=codec, device=device)
+        unit = FrozenUnit(name, params, layout, shard_rank=rank, dtype=dtype, codec=codec, device=device,
+                          values=values)
         tracker.register_all(unit.stored.values(), "frozen")
         tracker.register(unit.working, "frozen")
         unit.release()
