@@ -111,7 +111,7 @@ def test_a_random_fill_that_is_not_prefix_consistent_fails_the_probe():
 
 
 def test_the_generator_moves_as_a_normal_construction_when_large_fills_run_in_chunks(monkeypatch):
-    monkeypatch.setattr(init_chunks, "CHUNK", 64)
+    monkeypatch.setattr(init_chunks, "INIT_CHUNK", 64)
 
     def build():
         return nn.Sequential(nn.Linear(40, 30), nn.Embedding(50, 20))

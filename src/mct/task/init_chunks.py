@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
-CHUNK = 1 << 22
+INIT_CHUNK = 1 << 22
 """Elements per chunk (16 MiB of fp32): a multiple of 16 (``normal_``'s block)."""
 FACTORIES = {"empty": None, "zeros": 0.0, "ones": 1.0}
 """Factories by name -> the value they fill with (None: none); ``full`` fills its argument."""
@@ -45,7 +45,7 @@ CHUNKED_RANDOM = frozenset({"normal_", "uniform_"})
 _PROBE = (1000, 320)  # probe elements and chunk: chunks 320, 320, 360 (the last merged, not a multiple of 16)
 
 
-def chunk_bounds(n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+def chunk_bounds(n: int, chunk: int = INIT_CHUNK) -> list[tuple[int, int]]:
     """[a, b) element ranges covering [0, n) in order: ``chunk`` elements each (a multiple of
     16), the last one merged into the one before when it would hold fewer than 16."""
     assert chunk >= 16 and chunk % 16 == 0, chunk
@@ -168,7 +168,7 @@ def _call(op: Any, target: torch.Tensor, generator: torch.Generator | None) -> N
     op.func(target, *args, **kwargs)
 
 
-def replay(chain: Chain, lo: int, hi: int, chunk: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+def replay(chain: Chain, lo: int, hi: int, chunk: int = INIT_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
     """(start, values) of storage elements [lo, hi) of ``chain`` in order: CPU tensors of the
     chain's dtype, each a view of one reused buffer (copy it before drawing the next). Every
     chunk before ``hi`` is computed (the random ops' draws before ``lo`` included); none after.
@@ -205,10 +205,10 @@ def advance_chunked(op: Any) -> bool:
     target = op.args[0] if op.args else None
     if (not isinstance(target, Ref) or _name(op.func) not in CHUNKED_RANDOM or target.offset != 0
             or not contiguous(target) or _has_ref((op.args[1:], op.kwargs)) or op.kwargs.get("generator") is not None
-            or _numel(target) <= CHUNK
+            or _numel(target) <= INIT_CHUNK
             or not prefix_consistent(op.func, target.dtype, tuple(op.args[1:]), _kw(op.kwargs))):
         return False
-    bounds = chunk_bounds(_numel(target), CHUNK)
+    bounds = chunk_bounds(_numel(target), INIT_CHUNK)
     buf = torch.empty(max(b - a for a, b in bounds), dtype=target.dtype)
     for a, b in bounds:
         _call(op, buf[:b - a], None)

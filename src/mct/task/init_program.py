@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mct.task.init_chunks import CHUNK, Ref as _Ref, advance_chunked, chain_of, chunk_bounds, contiguous, replay
+from mct.task.init_chunks import INIT_CHUNK, Ref as _Ref, advance_chunked, chain_of, chunk_bounds, contiguous, replay
 
 RANDOM_INIT_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
@@ -184,7 +184,7 @@ class InitProgram:
                 new = nn.Parameter(values, requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else values
                 torch.utils.swap_tensors(p, new)
 
-    def chunks(self, p: torch.Tensor, chunk: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+    def chunks(self, p: torch.Tensor, chunk: int = INIT_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
         """(start, values) of the meta tensor ``p``'s flattened elements, in order: CPU tensors
         of ``p``'s dtype with exactly the values of the normal construction, each valid until
         the next is drawn (copy it). Where the construction allows (``mct.task.init_chunks``)
