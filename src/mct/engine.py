@@ -135,9 +135,8 @@ class Engine:
         sharding = ShardingPolicy(self.stage, cfg.zero.persistent_numel, shard_align=align)
         self.sharded = ShardedModel(model, groups, units, sharding=sharding, precision=self.precision,
                                     comm=self.comm, device=self.device, tracker=self.tracker,
-                                    hooks=UnitHooks(None if init_program is None else
-                                                    lambda params: init_program.materialize(params, self.device),
-                                                    self._unit_built),
+                                    hooks=UnitHooks(None, self._unit_built,
+                                                    None if init_program is None else init_program.chunks),
                                     partial_grads=lambda: self.recompute.more_tiles)
         # frozen parameters: sharded at stages 1-3 (on the device: parameter offload streams
         # trainable units only), gathered per unit by the same lifecycle as stage 3's;

@@ -291,19 +291,26 @@ def test_engine_built_from_meta_trains_bit_identically_and_holds_one_unit_at_a_t
                                    0, 2)
     torch.manual_seed(cfg.seed)
     model, program = record_init(lambda: GPT(cfg.model))
-    held = []
-    materialize = program.materialize
+    held, whole = [], []
+    materialize, chunks = program.materialize, program.chunks
 
-    def counting(params, device="cpu"):
-        held.append(sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta))
+    def counting(p):  # storages holding data: at most the working buffer of the unit being packed
+        held.append(len({q.untyped_storage().data_ptr() for q in model.parameters()
+                         if not q.is_meta and q.untyped_storage().nbytes() > 0}))
+        yield from chunks(p)
+
+    def replaying(params, device="cpu"):
+        whole.append(len(params))
         materialize(params, device)
-    program.materialize = counting
+    program.materialize, program.chunks = replaying, counting
     engine = Engine(model, adamw, cfg, param_groups=optimizer_groups(model, 0.1), init_program=program)
     steps = [engine.train_step(batches(s, 0, 2), gpt_loss) for s in range(2)]
     assert [(o.loss, o.grad_norm, o.skipped) for o in steps] == ref_steps
     assert _same_bits(engine.full_state_dict(), ref_state)
-    # buffers and frozen first, then (root + 4 blocks) x 2 param groups; nothing stays resident
-    assert len(held) == 1 + 5 * 2 and max(held) == 0
+    # only the buffers replayed whole; each parameter read a chunk at a time as its unit is packed,
+    # and no unit's parameters stay resident while the next is read
+    n_params = len({id(p) for p in model.parameters()})
+    assert whole == [len(list(model.buffers()))] and len(held) == n_params and max(held) == 1
     engine.close()
 
 

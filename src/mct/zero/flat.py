@@ -23,7 +23,7 @@ At stage 0 the layout has world = 1, so the "slice" is the whole buffer.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,49 @@ from mct.precision.policy import PrecisionPolicy
 from mct.zero.comm import Comm, Pending
 from mct.zero.partition import FlatLayout
 from mct.zero.shm import read_into
+
+
+Values = Callable[[nn.Parameter], Iterable[tuple[int, torch.Tensor]]]
+"""A parameter -> (start, 1-D values) of its flattened elements in order, each read before the
+next is drawn (``InitProgram.chunks`` for a model built on meta)."""
+
+
+def point_at(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``p`` a view of a flat buffer: ``.data =`` for a real or fake parameter; a
+    parameter on meta (which ``.data =`` refuses to move) keeps its object, its contents
+    swapped."""
+    if p.is_meta:
+        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+    else:
+        p.data = view
+
+
+def pack_chunks(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
+                master_is_view: bool, device: torch.device, values: Values,
+                persistent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack`` from ``values``, a chunk at a time: the master slice is copied from the values
+    in fp32, bit for bit; the working buffer gets their cast when the unit is ``persistent``,
+    and only its allocation otherwise (stage 3 frees it once built and gathers from the
+    masters): no whole parameter, and no chunk past this rank's slice of a freed unit, is read."""
+    lo, hi = layout.shard_range(shard_rank)
+    working = (torch.zeros if persistent else torch.empty)(layout.padded_numel, dtype=param_dtype, device=device)
+    master = working[lo:hi] if master_is_view else torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for p, off, n in zip(params, layout.offsets, layout.numels()):
+            a, b = max(off, lo) - off, min(off + n, hi) - off  # this rank's part of p
+            need = n if persistent else (b if a < b else 0)
+            if need:
+                for start, chunk in values(p):
+                    stop = start + chunk.numel()
+                    if persistent:
+                        working[off + start:off + stop].copy_(chunk)
+                    x, y = max(start, a), min(stop, b)
+                    if not master_is_view and x < y:
+                        master[off + x - lo:off + y - lo].copy_(chunk[x - start:y - start])
+                    if stop >= need:
+                        break
+            point_at(p, working[off:off + n].view(p.shape))
+    return working, master
 
 
 def pack(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
@@ -285,9 +328,11 @@ def finish_gather(unit) -> None:
 class FlatParamUnit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], layout: FlatLayout, *,
                  shard_rank: int, precision: PrecisionPolicy, persistent: bool, full_grads: bool,
-                 device: torch.device, on_new_grad_shard: Callable[[torch.Tensor], None] | None = None) -> None:
+                 device: torch.device, on_new_grad_shard: Callable[[torch.Tensor], None] | None = None,
+                 values: Values | None = None) -> None:
         """``precision``: the working (``param_dtype``) and reduction (``reduce_dtype``)
-        dtypes. ``on_new_grad_shard`` is called with each gradient shard created during
+        dtypes. ``values``: the parameters' values a chunk at a time (``pack_chunks``; a
+        model built on meta) instead of their own. ``on_new_grad_shard`` is called with each gradient shard created during
         a step (stages 2/3), and each buffer summing a held parameter's parts, e.g. to
         count it in a memory tracker."""
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
@@ -300,7 +345,9 @@ class FlatParamUnit:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.persistent = persistent
         self.master_is_view = persistent and param_dtype == torch.float32
-        self.working, self.master = pack(self.params, layout, shard_rank, param_dtype, self.master_is_view, device)
+        self.working, self.master = (
+            pack(self.params, layout, shard_rank, param_dtype, self.master_is_view, device) if values is None else
+            pack_chunks(self.params, layout, shard_rank, param_dtype, self.master_is_view, device, values, persistent))
         working = self.working
         lo, hi = layout.shard_range(shard_rank)
         # Stages 0/1 keep a full gradient buffer across micro-batches (reduced once,

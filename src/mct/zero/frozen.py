@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.zero.comm import Comm, Pending
-from mct.zero.flat import finish_gather
+from mct.zero.flat import Values, finish_gather, point_at
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
 from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
 
@@ -59,10 +59,6 @@ def split_frozen_ends(model: nn.Module, unit_of: dict[int, str],
                 unit_of[id(p)] = names[id(mod)]
             out.append((names[id(mod)], mod))
     return out
-
-
-Values = Callable[[nn.Parameter], Iterable[tuple[int, torch.Tensor]]]
-"""A parameter -> (start, 1-D values) of its flattened elements in order (``FrozenUnit``)."""
 
 
 def _own_values(p: nn.Parameter) -> Iterable[tuple[int, torch.Tensor]]:
@@ -125,11 +121,7 @@ class FrozenUnit:
                 # goes back to the caching allocator at once
                 self.working = torch.empty(layout.padded_numel, dtype=dtype, device=device)
             for p, off, n in zip(self.params, layout.offsets, layout.numels()):
-                view = self.working[off:off + n].view(p.shape)
-                if p.is_meta:  # ``.data =`` refuses a change of device: keep the object, swap its contents
-                    torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=False))
-                else:
-                    p.data = view
+                point_at(p, self.working[off:off + n].view(p.shape))
         self.numel_bytes = self.working.untyped_storage().nbytes()
         self.gathered = self.resident
         if not self.resident:

@@ -23,7 +23,7 @@ import torch.nn as nn
 from mct.precision.policy import PrecisionPolicy
 from mct.zero import comm as collectives
 from mct.zero.comm import IN_FLIGHT_BUCKETS, Comm
-from mct.zero.flat import FlatParamUnit, fp64_sq_norm, scale_
+from mct.zero.flat import FlatParamUnit, Values, fp64_sq_norm, scale_
 from mct.zero.partition import bucket_slices, build_layout
 
 
@@ -59,10 +59,13 @@ class ShardingPolicy:
 class UnitHooks:
     """What runs around packing each unit: ``before(params)`` (e.g. materialize its
     parameters from the meta device), ``after(unit)`` right after (e.g. free or
-    offload it)."""
+    offload it). ``values``: the parameters' values a chunk at a time, read into the unit
+    as it is packed (``mct.zero.flat.pack_chunks``; a model built on meta), instead of
+    ``before``."""
 
     before: Callable[[list[nn.Parameter]], None] | None = None
     after: Callable[[FlatParamUnit], None] | None = None
+    values: Values | None = None
 
 
 class ShardedModel:
@@ -92,14 +95,14 @@ class ShardedModel:
                 mine = [(names[id(p)], p) for p in params if unit_of.get(id(p), "root") == uname]
                 if not mine:
                     continue
-                if hooks.before is not None:
+                if hooks.before is not None and hooks.values is None:
                     hooks.before([p for _, p in mine])
                 layout = build_layout([n for n, _ in mine], [p.shape for _, p in mine], shard_world,
                                       shard_align=shard_align)
                 persistent = stage < 3 or layout.padded_numel <= persistent_numel
                 unit = FlatParamUnit(f"{uname}/group{gi}", mine, layout, shard_rank=shard_rank,
                                      precision=precision, persistent=persistent, full_grads=stage < 2, device=device,
-                                     on_new_grad_shard=self._track_grad_shard)
+                                     on_new_grad_shard=self._track_grad_shard, values=hooks.values)
                 unit.advise = comm.advise
                 if uname == "root":
                     # embedding + head (+ final norm): 1 B elements at a 128k vocabulary, 5x
