@@ -145,7 +145,8 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none")
+    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none",
+                            sharded_save=world > 1 and isinstance(c.stage, int) and c.stage >= 1)
             if process else None)
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
