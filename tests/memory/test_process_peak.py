@@ -3,6 +3,7 @@ baseline + the tensor peak + the allocator's overhead, beside (never instead of)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -88,6 +89,8 @@ def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_p
                         stages=(0, 1), policies=("none",), precisions=("fp32",))
         assert {r.stage: r.runtime_baseline // MiB for r in plan.rows} == base, world
         assert all(STEP_FIXED <= r.allocator_overhead < STEP_HELD for r in plan.rows)  # no recompute: no STEP_HELD
+    run, counted = predict(task_for(cfg), cfg, 2), dataclasses.replace(plan, budget_counts="process")
+    assert counted.figure(run, False, False, sharded_save=True) - counted.figure(run, False, False) == 71 * MiB
 
 
 def test_the_dynamo_term_is_the_baseline_with_torch_dynamo_less_the_baseline(tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ VmHWM) or ``nvidia-smi`` (CUDA) counts, from a configuration's tensor peak.
 
 On the CPU, ``runtime_baseline`` is ``mct.memory.baseline``'s (measured by ``mct calibrate``
 for the model's library) and the allocator's overhead models glibc malloc under each
-``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements):
+``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements); the
+baseline counts ``torch._dynamo``'s import (``ProcessModel.dynamo``) where the run loads it
+(``loads_dynamo``: recompute, or a sharded save on several ranks):
 
     allocator_overhead = step_fixed + RETAINED[mode] x transient
 
@@ -13,7 +15,8 @@ for the model's library) and the allocator's overhead models glibc malloc under 
 ``torch._dynamo`` (a recomputing built-in GPT: that run peaks inside a step, not at the
 end-of-run save; ``step_fixed``). ``transient`` is the tensor bytes a step allocates and
 frees again (activations and 'other' temporaries at the phase where they are largest: what the
-allocator recycles every step). The parameters, gradients and optimizer state live across steps and cost the allocator nothing beyond page rounding.
+allocator recycles every step). The parameters, gradients and optimizer state live across
+steps and cost the allocator nothing beyond page rounding.
 ``STEP_FIXED`` is what a training process adds beside its tensors whatever the mode (the FLOP
 count's imports, the model's and the autograd graph's Python objects, the worker threads'
 stacks and arenas). ``RETAINED[mode]`` is the share of a step's transients still resident,
@@ -109,7 +112,8 @@ class ProcessModel:
             return ProcessPeak(CUDA_CONTEXT, tensor_peak, overhead,
                                "device memory (CUDA context + reserved; not measured here)")
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
-        overhead = step_fixed(self.dynamo if recompute else 0) + round(RETAINED.get(mode, RETAINED["default"]) * transient)
+        retained = round(RETAINED.get(mode, RETAINED["default"]) * transient)
+        overhead = step_fixed(self.dynamo if recompute else 0) + retained
         return ProcessPeak(self.baseline + (self.dynamo if loads_dynamo(recompute, sharded_save) else 0),
                            tensor_peak, overhead,
                            f"resident (VmHWM), host_malloc {mode}")
