@@ -1,9 +1,9 @@
 """The process peak the planner predicts (``PlanRow.process_peak``: runtime baseline + tensor
 peak + allocator overhead, ``mct.memory.process_peak``) against each worker's measured VmHWM.
 
-For each configuration (the built-in GPT at two odd sizes, a tiny transformers Llama and GPT-2;
-ZeRO stages 0, 1 and 3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
-default/lean; offload none/disk)
+For each configuration (the built-in GPT at three odd sizes, a tiny transformers Llama and
+GPT-2; ZeRO stages 0-3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
+default/lean/frugal; offload none/disk)
 it runs ``mct train`` for a few steps as a user would, reads every worker's VmHWM from the
 run's metadata.json (``resident``), and the plan row of the same configuration (dry run, no
 step is timed). Printed: the CPU's model and flags, then per configuration the tensor peak
