@@ -1,9 +1,9 @@
 """The process peak the planner predicts (``PlanRow.process_peak``: runtime baseline + tensor
 peak + allocator overhead, ``mct.memory.process_peak``) against each worker's measured VmHWM.
 
-For each configuration (the built-in GPT at two odd sizes, a tiny transformers Llama and GPT-2;
-ZeRO stages 0, 1 and 3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
-default/lean; offload none/disk)
+For each configuration (the built-in GPT at three odd sizes, a tiny transformers Llama and
+GPT-2; ZeRO stages 0-3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
+default/lean/frugal; offload none/disk)
 it runs ``mct train`` for a few steps as a user would, reads every worker's VmHWM from the
 run's metadata.json (``resident``), and the plan row of the same configuration (dry run, no
 step is timed). Printed: the CPU's model and flags, then per configuration the tensor peak
@@ -32,6 +32,7 @@ MiB = 2**20
 GPT_A = ["model.n_layer=3", "model.n_head=5", "model.d_model=160", "model.seq_len=96", "data.micro_batch_size=3"]
 GPT_B = ["model.n_layer=5", "model.n_head=7", "model.d_model=224", "model.seq_len=128", "data.micro_batch_size=2"]
 LLAMA = ["model.seq_len=64", "data.micro_batch_size=2"]
+GPT_C = ["model.n_layer=4", "model.n_head=6", "model.d_model=192", "model.seq_len=80", "data.micro_batch_size=2"]
 GPT2 = ["model.seq_len=64", "data.micro_batch_size=2"]
 CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, model ('gpt', 'llama', 'gpt2')
     ("gpt-a s0 none fp32 default", [*GPT_A, "zero.stage=0", "checkpointing.policy=none"], 1, "gpt"),
@@ -49,6 +50,10 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
     ("gpt2 s0 all fp32 default", [*GPT2, "zero.stage=0", "checkpointing.policy=all"], 1, "gpt2"),
     ("gpt-a s1 none fp32 disk x2", [*GPT_A, "zero.stage=1", "checkpointing.policy=none", "offload.optimizer=disk"],
      2, "gpt"),
+    # not used to tune anything (added with STEP_HELD): a third GPT size recomputing under frugal, GPT-2 in bf16
+    ("gpt-c s2 all fp32 frugal", [*GPT_C, "zero.stage=2", "checkpointing.policy=all", "memory.host_malloc=frugal"],
+     1, "gpt"),
+    ("gpt2 s3 none bf16 x2", [*GPT2, "zero.stage=3", "checkpointing.policy=none", "precision.mode=bf16"], 2, "gpt2"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 

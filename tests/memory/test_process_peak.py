@@ -3,6 +3,7 @@ baseline + the tensor peak + the allocator's overhead, beside (never instead of)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import mct
 from mct.config import CLI_RECIPE, load_config
 from mct.memory.baseline import measure_baseline
-from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, ProcessModel
+from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, STEP_HELD, ProcessModel, step_fixed
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
 from mct.planner import make_plan
@@ -43,14 +44,53 @@ def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode
     assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
 
 
-def test_a_recomputing_configuration_counts_torch_dynamo_in_its_baseline():
+def test_a_recomputing_configuration_counts_torch_dynamo_in_its_baseline_and_the_steps_held_term():
     """torch.utils.checkpoint reads torch._dynamo's config, so a run that recomputes loads it
-    (about 70 MiB) and one that does not never does: the baseline counts it for the first only."""
+    (about 70 MiB) in its first step and one that does not never does: the baseline counts it for
+    the first only, and its fixed overhead is what the steps hold (STEP_HELD), not STEP_FIXED."""
     model = ProcessModel(250 * MiB, "cpu", "default", dynamo=70 * MiB)
     plain = model.predict(100 * MiB, PHASES, offload=False)
     again = model.predict(100 * MiB, PHASES, offload=False, recompute=True)
     assert plain.baseline == 250 * MiB and again.baseline == 320 * MiB
-    assert again.total - plain.total == 70 * MiB and again.allocator_overhead == plain.allocator_overhead
+    assert again.allocator_overhead - plain.allocator_overhead == STEP_HELD - STEP_FIXED > 0
+    assert again.total - plain.total == 70 * MiB + STEP_HELD - STEP_FIXED
+
+
+def test_a_sharded_save_counts_torch_dynamo_but_not_the_steps_held_term():
+    """Saving sharded state (DTensor.from_local) imports torch._dynamo at the end-of-run save,
+    after the steps: the baseline counts it, the fixed overhead stays STEP_FIXED."""
+    model = ProcessModel(250 * MiB, "cpu", "lean", dynamo=70 * MiB)
+    plain = model.predict(100 * MiB, PHASES, offload=False)
+    saved = model.predict(100 * MiB, PHASES, offload=False, sharded_save=True)
+    both = model.predict(100 * MiB, PHASES, offload=False, recompute=True, sharded_save=True)
+    assert saved.baseline == both.baseline == 320 * MiB  # imported once, whichever loads it first
+    assert saved.allocator_overhead == plain.allocator_overhead == STEP_FIXED + round(RETAINED["lean"] * 64 * MiB)
+    assert both.allocator_overhead == STEP_HELD + round(RETAINED["lean"] * 64 * MiB)
+
+
+def test_the_steps_hold_more_only_where_the_first_step_imports_something():
+    """A model library that loads torch._dynamo at import (dynamo term 0: transformers) recomputes
+    with STEP_FIXED: nothing lands inside its steps."""
+    assert step_fixed(0) == STEP_FIXED and step_fixed(26 * MiB) == STEP_HELD
+    hf = ProcessModel(400 * MiB, "cpu", "default", dynamo=0)
+    assert (hf.predict(10 * MiB, PHASES, offload=False, recompute=True, sharded_save=True)
+            == hf.predict(10 * MiB, PHASES, offload=False))
+
+
+def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_path, monkeypatch):
+    """Stage 1 and up on two ranks saves DTensors (torch._dynamo at the save); stage 0 does not."""
+    from mct.memory import baseline as bl
+    monkeypatch.setattr(bl, "baseline_file", lambda: tmp_path / "baseline.json")
+    (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB,
+                                                        bl.baseline_key(("torch._dynamo",)): 321 * MiB}))
+    cfg = tiny_config(data={"micro_batch_size": 2})
+    for world, base in ((1, {0: 250, 1: 250}), (2, {0: 250, 1: 321})):
+        plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=2)[0], cfg, world_size=world,
+                        stages=(0, 1), policies=("none",), precisions=("fp32",))
+        assert {r.stage: r.runtime_baseline // MiB for r in plan.rows} == base, world
+        assert all(STEP_FIXED <= r.allocator_overhead < STEP_HELD for r in plan.rows)  # no recompute: no STEP_HELD
+    run, counted = predict(task_for(cfg), cfg, 2), dataclasses.replace(plan, budget_counts="process")
+    assert counted.figure(run, False, False, sharded_save=True) - counted.figure(run, False, False) == 71 * MiB
 
 
 def test_the_dynamo_term_is_the_baseline_with_torch_dynamo_less_the_baseline(tmp_path, monkeypatch):

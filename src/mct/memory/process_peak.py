@@ -5,13 +5,18 @@ VmHWM) or ``nvidia-smi`` (CUDA) counts, from a configuration's tensor peak.
 
 On the CPU, ``runtime_baseline`` is ``mct.memory.baseline``'s (measured by ``mct calibrate``
 for the model's library) and the allocator's overhead models glibc malloc under each
-``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements):
+``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements); the
+baseline counts ``torch._dynamo``'s import (``ProcessModel.dynamo``) where the run loads it
+(``loads_dynamo``: recompute, or a sharded save on several ranks):
 
-    allocator_overhead = STEP_FIXED + RETAINED[mode] x transient
+    allocator_overhead = step_fixed + RETAINED[mode] x transient
 
-``transient`` is the tensor bytes a step allocates and frees again (activations and 'other'
-temporaries at the phase where they are largest: what the allocator recycles every step). The parameters, gradients
-and optimizer state live across steps and cost the allocator nothing beyond page rounding.
+``step_fixed`` is ``STEP_FIXED``, or ``STEP_HELD`` where the first step itself imports
+``torch._dynamo`` (a recomputing built-in GPT: that run peaks inside a step, not at the
+end-of-run save; ``step_fixed``). ``transient`` is the tensor bytes a step allocates and
+frees again (activations and 'other' temporaries at the phase where they are largest: what the
+allocator recycles every step). The parameters, gradients and optimizer state live across
+steps and cost the allocator nothing beyond page rounding.
 ``STEP_FIXED`` is what a training process adds beside its tensors whatever the mode (the FLOP
 count's imports, the model's and the autograd graph's Python objects, the worker threads'
 stacks and arenas). ``RETAINED[mode]`` is the share of a step's transients still resident,
@@ -40,6 +45,13 @@ MiB = 2**20
 STEP_FIXED = 24 * MiB
 """CPU: what a training process holds beside its tensors beyond the runtime baseline,
 whatever the allocator mode (measured: benchmarks/process_peak.py, docs/memory.md)."""
+STEP_HELD = 50 * MiB
+"""CPU: what the steps hold beyond their tensors over the baseline, in a run whose first step
+imports ``torch._dynamo`` (the built-in GPT recomputing: ``torch.utils.checkpoint`` reads its
+config): the code pages of the kernels the steps run (RssFile +16-21 MiB from before the first
+step to the peak) and the autograd graph's and glibc's anonymous memory (+26-30 MiB). Such a run
+peaks inside a step (measured: benchmarks/process_peak.py, docs/memory.md); one that does not
+recompute peaks at the end-of-run save, which ``STEP_FIXED`` over the baseline describes."""
 RETAINED = {"default": 0.5, "lean": 0.25, "frugal": 0.25, "cache": 1.0}
 """CPU: the share of a step's transient tensor bytes glibc keeps resident when the next step
 peaks, per resolved ``memory.host_malloc`` mode ('frugal' and 'cache': from glibc's rules,
@@ -83,23 +95,46 @@ class ProcessModel:
     host_malloc: str = "default"
     dynamo: int = 0
     """CPU: what importing ``torch._dynamo`` adds to ``baseline`` (measured beside it), which a
-    process loads only for recompute: ``torch.utils.checkpoint`` reads its config."""
+    process loads only for recompute (``torch.utils.checkpoint`` reads its config) or to save
+    sharded state (``DTensor.from_local`` is wrapped in ``torch._disable_dynamo``)."""
 
     def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool,
-                recompute: bool = False) -> ProcessPeak:
+                recompute: bool = False, sharded_save: bool = False) -> ProcessPeak:
         """The process peak of a configuration with steady-state ``tensor_peak`` and per-phase
         bytes by category (``phases``: phase -> {category: bytes}, the dry run's), its state
         offloaded or not (``offload``: 'auto' resolves to 'lean' then), recomputing blocks or
-        not (``recompute``: the baseline then counts ``torch._dynamo``). Pure arithmetic; never fails."""
+        not (``recompute``), saving sharded state or not (``sharded_save``: ZeRO stage 1 and up
+        on several ranks); either makes the baseline count ``torch._dynamo`` (``loads_dynamo``),
+        recompute inside the steps (``step_fixed``). Pure arithmetic; never fails."""
         transient = transient_bytes(phases)
         if self.device == "cuda":
             overhead = CUDA_SEGMENT + round(CUDA_RETAINED * transient)
             return ProcessPeak(CUDA_CONTEXT, tensor_peak, overhead,
                                "device memory (CUDA context + reserved; not measured here)")
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
-        overhead = STEP_FIXED + round(RETAINED.get(mode, RETAINED["default"]) * transient)
-        return ProcessPeak(self.baseline + (self.dynamo if recompute else 0), tensor_peak, overhead,
+        retained = round(RETAINED.get(mode, RETAINED["default"]) * transient)
+        overhead = step_fixed(self.dynamo if recompute else 0) + retained
+        return ProcessPeak(self.baseline + (self.dynamo if loads_dynamo(recompute, sharded_save) else 0),
+                           tensor_peak, overhead,
                            f"resident (VmHWM), host_malloc {mode}")
+
+
+def loads_dynamo(recompute: bool, sharded_save: bool) -> bool:
+    """Whether a training process imports ``torch._dynamo``: in its first step when it recomputes
+    (``torch.utils.checkpoint`` reads ``torch._dynamo.config``), or at its end-of-run save when it
+    saves sharded state (ZeRO stage 1 and up on several ranks: ``mct.persistence.shards`` wraps
+    each rank's pieces in ``DTensor.from_local``, which ``torch._disable_dynamo`` wraps). Pure."""
+    return recompute or sharded_save
+
+
+def step_fixed(imported_in_step: int) -> int:
+    """CPU: the allocator overhead's fixed part, given the bytes the first step imports
+    (``imported_in_step``: ``torch._dynamo``'s term for a recomputing row, else 0). A run that
+    imports nothing in its steps peaks at the end-of-run save, where the checkpoint writer's import
+    (counted in the baseline) lands after the steps' temporaries are freed: ``STEP_FIXED``. One whose
+    first step imports ``torch._dynamo`` holds that import through every step and peaks inside one,
+    with the steps' code pages and heap on top: ``STEP_HELD``. Pure; never fails."""
+    return STEP_HELD if imported_in_step > 0 else STEP_FIXED
 
 
 def transient_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:

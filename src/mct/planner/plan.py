@@ -145,7 +145,8 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none")
+    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none",
+                            sharded_save=world > 1 and isinstance(c.stage, int) and c.stage >= 1)
             if process else None)
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
@@ -194,12 +195,14 @@ class Plan:
                 "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
                 "process_note": self.process_note, "device": self.device}
 
-    def figure(self, run: DryRun, offload: bool, recompute: bool = True) -> int:
-        """The figure this plan's budget compares for a dry run (its process or tensor peak)."""
+    def figure(self, run: DryRun, offload: bool, recompute: bool = True, sharded_save: bool = False) -> int:
+        """The figure this plan's budget compares for a dry run (its process or tensor peak;
+        ``recompute`` and ``sharded_save`` as ``ProcessModel.predict``'s)."""
         if self.budget_counts != "process":
             return run.peak
         assert self.process is not None
-        return self.process.predict(run.peak, run.phases, offload=offload, recompute=recompute).total
+        return self.process.predict(run.peak, run.phases, offload=offload, recompute=recompute,
+                                    sharded_save=sharded_save).total
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -390,8 +393,8 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
         if B is None or b >= B:
             continue
         smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
-        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none",
-                       low.choice.policy != "none") <= budget:
+        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none", low.choice.policy != "none",
+                       plan.world > 1 and isinstance(low.stage, int) and low.stage >= 1) <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
     stage3 = apply(cfg, dataclasses.replace(low.choice, stage=3))
@@ -401,7 +404,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     while lo <= hi:
         mid = (lo + hi) // 2
         if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none",
-                       low.choice.policy != "none") <= budget:
+                       low.choice.policy != "none", sharded_save=True) <= budget:  # stage 3, several ranks
             found, hi = worlds[mid], mid - 1
         else:
             lo = mid + 1
