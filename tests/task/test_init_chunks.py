@@ -156,7 +156,10 @@ def _predicted(rank: int, world: int, kind: str) -> tuple[int, int]:
 @pytest.mark.parametrize("kind", ["lora", "none"])
 def test_two_ranks_build_the_embedding_without_holding_it_whole_and_the_plan_counts_the_same_bytes(kind):
     (peak, kept, head), _ = run_distributed(_build_peak, 2, kind)
-    assert run_distributed(_predicted, 1, kind)[0] == (peak, kept)
+    planned_peak, planned_kept = run_distributed(_predicted, 1, kind)[0]
+    # to the byte in a fresh session; inside the whole suite a few scalars (24 B) more are kept by
+    # the real build (process state a dry run does not see): a MiB-sized whole copy is what fails
+    assert abs(planned_peak - peak) <= 64 and abs(planned_kept - kept) <= 64
     # before: the embedding replayed whole in fp32 (1 MiB here) beside its whole bf16 working buffer
     # (frozen) or its whole working buffer written and a master slice (trained)
     assert peak - kept < head
