@@ -195,7 +195,8 @@ class MemoryConfig:
     construction and each step; 'frugal' keeps 64 KiB throughout (least resident, most
     page faults); 'cache' keeps freed memory for reuse while training (blocks under 1 GiB from
     the heap, never trimmed: no page faults, faster steps, more resident memory);
-    'default' leaves glibc as it is; 'auto' = lean with offload on a CPU device unless
+    'default' leaves glibc as it is; every mode but 'cache' also trims after each validation
+    and before each checkpoint save and the export; 'auto' = lean with offload on a CPU device unless
     the environment tunes malloc's mmap or trim threshold (MALLOC_MMAP_THRESHOLD_,
     MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES; mct.memory.host, docs/stages.md "offload")."""
     huge_pages: bool = True
