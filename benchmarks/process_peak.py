@@ -54,6 +54,11 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
     ("gpt-c s2 all fp32 frugal", [*GPT_C, "zero.stage=2", "checkpointing.policy=all", "memory.host_malloc=frugal"],
      1, "gpt"),
     ("gpt2 s3 none bf16 x2", [*GPT2, "zero.stage=3", "checkpointing.policy=none", "precision.mode=bf16"], 2, "gpt2"),
+    # the default job's model and recipe, validated and saved every 20 steps (its heap trimmed between)
+    ("gpt default s0 none eval+save x60", ["train.steps=60", "train.eval_every=20", "train.checkpoint_every=20"],
+     1, "gpt"),
+    # the default job itself (`mct train`): 300 steps, validated every 50, saved after the last
+    ("gpt default job", ["train.steps=300", "train.eval_every=50"], 1, "gpt"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 
@@ -73,7 +78,7 @@ def save_hf(directory: Path, kind: str) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def predicted(sets: list[str], ranks: int, model: str) -> dict[str, Any]:
+def predicted(sets: list[str], ranks: int, model: str, steps: int) -> dict[str, Any]:
     """The plan row of the configuration ``sets`` names: its tensor peak, process peak and terms."""
     from mct.config import CLI_RECIPE, load_config
     from mct.planner import make_plan
@@ -82,13 +87,13 @@ def predicted(sets: list[str], ranks: int, model: str) -> dict[str, Any]:
     from mct.planner.plan import predict
     from mct.planner.resident import process_model
     from mct.task import task_for
-    cfg = load_config(None, [f"model.source={model}", *sets], defaults=CLI_RECIPE)
+    cfg = load_config(None, [f"model.source={model}", *COMMON, f"train.steps={steps}", *sets], defaults=CLI_RECIPE)
     task = task_for(cfg)
     process_model(task, cfg, "cpu")  # the runtime baseline measured (and cached) here if it is not yet
     grid = Grid(stages=(cfg.zero.stage,), policies=(cfg.checkpointing.policy,), precisions=(cfg.precision.mode,))
     r = make_plan(task, cfg, ranks, None, grid, advise=False, measure=False).rows[0]
     return {"tensor_peak": r.peak, "process_peak": r.process_peak, "baseline": r.runtime_baseline,
-            "overhead": r.allocator_overhead, "counts": r.process_counts,
+            "overhead": r.allocator_overhead, "counts": r.process_counts, "at": r.process_at,
             "transient": transient_bytes(predict(task, cfg, ranks).phases)}
 
 
@@ -96,7 +101,7 @@ def measured(sets: list[str], ranks: int, model: str, steps: int, run_dir: Path)
     """``mct train`` of the configuration for ``steps`` steps: each worker's VmHWM and rank 0's tensor peak."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "mct", "train", "--run-dir", str(run_dir), "--no-progress", "--model", model,
-           *(x for s in [*sets, *COMMON, f"train.steps={steps}"] for x in ("--set", s))]
+           *(x for s in [*COMMON, f"train.steps={steps}", *sets] for x in ("--set", s))]
     if ranks > 1:
         cmd += ["--nproc", str(ranks)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             if kind != "gpt" and not hf.exists():
                 save_hf(hf, kind)
             model = f"hf:{hf}" if kind != "gpt" else "gpt"
-            p = predicted(sets, ranks, model)
+            p = predicted(sets, ranks, model, args.steps)
             m = measured(sets, ranks, model, args.steps, Path(tmp) / name.replace(" ", "_"))
             worst = max(m["workers"])
             err = worst - p["process_peak"]
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                          "measured_mib": " / ".join(f"{w / MiB:.0f}" for w in m["workers"]),
                          "err_mib": err / MiB, "err_pct": 100 * err / worst, "in_target": "yes" if ok else "no",
                          "workers": m["workers"], "predicted": p})
-            print(f"  {name}: predicted {p['process_peak'] / MiB:.1f} MiB, measured {worst / MiB:.1f} MiB", flush=True)
+            print(f"  {name}: predicted {p['process_peak'] / MiB:.1f} MiB (at the {p['at']}), measured "
+                  f"{worst / MiB:.1f} MiB", flush=True)
     print(format_table(rows, [("case", "configuration"), ("tensor_mib", "tensor MiB"), ("baseline_mib", "base"),
                               ("transient_mib", "transient"), ("overhead_mib", "alloc"),
                               ("predicted_mib", "predicted"), ("measured_mib", "VmHWM by rank"),

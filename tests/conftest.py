@@ -40,8 +40,9 @@ peaks without a measurement."""
 SEEDED_BASELINE_MODULES = tuple(m + d for m in ((), ("transformers.models.llama.modeling_llama",),
                                                  ("transformers.models.gpt2.modeling_gpt2",))
                                 for d in ((), ("torch._dynamo",)))
-"""Each library's baseline, and with torch._dynamo (a recomputing run's; seeded equal: no
-dynamo term in the tests' process peaks unless a test seeds its own)."""
+"""Each library's baseline, and with torch._dynamo (a recomputing run's), and without the
+checkpoint writer (``writer=False``; seeded equal: no dynamo or writer term in the tests'
+process peaks unless a test seeds its own)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,7 +61,8 @@ def machine_profile_cache(tmp_path_factory) -> Iterator[Path]:
                        matmul_size={k: 1024 for k in SEEDED_RATES}, memcpy_bytes_per_s=5e9,
                        extra=dict(SEEDED_EXTRA), pinned=True)
     (d / "machine.json").write_text(json.dumps({"version": 1, "profiles": {p.key: p.to_dict()}}))
-    (d / "baseline.json").write_text(json.dumps({baseline_key(m): SEEDED_BASELINE for m in SEEDED_BASELINE_MODULES}))
+    (d / "baseline.json").write_text(json.dumps({baseline_key(m, w): SEEDED_BASELINE for m in SEEDED_BASELINE_MODULES
+                                                 for w in (True, False)}))
     before = os.environ.get("MCT_CACHE_DIR")
     os.environ["MCT_CACHE_DIR"] = str(d)
     yield d

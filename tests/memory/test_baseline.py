@@ -15,14 +15,16 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 def test_the_baseline_is_measured_once_per_key_then_read_from_the_cache(tmp_path, monkeypatch):
     calls: list[tuple[str, ...]] = []
-    monkeypatch.setattr(baseline, "measure_baseline", lambda modules=(): calls.append(modules) or 300 + len(modules))
+    monkeypatch.setattr(baseline, "measure_baseline",
+                        lambda modules=(), writer=True: calls.append(modules) or 300 + len(modules) - (not writer))
     path = tmp_path / "baseline.json"
     assert runtime_baseline(path=path) == (300, "measured")
     assert runtime_baseline(path=path) == (300, "cache")
     assert runtime_baseline(("json",), path=path) == (301, "measured")  # another library set: its own entry
     assert runtime_baseline(path=path, force=True) == (300, "measured")
-    assert calls == [(), ("json",), ()]
-    assert set(json.loads(path.read_text())) == {baseline_key(), baseline_key(("json",))}
+    assert runtime_baseline(path=path, writer=False) == (299, "measured")  # without the writer: its own entry
+    assert calls == [(), ("json",), (), ()]
+    assert set(json.loads(path.read_text())) == {baseline_key(), baseline_key(("json",)), baseline_key((), False)}
     path.write_text("{not json")  # a damaged cache counts as absent
     assert runtime_baseline(path=path) == (300, "measured")
 
@@ -44,7 +46,7 @@ def test_a_real_baseline_holds_torch_and_more_and_a_missing_library_is_one_value
 def test_calibrate_warns_and_keeps_its_table_when_the_baseline_cannot_be_measured(tmp_path, monkeypatch, capsys):
     from mct.cli import main
 
-    def fail(modules=()):
+    def fail(modules=(), writer=True):
         raise RuntimeError("the runtime baseline is read from /proc/self/status (Linux); none here")
     monkeypatch.setattr(baseline, "measure_baseline", fail)
     monkeypatch.setattr(baseline, "baseline_file", lambda: tmp_path / "baseline.json")

@@ -15,7 +15,8 @@ import pytest
 import mct
 from mct.config import CLI_RECIPE, load_config
 from mct.memory.baseline import measure_baseline
-from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, STEP_FIXED, STEP_HELD, ProcessModel, step_fixed
+from mct.memory.process_peak import (CUDA_CONTEXT, RETAINED, SAVE_HELD, STEP_FIXED, STEP_HELD, ProcessModel,
+                                     state_bytes, step_fixed)
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
 from mct.planner import make_plan
@@ -56,16 +57,35 @@ def test_a_recomputing_configuration_counts_torch_dynamo_in_its_baseline_and_the
     assert again.total - plain.total == 70 * MiB + STEP_HELD - STEP_FIXED
 
 
-def test_a_sharded_save_counts_torch_dynamo_but_not_the_steps_held_term():
-    """Saving sharded state (DTensor.from_local) imports torch._dynamo at the end-of-run save,
-    after the steps: the baseline counts it, the fixed overhead stays STEP_FIXED."""
+def test_a_sharded_save_counts_torch_dynamo_at_the_save_not_in_the_steps():
+    """Saving sharded state (DTensor.from_local) imports torch._dynamo at the save, after the
+    steps: the save's peak counts it, the steps' does not; a recomputing run has it in its steps."""
     model = ProcessModel(250 * MiB, "cpu", "lean", dynamo=70 * MiB)
     plain = model.predict(100 * MiB, PHASES, offload=False)
     saved = model.predict(100 * MiB, PHASES, offload=False, sharded_save=True)
     both = model.predict(100 * MiB, PHASES, offload=False, recompute=True, sharded_save=True)
-    assert saved.baseline == both.baseline == 320 * MiB  # imported once, whichever loads it first
-    assert saved.allocator_overhead == plain.allocator_overhead == STEP_FIXED + round(RETAINED["lean"] * 64 * MiB)
-    assert both.allocator_overhead == STEP_HELD + round(RETAINED["lean"] * 64 * MiB)
+    # a large step: it is the peak, without torch._dynamo unless it recomputes
+    assert plain == saved and plain.at == "step" and plain.baseline == 250 * MiB
+    assert both.baseline == 320 * MiB and both.allocator_overhead == STEP_HELD + round(RETAINED["lean"] * 64 * MiB)
+    # a small step: the save is the peak, and it counts torch._dynamo where it is sharded
+    small = {"forward": {"params": MiB, "activations": MiB}}
+    plain, saved = (model.predict(2 * MiB, small, offload=False, sharded_save=s) for s in (False, True))
+    assert plain.at == saved.at == "save" and saved.total - plain.total == 70 * MiB
+    assert saved.total == 320 * MiB + MiB + SAVE_HELD  # baseline + dynamo + the state it saves + held
+
+
+def test_a_run_saving_only_after_its_last_step_steps_without_the_checkpoint_writer():
+    """The writer's import (sympy, torch.distributed.checkpoint) is in the baseline; a process
+    loads it at its first save, so the steps of a run that saves only at its end run without it,
+    and the save itself holds the state, not the step's transients."""
+    model = ProcessModel(300 * MiB, "cpu", "default", writer=45 * MiB)
+    step = model.predict(100 * MiB, PHASES, offload=False)
+    assert step.at == "step" and step.baseline == 255 * MiB
+    assert step.total == 255 * MiB + 100 * MiB + STEP_FIXED + round(RETAINED["default"] * 64 * MiB)
+    assert state_bytes(PHASES) == 12 * MiB  # params + grads + optimizer at backward's peak
+    small = ProcessModel(300 * MiB, "cpu", "default", writer=45 * MiB).predict(12 * MiB, PHASES | {
+        "backward": {**BREAKDOWN, "activations": 0, "other": 0}, "forward": {}}, offload=False)
+    assert small.at == "save" and small.total == 300 * MiB + 12 * MiB + SAVE_HELD and "checkpoint save" in small.counts
 
 
 def test_the_steps_hold_more_only_where_the_first_step_imports_something():
@@ -82,6 +102,7 @@ def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_p
     from mct.memory import baseline as bl
     monkeypatch.setattr(bl, "baseline_file", lambda: tmp_path / "baseline.json")
     (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB,
+                                                        bl.baseline_key((), False): 250 * MiB,
                                                         bl.baseline_key(("torch._dynamo",)): 321 * MiB}))
     cfg = tiny_config(data={"micro_batch_size": 2})
     for world, base in ((1, {0: 250, 1: 250}), (2, {0: 250, 1: 321})):
@@ -89,22 +110,27 @@ def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_p
                         stages=(0, 1), policies=("none",), precisions=("fp32",))
         assert {r.stage: r.runtime_baseline // MiB for r in plan.rows} == base, world
         assert all(STEP_FIXED <= r.allocator_overhead < STEP_HELD for r in plan.rows)  # no recompute: no STEP_HELD
+        assert all(r.process_at == "save" for r in plan.rows)  # a tiny model: its save is its peak
     run, counted = predict(task_for(cfg), cfg, 2), dataclasses.replace(plan, budget_counts="process")
     assert counted.figure(run, False, False, sharded_save=True) - counted.figure(run, False, False) == 71 * MiB
 
 
-def test_the_dynamo_term_is_the_baseline_with_torch_dynamo_less_the_baseline(tmp_path, monkeypatch):
+def test_the_dynamo_and_writer_terms_are_baselines_with_and_without_the_import(tmp_path, monkeypatch):
     from mct.memory import baseline as bl
     from mct.planner import resident
     monkeypatch.setattr(bl, "baseline_file", lambda: tmp_path / "baseline.json")
     (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB,
+                                                        bl.baseline_key((), False): 205 * MiB,
                                                         bl.baseline_key(("torch._dynamo",)): 321 * MiB}))
     cfg = tiny_config()
     model, _ = resident.process_model(task_for(cfg), cfg, "cpu", measure=False)
-    assert model.baseline == 250 * MiB and model.dynamo == 71 * MiB
+    assert model.baseline == 250 * MiB and model.dynamo == 71 * MiB and model.writer == 45 * MiB
+    saving = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=10, checkpoint_every=5))
+    model, _ = resident.process_model(task_for(saving), saving, "cpu", measure=False)
+    assert model.writer == 0  # a save before the last step: the later steps hold the writer
     (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB}))
     model, _ = resident.process_model(task_for(cfg), cfg, "cpu", measure=False)
-    assert model.dynamo == 0  # not cached, may not measure: no term
+    assert model.dynamo == model.writer == 0  # not cached, may not measure: no term
 
 
 def test_cuda_process_peak_is_the_context_plus_reserved_and_says_it_is_unmeasured():
@@ -118,7 +144,10 @@ def test_every_plan_row_carries_the_process_peak_as_baseline_plus_peak_plus_over
                     stages=(0, 3), policies=("none", "all"), precisions=("fp32",))
     for row in plan.rows:
         assert row.runtime_baseline == SEEDED_BASELINE  # the test cache's: nothing measured
-        assert row.process_peak == row.runtime_baseline + row.peak + row.allocator_overhead
+        if row.process_at == "step":
+            assert row.process_peak == row.runtime_baseline + row.peak + row.allocator_overhead
+        else:  # at the save: the state it reads, not the step's transients
+            assert row.process_peak <= row.runtime_baseline + row.peak + row.allocator_overhead
         assert row.allocator_overhead >= STEP_FIXED and "VmHWM" in row.process_counts
     data = json.loads(json.dumps(plan.to_dict()))["rows"]
     assert all(OLD_KEYS <= set(r) and r["peak"] == sum(r["breakdown"].values()) for r in data)  # peak: tensor bytes

@@ -27,14 +27,18 @@ from pathlib import Path
 
 from mct.machine.cache import cache_file
 
+NO_WRITER = "--no-writer"
+"""The probe's argument that leaves the checkpoint writer out (``writer=False``)."""
 PROBE = """
 import os, sys
-for name in sys.argv[1:]:  # first: a missing library fails before torch's import
+names = [a for a in sys.argv[1:] if a != "--no-writer"]
+for name in names:  # first: a missing library fails before torch's import
     __import__(name)
 import torch
 import torch.distributed as dist
 import mct.run.trainer
-import mct.persistence.shards  # torch.distributed.checkpoint: every mct train saves (about 47 MiB, sympy)
+if "--no-writer" not in sys.argv:
+    import mct.persistence.shards  # torch.distributed.checkpoint: every mct train saves (about 47 MiB, sympy)
 from mct.optim import AdamW
 p = torch.nn.Parameter(torch.zeros(1))
 opt = AdamW([p], lr=1e-3)
@@ -51,9 +55,9 @@ PROBE_VERSION = 3
 since it imports the checkpoint writer (torch.distributed.checkpoint), as every run that saves."""
 
 
-def baseline_key(modules: tuple[str, ...] = ()) -> str:
+def baseline_key(modules: tuple[str, ...] = (), writer: bool = True) -> str:
     """What the baseline depends on: Python, torch and the modules' packages' versions,
-    the modules, the architecture and the probe's version."""
+    the modules, the architecture, the probe's version, and whether the checkpoint writer is in."""
     packages = sorted({"torch", *(m.split(".")[0] for m in modules)})
     versions = []
     for name in packages:
@@ -62,11 +66,12 @@ def baseline_key(modules: tuple[str, ...] = ()) -> str:
         except metadata.PackageNotFoundError:
             versions.append(f"{name} ?")
     return " | ".join([f"python {platform.python_version()}", *versions, platform.machine(), f"probe {PROBE_VERSION}",
-                       "modules " + (",".join(sorted(modules)) or "-")])
+                       "modules " + (",".join(sorted(modules)) or "-"), *([] if writer else ["no writer"])])
 
 
-def measure_baseline(modules: tuple[str, ...] = (), timeout_s: float = 300.0) -> int:
-    """The baseline in bytes, measured now in a fresh interpreter (a few seconds). Raises
+def measure_baseline(modules: tuple[str, ...] = (), timeout_s: float = 300.0, writer: bool = True) -> int:
+    """The baseline in bytes, measured now in a fresh interpreter (a few seconds); ``writer``:
+    with the checkpoint writer's import (False: what a process holds before its first save). Raises
     ValueError naming the module when one cannot be imported, RuntimeError when the probe
     fails otherwise or there is no /proc (not Linux)."""
     if not Path("/proc/self/status").exists():
@@ -74,7 +79,7 @@ def measure_baseline(modules: tuple[str, ...] = (), timeout_s: float = 300.0) ->
     src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p))
-    out = subprocess.run([sys.executable, "-c", PROBE, *modules], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, *modules, *([] if writer else [NO_WRITER])], env=env, capture_output=True, text=True,
                          timeout=timeout_s)
     if out.returncode != 0:
         missing = [m for m in modules if f"No module named '{m.split('.')[0]}" in out.stderr]
@@ -90,18 +95,18 @@ def baseline_file() -> Path:
 
 
 def runtime_baseline(modules: tuple[str, ...] = (), *, force: bool = False,
-                     path: Path | None = None) -> tuple[int, str]:
+                     path: Path | None = None, writer: bool = True) -> tuple[int, str]:
     """(bytes, 'cache' | 'measured'): the runtime baseline for ``modules`` (the model's
     library modules beyond torch and mct), from the cache unless ``force``, else measured and
     cached. The figure the planner adds to a tensor peak for a process peak (docs/memory.md).
-    Raises as ``measure_baseline``."""
+    ``writer=False``: without the checkpoint writer's import. Raises as ``measure_baseline``."""
     path = path or baseline_file()
-    key = baseline_key(tuple(modules))
+    key = baseline_key(tuple(modules), writer)
     entries = _entries(path)
     cached = entries.get(key)
     if not force and _valid(cached):
         return cached, "cache"
-    value = measure_baseline(tuple(modules))
+    value = measure_baseline(tuple(modules), writer=writer)
     entries[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,10 +118,10 @@ def runtime_baseline(modules: tuple[str, ...] = (), *, force: bool = False,
     return value, "measured"
 
 
-def cached_baseline(modules: tuple[str, ...] = (), *, path: Path | None = None) -> int | None:
+def cached_baseline(modules: tuple[str, ...] = (), *, path: Path | None = None, writer: bool = True) -> int | None:
     """The cached runtime baseline for ``modules`` in bytes, or None when none is cached
     (nothing is measured: what a training rank may call)."""
-    cached = _entries(path or baseline_file()).get(baseline_key(tuple(modules)))
+    cached = _entries(path or baseline_file()).get(baseline_key(tuple(modules), writer))
     return cached if _valid(cached) else None
 
 

@@ -52,6 +52,11 @@ config): the code pages of the kernels the steps run (RssFile +16-21 MiB from be
 step to the peak) and the autograd graph's and glibc's anonymous memory (+26-30 MiB). Such a run
 peaks inside a step (measured: benchmarks/process_peak.py, docs/memory.md); one that does not
 recompute peaks at the end-of-run save, which ``STEP_FIXED`` over the baseline describes."""
+SAVE_HELD = 40 * MiB
+"""CPU: what a process holds at a checkpoint save beyond the baseline (the writer's import
+counted there) and the state the save reads: the writer's code paths run, its staging of
+each piece, and the heap the steps leave after the trim before the save (measured:
+benchmarks/process_peak.py, docs/memory.md)."""
 RETAINED = {"default": 0.5, "lean": 0.25, "frugal": 0.25, "cache": 1.0}
 """CPU: the share of a step's transient tensor bytes glibc keeps resident when the next step
 peaks, per resolved ``memory.host_malloc`` mode ('frugal' and 'cache': from glibc's rules,
@@ -77,6 +82,9 @@ class ProcessPeak:
     tensor_peak: int
     allocator_overhead: int
     counts: str
+    at: str = "step"
+    """Where the process peaks: 'step' (``tensor_peak`` is the step's) or 'save' (the checkpoint
+    save: ``tensor_peak`` is the state it reads, ``allocator_overhead`` ``SAVE_HELD``)."""
 
     @property
     def total(self) -> int:
@@ -97,6 +105,12 @@ class ProcessModel:
     """CPU: what importing ``torch._dynamo`` adds to ``baseline`` (measured beside it), which a
     process loads only for recompute (``torch.utils.checkpoint`` reads its config) or to save
     sharded state (``DTensor.from_local`` is wrapped in ``torch._disable_dynamo``)."""
+    writer: int = 0
+    """CPU: what the checkpoint writer's import (``torch.distributed.checkpoint``, sympy) adds to
+    ``baseline``, which counts it (measured beside it), where the steps run without it: a process
+    loads it at its first save, so a run that saves only after its last step steps without it.
+    0 where a save comes earlier (``train.checkpoint_every``), and for a transformers model, whose
+    import loads what it needs."""
 
     def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool,
                 recompute: bool = False, sharded_save: bool = False) -> ProcessPeak:
@@ -104,8 +118,8 @@ class ProcessModel:
         bytes by category (``phases``: phase -> {category: bytes}, the dry run's), its state
         offloaded or not (``offload``: 'auto' resolves to 'lean' then), recomputing blocks or
         not (``recompute``), saving sharded state or not (``sharded_save``: ZeRO stage 1 and up
-        on several ranks); either makes the baseline count ``torch._dynamo`` (``loads_dynamo``),
-        recompute inside the steps (``step_fixed``). Pure arithmetic; never fails."""
+        on several ranks). The larger of its two peaks (``ProcessPeak.at``): inside a step, and
+        at the checkpoint save (``save_peak``). Pure arithmetic; never fails."""
         transient = transient_bytes(phases)
         if self.device == "cuda":
             overhead = CUDA_SEGMENT + round(CUDA_RETAINED * transient)
@@ -113,10 +127,23 @@ class ProcessModel:
                                "device memory (CUDA context + reserved; not measured here)")
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
         retained = round(RETAINED.get(mode, RETAINED["default"]) * transient)
-        overhead = step_fixed(self.dynamo if recompute else 0) + retained
-        return ProcessPeak(self.baseline + (self.dynamo if loads_dynamo(recompute, sharded_save) else 0),
-                           tensor_peak, overhead,
-                           f"resident (VmHWM), host_malloc {mode}")
+        counts = f"resident (VmHWM), host_malloc {mode}"
+        in_step = self.dynamo if recompute else 0
+        if in_step:
+            # torch._dynamo (and the sympy the writer shares with it) imported in the first step
+            return ProcessPeak(self.baseline + in_step, tensor_peak, step_fixed(in_step) + retained, counts)
+        step = ProcessPeak(self.baseline - self.writer, tensor_peak, step_fixed(0) + retained, counts)
+        save = save_peak(self.baseline + (self.dynamo if loads_dynamo(recompute, sharded_save) else 0),
+                         state_bytes(phases), counts)
+        return save if save.total > step.total else step
+
+
+def save_peak(baseline: int, state: int, counts: str) -> ProcessPeak:
+    """CPU: the peak at a checkpoint save: ``baseline`` (with the checkpoint writer's import,
+    and ``torch._dynamo``'s where the save is sharded), the ``state`` the save reads (tensor
+    bytes live across steps), and ``SAVE_HELD`` (the writer's code paths run, its staging,
+    the heap left after the trim before the save). Pure."""
+    return ProcessPeak(baseline, state, SAVE_HELD, counts + ", at the checkpoint save", at="save")
 
 
 def loads_dynamo(recompute: bool, sharded_save: bool) -> bool:
@@ -135,6 +162,13 @@ def step_fixed(imported_in_step: int) -> int:
     first step imports ``torch._dynamo`` holds that import through every step and peaks inside one,
     with the steps' code pages and heap on top: ``STEP_HELD``. Pure; never fails."""
     return STEP_HELD if imported_in_step > 0 else STEP_FIXED
+
+
+def state_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:
+    """The most bytes of the categories live across steps (all but ``TRANSIENT``) at any phase's
+    peak: what a checkpoint save reads (0 for no phases)."""
+    return max((sum(int(v) for k, v in ph.items() if k not in TRANSIENT and k != "total") for ph in phases.values()),
+               default=0)
 
 
 def transient_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:

@@ -229,6 +229,9 @@ class PlanRow(Mapping):
     runtime_baseline: int | None = None
     allocator_overhead: int | None = None
     process_counts: str | None = None
+    process_at: str | None = None
+    """Where the process peaks: 'step', or 'save' (the checkpoint save: then ``process_peak`` is
+    ``runtime_baseline`` + the state it reads + ``allocator_overhead``; ``mct.memory.process_peak``)."""
     budget_counts: str = "tensors"
     """What ``fits`` and ``need`` compare with the budget (``memory.budget_counts``): 'process'
     (``process_peak``; the need adds the process terms to the largest tensor peak) or 'tensors'

@@ -161,6 +161,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
         tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None,
         process_peak=proc.total if proc else None, runtime_baseline=proc.baseline if proc else None,
         allocator_overhead=proc.allocator_overhead if proc else None, process_counts=proc.counts if proc else None,
+        process_at=proc.at if proc else None,
         budget_counts=counts)
 
 

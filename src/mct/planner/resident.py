@@ -15,7 +15,7 @@ from mct.task.spec import Task
 
 
 DYNAMO = "torch._dynamo"
-"""The module a recomputing run loads beyond a run that does not (``_dynamo_bytes``)."""
+"""The module a recomputing run loads beyond a run that does not (``_added``)."""
 
 
 def library_modules(task: Task) -> tuple[str, ...]:
@@ -50,21 +50,28 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
             return None, f"no process peak: the runtime baseline could not be measured ({e})"
     if baseline is None:
         return None, "no process peak: no runtime baseline cached (mct calibrate)"
-    return ProcessModel(baseline, device, cfg.memory.host_malloc, _dynamo_bytes(modules, baseline, measure)), ""
+    every = cfg.train.checkpoint_every
+    # a save before the last step leaves the checkpoint writer imported for the steps after it
+    writer = _added(baseline, modules, False, measure, less=True) if every <= 0 or every >= cfg.train.steps else 0
+    return ProcessModel(baseline, device, cfg.memory.host_malloc, _added(baseline, (*modules, DYNAMO), True, measure),
+                        writer), ""
 
 
-def _dynamo_bytes(modules: tuple[str, ...], baseline: int, measure: bool) -> int:
-    """What ``torch._dynamo``'s import adds to the baseline of ``modules`` (a run that recomputes
-    loads it: ``torch.utils.checkpoint`` reads its config): the baseline measured with it, less
-    ``baseline``; 0 where that is not cached and may not be measured, or cannot be."""
-    with_dynamo = (*modules, DYNAMO)
-    value = cached_baseline(with_dynamo)
+def _added(baseline: int, modules: tuple[str, ...], writer: bool, measure: bool, less: bool = False) -> int:
+    """What one import adds to ``baseline`` (the baseline of the model's modules with the
+    checkpoint writer): measured as the baseline of ``modules`` and ``writer``, less ``baseline``
+    (``torch._dynamo``: a run that recomputes loads it, ``torch.utils.checkpoint`` reads its
+    config), or ``baseline`` less it (``less``: the checkpoint writer, left out). 0 where that is
+    not cached and may not be measured, or cannot be."""
+    value = cached_baseline(modules, writer=writer)
     if value is None and measure:
         try:
-            value, _ = runtime_baseline(with_dynamo)
+            value, _ = runtime_baseline(modules, writer=writer)
         except (ValueError, RuntimeError, OSError):
             value = None
-    return max(0, value - baseline) if value is not None else 0
+    if value is None:
+        return 0
+    return max(0, baseline - value if less else value - baseline)
 
 
 def check_process_floor(task: Task, cfg: EngineConfig, device: str) -> None:
