@@ -64,7 +64,9 @@ def _legend(plan: Plan) -> list[str]:
     if counts:
         lines += [f"process: each rank's predicted peak, {c}" for c in counts]
         lines.append("  = CUDA context + peak + caching allocator's reserve (docs/memory.md)" if plan.device == "cuda"
-                     else "  = runtime baseline + peak + allocator overhead (docs/memory.md)")
+                     else "  = runtime baseline + peak + allocator overhead (docs/memory.md)"
+                     + ("; at the checkpoint save: + the state it saves instead of peak"
+                        if any(r.process_at == "save" for r in plan.rows) else ""))
     elif plan.process_note:
         lines.append(f"process: {plan.process_note}")
     return lines
