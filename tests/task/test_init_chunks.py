@@ -132,6 +132,7 @@ TINY = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.seq_len=
 def _build_peak(rank: int, world: int, kind: str) -> tuple[int, int, int]:
     """(peak, kept, embedding bytes in fp32): live CPU storage while this rank builds a stage-3
     GPT on meta with ``adapter.kind = kind``, its (tied) embedding 4096 x 64 (frozen under LoRA)."""
+    init_chunks.INIT_CHUNK = 4096  # this process's: many chunks per embedding
     cfg = with_choice(load_config(None, [*TINY, f"adapter.kind={kind}"], defaults=CLI_RECIPE), 3, "none", "bf16")
     task = task_for(cfg)
     counter = LiveStorage()
@@ -147,6 +148,7 @@ def _build_peak(rank: int, world: int, kind: str) -> tuple[int, int, int]:
 def _predicted(rank: int, world: int, kind: str) -> tuple[int, int]:
     """The plan's (init peak, kept) for 2 ranks, in a fresh process: a dry run counts a few bytes
     more where torch._dynamo is loaded (this module's odd constructions load it), as its real run does."""
+    init_chunks.INIT_CHUNK = 4096
     cfg = with_choice(load_config(None, [*TINY, f"adapter.kind={kind}"], defaults=CLI_RECIPE), 3, "none", "bf16")
     run = predict(task_for(cfg), cfg, 2)
     return run.init_peak, run.init_end["total"]
@@ -157,9 +159,9 @@ def _predicted(rank: int, world: int, kind: str) -> tuple[int, int]:
 def test_two_ranks_build_the_embedding_without_holding_it_whole_and_the_plan_counts_the_same_bytes(kind):
     (peak, kept, head), _ = run_distributed(_build_peak, 2, kind)
     planned_peak, planned_kept = run_distributed(_predicted, 1, kind)[0]
-    # to the byte in a fresh session; inside the whole suite a few scalars (24 B) more are kept by
-    # the real build (process state a dry run does not see): a MiB-sized whole copy is what fails
-    assert abs(planned_peak - peak) <= 64 and abs(planned_kept - kept) <= 64
+    # within a few scalars (24-69 B: process state a dry run does not see, e.g. rank 1's) of the real
+    # build; a whole parameter (1 MiB here) is what fails
+    assert abs(planned_peak - peak) <= 256 and abs(planned_kept - kept) <= 256
     # before: the embedding replayed whole in fp32 (1 MiB here) beside its whole bf16 working buffer
-    # (frozen) or its whole working buffer written and a master slice (trained)
+    # (frozen) or its whole working buffer written and a master slice (trained); now chunks of 16 KiB
     assert peak - kept < head

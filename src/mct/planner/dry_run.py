@@ -33,7 +33,8 @@ from mct.dist import DistContext
 from mct.engine import Engine
 from mct.memory.tracker import CATEGORIES, MemoryTracker
 from mct.planner.work import OpCounter, StepWork, mode_counts
-from mct.task.init_chunks import INIT_CHUNK, chunk_bounds
+from mct.task import init_chunks
+from mct.task.init_chunks import chunk_bounds
 from mct.task.meta import build_on_meta
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
@@ -146,11 +147,11 @@ class FakeInit:
         for p in params:
             self.tracker.register(p, "params")
 
-    def chunks(self, p: torch.Tensor, chunk: int = INIT_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+    def chunks(self, p: torch.Tensor, chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """``InitProgram.chunks`` on fake tensors: one buffer of ``p``'s dtype holding the
         largest chunk, allocated (and counted) as a real run allocates it, its views yielded
         in the chunks a run draws. ``p`` itself is never counted."""
-        bounds = chunk_bounds(p.numel(), chunk)
+        bounds = chunk_bounds(p.numel(), chunk or init_chunks.INIT_CHUNK)
         if not bounds:
             return
         buf = torch.empty(max(b - a for a, b in bounds), dtype=p.dtype)

@@ -34,7 +34,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mct.task.init_chunks import INIT_CHUNK, Ref as _Ref, advance_chunked, chain_of, chunk_bounds, contiguous, replay
+from mct.task import init_chunks
+from mct.task.init_chunks import Ref as _Ref, advance_chunked, chain_of, chunk_bounds, contiguous, replay
 
 RANDOM_INIT_OPS = frozenset({
     "normal", "normal_", "uniform", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
@@ -184,12 +185,14 @@ class InitProgram:
                 new = nn.Parameter(values, requires_grad=p.requires_grad) if isinstance(p, nn.Parameter) else values
                 torch.utils.swap_tensors(p, new)
 
-    def chunks(self, p: torch.Tensor, chunk: int = INIT_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+    def chunks(self, p: torch.Tensor, chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """(start, values) of the meta tensor ``p``'s flattened elements, in order: CPU tensors
         of ``p``'s dtype with exactly the values of the normal construction, each valid until
         the next is drawn (copy it). Where the construction allows (``mct.task.init_chunks``)
         no more than one chunk of ``p`` exists at a time; else ``p`` is replayed whole first.
-        ``p`` stays on meta; the CPU generator is not touched. ``chunk``: elements per chunk."""
+        ``p`` stays on meta; the CPU generator is not touched. ``chunk``: elements per chunk
+        (default ``mct.task.init_chunks.INIT_CHUNK``, read at the call)."""
+        chunk = chunk or init_chunks.INIT_CHUNK
         r = _Recorder._ref(p)
         chain = chain_of(self.ops, r.key) if contiguous(r) else None
         n = math.prod(r.size)
