@@ -214,7 +214,7 @@ class Trainer:
         Preempted (128 + signal). Closes the engine (offload files) either way."""
         try:
             summary = self._loop()
-            host.trim_between(host.mode_of(self.cfg, self.ctx.device.type))
+            self._trim()
             export_engine(self.engine, self.run_dir / "model.safetensors")
             if self.task.hf_dir and self.ctx.is_main:  # an adapter run's merged (as --merge)
                 write_run_hf(self.run_dir)
@@ -327,7 +327,7 @@ class Trainer:
         record = self.log.record(step, out, lr, t_data, step_time, rollbacks=self.rollback.total)
         if self.validator.should_validate(step, last):
             c.validated(self.validator.run(self.engine, self.data_rank, self.data_world))
-            host.trim_between(host.mode_of(self.cfg, self.ctx.device.type))
+            self._trim()
             record["val_loss"] = c.last_val
         if self.log.should_log(step, last, "val_loss" in record):
             if self.cfg.data.packing == "documents":  # what the step's global batch held (docs/data.md)
@@ -339,10 +339,14 @@ class Trainer:
             self.save_checkpoint(trusted=last and updated)
         self.bar.advance(out.loss, c.last_val)
 
+    def _trim(self) -> None:
+        """``host.trim_between`` under the run's resolved ``memory.host_malloc``."""
+        host.trim_between(host.mode_of(self.cfg, self.ctx.device.type))
+
     def save_checkpoint(self, trusted: bool = False) -> None:
         """The checkpoint of ``counters.step`` completed steps (collective); the heap trimmed
         first (``host.trim_between``)."""
-        host.trim_between(host.mode_of(self.cfg, self.ctx.device.type))
+        self._trim()
         self.checkpointer.save(self.engine, self.counters.step, self.header(), trusted=trusted)
 
     # ---- resume ----

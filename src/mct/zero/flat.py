@@ -51,6 +51,27 @@ def point_at(p: nn.Parameter, view: torch.Tensor) -> None:
         p.data = view
 
 
+def fill_from(values: Values, params: list[nn.Parameter], layout: FlatLayout,
+              targets: list[tuple[torch.Tensor, int, int]]) -> None:
+    """Copy the parameters' values, a chunk at a time, into every target ``(out, lo, hi)``:
+    ``out`` holds elements [lo, hi) of the layout's flat buffer (cast to its dtype). Each
+    parameter's chunks are drawn once, and only up to the last element a target needs."""
+    for p, off, n in zip(params, layout.offsets, layout.numels()):
+        spans = [(out, max(off, lo) - off, min(off + n, hi) - off, lo) for out, lo, hi in targets]
+        spans = [s for s in spans if s[1] < s[2]]  # [a, b) of p in each target
+        if not spans:
+            continue
+        need = max(b for _, _, b, _ in spans)
+        for start, chunk in values(p):
+            stop = start + chunk.numel()
+            for out, a, b, lo in spans:
+                x, y = max(start, a), min(stop, b)
+                if x < y:
+                    out[off + x - lo:off + y - lo].copy_(chunk[x - start:y - start])
+            if stop >= need:
+                break
+
+
 def pack_chunks(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int, param_dtype: torch.dtype,
                 master_is_view: bool, device: torch.device, values: Values,
                 persistent: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,19 +83,9 @@ def pack_chunks(params: list[nn.Parameter], layout: FlatLayout, shard_rank: int,
     working = (torch.zeros if persistent else torch.empty)(layout.padded_numel, dtype=param_dtype, device=device)
     master = working[lo:hi] if master_is_view else torch.zeros(hi - lo, dtype=torch.float32, device=device)
     with torch.no_grad():
+        fill_from(values, params, layout, [*([(working, 0, layout.padded_numel)] if persistent else []),
+                                           *([] if master_is_view else [(master, lo, hi)])])
         for p, off, n in zip(params, layout.offsets, layout.numels()):
-            a, b = max(off, lo) - off, min(off + n, hi) - off  # this rank's part of p
-            need = n if persistent else (b if a < b else 0)
-            if need:
-                for start, chunk in values(p):
-                    stop = start + chunk.numel()
-                    if persistent:
-                        working[off + start:off + stop].copy_(chunk)
-                    x, y = max(start, a), min(stop, b)
-                    if not master_is_view and x < y:
-                        master[off + x - lo:off + y - lo].copy_(chunk[x - start:y - start])
-                    if stop >= need:
-                        break
             point_at(p, working[off:off + n].view(p.shape))
     return working, master
 

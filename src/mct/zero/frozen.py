@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mct.zero.comm import Comm, Pending
-from mct.zero.flat import Values, finish_gather, point_at
+from mct.zero.flat import Values, fill_from, finish_gather, point_at
 from mct.zero.frozen_codec import FrozenCodec, IdentityCodec
 from mct.zero.partition import ALIGN_ELEMENTS, FlatLayout, build_layout
 
@@ -65,20 +65,6 @@ def _own_values(p: nn.Parameter) -> Iterable[tuple[int, torch.Tensor]]:
     return [(0, p.detach().reshape(-1))]
 
 
-def _fill(out: torch.Tensor, pieces: list[tuple[int, int, int, int]], params: list[nn.Parameter],
-          values: Values) -> None:
-    """Copy into ``out`` each piece (param index, [a, b) of it, at) of ``params``'s values, cast
-    to ``out``'s dtype; a chunk is read only up to the piece's end."""
-    for i, a, b, at in pieces:
-        for start, chunk in values(params[i]):
-            end = start + chunk.numel()
-            x, y = max(a, start), min(b, end)
-            if x < y:
-                out[at + x - a:at + y - a].copy_(chunk[x - start:y - start])
-            if end >= b:
-                break
-
-
 class FrozenUnit:
     """One unit's frozen parameters, sharded (see the module docstring)."""
 
@@ -109,12 +95,12 @@ class FrozenUnit:
         with torch.no_grad():
             if self.resident:
                 self.working = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                _fill(self.working, layout.pieces(0, layout.padded_numel), self.params, values)
+                fill_from(values, self.params, layout, [(self.working, 0, layout.padded_numel)])
                 self.stored = {"data": self.working}
             else:
                 lo, hi = layout.shard_range(shard_rank)
                 part = torch.zeros(hi - lo, dtype=dtype, device=device)
-                _fill(part, layout.pieces(lo, hi), self.params, values)
+                fill_from(values, self.params, layout, [(part, lo, hi)])
                 self.stored = {"data": part} if self.direct else codec.encode(part)
                 del part
                 # never written: on the host none of its pages become resident; on a GPU its block
