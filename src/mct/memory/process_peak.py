@@ -5,16 +5,20 @@ VmHWM) or ``nvidia-smi`` (CUDA) counts, from a configuration's tensor peak.
 
 On the CPU, ``runtime_baseline`` is ``mct.memory.baseline``'s (measured by ``mct calibrate``
 for the model's library) and the allocator's overhead models glibc malloc under each
-``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements); the
-baseline counts ``torch._dynamo``'s import (``ProcessModel.dynamo``) where the run loads it
-(``loads_dynamo``: recompute, or a sharded save on several ranks):
+``memory.host_malloc`` mode (``mct.memory.host``; docs/memory.md has the measurements). A
+process peaks either inside a step or at a checkpoint save, and the prediction is the larger
+(``ProcessPeak.at``):
 
-    allocator_overhead = step_fixed + RETAINED[mode] x transient
+    step:  baseline - writer + tensor peak + step_fixed + RETAINED[mode] x transient
+    save:  baseline (+ dynamo where the save is sharded) + state + SAVE_HELD
 
-``step_fixed`` is ``STEP_FIXED``, or ``STEP_HELD`` where the first step itself imports
-``torch._dynamo`` (a recomputing built-in GPT: that run peaks inside a step, not at the
-end-of-run save; ``step_fixed``). ``transient`` is the tensor bytes a step allocates and
-frees again (activations and 'other' temporaries at the phase where they are largest: what the
+``writer`` is what the checkpoint writer's import adds to the baseline (the steps of a run
+that saves only after its last step run without it; ``ProcessModel.writer``); ``state`` the
+tensor bytes live across steps (``state_bytes``), which a save reads on a heap trimmed just
+before it (``host.trim_between``). A run whose first step imports ``torch._dynamo`` (a
+recomputing built-in GPT) peaks in a step that counts it, with ``STEP_HELD`` as its fixed
+part (``step_fixed``). ``transient`` is the tensor bytes a step allocates and frees again
+(activations and 'other' temporaries at the phase where they are largest: what the
 allocator recycles every step). The parameters, gradients and optimizer state live across
 steps and cost the allocator nothing beyond page rounding.
 ``STEP_FIXED`` is what a training process adds beside its tensors whatever the mode (the FLOP
@@ -156,11 +160,10 @@ def loads_dynamo(recompute: bool, sharded_save: bool) -> bool:
 
 def step_fixed(imported_in_step: int) -> int:
     """CPU: the allocator overhead's fixed part, given the bytes the first step imports
-    (``imported_in_step``: ``torch._dynamo``'s term for a recomputing row, else 0). A run that
-    imports nothing in its steps peaks at the end-of-run save, where the checkpoint writer's import
-    (counted in the baseline) lands after the steps' temporaries are freed: ``STEP_FIXED``. One whose
-    first step imports ``torch._dynamo`` holds that import through every step and peaks inside one,
-    with the steps' code pages and heap on top: ``STEP_HELD``. Pure; never fails."""
+    (``imported_in_step``: ``torch._dynamo``'s term for a recomputing row, else 0): ``STEP_FIXED``
+    for a run that imports nothing in its steps (its step peak is then weighed against its save
+    peak); ``STEP_HELD`` for one whose first step imports ``torch._dynamo`` and holds it through
+    every step, with the steps' code pages and heap on top. Pure; never fails."""
     return STEP_HELD if imported_in_step > 0 else STEP_FIXED
 
 
