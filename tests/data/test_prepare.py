@@ -233,6 +233,32 @@ def test_a_byte_corpus_run_gets_the_byte_tokenizer_and_a_bin_none(tmp_path):
     assert copy_tokenizer(tokens, tmp_path / "run2") is None
 
 
+@pytest.mark.parametrize("eos", [True, False])
+def test_the_byte_tokenizer_is_the_librarys_own_string_and_leaves_the_library_unloaded(tmp_path, eos):
+    """``bytes_tokenizer_json`` is written without ``tokenizers`` (a training process on a byte
+    corpus never loads it): the same string the library serializes for those 256 ids, and a
+    process that writes a run's tokenizer.json has not imported the library."""
+    import subprocess
+    import sys
+    from tokenizers import AddedToken, Tokenizer as HF, decoders, models, pre_tokenizers
+    from mct.data.tokenizer import EOS_TOKEN, bytes_tokenizer_json
+    table = bytes_to_unicode()
+    hf = HF(models.BPE({table[b]: b for b in range(256)}, []))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    if eos:
+        hf.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    assert bytes_tokenizer_json(eos=eos) == hf.to_str()
+    (tmp_path / "c").mkdir()
+    for i in range(2):
+        (tmp_path / "c" / f"{i}.txt").write_text("abc " * 50)
+    code = ("import sys; from mct.data import load_corpus; from mct.data.tokenizer import copy_tokenizer; "
+            f"c = load_corpus({str(tmp_path / 'c')!r}, seed=0, val_fraction=0.5, seq_len=8); "
+            f"copy_tokenizer(c, {str(tmp_path)!r}); print('tokenizers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and (tmp_path / "tokenizer.json").is_file()
+
+
 def test_a_lossy_tokenizer_is_prepared_with_a_warning(tmp_path, capfd):
     from tokenizers import Tokenizer as HF, normalizers
     hf = HF.from_file(str(_sparse_tokenizer_json(tmp_path / "tokenizer.json")))

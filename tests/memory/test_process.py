@@ -34,11 +34,12 @@ def test_job_resident_adds_the_launcher_and_an_agent_between_it_and_the_worker(m
 
 
 @pytest.mark.slow
-def test_a_gpt_training_process_never_imports_dynamo_plotting_tensorboard_or_transformers(tmp_path, corpus_dir):
+def test_a_gpt_training_process_never_imports_dynamo_plotting_tensorboard_transformers_or_tokenizers(tmp_path, corpus_dir):
     """What training does not need is never loaded (docs/memory.md: torch._dynamo about 70 MiB,
     matplotlib about 52 MiB, transformers' Llama about 156 MiB, tensorboard about 15 MiB beyond
-    torch), through the optimizer, the tracker, the FLOP count and step-time dry run (fake
-    tensors, in a forked child), an evaluation and a checkpoint save."""
+    torch; tokenizers about 3 MiB and safetensors about 1 MiB on a byte corpus), through the
+    optimizer, the tracker, the FLOP count and step-time dry run (fake tensors, in a forked
+    child), an evaluation, a checkpoint save and the export."""
     import subprocess
     import sys
     code = ("import sys\nfrom mct.cli import main\n"
@@ -47,7 +48,7 @@ def test_a_gpt_training_process_never_imports_dynamo_plotting_tensorboard_or_tra
             "'model.n_head=2', '--set', 'model.seq_len=16', '--set', 'data.micro_batch_size=2', '--set', "
             "'train.steps=2', '--set', 'train.eval_every=2', '--set', 'train.checkpoint_every=2'])\n"
             "print(rc, *sorted(m for m in ('torch._dynamo', 'matplotlib', 'tensorboard', 'transformers', "
-            "'torch.utils.tensorboard') "
+            "'torch.utils.tensorboard', 'tokenizers', 'safetensors') "
             "if m in sys.modules))")
     src = Path(__file__).resolve().parents[2] / "src"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

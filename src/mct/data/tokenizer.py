@@ -75,13 +75,23 @@ def _byte_level(tok: Any, use_regex: bool) -> Any:
 
 def bytes_tokenizer_json(eos: bool = True) -> str:
     """tokenizer.json whose ids are the UTF-8 bytes 0..255 (no merges), plus EOS = 256
-    when ``eos``: what ``bytes`` (and the byte corpus of ``mct train``) encode."""
-    from tokenizers import AddedToken, Tokenizer, models
+    when ``eos``: what ``bytes`` (and the byte corpus of ``mct train``) encode. Written
+    here, not by ``tokenizers`` (about 3 MiB resident once loaded, kept out of a training
+    process whose corpus is bytes): the same string as a byte-level BPE of those 256 ids
+    serialized by the library (``Tokenizer.to_str()``; tests/data/test_prepare.py holds
+    them equal), so the library and transformers load it as theirs."""
     table = bytes_to_unicode()
-    tok = _byte_level(Tokenizer(models.BPE({table[b]: b for b in range(256)}, [])), use_regex=False)
-    if eos:
-        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
-    return tok.to_str()
+    added = [{"id": 256, "content": EOS_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}] if eos else []
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": False},
+           "post_processor": None,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                     "ignore_merges": False, "vocab": {table[b]: b for b in range(256)}, "merges": []}}
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass

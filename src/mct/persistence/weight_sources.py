@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
 
 from mct.errors import user_error
 from mct.persistence.export import pick_checkpoint
@@ -27,6 +26,13 @@ Read = Callable[[str, int, int], torch.Tensor]
 """(name, start, end) -> fp32 1-D elements [start, end) of the flattened tensor."""
 
 shards = LazyModule("mct.persistence.shards")  # DCP: imported on first use
+
+
+def _open(path: Path) -> Any:
+    """``safetensors.safe_open`` of ``path`` for torch. Imported here, at the first read: a
+    training process that reads no weights never loads it (about 1 MiB resident)."""
+    from safetensors import safe_open
+    return safe_open(str(path), framework="pt")
 
 
 def _safetensors_files(path: Path) -> dict[str, Path]:
@@ -59,7 +65,7 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as handle:
+            with _open(f) as handle:
                 out.update({k: f for k in handle.keys()})
         except OSError as e:
             raise user_error(e, f) from None
@@ -78,7 +84,7 @@ class SafetensorsSource:
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in sorted(set(files.values())):
             try:
-                with safe_open(str(f), framework="pt") as handle:
+                with _open(f) as handle:
                     self.shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()
                                         if files.get(k) == f})
             except OSError as e:
@@ -93,7 +99,7 @@ class SafetensorsSource:
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened tensor, reading the rows around them."""
         shape = self.shapes[name]
-        with safe_open(str(self.files[name]), framework="pt") as handle:
+        with _open(self.files[name]) as handle:
             if len(shape) == 0:
                 return handle.get_tensor(name).reshape(1).float()[start:end]
             row = math.prod(shape[1:])
