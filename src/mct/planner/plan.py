@@ -146,7 +146,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
     proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none",
-                            sharded_save=world > 1 and isinstance(c.stage, int) and c.stage >= 1)
+                            sharded_save=saves_sharded(c.stage, world))
             if process else None)
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
@@ -204,6 +204,12 @@ class Plan:
         assert self.process is not None
         return self.process.predict(run.peak, run.phases, offload=offload, recompute=recompute,
                                     sharded_save=sharded_save).total
+
+
+def saves_sharded(stage: Any, world: int) -> bool:
+    """Whether a run at ZeRO ``stage`` on ``world`` ranks saves sharded state (stage 1 and up on
+    several ranks): ``ProcessModel.predict``'s ``sharded_save``."""
+    return world > 1 and isinstance(stage, int) and stage >= 1
 
 
 def planned_device(cfg: EngineConfig) -> str:
@@ -395,7 +401,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
             continue
         smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
         if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none", low.choice.policy != "none",
-                       plan.world > 1 and isinstance(low.stage, int) and low.stage >= 1) <= budget:
+                       saves_sharded(low.stage, plan.world)) <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
     stage3 = apply(cfg, dataclasses.replace(low.choice, stage=3))
@@ -405,7 +411,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     while lo <= hi:
         mid = (lo + hi) // 2
         if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none",
-                       low.choice.policy != "none", sharded_save=True) <= budget:  # stage 3, several ranks
+                       low.choice.policy != "none", sharded_save=saves_sharded(3, worlds[mid])) <= budget:
             found, hi = worlds[mid], mid - 1
         else:
             lo = mid + 1

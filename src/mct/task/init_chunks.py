@@ -131,10 +131,7 @@ def _step(op: Any, key: int, numel: int) -> Step | None:
     lo, hi = target.offset, target.offset + _numel(target)
     name = _name(op.func)
     if op.random:
-        if (name not in CHUNKED_RANDOM or (lo, hi) != (0, numel) or op.kwargs.get("generator") is not None
-                or not prefix_consistent(op.func, target.dtype, tuple(op.args[1:]), _kw(op.kwargs))):
-            return None
-        return Step(op, lo, hi)
+        return Step(op, lo, hi) if hi - lo == numel and _fills_whole_in_chunks(op) else None
     if name in ("zero_", "fill_") or (name.endswith("_") and torch.Tag.pointwise in op.func.tags):
         return Step(op, lo, hi)
     return None
@@ -142,6 +139,18 @@ def _step(op: Any, key: int, numel: int) -> Step | None:
 
 def _kw(kwargs: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in kwargs.items() if k != "generator"))
+
+
+def _fills_whole_in_chunks(op: Any) -> bool:
+    """Whether the random ``op`` fills a whole contiguous storage (its first argument, from
+    offset 0), reads no other tensor, draws from the default generator, and is
+    prefix-consistent: what both its replay (``_step``) and its advance at record time
+    (``advance_chunked``) may run a chunk at a time."""
+    target = op.args[0] if op.args else None
+    return (isinstance(target, Ref) and _name(op.func) in CHUNKED_RANDOM and target.offset == 0
+            and contiguous(target) and not _has_ref((op.args[1:], op.kwargs))
+            and op.kwargs.get("generator") is None
+            and prefix_consistent(op.func, target.dtype, tuple(op.args[1:]), _kw(op.kwargs)))
 
 
 def chain_of(ops: list[Any], key: int) -> Chain | None:
@@ -203,10 +212,7 @@ def advance_chunked(op: Any) -> bool:
     chunk at a time with the default generator, moving it exactly as one whole call would;
     False (nothing run) when the op is not one that may be chunked."""
     target = op.args[0] if op.args else None
-    if (not isinstance(target, Ref) or _name(op.func) not in CHUNKED_RANDOM or target.offset != 0
-            or not contiguous(target) or _has_ref((op.args[1:], op.kwargs)) or op.kwargs.get("generator") is not None
-            or _numel(target) <= INIT_CHUNK
-            or not prefix_consistent(op.func, target.dtype, tuple(op.args[1:]), _kw(op.kwargs))):
+    if not isinstance(target, Ref) or _numel(target) <= INIT_CHUNK or not _fills_whole_in_chunks(op):
         return False
     bounds = chunk_bounds(_numel(target), INIT_CHUNK)
     buf = torch.empty(max(b - a for a, b in bounds), dtype=target.dtype)
