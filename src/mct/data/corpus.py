@@ -12,7 +12,8 @@ Corpus sources (``data.path``):
   at least two, sizes equal to within one byte.
 - a directory: every UTF-8 file without NUL bytes under it (recursive, sorted, hidden
   names skipped) is one document. A directory holding a single text file is cut like a file.
-- a ``.bin``: uint16 little-endian tokens (memory-mapped), cut into documents like a file.
+- a ``.bin``: uint16 little-endian tokens, cut into documents like a file; each split a
+  ``DocumentSpans`` view of the file (never a copy), read with ``pread``.
 - a prepared dataset (a directory made by ``mct prepare``, see ``dataset.py``):
   memory-mapped; its documents are split by ``doc_hash(seed, index)`` (vectorized, so a
   start costs milliseconds for millions of documents) and each split is a
@@ -31,17 +32,19 @@ import hashlib
 import math
 import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from mct.errors import describe
+from mct.machine.cache import cache_file
 
 from mct.data.dataset import (DocumentSpans, check_tokens_in_vocab, check_tokens_sha256, doc_hash, is_prepared,
-                              looks_partial, open_prepared, scan_tokens)
+                              looks_partial, open_prepared, pread_into, scan_tokens)
 
 
 DOC_BYTES = 64 * 1024
@@ -204,16 +207,39 @@ def _chunk(name: str, tokens: np.ndarray, doc_bytes: int) -> list[tuple[str, np.
     return [(f"{name}#{i:0{width}d}", tokens[bounds[i]:bounds[i + 1]]) for i in range(n_docs)]
 
 
-def _bin_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+def _bin_corpus(path: Path, seed: int, val_fraction: float, doc_bytes: int) -> Corpus:
+    """A .bin's Corpus: its documents (``_chunk``) split like any others', each split a
+    ``DocumentSpans`` view of the file, never a copy; the largest id and the fingerprint (the
+    same as a concatenated copy's) read a document at a time (``pread_into``), so the
+    process holds none of the file after loading it."""
     size = path.stat().st_size
     if size == 0 or size % 2:
         raise ValueError(f"data.path = {str(path)!r} is {size} bytes; a .bin must hold uint16 "
                          "little-endian tokens (a non-zero, even number of bytes); re-export it")
     try:
         tokens = np.memmap(path, dtype="<u2", mode="r")
+        file = open(path, "rb", buffering=0)
     except OSError as e:
         raise ValueError(f"data.path: {describe(e, path)}") from None
-    return _chunk(path.name, tokens, doc_bytes)
+    docs = _chunk(path.name, tokens, doc_bytes)
+    is_val = np.array(_assign([n for n, _ in docs], seed, val_fraction))
+    lengths = np.array([t.size for _, t in docs], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    top, buf = [0], np.empty(int(lengths.max()), dtype="<u2")
+
+    def read() -> Iterator[tuple[str, np.ndarray]]:
+        for (name, _), start, n in zip(docs, starts.tolist(), lengths.tolist()):
+            pread_into(file, memoryview(buf.view(np.uint8))[:2 * n], 2 * start)
+            top[0] = max(top[0], int(buf[:n].max()))
+            yield name, buf[:n]
+
+    with file:
+        fingerprint = _fingerprint(read(), list(is_val), np.dtype(np.uint16))
+    return Corpus(train=DocumentSpans(tokens, starts[~is_val], lengths[~is_val]),
+                  val=DocumentSpans(tokens, starts[is_val], lengths[is_val]),
+                  train_files=[n for (n, _), v in zip(docs, is_val) if not v],
+                  val_files=[n for (n, _), v in zip(docs, is_val) if v],
+                  fingerprint=fingerprint, source=str(path), min_vocab_size=top[0] + 1)
 
 
 def _text_file_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
@@ -332,7 +358,7 @@ def _bounds(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum([p.size for p in parts], dtype=np.int64)]).astype(np.int64)
 
 
-def _fingerprint(docs: list[tuple[str, np.ndarray]], is_val: list[bool], dtype: np.dtype) -> str:
+def _fingerprint(docs: Iterable[tuple[str, np.ndarray]], is_val: list[bool], dtype: np.dtype) -> str:
     h = hashlib.sha256(str(dtype).encode())
     for (name, toks), v in zip(docs, is_val):
         h.update(f"{name}\x00{toks.size}\x00{'val' if v else 'train'}\n".encode("utf-8"))
@@ -374,7 +400,7 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
         if p.is_dir():
             docs = _dir_documents(p, doc_bytes)
         elif p.suffix == ".bin":
-            docs = _bin_documents(p, doc_bytes)
+            return _check_split_sizes(_bin_corpus(p, seed, val_fraction, doc_bytes), seq_len)
         else:
             docs = _text_file_documents(p, doc_bytes)
         source = str(p)
@@ -384,11 +410,57 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
     is_val = _assign([n for n, _ in docs], seed, val_fraction)
     train_parts = [t for (_, t), v in zip(docs, is_val) if not v]
     val_parts = [t for (_, t), v in zip(docs, is_val) if v]
-    train, val = _concat(train_parts, dtype), _concat(val_parts, dtype)
-    max_id = max(int(train.max()) if train.size else 0, int(val.max()) if val.size else 0)
+    max_id = max(int(t.max()) for _, t in docs)
+    fingerprint = _fingerprint(docs, is_val, dtype)
+    names = [n for n, _ in docs]
+    del docs  # the documents' memory goes with the last reference: the spilled splits are read from disk
+    spilled = _spill(train_parts, val_parts, dtype)
+    if spilled is not None:
+        train, val = spilled
+        train_bounds = val_bounds = None  # the spans are the bounds (Corpus.bounds)
+    else:
+        train, val = _concat(train_parts, dtype), _concat(val_parts, dtype)
+        train_bounds, val_bounds = _bounds(train_parts), _bounds(val_parts)
+    del train_parts, val_parts
     return _check_split_sizes(Corpus(train=train, val=val,
-                                     train_files=[n for (n, _), v in zip(docs, is_val) if not v],
-                                     val_files=[n for (n, _), v in zip(docs, is_val) if v],
-                                     fingerprint=_fingerprint(docs, is_val, dtype), source=source,
-                                     min_vocab_size=max_id + 1, train_bounds=_bounds(train_parts),
-                                     val_bounds=_bounds(val_parts)), seq_len)
+                                     train_files=[n for n, v in zip(names, is_val) if not v],
+                                     val_files=[n for n, v in zip(names, is_val) if v],
+                                     fingerprint=fingerprint, source=source, min_vocab_size=max_id + 1,
+                                     train_bounds=train_bounds, val_bounds=val_bounds), seq_len)
+
+
+def _spill(train_parts: list[np.ndarray], val_parts: list[np.ndarray],
+           dtype: np.dtype) -> tuple[DocumentSpans, DocumentSpans] | None:
+    """The splits of an in-memory corpus (a text file or directory, the stdlib sources)
+    written to one unnamed file in mct's cache directory (``spill_dir``; gone when the
+    process ends, however it ends) and read from there with ``pread`` (``DocumentSpans``), so
+    a training process holds none of its corpus: the kernel's page cache keeps it, outside
+    the process, and gives it back under pressure. None where that file cannot be written
+    (the splits then stay in memory, as concatenated arrays)."""
+    try:
+        folder = spill_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        file = tempfile.TemporaryFile(dir=folder, prefix="mct-corpus-", buffering=0)
+    except OSError:
+        return None
+    try:
+        for part in (*train_parts, *val_parts):
+            view = memoryview(np.ascontiguousarray(part, dtype=dtype)).cast("B")
+            while view:
+                view = view[file.write(view):]
+        tokens = np.memmap(file, dtype=dtype, mode="r") if file.tell() else np.empty(0, dtype)
+    except (OSError, ValueError):
+        file.close()
+        return None
+    n_train = len(train_parts)
+    lengths = np.array([p.size for p in (*train_parts, *val_parts)], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return (DocumentSpans(tokens, starts[:n_train], lengths[:n_train], file=file),
+            DocumentSpans(tokens, starts[n_train:], lengths[n_train:], file=file))
+
+
+def spill_dir() -> Path:
+    """Where an in-memory corpus is spilled (``_spill``): mct's cache directory
+    (``$MCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/mct``, else ``~/.cache/mct``), a disk in
+    practice, never a memory-backed /tmp."""
+    return cache_file().parent

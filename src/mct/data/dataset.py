@@ -11,12 +11,16 @@
 Written into a hidden sibling directory and renamed to DIR when whole (meta.json last),
 so DIR exists only complete: a killed ``mct prepare`` leaves nothing training accepts.
 Read memory-mapped: opening a 10 GB dataset reads its meta.json and checks file sizes.
+The mapping gives shape and dtype; the scans and the sampler's windows read the file with
+``pread`` (``pread_into``), so a training process's resident set does not grow with the
+dataset: the kernel's page cache keeps what was read, outside the process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -198,17 +202,49 @@ def open_prepared(path: Path) -> PreparedDataset:
     return PreparedDataset(path, meta, tokens, offsets, hashlib.sha256(raw).hexdigest())
 
 
-SCAN_BLOCK = 1 << 26
-"""Bytes of tokens.bin read at a time by ``scan_tokens``."""
+SCAN_BLOCK = 1 << 22
+"""Bytes of tokens.bin read at a time by ``scan_tokens`` (the most of it resident while it reads)."""
+
+
+def pread_into(file: Any, view: memoryview, pos: int) -> None:
+    """Fill ``view`` with the bytes of ``file`` (an unbuffered binary file) from byte ``pos``
+    on: ``preadv`` straight into it, nothing mapped into the process. A page fault on a
+    mapping can map a whole large folio (2 MiB on ext4) for a read of a few KiB, and every
+    page a mapping touched counts in the resident set until unmapped: a dataset read once
+    through ``np.memmap`` is resident whole. Raises ValueError (naming the file) if it ends
+    first: it was cut short or replaced during the run."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(file.fileno(), [view[done:]], pos + done)
+        if got <= 0:
+            name = file.name if isinstance(file.name, str) else "the corpus's token file"
+            raise ValueError(f"{name} ended at byte {pos + done} while reading tokens: it was truncated or "
+                             "replaced during the run; restore it, or re-create it and start a new run")
+        done += got
+
+
+def read_blocks(path: Path, dtype: np.dtype, size: int, block_bytes: int = SCAN_BLOCK):
+    """Yield ``path``'s ``size`` tokens of ``dtype`` in consecutive blocks of at most
+    ``block_bytes``, each a view of one reused buffer (valid until the next block): memory
+    flat in the file's size, read with ``pread_into``. The buffer is an anonymous mapping of
+    its own, so the heap's thresholds never see it."""
+    item = np.dtype(dtype).itemsize
+    step = max(1, block_bytes // item)
+    buf = mmap.mmap(-1, step * item)
+    with open(path, "rb", buffering=0) as f:
+        for i in range(0, size, step):
+            n = min(step, size - i)
+            pread_into(f, memoryview(buf)[:n * item], i * item)
+            yield np.frombuffer(buf, dtype=dtype, count=n)
 
 
 def scan_tokens(ds: PreparedDataset, sha: bool = False) -> tuple[int, str | None]:
     """(the largest token id, the sha256 of tokens.bin when ``sha``), read in blocks of
-    ``SCAN_BLOCK`` bytes (memory flat in the dataset's size)."""
+    ``SCAN_BLOCK`` bytes (``read_blocks``: memory flat in the dataset's size, none of it
+    left resident)."""
     h = hashlib.sha256() if sha else None
-    top, step = 0, SCAN_BLOCK // ds.tokens.itemsize
-    for i in range(0, ds.tokens.size, step):
-        block = np.asarray(ds.tokens[i:i + step])
+    top = 0
+    for block in read_blocks(ds.path / TOKENS, ds.tokens.dtype, ds.tokens.size):
         top = max(top, int(block.max()))
         if h is not None:
             h.update(block.data)
@@ -238,16 +274,25 @@ def check_tokens_sha256(ds: PreparedDataset) -> None:
 class DocumentSpans:
     """Some documents of a flat token array, read as one concatenated 1-D array without
     copying it: ``size``, ``dtype``, ``len()`` and ``view[i]`` for an int, a slice or
-    an int array (the sampler's windows). Memory: two int64 per document."""
+    an int array (the sampler's windows). Memory: two int64 per document. A read returns a
+    copy; over a file-backed ``np.memmap`` it reads the file (``pread_into``), so no page of
+    the file is ever mapped into the process and its resident set does not grow with the
+    dataset."""
 
     ndim = 1
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, file: Any = None) -> None:
+        """``file``: the open unbuffered binary file ``tokens`` maps, to read from (a file
+        without a name); by default a whole-file ``np.memmap``'s own file is opened."""
         self.tokens, self.starts = tokens, np.asarray(starts, np.int64)
         self.cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         self.size = int(self.cum[-1])
         self.shape = (self.size,)
         self.dtype = tokens.dtype
+        whole = isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.filename
+        if file is None and whole and hasattr(os, "preadv"):
+            file = open(tokens.filename, "rb", buffering=0)
+        self._file = file if hasattr(os, "preadv") else None
 
     def __len__(self) -> int:
         return self.size
@@ -261,8 +306,24 @@ class DocumentSpans:
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             return self[np.arange(*key.indices(self.size), dtype=np.int64)]
-        idx = np.asarray(key, dtype=np.int64)
-        return np.asarray(self.tokens[self._real(idx)])
+        real = self._real(np.asarray(key, dtype=np.int64))
+        if self._file is None:
+            return np.asarray(self.tokens[real])
+        return self._pread(real)
+
+    def _pread(self, real: np.ndarray) -> np.ndarray:
+        """``tokens[real]`` read from the file (``pread_into``), a call per run of
+        consecutive positions, straight into the result."""
+        flat = real.reshape(-1)
+        out = np.empty(flat.size, self.dtype)
+        if not flat.size:
+            return out.reshape(real.shape)
+        item, base = self.dtype.itemsize, int(self.tokens.offset)
+        cuts = np.flatnonzero(np.diff(flat) != 1) + 1
+        view = memoryview(out.view(np.uint8))
+        for a, b in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [flat.size]]).tolist()):
+            pread_into(self._file, view[a * item:b * item], base + int(flat[a]) * item)
+        return out.reshape(real.shape)
 
     def tobytes(self) -> bytes:
         """All tokens as bytes (reads the whole split: for tests and small data)."""
