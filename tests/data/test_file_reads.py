@@ -15,6 +15,7 @@ import torch
 from mct.data import BatchSampler, Corpus, load_corpus
 from mct.data.dataset import DocumentSpans, open_prepared, read_blocks
 from mct.data.pipeline import prepare
+from mct.data.spool import TokenSpool
 
 needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
 
@@ -136,27 +137,51 @@ def test_a_text_corpus_is_read_from_an_unnamed_file_and_never_resident(tmp_path,
     assert _mapped_kib(fd) <= 8
 
 
-def test_a_text_corpus_spilled_or_in_memory_gives_the_same_run(tmp_path, monkeypatch):
-    """Where the cache directory cannot hold the file (here a regular file), the splits stay
+def test_a_text_corpus_spooled_or_in_memory_gives_the_same_run(tmp_path, monkeypatch):
+    """Where the cache directory cannot hold the file (here a regular file), the tokens stay
     in memory; either way the same tokens, bounds, fingerprint and batches."""
     root = tmp_path / "text"
     root.mkdir()
     _text_dir(root)
     monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "cache"))
-    spilled = load_corpus(str(root), seed=4, val_fraction=0.25, seq_len=32)
+    spooled = load_corpus(str(root), seed=4, val_fraction=0.25, seq_len=32)
     (tmp_path / "blocked").write_text("a file, not a directory")
     monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "blocked"))
     kept = load_corpus(str(root), seed=4, val_fraction=0.25, seq_len=32)
-    assert isinstance(spilled.train, DocumentSpans) and isinstance(kept.train, np.ndarray)
-    assert spilled.fingerprint == kept.fingerprint and spilled.train_files == kept.train_files
-    assert spilled.train.tobytes() == kept.train.tobytes() and spilled.val.tobytes() == kept.val.tobytes()
+    assert spooled.train._file is not None and kept.train._file is None  # pread / memory
+    assert spooled.fingerprint == kept.fingerprint and spooled.train_files == kept.train_files
+    assert spooled.train.tobytes() == kept.train.tobytes() and spooled.val.tobytes() == kept.val.tobytes()
     for split in ("train", "val"):
-        assert np.array_equal(spilled.bounds(split), kept.bounds(split))
+        assert np.array_equal(spooled.bounds(split), kept.bounds(split))
     for packing in ("stream", "documents"):
         a, b = (BatchSampler(c, seq_len=32, micro_batch_size=4, grad_accum=2, world_size=2, seed=9, packing=packing)
-                for c in (spilled, kept))
+                for c in (spooled, kept))
         for step in range(3):
             for rank in range(2):
                 for x, y in zip(a.micro_batches(step, rank), b.micro_batches(step, rank)):
                     assert all(torch.equal(u, v) for u, v in zip(x, y))
         assert all(torch.equal(u, v) for u, v in zip(a.val_batch(1), b.val_batch(1)))
+
+
+def test_a_spool_whose_disk_fills_up_goes_on_in_memory_with_every_byte(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "cache"))
+    spool = TokenSpool()
+    spool.add(b"first document ")
+    assert spool.on_disk
+
+    class Full:  # the file as a full disk leaves it: reads work, writes fail
+        def __init__(self, f):
+            self.f, self.name = f, f.name
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    spool._file = Full(spool._file)
+    spool.add(b"second one")
+    assert not spool.on_disk and spool.size == 25
+    assert spool.read(0, 25).tobytes() == b"first document second one"
+    spans = spool.spans(np.array([15, 0]), np.array([10, 15]))
+    assert spans.tobytes() == b"second onefirst document "

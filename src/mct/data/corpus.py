@@ -22,8 +22,13 @@ Corpus sources (``data.path``):
 
 Each document goes to validation when ``sha256(seed, name)`` maps below ``val_fraction``
 (stable across processes and Python runs), with at least one document on each side.
-Train and validation are separate token arrays, so no training window can contain
+Train and validation are separate token streams, so no training window can contain
 validation text.
+
+No source is held by the process: text files are read one at a time into a ``TokenSpool``
+(an unnamed file in mct's cache directory, ``mct.data.spool``), and every split is a
+``DocumentSpans`` read with ``pread`` from that file, a ``.bin`` or a prepared dataset's
+tokens.bin (never through a mapping: ``mct.data.dataset.pread_into``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import hashlib
 import math
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -41,10 +45,10 @@ import numpy as np
 import torch
 
 from mct.errors import describe
-from mct.machine.cache import cache_file
 
 from mct.data.dataset import (DocumentSpans, check_tokens_in_vocab, check_tokens_sha256, doc_hash, is_prepared,
                               looks_partial, open_prepared, pread_into, scan_tokens)
+from mct.data.spool import TokenSpool
 
 
 DOC_BYTES = 64 * 1024
@@ -169,42 +173,46 @@ def _walk_sorted(root: Path, skip_dir) -> list[Path]:
 def stdlib_sources() -> list[Path]:
     """The files of the default corpus (``data.path = ''``), in its order: to prepare the
     same documents with another tokenizer (benchmarks/tokenizer_bpb.py)."""
-    docs, source = _stdlib_documents()
-    root = Path(source.split(":", 1)[1])
-    return [root / name for name, _ in docs]
+    root = _stdlib_root()
+    return [root / name for name, _ in _stdlib_documents(root)]
 
 
-def _stdlib_documents() -> tuple[list[tuple[str, np.ndarray]], str]:
+def _stdlib_root() -> Path:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ValueError(f"data.path = '' uses the Python standard library sources, but {str(root)!r} "
                          "is not a directory here; set data.path to a text file or directory")
+    return root
+
+
+def _stdlib_documents(root: Path) -> Iterator[tuple[str, bytes]]:
+    """The default corpus's documents, one file read at a time (see the module docstring)."""
     files = _walk_sorted(root, lambda d: d in _STDLIB_EXCLUDED_DIRS or d.startswith("."))
-    docs, total = [], 0
+    total = 0
     for f in (f for f in files if f.suffix == ".py"):
-        size = f.stat().st_size
-        if total + size > STDLIB_CAP_BYTES:
+        if total + f.stat().st_size > STDLIB_CAP_BYTES:
             break
         data = _read_bytes(f)
         if data and _is_text(data):
-            docs.append((f.relative_to(root).as_posix(), np.frombuffer(data, dtype=np.uint8)))
+            yield f.relative_to(root).as_posix(), data
             total += len(data)
-    if not docs:
-        raise ValueError(f"data.path = '' found no Python sources under {str(root)!r}; "
-                         "set data.path to a text file or directory")
-    return docs, f"python-stdlib:{root}"
+
+
+def _chunk_bounds(name: str, n: int, doc_bytes: int) -> tuple[list[str], list[int]]:
+    """The names and bounds of one stream of ``n`` tokens cut into >= 2 contiguous documents
+    of at most ``doc_bytes`` tokens each, sizes equal to within one."""
+    n_docs = max(2, math.ceil(n / doc_bytes))
+    if n < n_docs:
+        raise ValueError(f"data.path {name!r} has only {n} tokens; it cannot be split into "
+                         "train and validation documents; use a larger corpus")
+    width = len(str(n_docs - 1))
+    return [f"{name}#{i:0{width}d}" for i in range(n_docs)], [i * n // n_docs for i in range(n_docs + 1)]
 
 
 def _chunk(name: str, tokens: np.ndarray, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
-    """Cut one token stream into >= 2 contiguous documents of at most ``doc_bytes``
-    tokens each, sizes equal to within one."""
-    n_docs = max(2, math.ceil(tokens.size / doc_bytes))
-    if tokens.size < n_docs:
-        raise ValueError(f"data.path {name!r} has only {tokens.size} tokens; it cannot be split into "
-                         "train and validation documents; use a larger corpus")
-    bounds = [i * tokens.size // n_docs for i in range(n_docs + 1)]
-    width = len(str(n_docs - 1))
-    return [(f"{name}#{i:0{width}d}", tokens[bounds[i]:bounds[i + 1]]) for i in range(n_docs)]
+    """``tokens`` cut as ``_chunk_bounds`` says: (name, view) per document."""
+    names, bounds = _chunk_bounds(name, tokens.size, doc_bytes)
+    return [(n, tokens[bounds[i]:bounds[i + 1]]) for i, n in enumerate(names)]
 
 
 def _bin_corpus(path: Path, seed: int, val_fraction: float, doc_bytes: int) -> Corpus:
@@ -242,26 +250,53 @@ def _bin_corpus(path: Path, seed: int, val_fraction: float, doc_bytes: int) -> C
                   fingerprint=fingerprint, source=str(path), min_vocab_size=top[0] + 1)
 
 
-def _text_file_documents(path: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
+def _text_file_documents(path: Path) -> Iterator[tuple[str, bytes]]:
     data = _read_bytes(path)
     if not data:
         raise ValueError(f"data.path = {str(path)!r} is an empty file; point it at a file with text")
     if not _is_text(data):
         raise ValueError(f"data.path = {str(path)!r} is not UTF-8 text (or holds NUL bytes); "
                          "convert it to UTF-8, or pre-tokenize it into a uint16 .bin")
-    return _chunk(path.name, np.frombuffer(data, dtype=np.uint8), doc_bytes)
+    yield path.name, data
 
 
-def _dir_documents(root: Path, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
-    docs = []
+def _dir_documents(root: Path) -> Iterator[tuple[str, bytes]]:
     for f in _walk_sorted(root, lambda d: d.startswith(".") or d == "__pycache__"):
         data = _read_bytes(f)
         if data and _is_text(data):
-            docs.append((f.relative_to(root).as_posix(), np.frombuffer(data, dtype=np.uint8)))
-    if not docs:
-        raise ValueError(f"data.path = {str(root)!r} holds no non-empty UTF-8 text files; "
-                         "add text files, or point data.path at a file or a .bin")
-    return docs
+            yield f.relative_to(root).as_posix(), data
+
+
+def _text_corpus(docs: Iterable[tuple[str, bytes]], source: str, none_found: str, seed: int,
+                 val_fraction: float, doc_bytes: int) -> Corpus:
+    """A byte corpus from ``docs`` (name, UTF-8 bytes), read one at a time into a
+    ``TokenSpool`` (an unnamed file, read back with ``pread``): the process holds one document
+    while loading and none after. A lone document is cut like a text file (``_chunk_bounds``).
+    The fingerprint reads the documents back in order. Raises ValueError(``none_found``) for
+    no documents, and what ``_chunk_bounds`` raises."""
+    spool = TokenSpool()
+    names, sizes, top = [], [], 0
+    for name, data in docs:
+        names.append(name)
+        sizes.append(len(data))
+        top = max(top, int(np.frombuffer(data, np.uint8).max()))
+        spool.add(data)
+        del data
+    if not names:
+        raise ValueError(none_found)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if len(names) == 1:  # a lone file still needs a document on each side of the split
+        names, cut = _chunk_bounds(names[0], sizes[0], doc_bytes)
+        bounds = np.array(cut, dtype=np.int64)
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    is_val = np.array(_assign(names, seed, val_fraction))
+    buf = np.empty(int(lengths.max()), np.uint8)
+    read = ((n, spool.read(a, k, buf)) for n, a, k in zip(names, starts.tolist(), lengths.tolist()))
+    fingerprint = _fingerprint(read, is_val.tolist(), np.dtype(np.uint8))
+    return Corpus(train=spool.spans(starts[~is_val], lengths[~is_val]), val=spool.spans(starts[is_val], lengths[is_val]),
+                  train_files=[n for n, v in zip(names, is_val) if not v],
+                  val_files=[n for n, v in zip(names, is_val) if v],
+                  fingerprint=fingerprint, source=source, min_vocab_size=top + 1)
 
 
 def split_hash(seed: int, name: str) -> float:
@@ -349,15 +384,6 @@ def _check_split_sizes(corpus: Corpus, seq_len: int) -> Corpus:
     return corpus
 
 
-def _concat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
-
-
-def _bounds(parts: list[np.ndarray]) -> np.ndarray:
-    """Start offsets of concatenated ``parts`` plus the total, int64 [len(parts) + 1]."""
-    return np.concatenate([[0], np.cumsum([p.size for p in parts], dtype=np.int64)]).astype(np.int64)
-
-
 def _fingerprint(docs: Iterable[tuple[str, np.ndarray]], is_val: list[bool], dtype: np.dtype) -> str:
     h = hashlib.sha256(str(dtype).encode())
     for (name, toks), v in zip(docs, is_val):
@@ -380,87 +406,28 @@ def load_corpus(path: str, *, seed: int, val_fraction: float, seq_len: int,
     if doc_bytes < 1:
         raise ValueError(f"doc_bytes = {doc_bytes!r} must be >= 1")
     if path == "":
-        docs, source = _stdlib_documents()
-    else:
-        if not path.strip():
-            raise ValueError(f"data.path = {path!r} is blank; use '' for the stdlib corpus, or a "
-                             "text file, directory or .bin")
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise ValueError(f"data.path = {path!r} does not exist; point it at a text file, a "
-                             "directory of text files or a uint16 .bin (or '' for the stdlib corpus)")
-        if not p.is_dir() and not p.is_file():
-            raise ValueError(f"data.path = {path!r} is not a regular file or directory (a device, FIFO or "
-                             "socket); point it at a text file, a directory of text files or a uint16 .bin")
-        if is_prepared(p):
-            return _check_split_sizes(_prepared_corpus(p, seed, val_fraction), seq_len)
-        if looks_partial(p):
-            raise ValueError(f"data.path = {path!r} holds tokens.bin or docs.idx but no meta.json: an unfinished "
-                             f"or damaged prepared dataset; run `mct prepare` again")
-        if p.is_dir():
-            docs = _dir_documents(p, doc_bytes)
-        elif p.suffix == ".bin":
-            return _check_split_sizes(_bin_corpus(p, seed, val_fraction, doc_bytes), seq_len)
-        else:
-            docs = _text_file_documents(p, doc_bytes)
-        source = str(p)
-    if len(docs) == 1:  # a lone file still needs a document on each side of the split
-        docs = _chunk(*docs[0], doc_bytes)
-    dtype = np.dtype(np.uint16 if docs[0][1].dtype.itemsize == 2 else np.uint8)
-    is_val = _assign([n for n, _ in docs], seed, val_fraction)
-    train_parts = [t for (_, t), v in zip(docs, is_val) if not v]
-    val_parts = [t for (_, t), v in zip(docs, is_val) if v]
-    max_id = max(int(t.max()) for _, t in docs)
-    fingerprint = _fingerprint(docs, is_val, dtype)
-    names = [n for n, _ in docs]
-    del docs  # the documents' memory goes with the last reference: the spilled splits are read from disk
-    spilled = _spill(train_parts, val_parts, dtype)
-    if spilled is not None:
-        train, val = spilled
-        train_bounds = val_bounds = None  # the spans are the bounds (Corpus.bounds)
-    else:
-        train, val = _concat(train_parts, dtype), _concat(val_parts, dtype)
-        train_bounds, val_bounds = _bounds(train_parts), _bounds(val_parts)
-    del train_parts, val_parts
-    return _check_split_sizes(Corpus(train=train, val=val,
-                                     train_files=[n for n, v in zip(names, is_val) if not v],
-                                     val_files=[n for n, v in zip(names, is_val) if v],
-                                     fingerprint=fingerprint, source=source, min_vocab_size=max_id + 1,
-                                     train_bounds=train_bounds, val_bounds=val_bounds), seq_len)
-
-
-def _spill(train_parts: list[np.ndarray], val_parts: list[np.ndarray],
-           dtype: np.dtype) -> tuple[DocumentSpans, DocumentSpans] | None:
-    """The splits of an in-memory corpus (a text file or directory, the stdlib sources)
-    written to one unnamed file in mct's cache directory (``spill_dir``; gone when the
-    process ends, however it ends) and read from there with ``pread`` (``DocumentSpans``), so
-    a training process holds none of its corpus: the kernel's page cache keeps it, outside
-    the process, and gives it back under pressure. None where that file cannot be written
-    (the splits then stay in memory, as concatenated arrays)."""
-    try:
-        folder = spill_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        file = tempfile.TemporaryFile(dir=folder, prefix="mct-corpus-", buffering=0)
-    except OSError:
-        return None
-    try:
-        for part in (*train_parts, *val_parts):
-            view = memoryview(np.ascontiguousarray(part, dtype=dtype)).cast("B")
-            while view:
-                view = view[file.write(view):]
-        tokens = np.memmap(file, dtype=dtype, mode="r") if file.tell() else np.empty(0, dtype)
-    except (OSError, ValueError):
-        file.close()
-        return None
-    n_train = len(train_parts)
-    lengths = np.array([p.size for p in (*train_parts, *val_parts)], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return (DocumentSpans(tokens, starts[:n_train], lengths[:n_train], file=file),
-            DocumentSpans(tokens, starts[n_train:], lengths[n_train:], file=file))
-
-
-def spill_dir() -> Path:
-    """Where an in-memory corpus is spilled (``_spill``): mct's cache directory
-    (``$MCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/mct``, else ``~/.cache/mct``), a disk in
-    practice, never a memory-backed /tmp."""
-    return cache_file().parent
+        root = _stdlib_root()
+        return _check_split_sizes(_text_corpus(
+            _stdlib_documents(root), f"python-stdlib:{root}", f"data.path = '' found no Python sources under "
+            f"{str(root)!r}; set data.path to a text file or directory", seed, val_fraction, doc_bytes), seq_len)
+    if not path.strip():
+        raise ValueError(f"data.path = {path!r} is blank; use '' for the stdlib corpus, or a "
+                         "text file, directory or .bin")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"data.path = {path!r} does not exist; point it at a text file, a "
+                         "directory of text files or a uint16 .bin (or '' for the stdlib corpus)")
+    if not p.is_dir() and not p.is_file():
+        raise ValueError(f"data.path = {path!r} is not a regular file or directory (a device, FIFO or "
+                         "socket); point it at a text file, a directory of text files or a uint16 .bin")
+    if is_prepared(p):
+        return _check_split_sizes(_prepared_corpus(p, seed, val_fraction), seq_len)
+    if looks_partial(p):
+        raise ValueError(f"data.path = {path!r} holds tokens.bin or docs.idx but no meta.json: an unfinished "
+                         f"or damaged prepared dataset; run `mct prepare` again")
+    if p.suffix == ".bin" and not p.is_dir():
+        return _check_split_sizes(_bin_corpus(p, seed, val_fraction, doc_bytes), seq_len)
+    docs = _dir_documents(p) if p.is_dir() else _text_file_documents(p)
+    none_found = (f"data.path = {str(p)!r} holds no non-empty UTF-8 text files; add text files, or point "
+                  "data.path at a file or a .bin")
+    return _check_split_sizes(_text_corpus(docs, str(p), none_found, seed, val_fraction, doc_bytes), seq_len)
