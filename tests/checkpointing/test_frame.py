@@ -174,3 +174,28 @@ def test_torch_frame_is_needed_where_dynamo_is_loaded_or_checkpoint_debug_is_on(
         assert frame.needs_torch_frame()
     monkeypatch.setitem(sys.modules, "torch._dynamo", object())
     assert frame.needs_torch_frame()
+
+
+def _grad_inside(x: torch.Tensor) -> torch.Tensor:
+    """torch's "backward inside the checkpointed forward" (its Rule 6): a grad of the
+    frame's own saved tensors while the frame is still open."""
+    z = x.sin().cos()
+    gx, = torch.autograd.grad(z.sum(), x)
+    return x.cos() * gx
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_backward_inside_the_checkpointed_forward_gives_torchs_gradient(early_stop):
+    """The generators driven directly, as torch's ``checkpoint`` drives its own: a grad taken
+    inside the open frame recomputes it there, and the outer backward again; same bits."""
+    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+    grads = []
+    for start in (frame.checkpoint_without_reentrant, _checkpoint_without_reentrant_generator):
+        x = torch.linspace(-2.0, 2.0, 7, requires_grad=True)
+        gen = start(_grad_inside, True, noop_context_fn, "default", False, early_stop, x)
+        next(gen)
+        out = _grad_inside(x)
+        next(gen, None)
+        out.sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])

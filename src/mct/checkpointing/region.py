@@ -171,8 +171,11 @@ class Region:
             anchor = anchor.detach().new_empty(0)
         anchors = (anchor,) if anchor is not None else ()
         head = (functools.partial(self._replay, record), True, self.context_fn or _noop_contexts, "default", False)
-        start = _checkpoint_without_reentrant_generator if frame.needs_torch_frame() else frame.checkpoint_without_reentrant
-        if start is frame.checkpoint_without_reentrant or _GENERATOR_TAKES_EARLY_STOP:
+        if frame.needs_torch_frame():  # torch._dynamo loaded already (or torch's debug mode): torch's own
+            start, takes_early_stop = _checkpoint_without_reentrant_generator, _GENERATOR_TAKES_EARLY_STOP
+        else:
+            start, takes_early_stop = frame.checkpoint_without_reentrant, True
+        if takes_early_stop:
             head = (*head, True)
         gen = start(*head, *anchors)
         if record.forward_outputs is not None:
