@@ -54,3 +54,23 @@ def test_a_gpt_training_process_never_imports_dynamo_plotting_tensorboard_transf
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1"))
     assert out.stdout.split()[-1:] == ["0"], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["all", "selective"])
+def test_a_recomputing_gpt_training_process_never_imports_dynamo(tmp_path, corpus_dir, policy):
+    """A run that recomputes (docs/memory.md: torch's checkpoint reads ``torch._dynamo.config``,
+    wraps its recompute and its selective dispatch modes for dynamo) trains through mct's own
+    checkpoint frame (``mct.checkpointing.frame``) and never loads torch._dynamo."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom mct.cli import main\n"
+            f"rc = main(['train', '--run-dir', {str(tmp_path / 'run')!r}, '--no-progress', '--set', "
+            f"'data.path={corpus_dir}', '--set', 'model.n_layer=2', '--set', 'model.d_model=32', '--set', "
+            "'model.n_head=2', '--set', 'model.seq_len=16', '--set', 'model.dropout=0.1', '--set', "
+            f"'data.micro_batch_size=2', '--set', 'train.steps=2', '--set', 'checkpointing.policy={policy}'])\n"
+            "print(rc, 'torch._dynamo' in sys.modules)")
+    src = Path(__file__).resolve().parents[2] / "src"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1"))
+    assert out.stdout.split()[-2:] == ["0", "False"], out.stdout[-2000:] + out.stderr[-2000:]

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
+from mct.checkpointing.frame import selective_contexts
 from mct.config import BLOCK_POLICIES, POLICIES, CheckpointingConfig
 
 # Expensive ops whose outputs selective checkpointing keeps; everything else
@@ -167,9 +168,10 @@ _COUNTED: dict[type, type] = {}
 
 
 def _counted_contexts(policy_fn: Callable[..., CheckpointPolicy]) -> tuple[ContextManager, ContextManager]:
-    """torch's selective-checkpoint contexts for ``policy_fn``, each mode counting its ops
-    (``SelectiveDispatch``): the same instances, of a subclass of their own class that adds the count."""
-    modes = create_selective_checkpoint_contexts(policy_fn)
+    """torch's selective-checkpoint contexts for ``policy_fn`` (not wrapped for dynamo where it is
+    not loaded: ``frame.selective_contexts``), each mode counting its ops (``SelectiveDispatch``):
+    the same instances, of a subclass of their own class that adds the count."""
+    modes = selective_contexts(policy_fn)
     for mode in modes:
         cls = type(mode)
         if cls not in _COUNTED:

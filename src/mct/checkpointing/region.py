@@ -1,5 +1,7 @@
-"""One checkpoint region: consecutive blocks whose forward runs under torch's
-non-reentrant checkpoint hooks and is replayed, block by block, in backward.
+"""One checkpoint region: consecutive blocks whose forward runs under non-reentrant
+checkpoint hooks and is replayed, block by block, in backward. The hooks are mct's
+``frame.checkpoint_without_reentrant`` (torch's without ``torch._dynamo``), or torch's own
+generator where ``frame.needs_torch_frame()`` (dynamo loaded already, or torch's debug mode).
 
 The region opens in the first block's forward and closes after the last block's
 forward, so a model that calls its blocks one by one (a plain ``for`` loop) needs no
@@ -21,6 +23,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, set_checkpoint_early_stop
 
+from mct.checkpointing import frame
 from mct.checkpointing.blocks import first_tensor, primary
 from mct.checkpointing.offload import Parked
 
@@ -168,9 +171,13 @@ class Region:
             anchor = anchor.detach().new_empty(0)
         anchors = (anchor,) if anchor is not None else ()
         head = (functools.partial(self._replay, record), True, self.context_fn or _noop_contexts, "default", False)
-        if _GENERATOR_TAKES_EARLY_STOP:
+        if frame.needs_torch_frame():  # torch._dynamo loaded already (or torch's debug mode): torch's own
+            start, takes_early_stop = _checkpoint_without_reentrant_generator, _GENERATOR_TAKES_EARLY_STOP
+        else:
+            start, takes_early_stop = frame.checkpoint_without_reentrant, True
+        if takes_early_stop:
             head = (*head, True)
-        gen = _checkpoint_without_reentrant_generator(*head, *anchors)
+        gen = start(*head, *anchors)
         if record.forward_outputs is not None:
             # Verification compares every block's output, so the replay must run to the end.
             with set_checkpoint_early_stop(False):
