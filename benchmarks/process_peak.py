@@ -50,7 +50,7 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
     ("gpt2 s0 all fp32 default", [*GPT2, "zero.stage=0", "checkpointing.policy=all"], 1, "gpt2"),
     ("gpt-a s1 none fp32 disk x2", [*GPT_A, "zero.stage=1", "checkpointing.policy=none", "offload.optimizer=disk"],
      2, "gpt"),
-    # not used to tune anything (added with STEP_HELD): a third GPT size recomputing under frugal, GPT-2 in bf16
+    # not used to tune anything: a third GPT size recomputing under frugal, GPT-2 in bf16
     ("gpt-c s2 all fp32 frugal", [*GPT_C, "zero.stage=2", "checkpointing.policy=all", "memory.host_malloc=frugal"],
      1, "gpt"),
     ("gpt2 s3 none bf16 x2", [*GPT2, "zero.stage=3", "checkpointing.policy=none", "precision.mode=bf16"], 2, "gpt2"),

@@ -15,8 +15,7 @@ import pytest
 import mct
 from mct.config import CLI_RECIPE, load_config
 from mct.memory.baseline import measure_baseline
-from mct.memory.process_peak import (CUDA_CONTEXT, RETAINED, SAVE_HELD, STEP_FIXED, STEP_HELD, ProcessModel,
-                                     state_bytes, step_fixed)
+from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, SAVE_HELD, STEP_FIXED, ProcessModel, state_bytes
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
 from mct.planner import make_plan
@@ -45,28 +44,33 @@ def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode
     assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
 
 
-def test_a_recomputing_configuration_counts_torch_dynamo_in_its_baseline_and_the_steps_held_term():
-    """torch.utils.checkpoint reads torch._dynamo's config, so a run that recomputes loads it
-    (about 70 MiB) in its first step and one that does not never does: the baseline counts it for
-    the first only, and its fixed overhead is what the steps hold (STEP_HELD), not STEP_FIXED."""
-    model = ProcessModel(250 * MiB, "cpu", "default", dynamo=70 * MiB)
-    plain = model.predict(100 * MiB, PHASES, offload=False)
-    again = model.predict(100 * MiB, PHASES, offload=False, recompute=True)
-    assert plain.baseline == 250 * MiB and again.baseline == 320 * MiB
-    assert again.allocator_overhead - plain.allocator_overhead == STEP_HELD - STEP_FIXED > 0
-    assert again.total - plain.total == 70 * MiB + STEP_HELD - STEP_FIXED
+def test_a_recomputing_row_counts_no_torch_dynamo_in_its_steps(tmp_path, monkeypatch):
+    """Recomputing runs on mct's own checkpoint frame, which never imports torch._dynamo: a
+    row that recomputes has the baseline and the fixed overhead of one that does not (it
+    counted dynamo's 71 MiB and a larger held term while torch's frame imported it)."""
+    from mct.memory import baseline as bl
+    monkeypatch.setattr(bl, "baseline_file", lambda: tmp_path / "baseline.json")
+    (tmp_path / "baseline.json").write_text(json.dumps({bl.baseline_key(()): 250 * MiB,
+                                                        bl.baseline_key((), False): 250 * MiB,
+                                                        bl.baseline_key(("torch._dynamo",)): 321 * MiB}))
+    cfg = tiny_config(data={"micro_batch_size": 2})
+    plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=2)[0], cfg, world_size=1,
+                    stages=(0,), policies=("none", "all"), precisions=("fp32",))
+    rows = {r.policy: r for r in plan.rows}
+    assert rows["all"].runtime_baseline == rows["none"].runtime_baseline == 250 * MiB
+    assert rows["all"].process_peak - rows["none"].process_peak == (
+        rows["all"].peak - rows["none"].peak if rows["all"].process_at == "step" else 0)
 
 
 def test_a_sharded_save_counts_torch_dynamo_at_the_save_not_in_the_steps():
-    """Saving sharded state (DTensor.from_local) imports torch._dynamo at the save, after the
-    steps: the save's peak counts it, the steps' does not; a recomputing run has it in its steps."""
+    """Saving sharded state (a DTensor) imports torch._dynamo at the save, after the steps: the
+    save's peak counts it, the steps' does not."""
     model = ProcessModel(250 * MiB, "cpu", "lean", dynamo=70 * MiB)
     plain = model.predict(100 * MiB, PHASES, offload=False)
     saved = model.predict(100 * MiB, PHASES, offload=False, sharded_save=True)
-    both = model.predict(100 * MiB, PHASES, offload=False, recompute=True, sharded_save=True)
-    # a large step: it is the peak, without torch._dynamo unless it recomputes
+    # a large step: it is the peak, without torch._dynamo
     assert plain == saved and plain.at == "step" and plain.baseline == 250 * MiB
-    assert both.baseline == 320 * MiB and both.allocator_overhead == STEP_HELD + round(RETAINED["lean"] * 64 * MiB)
+    assert plain.allocator_overhead == STEP_FIXED + round(RETAINED["lean"] * 64 * MiB)
     # a small step: the save is the peak, and it counts torch._dynamo where it is sharded
     small = {"forward": {"params": MiB, "activations": MiB}}
     plain, saved = (model.predict(2 * MiB, small, offload=False, sharded_save=s) for s in (False, True))
@@ -88,13 +92,11 @@ def test_a_run_saving_only_after_its_last_step_steps_without_the_checkpoint_writ
     assert small.at == "save" and small.total == 300 * MiB + 12 * MiB + SAVE_HELD and "checkpoint save" in small.counts
 
 
-def test_the_steps_hold_more_only_where_the_first_step_imports_something():
-    """A model library that loads torch._dynamo at import (dynamo term 0: transformers) recomputes
-    with STEP_FIXED: nothing lands inside its steps."""
-    assert step_fixed(0) == STEP_FIXED and step_fixed(26 * MiB) == STEP_HELD
+def test_a_model_library_that_loads_dynamo_at_import_adds_nothing_at_a_sharded_save():
+    """transformers loads torch._dynamo at import: its dynamo term is 0, so a sharded save
+    counts nothing more."""
     hf = ProcessModel(400 * MiB, "cpu", "default", dynamo=0)
-    assert (hf.predict(10 * MiB, PHASES, offload=False, recompute=True, sharded_save=True)
-            == hf.predict(10 * MiB, PHASES, offload=False))
+    assert hf.predict(10 * MiB, PHASES, offload=False, sharded_save=True) == hf.predict(10 * MiB, PHASES, offload=False)
 
 
 def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_path, monkeypatch):
@@ -109,10 +111,9 @@ def test_plan_rows_of_sharded_state_on_several_ranks_count_the_dynamo_term(tmp_p
         plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=2)[0], cfg, world_size=world,
                         stages=(0, 1), policies=("none",), precisions=("fp32",))
         assert {r.stage: r.runtime_baseline // MiB for r in plan.rows} == base, world
-        assert all(STEP_FIXED <= r.allocator_overhead < STEP_HELD for r in plan.rows)  # no recompute: no STEP_HELD
-        assert all(r.process_at == "save" for r in plan.rows)  # a tiny model: its save is its peak
+        assert all(r.process_at == "save" and r.allocator_overhead == SAVE_HELD for r in plan.rows)  # a tiny model
     run, counted = predict(task_for(cfg), cfg, 2), dataclasses.replace(plan, budget_counts="process")
-    assert counted.figure(run, False, False, sharded_save=True) - counted.figure(run, False, False) == 71 * MiB
+    assert counted.figure(run, False, sharded_save=True) - counted.figure(run, False) == 71 * MiB
 
 
 def test_the_dynamo_and_writer_terms_are_baselines_with_and_without_the_import(tmp_path, monkeypatch):

@@ -9,15 +9,15 @@ for the model's library) and the allocator's overhead models glibc malloc under 
 process peaks either inside a step or at a checkpoint save, and the prediction is the larger
 (``ProcessPeak.at``):
 
-    step:  baseline - writer + tensor peak + step_fixed + RETAINED[mode] x transient
+    step:  baseline - writer + tensor peak + STEP_FIXED + RETAINED[mode] x transient
     save:  baseline (+ dynamo where the save is sharded) + state + SAVE_HELD
 
 ``writer`` is what the checkpoint writer's import adds to the baseline (the steps of a run
 that saves only after its last step run without it; ``ProcessModel.writer``); ``state`` the
 tensor bytes live across steps (``state_bytes``), which a save reads on a heap trimmed just
-before it (``host.trim_between``). A run whose first step imports ``torch._dynamo`` (a
-recomputing built-in GPT) peaks in a step that counts it, with ``STEP_HELD`` as its fixed
-part (``step_fixed``). ``transient`` is the tensor bytes a step allocates and frees again
+before it (``host.trim_between``). No step imports ``torch._dynamo``: a recomputing run does
+it on mct's own checkpoint frame (``mct.checkpointing.frame``), so recomputing or not changes
+nothing here beyond the tensor peak. ``transient`` is the tensor bytes a step allocates and frees again
 (activations and 'other' temporaries at the phase where they are largest: what the
 allocator recycles every step). The parameters, gradients and optimizer state live across
 steps and cost the allocator nothing beyond page rounding.
@@ -49,18 +49,11 @@ MiB = 2**20
 STEP_FIXED = 24 * MiB
 """CPU: what a training process holds beside its tensors beyond the runtime baseline,
 whatever the allocator mode (measured: benchmarks/process_peak.py, docs/memory.md)."""
-STEP_HELD = 50 * MiB
-"""CPU: what the steps hold beyond their tensors over the baseline, in a run whose first step
-imports ``torch._dynamo`` (the built-in GPT recomputing: ``torch.utils.checkpoint`` reads its
-config): the code pages of the kernels the steps run (RssFile +16-21 MiB from before the first
-step to the peak) and the autograd graph's and glibc's anonymous memory (+26-30 MiB). Such a run
-peaks inside a step (measured: benchmarks/process_peak.py, docs/memory.md); one that does not
-recompute peaks at the end-of-run save, which ``STEP_FIXED`` over the baseline describes."""
-SAVE_HELD = 40 * MiB
+SAVE_HELD = 32 * MiB
 """CPU: what a process holds at a checkpoint save beyond the baseline (the writer's import
 counted there) and the state the save reads: the writer's code paths run, its staging of
 each piece, and the heap the steps leave after the trim before the save (measured:
-benchmarks/process_peak.py, docs/memory.md)."""
+benchmarks/process_peak.py, docs/memory.md; 40 MiB while the process held its corpus)."""
 RETAINED = {"default": 0.5, "lean": 0.25, "frugal": 0.25, "cache": 1.0}
 """CPU: the share of a step's transient tensor bytes glibc keeps resident when the next step
 peaks, per resolved ``memory.host_malloc`` mode ('frugal' and 'cache': from glibc's rules,
@@ -107,8 +100,8 @@ class ProcessModel:
     host_malloc: str = "default"
     dynamo: int = 0
     """CPU: what importing ``torch._dynamo`` adds to ``baseline`` (measured beside it), which a
-    process loads only for recompute (``torch.utils.checkpoint`` reads its config) or to save
-    sharded state (``DTensor.from_local`` is wrapped in ``torch._disable_dynamo``)."""
+    process loads only to save sharded state (``DTensor.__init__`` is wrapped in
+    ``torch._disable_dynamo``)."""
     writer: int = 0
     """CPU: what the checkpoint writer's import (``torch.distributed.checkpoint``, sympy) adds to
     ``baseline``, which counts it (measured beside it), where the steps run without it: a process
@@ -117,13 +110,13 @@ class ProcessModel:
     import loads what it needs."""
 
     def predict(self, tensor_peak: int, phases: Mapping[str, Mapping[str, int]], *, offload: bool,
-                recompute: bool = False, sharded_save: bool = False) -> ProcessPeak:
+                sharded_save: bool = False) -> ProcessPeak:
         """The process peak of a configuration with steady-state ``tensor_peak`` and per-phase
         bytes by category (``phases``: phase -> {category: bytes}, the dry run's), its state
-        offloaded or not (``offload``: 'auto' resolves to 'lean' then), recomputing blocks or
-        not (``recompute``), saving sharded state or not (``sharded_save``: ZeRO stage 1 and up
-        on several ranks). The larger of its two peaks (``ProcessPeak.at``): inside a step, and
-        at the checkpoint save (``save_peak``). Pure arithmetic; never fails."""
+        offloaded or not (``offload``: 'auto' resolves to 'lean' then), saving sharded state or
+        not (``sharded_save``: ZeRO stage 1 and up on several ranks). The larger of its two
+        peaks (``ProcessPeak.at``): inside a step, and at the checkpoint save (``save_peak``).
+        Pure arithmetic; never fails."""
         transient = transient_bytes(phases)
         if self.device == "cuda":
             overhead = CUDA_SEGMENT + round(CUDA_RETAINED * transient)
@@ -132,13 +125,8 @@ class ProcessModel:
         mode = resolve(self.host_malloc, offload=offload, device=self.device)
         retained = round(RETAINED.get(mode, RETAINED["default"]) * transient)
         counts = f"resident (VmHWM), host_malloc {mode}"
-        in_step = self.dynamo if recompute else 0
-        if in_step:
-            # torch._dynamo (and the sympy the writer shares with it) imported in the first step
-            return ProcessPeak(self.baseline + in_step, tensor_peak, step_fixed(in_step) + retained, counts)
-        step = ProcessPeak(self.baseline - self.writer, tensor_peak, step_fixed(0) + retained, counts)
-        save = save_peak(self.baseline + (self.dynamo if loads_dynamo(recompute, sharded_save) else 0),
-                         state_bytes(phases), counts)
+        step = ProcessPeak(self.baseline - self.writer, tensor_peak, STEP_FIXED + retained, counts)
+        save = save_peak(self.baseline + (self.dynamo if sharded_save else 0), state_bytes(phases), counts)
         return save if save.total > step.total else step
 
 
@@ -148,23 +136,6 @@ def save_peak(baseline: int, state: int, counts: str) -> ProcessPeak:
     bytes live across steps), and ``SAVE_HELD`` (the writer's code paths run, its staging,
     the heap left after the trim before the save). Pure."""
     return ProcessPeak(baseline, state, SAVE_HELD, counts + ", at the checkpoint save", at="save")
-
-
-def loads_dynamo(recompute: bool, sharded_save: bool) -> bool:
-    """Whether a training process imports ``torch._dynamo``: in its first step when it recomputes
-    (``torch.utils.checkpoint`` reads ``torch._dynamo.config``), or at its end-of-run save when it
-    saves sharded state (ZeRO stage 1 and up on several ranks: ``mct.persistence.shards`` wraps
-    each rank's pieces in ``DTensor.from_local``, which ``torch._disable_dynamo`` wraps). Pure."""
-    return recompute or sharded_save
-
-
-def step_fixed(imported_in_step: int) -> int:
-    """CPU: the allocator overhead's fixed part, given the bytes the first step imports
-    (``imported_in_step``: ``torch._dynamo``'s term for a recomputing row, else 0): ``STEP_FIXED``
-    for a run that imports nothing in its steps (its step peak is then weighed against its save
-    peak); ``STEP_HELD`` for one whose first step imports ``torch._dynamo`` and holds it through
-    every step, with the steps' code pages and heap on top. Pure; never fails."""
-    return STEP_HELD if imported_in_step > 0 else STEP_FIXED
 
 
 def state_bytes(phases: Mapping[str, Mapping[str, int]]) -> int:

@@ -145,7 +145,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none", recompute=c.policy != "none",
+    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none",
                             sharded_save=saves_sharded(c.stage, world))
             if process else None)
     return PlanRow(
@@ -196,14 +196,13 @@ class Plan:
                 "rows": [r.to_dict() for r in self.rows], "time_notes": self.time_notes,
                 "process_note": self.process_note, "device": self.device}
 
-    def figure(self, run: DryRun, offload: bool, recompute: bool = True, sharded_save: bool = False) -> int:
+    def figure(self, run: DryRun, offload: bool, sharded_save: bool = False) -> int:
         """The figure this plan's budget compares for a dry run (its process or tensor peak;
-        ``recompute`` and ``sharded_save`` as ``ProcessModel.predict``'s)."""
+        ``sharded_save`` as ``ProcessModel.predict``'s)."""
         if self.budget_counts != "process":
             return run.peak
         assert self.process is not None
-        return self.process.predict(run.peak, run.phases, offload=offload, recompute=recompute,
-                                    sharded_save=sharded_save).total
+        return self.process.predict(run.peak, run.phases, offload=offload, sharded_save=sharded_save).total
 
 
 def saves_sharded(stage: Any, world: int) -> bool:
@@ -400,7 +399,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
         if B is None or b >= B:
             continue
         smaller = map_task(work, dataclasses.replace, batch=smaller_batch(batch, b))
-        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none", low.choice.policy != "none",
+        if plan.figure(predict(smaller, base, plan.world), low.offload.kind != "none",
                        saves_sharded(low.stage, plan.world)) <= budget:
             hints.append(f"data.micro_batch_size={b} (x{B // b} data.grad_accum keeps the batch)")
             break
@@ -411,7 +410,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     while lo <= hi:
         mid = (lo + hi) // 2
         if plan.figure(predict(work, stage3, worlds[mid]), low.offload.kind != "none",
-                       low.choice.policy != "none", sharded_save=saves_sharded(3, worlds[mid])) <= budget:
+                       sharded_save=saves_sharded(3, worlds[mid])) <= budget:
             found, hi = worlds[mid], mid - 1
         else:
             lo = mid + 1

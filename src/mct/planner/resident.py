@@ -15,7 +15,7 @@ from mct.task.spec import Task
 
 
 DYNAMO = "torch._dynamo"
-"""The module a recomputing run loads beyond a run that does not (``_added``)."""
+"""The module a run that saves sharded state loads at its save (``_added``)."""
 
 
 def library_modules(task: Task) -> tuple[str, ...]:
@@ -60,8 +60,8 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
 def _added(baseline: int, modules: tuple[str, ...], writer: bool, measure: bool, less: bool = False) -> int:
     """What one import adds to ``baseline`` (the baseline of the model's modules with the
     checkpoint writer): measured as the baseline of ``modules`` and ``writer``, less ``baseline``
-    (``torch._dynamo``: a run that recomputes loads it, ``torch.utils.checkpoint`` reads its
-    config), or ``baseline`` less it (``less``: the checkpoint writer, left out). 0 where that is
+    (``torch._dynamo``: a run that saves sharded state loads it, ``DTensor`` is wrapped for it),
+    or ``baseline`` less it (``less``: the checkpoint writer, left out). 0 where that is
     not cached and may not be measured, or cannot be."""
     value = cached_baseline(modules, writer=writer)
     if value is None and measure:
