@@ -59,6 +59,10 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
      1, "gpt"),
     # the default job itself (`mct train`): 300 steps, validated every 50, saved after the last
     ("gpt default job", ["train.steps=300", "train.eval_every=50"], 1, "gpt"),
+    # the default job recomputing: 300 steps show the heap's creep that 4 steps do not (docs/memory.md)
+    ("gpt default job all", ["train.steps=300", "train.eval_every=50", "checkpointing.policy=all"], 1, "gpt"),
+    ("gpt default job selective", ["train.steps=300", "train.eval_every=50", "checkpointing.policy=selective"],
+     1, "gpt"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 
