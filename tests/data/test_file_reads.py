@@ -185,3 +185,13 @@ def test_a_spool_whose_disk_fills_up_goes_on_in_memory_with_every_byte(tmp_path,
     assert spool.read(0, 25).tobytes() == b"first document second one"
     spans = spool.spans(np.array([15, 0]), np.array([10, 15]))
     assert spans.tobytes() == b"second onefirst document "
+
+
+def test_a_platform_without_preadv_reads_the_same_tokens(tmp_path, monkeypatch):
+    ds = _dataset(tmp_path, docs=6, chars=2000)
+    corpus = load_corpus(str(ds), seed=0, val_fraction=0.3, seq_len=32)
+    windows = np.arange(0, corpus.train.size - 100, 97)[:, None] + np.arange(40)
+    want = corpus.train[windows]
+    monkeypatch.delattr(os, "preadv")
+    assert np.array_equal(corpus.train[windows], want)
+    assert np.array_equal(load_corpus(str(ds), seed=0, val_fraction=0.3, seq_len=32).train[windows], want)

@@ -215,7 +215,11 @@ def pread_into(file: Any, view: memoryview, pos: int) -> None:
     first: it was cut short or replaced during the run."""
     done = 0
     while done < len(view):
-        got = os.preadv(file.fileno(), [view[done:]], pos + done)
+        if hasattr(os, "preadv"):
+            got = os.preadv(file.fileno(), [view[done:]], pos + done)
+        else:  # no preadv on this platform: seek and read (a file here has one reader at a time)
+            file.seek(pos + done)
+            got = file.readinto(view[done:]) or 0
         if got <= 0:
             name = file.name if isinstance(file.name, str) else "the corpus's token file"
             raise ValueError(f"{name} ended at byte {pos + done} while reading tokens: it was truncated or "
@@ -290,9 +294,9 @@ class DocumentSpans:
         self.shape = (self.size,)
         self.dtype = tokens.dtype
         whole = isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.filename
-        if file is None and whole and hasattr(os, "preadv"):
+        if file is None and whole:
             file = open(tokens.filename, "rb", buffering=0)
-        self._file = file if hasattr(os, "preadv") else None
+        self._file = file
 
     def __len__(self) -> int:
         return self.size
