@@ -195,3 +195,12 @@ def test_a_platform_without_preadv_reads_the_same_tokens(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "preadv")
     assert np.array_equal(corpus.train[windows], want)
     assert np.array_equal(load_corpus(str(ds), seed=0, val_fraction=0.3, seq_len=32).train[windows], want)
+
+
+def test_a_split_reads_whole_into_numpy_as_the_array_it_was(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a.txt").write_text("hello world, " * 4000)
+    c = load_corpus(str(tmp_path / "a.txt"), seed=0, val_fraction=0.5, seq_len=8)
+    whole = np.asarray(c.train)
+    assert whole.dtype == np.uint8 and whole.tobytes() == c.train.tobytes() and int(whole.max()) == ord("w")
+    assert np.asarray(c.train, dtype=np.int64).dtype == np.int64

@@ -333,6 +333,11 @@ class DocumentSpans:
         """All tokens as bytes (reads the whole split: for tests and small data)."""
         return self[:].tobytes()
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """``np.asarray(spans)``: every token, read into a new array (the whole split)."""
+        out = self[:]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
 
 def doc_hash(seed: int, n: int) -> np.ndarray:
     """Stable uniform numbers in [0, 1) for documents 0..n-1 of a seed: splitmix64 of
