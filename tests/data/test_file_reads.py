@@ -204,3 +204,28 @@ def test_a_split_reads_whole_into_numpy_as_the_array_it_was(tmp_path, monkeypatc
     whole = np.asarray(c.train)
     assert whole.dtype == np.uint8 and whole.tobytes() == c.train.tobytes() and int(whole.max()) == ord("w")
     assert np.asarray(c.train, dtype=np.int64).dtype == np.int64
+
+
+def test_a_write_that_fails_halfway_keeps_each_byte_once(tmp_path, monkeypatch):
+    """A disk that fills in the middle of a document: what reached the file of that document
+    is not counted twice when the spool moves to memory."""
+    monkeypatch.setenv("MCT_CACHE_DIR", str(tmp_path / "cache"))
+    spool = TokenSpool()
+    spool.add(b"abc")
+
+    class Half:
+        def __init__(self, f):
+            self.f, self.name, self.calls = f, f.name, 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 1:
+                return self.f.write(bytes(data[:2]))
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    spool._file = Half(spool._file)
+    spool.add(b"defg")
+    assert not spool.on_disk and spool.size == 7 and spool.read(0, 7).tobytes() == b"abcdefg"

@@ -48,17 +48,7 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
-_DISABLE_DYNAMO_CODE = torch._disable_dynamo(lambda: None).__code__  # every wrapper it makes shares it
-
-
-def _undecorated(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` without the ``torch._disable_dynamo`` wrapper ``TorchDispatchMode`` puts on a
-    subclass's ``__torch_dispatch__`` (the ``__wrapped__`` ``functools.wraps`` records); itself
-    when unwrapped. As ``mct.optim.eager.undecorated``, which this room cannot import (cycle)."""
-    while getattr(method, "__code__", None) is _DISABLE_DYNAMO_CODE:
-        method = method.__wrapped__  # type: ignore[attr-defined]
-    return method
-
+from mct.memory.undynamo import undecorated
 
 def needs_torch_frame() -> bool:
     """True where torch's own checkpoint pieces must run: ``torch._dynamo`` is loaded (the
@@ -241,7 +231,7 @@ class _EagerCachingMode(_CachingTorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    __torch_dispatch__ = _undecorated(_CachingTorchDispatchMode.__torch_dispatch__)
+    __torch_dispatch__ = undecorated(_CachingTorchDispatchMode.__torch_dispatch__)
 
 
 class _EagerCachedMode(_CachedTorchDispatchMode):
@@ -251,7 +241,7 @@ class _EagerCachedMode(_CachedTorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    __torch_dispatch__ = _undecorated(_CachedTorchDispatchMode.__torch_dispatch__)
+    __torch_dispatch__ = undecorated(_CachedTorchDispatchMode.__torch_dispatch__)
 
 
 def selective_contexts(policy_fn: Callable[..., Any]) -> tuple[ContextManager, ContextManager]:

@@ -39,7 +39,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -209,17 +209,10 @@ def _chunk_bounds(name: str, n: int, doc_bytes: int) -> tuple[list[str], list[in
     return [f"{name}#{i:0{width}d}" for i in range(n_docs)], [i * n // n_docs for i in range(n_docs + 1)]
 
 
-def _chunk(name: str, tokens: np.ndarray, doc_bytes: int) -> list[tuple[str, np.ndarray]]:
-    """``tokens`` cut as ``_chunk_bounds`` says: (name, view) per document."""
-    names, bounds = _chunk_bounds(name, tokens.size, doc_bytes)
-    return [(n, tokens[bounds[i]:bounds[i + 1]]) for i, n in enumerate(names)]
-
-
 def _bin_corpus(path: Path, seed: int, val_fraction: float, doc_bytes: int) -> Corpus:
-    """A .bin's Corpus: its documents (``_chunk``) split like any others', each split a
-    ``DocumentSpans`` view of the file, never a copy; the largest id and the fingerprint (the
-    same as a concatenated copy's) read a document at a time (``pread_into``), so the
-    process holds none of the file after loading it."""
+    """A .bin's Corpus: cut into documents like a text file (``_chunk_bounds``) and split
+    (``_split_documents``), each split a ``DocumentSpans`` view of the file, never a copy,
+    so the process holds none of the file after loading it."""
     size = path.stat().st_size
     if size == 0 or size % 2:
         raise ValueError(f"data.path = {str(path)!r} is {size} bytes; a .bin must hold uint16 "
@@ -229,25 +222,17 @@ def _bin_corpus(path: Path, seed: int, val_fraction: float, doc_bytes: int) -> C
         file = open(path, "rb", buffering=0)
     except OSError as e:
         raise ValueError(f"data.path: {describe(e, path)}") from None
-    docs = _chunk(path.name, tokens, doc_bytes)
-    is_val = np.array(_assign([n for n, _ in docs], seed, val_fraction))
-    lengths = np.array([t.size for _, t in docs], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    top, buf = [0], np.empty(int(lengths.max()), dtype="<u2")
-
-    def read() -> Iterator[tuple[str, np.ndarray]]:
-        for (name, _), start, n in zip(docs, starts.tolist(), lengths.tolist()):
-            pread_into(file, memoryview(buf.view(np.uint8))[:2 * n], 2 * start)
-            top[0] = max(top[0], int(buf[:n].max()))
-            yield name, buf[:n]
-
     with file:
-        fingerprint = _fingerprint(read(), list(is_val), np.dtype(np.uint16))
-    return Corpus(train=DocumentSpans(tokens, starts[~is_val], lengths[~is_val]),
-                  val=DocumentSpans(tokens, starts[is_val], lengths[is_val]),
-                  train_files=[n for (n, _), v in zip(docs, is_val) if not v],
-                  val_files=[n for (n, _), v in zip(docs, is_val) if v],
-                  fingerprint=fingerprint, source=str(path), min_vocab_size=top[0] + 1)
+        names, bounds = _chunk_bounds(path.name, tokens.size, doc_bytes)
+        buf = np.empty(max(np.diff(bounds)), dtype="<u2")
+
+        def read(start: int, n: int) -> np.ndarray:
+            pread_into(file, memoryview(buf.view(np.uint8))[:2 * n], 2 * start)
+            return buf[:n]
+
+        return _split_documents(names, np.array(bounds, dtype=np.int64), read,
+                                lambda starts, lengths: DocumentSpans(tokens, starts, lengths),
+                                np.dtype(np.uint16), str(path), seed, val_fraction)
 
 
 def _text_file_documents(path: Path) -> Iterator[tuple[str, bytes]]:
@@ -271,29 +256,46 @@ def _text_corpus(docs: Iterable[tuple[str, bytes]], source: str, none_found: str
                  val_fraction: float, doc_bytes: int) -> Corpus:
     """A byte corpus from ``docs`` (name, UTF-8 bytes), read one at a time into a
     ``TokenSpool`` (an unnamed file, read back with ``pread``): the process holds one document
-    while loading and none after. A lone document is cut like a text file (``_chunk_bounds``).
-    The fingerprint reads the documents back in order. Raises ValueError(``none_found``) for
+    while loading and none after. A lone document is cut like a text file (``_chunk_bounds``),
+    then split (``_split_documents``, which reads the documents back in order). Raises ValueError(``none_found``) for
     no documents, and what ``_chunk_bounds`` raises."""
     spool = TokenSpool()
-    names, sizes, top = [], [], 0
+    names, sizes = [], []
     for name, data in docs:
         names.append(name)
         sizes.append(len(data))
-        top = max(top, int(np.frombuffer(data, np.uint8).max()))
         spool.add(data)
-        del data
     if not names:
         raise ValueError(none_found)
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     if len(names) == 1:  # a lone file still needs a document on each side of the split
         names, cut = _chunk_bounds(names[0], sizes[0], doc_bytes)
         bounds = np.array(cut, dtype=np.int64)
+    buf = np.empty(int(np.diff(bounds).max()), np.uint8)
+    return _split_documents(names, bounds, lambda start, n: spool.read(start, n, buf), spool.spans,
+                            np.dtype(np.uint8), source, seed, val_fraction)
+
+
+def _split_documents(names: list[str], bounds: np.ndarray, read: Callable[[int, int], np.ndarray],
+                     spans: Callable[[np.ndarray, np.ndarray], DocumentSpans], dtype: np.dtype, source: str,
+                     seed: int, val_fraction: float) -> Corpus:
+    """The Corpus of documents ``names`` at ``bounds`` (token offsets, documents + 1) of one
+    token stream: split by name (``_assign``), each split ``spans(starts, lengths)``; the
+    fingerprint and the largest id from one pass over the documents, ``read(start, n)``
+    giving each (a view valid until the next call); ``dtype`` the tokens' (fingerprinted)."""
     starts, lengths = bounds[:-1], np.diff(bounds)
     is_val = np.array(_assign(names, seed, val_fraction))
-    buf = np.empty(int(lengths.max()), np.uint8)
-    read = ((n, spool.read(a, k, buf)) for n, a, k in zip(names, starts.tolist(), lengths.tolist()))
-    fingerprint = _fingerprint(read, is_val.tolist(), np.dtype(np.uint8))
-    return Corpus(train=spool.spans(starts[~is_val], lengths[~is_val]), val=spool.spans(starts[is_val], lengths[is_val]),
+    top = 0
+
+    def each() -> Iterator[tuple[str, np.ndarray]]:
+        nonlocal top
+        for name, start, n in zip(names, starts.tolist(), lengths.tolist()):
+            toks = read(start, n)
+            top = max(top, int(toks.max()))
+            yield name, toks
+
+    fingerprint = _fingerprint(each(), is_val.tolist(), dtype)
+    return Corpus(train=spans(starts[~is_val], lengths[~is_val]), val=spans(starts[is_val], lengths[is_val]),
                   train_files=[n for n, v in zip(names, is_val) if not v],
                   val_files=[n for n, v in zip(names, is_val) if v],
                   fingerprint=fingerprint, source=source, min_vocab_size=top + 1)

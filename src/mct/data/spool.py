@@ -63,11 +63,10 @@ class TokenSpool:
         self.size += len(data)
 
     def _to_memory(self) -> None:
-        written = self._file.tell()
-        held = np.empty(written, np.uint8)
-        pread_into(self._file, memoryview(held), 0)
-        self._memory = bytearray(held.tobytes())
-        self.size = written
+        """The bytes added so far (``size``: a failed write's part is not among them) read
+        from the file into memory; the file closed."""
+        self._memory = bytearray(self.size)
+        pread_into(self._file, memoryview(self._memory), 0)
         self._file.close()
         self._file = None
 
