@@ -3,8 +3,9 @@ peak + allocator overhead, ``mct.memory.process_peak``) against each worker's me
 
 For each configuration (the built-in GPT at three odd sizes, a tiny transformers Llama and
 GPT-2; ZeRO stages 0-3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
-default/lean/frugal; offload none/disk)
-it runs ``mct train`` for a few steps as a user would, reads every worker's VmHWM from the
+default/lean/frugal; offload none/disk; 4 steps, and 300 for the rows that say so, whose
+processes hold two rollback snapshots)
+it runs ``mct train`` as a user would, reads every worker's VmHWM from the
 run's metadata.json (``resident``), and the plan row of the same configuration (dry run, no
 step is timed). Printed: the CPU's model and flags, then per configuration the tensor peak
 (predicted, measured by the tracker), the predicted process peak and its terms, the measured
@@ -63,6 +64,16 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
     ("gpt default job all", ["train.steps=300", "train.eval_every=50", "checkpointing.policy=all"], 1, "gpt"),
     ("gpt default job selective", ["train.steps=300", "train.eval_every=50", "checkpointing.policy=selective"],
      1, "gpt"),
+    # long runs: two rollback snapshots held (train.snapshot_every 10) and the heap a forward's churn leaves;
+    # gpt-b s0 and llama's 300 steps were among the runs the constants were fitted to, the others were not
+    ("gpt-b s0 none fp32 default x300", [*GPT_B, "zero.stage=0", "checkpointing.policy=none", "train.steps=300"],
+     1, "gpt"),
+    ("gpt-b s2 none fp32 default x2 x300", [*GPT_B, "zero.stage=2", "checkpointing.policy=none", "train.steps=300"],
+     2, "gpt"),
+    ("gpt default job all bf16", ["train.steps=300", "train.eval_every=50", "checkpointing.policy=all",
+                                  "precision.mode=bf16"], 1, "gpt"),
+    ("llama s0 all fp32 default x300", [*LLAMA, "zero.stage=0", "checkpointing.policy=all", "train.steps=300"],
+     1, "llama"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 
@@ -97,7 +108,8 @@ def predicted(sets: list[str], ranks: int, model: str, steps: int) -> dict[str, 
     grid = Grid(stages=(cfg.zero.stage,), policies=(cfg.checkpointing.policy,), precisions=(cfg.precision.mode,))
     r = make_plan(task, cfg, ranks, None, grid, advise=False, measure=False).rows[0]
     return {"tensor_peak": r.peak, "process_peak": r.process_peak, "baseline": r.runtime_baseline,
-            "overhead": r.allocator_overhead, "counts": r.process_counts, "at": r.process_at,
+            "overhead": r.allocator_overhead, "snapshots": r.rollback_snapshots, "counts": r.process_counts,
+            "at": r.process_at,
             "transient": transient_bytes(predict(task, cfg, ranks).phases)}
 
 
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"case": name, "tensor_mib": p["tensor_peak"] / MiB,
                          "tracked_mib": m["tracked_peak"] / MiB if m["tracked_peak"] else None,
                          "baseline_mib": p["baseline"] / MiB, "overhead_mib": p["overhead"] / MiB,
+                         "snapshots_mib": p["snapshots"] / MiB,
                          "transient_mib": p["transient"] / MiB, "predicted_mib": p["process_peak"] / MiB,
                          "measured_mib": " / ".join(f"{w / MiB:.0f}" for w in m["workers"]),
                          "err_mib": err / MiB, "err_pct": 100 * err / worst, "in_target": "yes" if ok else "no",
@@ -150,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{worst / MiB:.1f} MiB", flush=True)
     print(format_table(rows, [("case", "configuration"), ("tensor_mib", "tensor MiB"), ("baseline_mib", "base"),
                               ("transient_mib", "transient"), ("overhead_mib", "alloc"),
+                              ("snapshots_mib", "snapshots"),
                               ("predicted_mib", "predicted"), ("measured_mib", "VmHWM by rank"),
                               ("err_mib", "err MiB"), ("err_pct", "err %"), ("in_target", "<=5%|24MiB")]))
-    print("predicted: runtime baseline + tensor peak + allocator overhead (plan row's process_peak); measured: "
+    print("predicted: runtime baseline + tensor peak + allocator overhead + rollback snapshots (plan row's "
+          "process_peak); measured: "
           "each worker's VmHWM (metadata.json resident); err = max worker - predicted")
     print(f"wrote {write_json(args.json, {'steps': args.steps, 'rows': rows})}")
 

@@ -225,6 +225,7 @@ class Engine:
 
     def _train_step(self, micro: list, loss_fn: LossFn) -> StepResult:
         self.tracker.reset_peaks()
+        self.tracker.reset_churn()
         self.comm.reset_stats()
         self.recompute.reset_step()
         times = {"forward": 0.0, "backward": 0.0, "step": 0.0}

@@ -15,7 +15,7 @@ import pytest
 import mct
 from mct.config import CLI_RECIPE, load_config
 from mct.memory.baseline import measure_baseline
-from mct.memory.process_peak import CUDA_CONTEXT, RETAINED, SAVE_HELD, STEP_FIXED, ProcessModel, state_bytes
+from mct.memory.process_peak import CACHE_SAVE, CUDA_CONTEXT, RETAINED, SAVE_HELD, STEP_FIXED, ProcessModel, state_bytes
 from mct.models.gpt import GPT
 from tests.conftest import SEEDED_BASELINE
 from mct.planner import make_plan
@@ -37,8 +37,17 @@ def test_cpu_overhead_counts_the_step_transients_retained_under_each_malloc_mode
     peak = sum(BREAKDOWN.values())
     for mode in ("default", "lean", "frugal", "cache"):
         p = ProcessModel(300 * MiB, "cpu", mode).predict(peak, PHASES, offload=False)
-        assert p.allocator_overhead == STEP_FIXED + round(RETAINED[mode] * 64 * MiB)  # backward's activations + other
+        r = RETAINED[mode]
+        # 'cache' never trims: its save comes on top of the step's peak
+        added = CACHE_SAVE if mode == "cache" else 0
+        assert p.at == ("save" if mode == "cache" else "step")
+        assert p.allocator_overhead == STEP_FIXED + round(r.live * 64 * MiB) + added  # backward's activations + other
         assert p.total == 300 * MiB + peak + p.allocator_overhead and f"host_malloc {mode}" in p.counts
+        # a forward that made 100 MiB of them, 36 more than live at the peak: a share of those stays too
+        churned = ProcessModel(300 * MiB, "cpu", mode).predict(peak, PHASES, offload=False, churn={"forward": 100 * MiB})
+        assert churned.allocator_overhead == STEP_FIXED + round(r.live * 64 * MiB + r.freed * 36 * MiB) + added
+        assert 0 <= r.live <= r.freed <= 1
+    assert RETAINED["frugal"] < RETAINED["lean"] < RETAINED["default"]  # the trims and mappings keep less
     auto = ProcessModel(300 * MiB, "cpu", "auto")  # 'auto' is lean where offload is on, on the CPU
     assert "host_malloc lean" in auto.predict(peak, PHASES, offload=True).counts
     assert "host_malloc default" in auto.predict(peak, PHASES, offload=False).counts
@@ -70,7 +79,7 @@ def test_a_sharded_save_counts_torch_dynamo_at_the_save_not_in_the_steps():
     saved = model.predict(100 * MiB, PHASES, offload=False, sharded_save=True)
     # a large step: it is the peak, without torch._dynamo
     assert plain == saved and plain.at == "step" and plain.baseline == 250 * MiB
-    assert plain.allocator_overhead == STEP_FIXED + round(RETAINED["lean"] * 64 * MiB)
+    assert plain.allocator_overhead == STEP_FIXED + round(RETAINED["lean"].live * 64 * MiB)
     # a small step: the save is the peak, and it counts torch._dynamo where it is sharded
     small = {"forward": {"params": MiB, "activations": MiB}}
     plain, saved = (model.predict(2 * MiB, small, offload=False, sharded_save=s) for s in (False, True))
@@ -85,7 +94,7 @@ def test_a_run_saving_only_after_its_last_step_steps_without_the_checkpoint_writ
     model = ProcessModel(300 * MiB, "cpu", "default", writer=45 * MiB)
     step = model.predict(100 * MiB, PHASES, offload=False)
     assert step.at == "step" and step.baseline == 255 * MiB
-    assert step.total == 255 * MiB + 100 * MiB + STEP_FIXED + round(RETAINED["default"] * 64 * MiB)
+    assert step.total == 255 * MiB + 100 * MiB + STEP_FIXED + round(RETAINED["default"].live * 64 * MiB)
     assert state_bytes(PHASES) == 12 * MiB  # params + grads + optimizer at backward's peak
     small = ProcessModel(300 * MiB, "cpu", "default", writer=45 * MiB).predict(12 * MiB, PHASES | {
         "backward": {**BREAKDOWN, "activations": 0, "other": 0}, "forward": {}}, offload=False)
@@ -145,10 +154,12 @@ def test_every_plan_row_carries_the_process_peak_as_baseline_plus_peak_plus_over
                     stages=(0, 3), policies=("none", "all"), precisions=("fp32",))
     for row in plan.rows:
         assert row.runtime_baseline == SEEDED_BASELINE  # the test cache's: nothing measured
+        held = row.rollback_snapshots
+        assert held == 0 if row.stage == 3 else held > 0  # stage 3 keeps its snapshots on disk
         if row.process_at == "step":
-            assert row.process_peak == row.runtime_baseline + row.peak + row.allocator_overhead
+            assert row.process_peak == row.runtime_baseline + row.peak + row.allocator_overhead + held
         else:  # at the save: the state it reads, not the step's transients
-            assert row.process_peak <= row.runtime_baseline + row.peak + row.allocator_overhead
+            assert row.process_peak <= row.runtime_baseline + row.peak + row.allocator_overhead + held
         assert row.allocator_overhead >= STEP_FIXED and "VmHWM" in row.process_counts
     data = json.loads(json.dumps(plan.to_dict()))["rows"]
     assert all(OLD_KEYS <= set(r) and r["peak"] == sum(r["breakdown"].values()) for r in data)  # peak: tensor bytes

@@ -338,6 +338,8 @@ def test_depth_extrapolation_equals_the_full_dry_run_to_the_byte(name, stage, po
     assert (ext.peak, ext.phase, ext.first_step_peak, ext.init_peak, ext.n_params) == \
         (full.peak, full.phase, full.first_step_peak, full.init_peak, full.n_params), (name, stage, policy)
     assert ext.phases == full.phases and ext.first_step_phases == full.first_step_phases, (name, stage, policy)
+    # what the process model adds: a rollback snapshot's host bytes, a forward's churn
+    assert ext.snapshot == full.snapshot and ext.churn["forward"] == full.churn["forward"] > 0, (name, stage, policy)
 
 
 def test_dry_run_keeps_its_meta_init_keyword():

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from mct.config import Name
+from mct.memory.process_peak import TRANSIENT
 from mct.memory.watch import STRIDE as _WATCH_MARGIN, ResidentWatch
 
 class Phase(Name):
@@ -227,6 +228,8 @@ class MemoryTracker:
         self._op_kinds: dict = {}               # OpOverload -> tuple of _VIEW/_MUTATE/_ALLOC
         self._self_ref = weakref.ref(self)
         self._offloaded: dict[str, dict[str, int]] = {}
+        self._churn: dict[str, int] = {}        # phase -> most TRANSIENT bytes made in one entry
+        self._churn_now: dict[str, int] = {}    # entered phase -> TRANSIENT bytes made in this entry
         if self._cuda and enabled:
             torch.cuda.init()   # the allocator's statistics exist from CUDA's (lazy) start: a fresh
             self.reset_peaks()  # process may build its engine first; the device's peak predates this tracker
@@ -352,6 +355,9 @@ class MemoryTracker:
         if self._cuda:
             self._fold_cuda_peak()  # reset below would lose the enclosing phases' peak
             torch.cuda.reset_peak_memory_stats(self.device)
+        outermost = name not in self._phase_stack
+        if outermost:
+            self._churn_now[name] = 0
         self._phase_stack.append(name)
         self._check_resident(force=True)
         self._raise_peak(name, self._snapshot())
@@ -368,6 +374,8 @@ class MemoryTracker:
             if self._cuda:
                 self._fold_cuda_peak()
             self._phase_stack.pop()
+            if outermost:
+                self._churn[name] = max(self._churn.get(name, 0), self._churn_now.pop(name, 0))
             self._watermark = self._lowest_peak()
 
     @contextmanager
@@ -401,6 +409,19 @@ class MemoryTracker:
         if self._cuda and self.enabled and self._phase_stack:
             self._fold_cuda_peak()
         return {name: dict(snap) for name, snap in self._peaks.items()}
+
+    def churn(self) -> dict[str, int]:
+        """{phase: bytes}: the most bytes of new ``TRANSIENT`` storages made within one entry
+        of that phase since ``reset_churn()``, live at its peak or not: what the allocator
+        serves and takes back there (a recomputing forward makes the activations a forward
+        without recompute keeps, and frees them). CPU only (on CUDA no op is seen: {})."""
+        return dict(self._churn)
+
+    def reset_churn(self) -> None:
+        """Start a new step's ``churn()`` (an entry in progress counts from now). Kept apart
+        from ``reset_peaks()``, which the depth extrapolation calls between blocks."""
+        self._churn = {}
+        self._churn_now = dict.fromkeys(self._churn_now, 0)
 
     @property
     def current_phase(self) -> str | None:
@@ -485,6 +506,9 @@ class MemoryTracker:
         self._records[key] = _Record(n, category, weakref.ref(st, partial(_on_storage_freed, self._self_ref, key)))
         self._bytes[category] += n
         self._total += n
+        if category in TRANSIENT:
+            for name in self._churn_now:
+                self._churn_now[name] += n
         self._after_growth()
         if self.watch is not None:
             self._check_resident(n)

@@ -100,6 +100,9 @@ class Offloaded:
         self.offloaded.commit_staged(elementwise, scalars, on_device)
 
     # ---- rollback ----
+    def snapshot_bytes(self) -> int:
+        return 0  # the copy is made inside the offload store
+
     def snapshot(self, tag: str, engine: Restorable) -> EngineSnapshot:
         """A copy in the offload store under ``tag`` (never the whole state in memory)."""
         handle = {"offload_snapshot": self.offloaded.snapshot(tag), "steps_done": engine.steps_done,

@@ -96,6 +96,10 @@ class Residency(Protocol):
     # ---- rollback ----
     def snapshot(self, tag: str, engine: Restorable) -> EngineSnapshot: ...
 
+    def snapshot_bytes(self) -> int:
+        """Host-memory bytes a ``snapshot`` taken now would copy (0 where it is kept on disk
+        or in the offload store): what the process model counts per rollback snapshot held."""
+
     def snapshot_from(self, handle: dict[str, Any], engine: Restorable) -> EngineSnapshot:
         """The snapshot object of a ``snapshot(...).handle``."""
 
@@ -213,6 +217,12 @@ class Resident:
         self.sharded.publish()
 
     # ---- rollback ----
+    def snapshot_bytes(self) -> int:
+        if self.stage == 3:
+            return 0
+        tensors, _ = self.export()
+        return sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+
     def snapshot(self, tag: str, engine: Restorable) -> EngineSnapshot:
         """Stages 0-2: a CPU copy in memory. Stage 3: a copy in a private disk store,
         under ``tag`` (the state stage 3 spread over ranks is never held twice)."""

@@ -215,7 +215,7 @@ def format_solution(sol: Solution) -> str:
              f"{format_bytes(sol.budget)} ({counts_text(sol.budget_counts)}); {sol.precision}; "
              f"{len(sol.rows)} configurations dry-run",
              "frontier (need = the largest of the steady, first-step and init peaks"
-             + (" + the runtime baseline and allocator overhead: the process peak" if process else "")
+             + (" + the runtime baseline, allocator overhead and rollback snapshots: the process peak" if process else "")
              + "; no other configuration dry-run needs less and is faster):",
              "  ".join(f"{h:>{w}}" for h, w in zip(head, widths))]
     lines += ["  ".join(f"{v:>{w}}" for v, w in zip(t, widths)) for t in table]

@@ -153,11 +153,12 @@ def _copy(spec: dict[str, int] | list[str]) -> dict[str, int] | list[str]:
 def need_of(row: Mapping[str, Any]) -> int:
     """The bytes a row (a ``PlanRow``, or its ``to_dict``) needs of a budget: the largest of
     its steady-state, first-step and init tensor peaks; where the row's budget counts the
-    process (``budget_counts``), that plus its runtime baseline and allocator overhead."""
+    process (``budget_counts``), that plus its runtime baseline, allocator overhead and
+    rollback snapshots."""
     tensors = max(row["peak"], row["first_step_peak"], row["init_peak"])
     if row.get("budget_counts") != "process":
         return tensors
-    return tensors + row["runtime_baseline"] + row["allocator_overhead"]
+    return tensors + row["runtime_baseline"] + row["allocator_overhead"] + (row.get("rollback_snapshots") or 0)
 
 
 def figure_of(row: Mapping[str, Any]) -> int:
@@ -232,6 +233,9 @@ class PlanRow(Mapping):
     process_at: str | None = None
     """Where the process peaks: 'step', or 'save' (the checkpoint save: then ``process_peak`` is
     ``runtime_baseline`` + the state it reads + ``allocator_overhead``; ``mct.memory.process_peak``)."""
+    rollback_snapshots: int | None = None
+    """Host bytes of the rollback snapshots (``train.snapshot_every``) held at the process peak,
+    counted in ``process_peak`` (``mct.memory.process_peak.snapshots_held``)."""
     budget_counts: str = "tensors"
     """What ``fits`` and ``need`` compare with the budget (``memory.budget_counts``): 'process'
     (``process_peak``; the need adds the process terms to the largest tensor peak) or 'tensors'

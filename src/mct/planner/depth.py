@@ -407,7 +407,10 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     if init is None:
         return None
     offloaded = {t: ext(v, lambda r: r.offloaded, t) for t, v in a.offloaded.items()}
-    counts = [*init.values(), *offloaded.values(), *(v for p in (steady, first) for d in p.values() for v in d.values())]
+    churn = {p: ext(v, lambda r: r.churn, p) for p, v in a.churn.items()}
+    snapshot = tuple(ext(v, lambda r: dict(enumerate(r.snapshot)), i) for i, v in enumerate(a.snapshot))
+    counts = [*init.values(), *offloaded.values(), *churn.values(), *snapshot,
+              *(v for p in (steady, first) for d in p.values() for v in d.values())]
     if min(counts, default=0) < 0:
         return None
     work = None
@@ -416,7 +419,8 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     worst = max(steady, key=lambda k: steady[k]["total"])
     return DryRun(peak=steady[worst]["total"], phase=worst, phases=steady,
                   first_step_peak=max(v["total"] for v in first.values()), first_step_phases=first,
-                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, work=work,
+                  init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, churn=churn,
+                  snapshot=(snapshot[0], snapshot[1]), work=work,
                   init_end=(None if a.init_end is None else {c: ext(v, lambda r: r.init_end, c)
                                                             for c, v in a.init_end.items()}))
 

@@ -67,6 +67,16 @@ class DryRun:
     last allocations (stage-3 shared-memory casts, ``mct.zero.shm``) may make it the
     construction's peak (``init``); it grows with the model's depth where the peak of an
     earlier moment may not, so ``mct.planner.depth`` extrapolates the two apart."""
+    churn: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
+    """The steady step's new ``TRANSIENT`` bytes per phase, the most within one entry
+    (``MemoryTracker.churn``): what the allocator serves and takes back there, live at a
+    peak or not. The same forward churn with or without recompute (the ops are the same).
+    Not compared: it is traffic, not live bytes (a collective's buckets allocated as one
+    tensor or one by one make the same peaks, not the same traffic)."""
+    snapshot: tuple[int, int] = (0, 0)
+    """Host-memory bytes one rollback snapshot copies (``Residency.snapshot_bytes``; 0 on disk
+    or in the offload store): taken before the first step (torch's optimizers have no state
+    yet) and after the steady step."""
     work: StepWork | None = dataclasses.field(default=None, compare=False)
     """The steady-state step's ops, collectives and offload traffic (``mct.planner.work``):
     what the time model (``mct.planner.steptime``) turns into seconds. Not compared: two
@@ -233,6 +243,7 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
             del groups
         init, kept = tracker.peaks()["init"], tracker.live()
         data = fake_batch(batch, mode)
+        snapshot_before = engine.residency.snapshot_bytes()
         if observer is not None:
             observer.attach(model, tracker)
         first = engine.train_step(data, loss_fn).metrics["peaks"]
@@ -254,6 +265,8 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
+        churn = {k: v for k, v in engine.tracker.churn().items() if k in ("forward", "backward", "optimizer")}
+        snapshot = (snapshot_before, engine.residency.snapshot_bytes())
         counted = _counted(counter, collectives, modes)
         work = dataclasses.replace(counted, offload=_traffic(engine.tracker, steady_metrics))
         if missing:
@@ -265,7 +278,7 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
     return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},
-                  n_params=n_params, offloaded=offloaded, work=work,
+                  n_params=n_params, offloaded=offloaded, churn=churn, snapshot=snapshot, work=work,
                   init_end={c: kept.get(c, 0) for c in (*CATEGORIES, "total")})
 
 

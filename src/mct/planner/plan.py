@@ -145,8 +145,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
     at = run.phases[run.phase]
     timed = step_time(run.work, rates) if rates is not None and run.work is not None else None
     breakdown = {k: at.get(k, 0) for k in CATEGORIES}
-    proc = (process.predict(run.peak, run.phases, offload=c.offload.kind != "none",
-                            sharded_save=saves_sharded(c.stage, world))
+    proc = (process.predict_run(run, offload=c.offload.kind != "none", sharded_save=saves_sharded(c.stage, world))
             if process else None)
     return PlanRow(
         stage=c.stage, policy=c.policy, per_block=c.per_block if c.policy == "per_block" else None,
@@ -161,7 +160,7 @@ def row(run: DryRun, choice: Choice, world: int, budget: int | None, *, recomput
         tokens_per_s=tokens / timed.total if timed and timed.total > 0 else None,
         process_peak=proc.total if proc else None, runtime_baseline=proc.baseline if proc else None,
         allocator_overhead=proc.allocator_overhead if proc else None, process_counts=proc.counts if proc else None,
-        process_at=proc.at if proc else None,
+        process_at=proc.at if proc else None, rollback_snapshots=proc.snapshots if proc else None,
         budget_counts=counts)
 
 
@@ -202,7 +201,7 @@ class Plan:
         if self.budget_counts != "process":
             return run.peak
         assert self.process is not None
-        return self.process.predict(run.peak, run.phases, offload=offload, sharded_save=sharded_save).total
+        return self.process.predict_run(run, offload=offload, sharded_save=sharded_save).total
 
 
 def saves_sharded(stage: Any, world: int) -> bool:
@@ -387,7 +386,8 @@ def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig) -> str:
 
 
 def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow) -> str:
-    """Fewer bytes per rank: a smaller micro-batch, or more ranks at stage 3."""
+    """Fewer bytes per rank: no rollback snapshots in memory, a smaller micro-batch, or more
+    ranks at stage 3."""
     hints = []
     batch = task_of(work).batch
     B = batch_size(batch)
@@ -395,6 +395,12 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     assert budget is not None
     base = apply(cfg, low.choice)
     work = map_task(work, with_loss_chunk, low.loss_chunk_tokens)
+    if plan.budget_counts == "process" and plan.process is not None and low.rollback_snapshots:
+        bare = dataclasses.replace(plan.process, snapshot_every=0)
+        if bare.predict_run(predict(work, base, plan.world), offload=low.offload.kind != "none",
+                            sharded_save=saves_sharded(low.stage, plan.world)).total <= budget:
+            hints.append(f"train.snapshot_every=0 (its rollback snapshots hold {format_bytes(low.rollback_snapshots)}; "
+                         f"a rollback then restores the newest checkpoint on disk)")
     for b in sorted({max(1, (B or 1) // d) for d in (2, 4, 8, 16, 32, 64)}, reverse=True):
         if B is None or b >= B:
             continue

@@ -54,7 +54,7 @@ def process_model(task: Task, cfg: EngineConfig, device: str, *, measure: bool =
     # a save before the last step leaves the checkpoint writer imported for the steps after it
     writer = _added(baseline, modules, False, measure, less=True) if every <= 0 or every >= cfg.train.steps else 0
     return ProcessModel(baseline, device, cfg.memory.host_malloc, _added(baseline, (*modules, DYNAMO), True, measure),
-                        writer), ""
+                        writer, steps=cfg.train.steps, snapshot_every=cfg.train.snapshot_every), ""
 
 
 def _added(baseline: int, modules: tuple[str, ...], writer: bool, measure: bool, less: bool = False) -> int:

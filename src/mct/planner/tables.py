@@ -15,7 +15,8 @@ def format_plan(plan: Plan) -> str:
     predicted seconds per step and tokens per second),
     the recommended row marked '*', then the advice line."""
     cols = ["stage", "policy", "prec", "offload", "act", "loss_chunk", "mlp_tile", "peak", *CATEGORIES, "at", "first",
-            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s", "process", "baseline", "allocator"]
+            "init", "host", "disk", "fits", "cost", "s/step", "tokens/s", "process", "baseline", "allocator",
+            "snapshots"]
     table = []
     for r in plan.rows:
         mark = "*" if r is plan.recommended else ""
@@ -28,7 +29,8 @@ def format_plan(plan: Plan) -> str:
                       format_bytes(r.offloaded["cpu"]), format_bytes(r.offloaded["disk"]),
                       "yes" if r.fits else "no", f"{r.cost:.2f}", seconds_text(r.step_s),
                       f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
-                      *(_bytes_or_dash(v) for v in (r.process_peak, r.runtime_baseline, r.allocator_overhead))])
+                      *(_bytes_or_dash(v) for v in (r.process_peak, r.runtime_baseline, r.allocator_overhead,
+                                                     r.rollback_snapshots))])
     widths = [max([10, len(c)] + [len(row[i]) for row in table]) for i, c in enumerate(cols)]
     lines = [f"model: {plan.n_params:,} parameters; {plan.world} rank(s) on {plan.device}; budget per rank: "
              f"{_budget_text(plan)}",
@@ -64,9 +66,9 @@ def _legend(plan: Plan) -> list[str]:
     if counts:
         lines += [f"process: each rank's predicted peak, {c}" for c in counts]
         lines.append("  = CUDA context + peak + caching allocator's reserve (docs/memory.md)" if plan.device == "cuda"
-                     else "  = runtime baseline + peak + allocator overhead (docs/memory.md)"
-                     + ("; at the checkpoint save: + the state it saves instead of peak"
-                        if any(r.process_at == "save" for r in plan.rows) else ""))
+                     else "  = runtime baseline + peak + allocator overhead + rollback snapshots (docs/memory.md)")
+        if plan.device != "cuda" and any(r.process_at == "save" for r in plan.rows):
+            lines.append("  at the checkpoint save: the state it saves instead of peak")
     elif plan.process_note:
         lines.append(f"process: {plan.process_note}")
     return lines
