@@ -3,7 +3,7 @@ peak + allocator overhead, ``mct.memory.process_peak``) against each worker's me
 
 For each configuration (the built-in GPT at three odd sizes, a tiny transformers Llama and
 GPT-2; ZeRO stages 0-3; 1 and 2 ranks; checkpointing none/all; fp32/bf16; host_malloc
-default/lean/frugal; offload none/disk; 4 steps, and 300 for the rows that say so, whose
+default/lean/frugal/cache; offload none/disk; 4 steps, and 300 for the rows that say so, whose
 processes hold two rollback snapshots)
 it runs ``mct train`` as a user would, reads every worker's VmHWM from the
 run's metadata.json (``resident``), and the plan row of the same configuration (dry run, no
@@ -74,6 +74,9 @@ CASES: list[tuple[str, list[str], int, str]] = [  # name, --set values, ranks, m
                                   "precision.mode=bf16"], 1, "gpt"),
     ("llama s0 all fp32 default x300", [*LLAMA, "zero.stage=0", "checkpointing.policy=all", "train.steps=300"],
      1, "llama"),
+    # the fourth host_malloc mode, on a model and stage it was not fitted to
+    ("gpt-c s1 none fp32 cache x2 x300", [*GPT_C, "zero.stage=1", "checkpointing.policy=none",
+                                          "memory.host_malloc=cache", "train.steps=300"], 2, "gpt"),
 ]
 COMMON = ["train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1"]
 

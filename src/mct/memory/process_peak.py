@@ -28,7 +28,8 @@ half of what a forward freed before it as free chunks ('default'). A forward mak
 allocations whether its activations are kept or recomputed (recomputation frees them sooner,
 and the backward makes them again): a recomputing row's tensor peak is lower, its heap is not;
 autocast's casts count too. 'lean' and 'frugal' map blocks of 32 MiB / 64 KiB and up and trim
-after each step, so less stays; 'cache' never gives freed heap memory back.
+after each step, so less stays; 'cache' never gives freed heap memory back, so its save comes
+on top of the step's figure (``CACHE_SAVE``) where that is the larger.
 ``STEP_FIXED`` is what a training process adds beside its tensors whatever the mode (the FLOP
 count's imports, the model's and the autograd graph's Python objects, the worker threads'
 stacks and arenas).
@@ -65,6 +66,8 @@ counted there) and the state the save reads: the writer's code paths run, its st
 each piece, and the heap the steps leave after the trim before the save (measured:
 benchmarks/process_peak.py, docs/memory.md; 32 MiB while it held the rollback snapshot
 uncounted, 40 while the process held its corpus)."""
+
+
 class Retained(NamedTuple):
     """The shares of a step's transient bytes glibc keeps resident beyond them when a later
     step peaks: ``live``, of the transients live at the peak (``transient_bytes``: the holes
