@@ -238,3 +238,21 @@ def test_a_tiny_runs_measured_vmhwm_is_near_its_predicted_process_peak(tmp_path,
     real = ProcessModel(measure_baseline(), "cpu", cfg.memory.host_malloc)
     predicted = real.predict(row.peak, predict(task_for(cfg), cfg, 1).phases, offload=False).total
     assert 0.7 * measured <= predicted <= 1.3 * measured, (predicted / MiB, measured / MiB)
+
+
+def test_a_save_in_bf16_holds_the_low_precision_kernels_cache_beside_the_state():
+    """A process whose fp32 masters live apart from its parameters (bf16/fp16) holds more at a
+    save than an fp32 one (oneDNN's cached primitives for the low-precision kernels, the heap
+    its casts leave): MIXED_SAVE, at the save only."""
+    from mct.memory.process_peak import MIXED_SAVE
+    model = ProcessModel(300 * MiB, "cpu", "default")
+    fp32 = {"backward": {"params": 4 * MiB, "optimizer": 8 * MiB, "activations": MiB}}
+    bf16 = {"backward": {"params": 2 * MiB, "master": 4 * MiB, "optimizer": 8 * MiB, "activations": MiB}}
+    a, b = model.predict(13 * MiB, fp32, offload=False), model.predict(15 * MiB, bf16, offload=False)
+    assert a.at == b.at == "save" and a.allocator_overhead == SAVE_HELD
+    assert b.allocator_overhead == SAVE_HELD + MIXED_SAVE and b.total - a.total == 2 * MiB + MIXED_SAVE
+    cfg = tiny_config(data={"micro_batch_size": 2})
+    plan = mct.plan(lambda: GPT(cfg.model), gpt_loss, batches(0, 0, 1, B=2)[0], cfg, world_size=1,
+                    stages=(0,), policies=("none",), precisions=("fp32", "bf16"))
+    held = {r.precision: r.allocator_overhead for r in plan.rows if r.process_at == "save"}
+    assert held == {"fp32": SAVE_HELD, "bf16": SAVE_HELD + MIXED_SAVE}, held

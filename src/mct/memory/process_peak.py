@@ -11,7 +11,8 @@ process peaks either inside a step or at a checkpoint save, and the prediction i
 
     step:  baseline - writer + tensor peak + STEP_FIXED + retained + the snapshots in a step
            retained = RETAINED[mode].live x transient + RETAINED[mode].freed x (churn - transient)
-    save:  baseline (+ dynamo where the save is sharded) + state + SAVE_HELD + the snapshot at a save
+    save:  baseline (+ dynamo where the save is sharded) + state + SAVE_HELD (+ MIXED_SAVE in bf16/fp16)
+           + the snapshot at a save
 
 ``writer`` is what the checkpoint writer's import adds to the baseline (the steps of a run
 that saves only after its last step run without it; ``ProcessModel.writer``); ``state`` the
@@ -87,6 +88,12 @@ RETAINED = {"default": Retained(0.25, 0.5), "lean": Retained(0.15, 0.4), "frugal
 """CPU: ``Retained`` per resolved ``memory.host_malloc`` mode, least squares over 4-step and
 300-step runs (default: 31 runs of five models, policies none/all/sqrt/selective, fp32 and bf16;
 the others: 6-8 runs of two GPTs; docs/memory.md, "The rollback snapshots and a forward's churn")."""
+MIXED_SAVE = 11 * MiB
+"""CPU: what a process that computes in bf16/fp16 (its fp32 masters apart from its parameters:
+the dry run's 'master' bytes) holds more at a save than an fp32 one: oneDNN's cached primitives
+for the low-precision kernels (6.6 MiB of it, measured with ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``)
+and the heap its casts leave (GPT a on 1 and 2 ranks, stages 0 and 3: 33-36 MiB above state and
+snapshot at the save, against 18-27 for fp32; docs/memory.md)."""
 CACHE_SAVE = 31 * MiB
 """CPU, 'cache': what a save adds on top of the step's peak (that mode never trims, so the save
 comes on the heap the steps left: +31 MiB in each of six runs of two GPTs; docs/memory.md)."""
@@ -114,7 +121,8 @@ class ProcessPeak:
     counts: str
     at: str = "step"
     """Where the process peaks: 'step' (``tensor_peak`` is the step's) or 'save' (the checkpoint
-    save: ``tensor_peak`` is the state it reads, ``allocator_overhead`` ``SAVE_HELD``)."""
+    save: ``tensor_peak`` is the state it reads, ``allocator_overhead`` ``SAVE_HELD``, + ``MIXED_SAVE``
+    in bf16/fp16)."""
     snapshots: int = 0
     """Host bytes of the rollback snapshots held there (``snapshots_held``)."""
 
@@ -176,20 +184,22 @@ class ProcessModel:
         in_step, at_save = snapshots_held(self.snapshot_every, self.steps, *snapshot)
         step = ProcessPeak(self.baseline - self.writer, tensor_peak, STEP_FIXED + retained, counts,
                            snapshots=in_step)
-        save = save_peak(self.baseline + (self.dynamo if sharded_save else 0), state_bytes(phases), counts, at_save)
+        save = save_peak(self.baseline + (self.dynamo if sharded_save else 0), state_bytes(phases), counts, at_save,
+                         mixed=any(int(ph.get("master", 0)) > 0 for ph in phases.values()))
         if mode == "cache":  # no trim before the save: it comes on top of what the steps left
             save = max(save, ProcessPeak(step.baseline, step.tensor_peak, step.allocator_overhead + CACHE_SAVE,
                                          save.counts, at="save", snapshots=in_step), key=lambda p: p.total)
         return save if save.total > step.total else step
 
 
-def save_peak(baseline: int, state: int, counts: str, snapshots: int = 0) -> ProcessPeak:
+def save_peak(baseline: int, state: int, counts: str, snapshots: int = 0, *, mixed: bool = False) -> ProcessPeak:
     """CPU: the peak at a checkpoint save: ``baseline`` (with the checkpoint writer's import,
     and ``torch._dynamo``'s where the save is sharded), the ``state`` the save reads (tensor
     bytes live across steps), ``SAVE_HELD`` (the writer's code paths run, its staging, the
-    heap left after the trim before the save) and the rollback ``snapshots`` held. Pure."""
-    return ProcessPeak(baseline, state, SAVE_HELD, counts + ", at the checkpoint save", at="save",
-                       snapshots=snapshots)
+    heap left after the trim before the save; + ``MIXED_SAVE`` for a process computing in
+    bf16/fp16, ``mixed``) and the rollback ``snapshots`` held. Pure."""
+    return ProcessPeak(baseline, state, SAVE_HELD + (MIXED_SAVE if mixed else 0), counts + ", at the checkpoint save",
+                       at="save", snapshots=snapshots)
 
 
 def snapshots_held(every: int, steps: int, first: int, steady: int) -> tuple[int, int]:
