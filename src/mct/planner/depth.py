@@ -44,7 +44,8 @@ from mct.checkpointing import block_choices, find_blocks
 from mct.checkpointing.blocks import first_tensor, primary
 from mct.config import EngineConfig, with_values
 from mct.memory.tracker import CATEGORIES
-from mct.planner.dry_run import DryRun, DryRunHooks, dry_run_task, fake_batch, materialize_fake, meta_model
+from mct.planner.dry_run import (STEP_PHASES, DryRun, DryRunHooks, dry_run_task, fake_batch, materialize_fake,
+                                 meta_model)
 from mct.planner.mixed import CUT, MixedShape, mixed_shape
 from mct.task.spec import Task
 
@@ -264,7 +265,7 @@ def copy_config(cfg: EngineConfig, stack: Stack, shape: Shape | MixedShape, long
                              "zero.units": [stack.block_class]})
 
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = STEP_PHASES
 Label = tuple  # (phase, block index or 'head', occurrence)
 
 
@@ -408,8 +409,8 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
         return None
     offloaded = {t: ext(v, lambda r: r.offloaded, t) for t, v in a.offloaded.items()}
     churn = {p: ext(v, lambda r: r.churn, p) for p, v in a.churn.items()}
-    snapshot = tuple(ext(v, lambda r: dict(enumerate(r.snapshot)), i) for i, v in enumerate(a.snapshot))
-    counts = [*init.values(), *offloaded.values(), *churn.values(), *snapshot,
+    before, steady_snapshot = (ext(a.snapshot[i], lambda r: dict(enumerate(r.snapshot)), i) for i in (0, 1))
+    counts = [*init.values(), *offloaded.values(), *churn.values(), before, steady_snapshot,
               *(v for p in (steady, first) for d in p.values() for v in d.values())]
     if min(counts, default=0) < 0:
         return None
@@ -420,7 +421,7 @@ def extend_copies(a: DryRun, wa: Windows, copies: list[Copy], n_params: int) -> 
     return DryRun(peak=steady[worst]["total"], phase=worst, phases=steady,
                   first_step_peak=max(v["total"] for v in first.values()), first_step_phases=first,
                   init_peak=init["total"], init=init, n_params=n_params, offloaded=offloaded, churn=churn,
-                  snapshot=(snapshot[0], snapshot[1]), work=work,
+                  snapshot=(before, steady_snapshot), work=work,
                   init_end=(None if a.init_end is None else {c: ext(v, lambda r: r.init_end, c)
                                                             for c, v in a.init_end.items()}))
 

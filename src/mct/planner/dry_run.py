@@ -39,6 +39,10 @@ from mct.task.meta import build_on_meta
 from mct.task.spec import LossFn, ModelFn, OptimizerFactory, ParamGroupsFn, Task
 
 
+STEP_PHASES = ("forward", "backward", "optimizer")
+"""The phases of a training step a dry run reports (``DryRun.phases``, ``DryRun.churn``)."""
+
+
 @dataclass
 class DryRun:
     """Per-rank bytes of one configuration, as the engine's tracker counts them.
@@ -265,16 +269,16 @@ def dry_run(model_fn: ModelFn, loss_fn: LossFn, batch: Any, config: EngineConfig
         if observer is not None:
             observer.end_step(steady)
         offloaded = engine.tracker.offloaded()
-        churn = {k: v for k, v in engine.tracker.churn().items() if k in ("forward", "backward", "optimizer")}
+        churn = {k: v for k, v in engine.tracker.churn().items() if k in STEP_PHASES}
         snapshot = (snapshot_before, engine.residency.snapshot_bytes())
         counted = _counted(counter, collectives, modes)
         work = dataclasses.replace(counted, offload=_traffic(engine.tracker, steady_metrics))
         if missing:
             work = work.plus(_middle_micro_batch([*marks, counted], steady_metrics), missing)
         engine.close()
-    phases = {k: v for k, v in steady.items() if k in ("forward", "backward", "optimizer")}
+    phases = {k: v for k, v in steady.items() if k in STEP_PHASES}
     worst = max(phases, key=lambda k: phases[k]["total"])
-    first_phases = {k: v for k, v in first.items() if k in ("forward", "backward", "optimizer")}
+    first_phases = {k: v for k, v in first.items() if k in STEP_PHASES}
     return DryRun(peak=phases[worst]["total"], phase=worst, phases=phases,
                   first_step_peak=max(v["total"] for v in first_phases.values()), first_step_phases=first_phases,
                   init_peak=init["total"], init={c: init.get(c, 0) for c in (*CATEGORIES, "total")},

@@ -317,7 +317,7 @@ def make_plan(work: PlanInput, cfg: EngineConfig, world: int, budget: int | None
     best = fitting[0] if fitting and budget is not None else None
     plan = Plan(rows, budget, world, n_params, mode, best, "", notes, why, counts, process, device)
     if advise:
-        plan.advice = _advice(plan, work, cfg)
+        plan.advice = _advice(plan, work, cfg, runs)
     return plan
 
 
@@ -362,7 +362,9 @@ def _policy_settings(r: PlanRow) -> str:
     return f"checkpointing.policy={r.policy}"
 
 
-def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig) -> str:
+def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig, runs: list[DryRun] | None = None) -> str:
+    """The plan's one line: its recommendation, or why nothing fits and what would.
+    ``runs``: the rows' dry runs, in ``plan.rows``' order, where known (saves one)."""
     if plan.budget is None:
         return "no budget given: pass --budget (e.g. 24GiB) to get a recommendation"
     if plan.recommended is not None:
@@ -382,12 +384,13 @@ def _advice(plan: Plan, work: PlanInput, cfg: EngineConfig) -> str:
     msg = (f"nothing fits {format_bytes(plan.budget)} per rank in {plan.precision}: the smallest, "
            f"zero.stage={low.stage} {_policy_settings(low)}{_offload_settings(low)}{_chunk_setting(low)}, needs "
            f"{format_bytes(figure_of(low))}{counted} (misses by {format_bytes(figure_of(low) - plan.budget)})")
-    return msg + _what_would_fit(plan, work, cfg, low)
+    run = next((d for r, d in zip(plan.rows, runs) if r is low), None) if runs is not None else None
+    return msg + _what_would_fit(plan, work, cfg, low, run)
 
 
-def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow) -> str:
+def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow, run: DryRun | None) -> str:
     """Fewer bytes per rank: no rollback snapshots in memory, a smaller micro-batch, or more
-    ranks at stage 3."""
+    ranks at stage 3. ``run``: ``low``'s dry run where known (else made again)."""
     hints = []
     batch = task_of(work).batch
     B = batch_size(batch)
@@ -397,7 +400,7 @@ def _what_would_fit(plan: Plan, work: PlanInput, cfg: EngineConfig, low: PlanRow
     work = map_task(work, with_loss_chunk, low.loss_chunk_tokens)
     if plan.budget_counts == "process" and plan.process is not None and low.rollback_snapshots:
         bare = dataclasses.replace(plan.process, snapshot_every=0)
-        if bare.predict_run(predict(work, base, plan.world), offload=low.offload.kind != "none",
+        if bare.predict_run(run or predict(work, base, plan.world), offload=low.offload.kind != "none",
                             sharded_save=saves_sharded(low.stage, plan.world)).total <= budget:
             hints.append(f"train.snapshot_every=0 (its rollback snapshots hold {format_bytes(low.rollback_snapshots)}; "
                          f"a rollback then restores the newest checkpoint on disk)")
